@@ -1,0 +1,1 @@
+"""talos: the Talos peer node (DESIGN.md layer 2)."""

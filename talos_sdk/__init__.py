@@ -1,0 +1,55 @@
+"""talos_sdk: the Talos protocol as a pure, synchronous library (DESIGN.md layer 1).
+
+Identity (:class:`Wallet`, did:key), RFC 8785 canonical JSON, prekey bundles,
+X3DH (classical and ML-KEM-768 hybrid), the Double Ratchet :class:`Session`,
+frame sealing (:class:`RatchetFrameCrypto`), RFC 6962 Merkle trees and the
+:class:`TalosError` tree. No sockets, no event loop, no storage.
+
+Names are resolved lazily so ``import talos_sdk`` stays cheap for tools that
+only need one piece.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from talos_sdk.errors import *  # noqa: F403
+from talos_sdk.errors import __all__ as _error_names
+
+_LAZY: dict[str, str] = {
+    "Wallet": "talos_sdk.wallet",
+    "verify": "talos_sdk.wallet",
+    "did_from_public_key": "talos_sdk.did",
+    "public_key_from_did": "talos_sdk.did",
+    "canonical_json_bytes": "talos_sdk.canonical",
+    "PrekeyBundle": "talos_sdk.bundle",
+    "PrekeySecrets": "talos_sdk.bundle",
+    "Session": "talos_sdk.ratchet",
+    "RatchetFrameCrypto": "talos_sdk.frames",
+    "Frame": "talos_sdk.frames",
+    "Commitment": "talos_sdk.frames",
+    "merkle_root": "talos_sdk.merkle",
+    "inclusion_proof": "talos_sdk.merkle",
+    "verify_inclusion": "talos_sdk.merkle",
+}
+
+__all__ = [*_error_names, *_LAZY]
+
+if TYPE_CHECKING:
+    from talos_sdk.bundle import PrekeyBundle, PrekeySecrets
+    from talos_sdk.canonical import canonical_json_bytes
+    from talos_sdk.did import did_from_public_key, public_key_from_did
+    from talos_sdk.frames import Commitment, Frame, RatchetFrameCrypto
+    from talos_sdk.merkle import inclusion_proof, merkle_root, verify_inclusion
+    from talos_sdk.ratchet import Session
+    from talos_sdk.wallet import Wallet, verify
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'talos_sdk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

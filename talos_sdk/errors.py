@@ -1,0 +1,114 @@
+"""The one exception tree of Talos (DESIGN.md "Conventions").
+
+Every error Talos raises on purpose derives from :class:`TalosError`. Errors
+that mean *the caller misused the API* are kept apart from errors that mean
+*the remote party broke the protocol*, and every failed decryption is the same
+opaque :class:`DecryptionError` so that nothing leaks which check failed::
+
+    TalosError
+    ├── UsageError                 caller passed something invalid (also ValueError)
+    │   ├── EncodingError          not representable as RFC 8785 JSON / bad bytes form
+    │   └── DIDError               not a well-formed did:key we support
+    ├── KeyFileError               a key file cannot be read or written
+    │   └── WrongPassphraseError   passphrase does not open the key file
+    ├── ProtocolError              the peer sent something the protocol forbids
+    │   ├── MalformedFrameError    bytes do not parse as the frame they claim to be
+    │   ├── OversizeError          a frame / message above the negotiated bound
+    │   ├── BundleError            prekey bundle: bad signature, unknown suite, reused OPK
+    │   └── HandshakeError         link challenge-response failed or peer refused
+    ├── DecryptionError            opaque: tampered, replayed, wrong key, wrong AD
+    ├── SignatureError             a signature that must verify did not
+    ├── StorageError               the node's store failed (node layer)
+    │   └── StorageFullError       LMDB map full: nothing was written
+    └── ChainError                 the block log has a defect (node layer)
+
+Upper layers (``talos``, ``mcp_proxy``) subclass these; they do not start new roots.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BundleError",
+    "ChainError",
+    "DIDError",
+    "DecryptionError",
+    "EncodingError",
+    "HandshakeError",
+    "KeyFileError",
+    "MalformedFrameError",
+    "OversizeError",
+    "ProtocolError",
+    "SignatureError",
+    "StorageError",
+    "StorageFullError",
+    "TalosError",
+    "UsageError",
+    "WrongPassphraseError",
+]
+
+
+class TalosError(Exception):
+    """Root of every error Talos raises on purpose."""
+
+
+class UsageError(TalosError, ValueError):
+    """The caller passed an argument the API does not accept."""
+
+
+class EncodingError(UsageError):
+    """A value cannot be encoded (RFC 8785 JSON, compact bytes forms)."""
+
+
+class DIDError(UsageError):
+    """A DID string is malformed or uses a method / key type we do not support."""
+
+
+class KeyFileError(TalosError):
+    """A key file is missing, unreadable, or not in a format we know."""
+
+
+class WrongPassphraseError(KeyFileError):
+    """The passphrase given does not decrypt the key file."""
+
+
+class ProtocolError(TalosError):
+    """The remote party sent something the protocol does not allow."""
+
+
+class MalformedFrameError(ProtocolError):
+    """Bytes that do not parse as the structure they claim to be."""
+
+
+class OversizeError(ProtocolError):
+    """A frame or message larger than the bound in force."""
+
+
+class BundleError(ProtocolError):
+    """A prekey bundle that fails verification or cannot be used."""
+
+
+class HandshakeError(ProtocolError):
+    """The link handshake failed: bad proof, pinned DID mismatch, or refusal."""
+
+
+class DecryptionError(TalosError):
+    """A message could not be decrypted. Deliberately says nothing about why."""
+
+    def __init__(self, message: str = "decryption failed") -> None:
+        super().__init__(message)
+
+
+class SignatureError(TalosError):
+    """A signature that is required to verify did not."""
+
+
+class StorageError(TalosError):
+    """The node's persistent store failed."""
+
+
+class StorageFullError(StorageError):
+    """The LMDB map is full; the write was rolled back and nothing was lost."""
+
+
+class ChainError(TalosError):
+    """The block log has a defect (broken link, bad root, bad signature)."""
