@@ -1,0 +1,1 @@
+"""Peer links: frame layout (wire), the mutual handshake, and the asyncio link."""

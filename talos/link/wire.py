@@ -1,0 +1,223 @@
+"""Link frame layout (docs/PROTOCOL.md "Link protocol"; DESIGN.md "Peer links").
+
+Pure and sans-I/O. One WebSocket binary message carries exactly one link frame:
+a type byte followed by that type's fields. Hot-path frames (``MSG``, ``ACK``,
+``APP``) use fixed ``struct`` headers and a raw tail so that encoding costs one
+``pack`` and one concatenation; control frames use u32 length-prefixed fields.
+Nothing here is JSON.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+from talos_sdk.errors import MalformedFrameError, OversizeError
+
+__all__ = [
+    "DEFAULT_MAX_FRAME",
+    "NONCE_LEN",
+    "Ack",
+    "App",
+    "Hello",
+    "LinkFrame",
+    "Msg",
+    "Proof",
+    "Refuse",
+    "SessionInit",
+    "SessionOffer",
+    "decode",
+    "encode",
+]
+
+DEFAULT_MAX_FRAME: Final = 1 << 20  # 1 MiB + headers; bounded by websockets max_size too
+NONCE_LEN: Final = 32
+MAX_DID_LEN: Final = 256
+
+T_HELLO: Final = 0x01
+T_PROOF: Final = 0x02
+T_REFUSE: Final = 0x03
+T_SESSION_OFFER: Final = 0x10
+T_SESSION_INIT: Final = 0x11
+T_MSG: Final = 0x20
+T_ACK: Final = 0x21
+T_APP: Final = 0x30
+
+_Q = struct.Struct(">Q")
+_BQ = struct.Struct(">BQ")
+_H = struct.Struct(">H")
+_I = struct.Struct(">I")
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First frame of each side: who I claim to be, a fresh nonce, my suites."""
+
+    did: str
+    nonce: bytes
+    suites: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Proof:
+    """Signature over the handshake transcript (see handshake.py)."""
+
+    signature: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """A refusal sent before closing; ``code`` is also the WebSocket close code."""
+
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOffer:
+    """Sent by both sides once authenticated: my prekey bundle and my session id."""
+
+    bundle: bytes
+    session_id: bytes  # b"" when I hold no session with you
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInit:
+    """The X3DH initiator's initial message (replaces any older session)."""
+
+    session_id: bytes
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Msg:
+    """A durable message: per-peer sequence number and the sealed frame."""
+
+    seq: int
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Cumulative acknowledgement: every message up to ``seq`` is committed."""
+
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class App:
+    """An application-channel frame; ``body`` is ratchet ciphertext."""
+
+    body: bytes
+
+
+LinkFrame = Hello | Proof | Refuse | SessionOffer | SessionInit | Msg | Ack | App
+
+
+def _fields(type_byte: int, *fields: bytes) -> bytes:
+    parts = [bytes((type_byte,))]
+    for f in fields:
+        parts.append(_I.pack(len(f)))
+        parts.append(f)
+    return b"".join(parts)
+
+
+def _split(data: bytes, count: int) -> list[bytes]:
+    """Parse exactly ``count`` u32-length-prefixed fields after the type byte."""
+    out: list[bytes] = []
+    pos = 1
+    end = len(data)
+    for _ in range(count):
+        if pos + 4 > end:
+            raise MalformedFrameError("truncated field length")
+        (n,) = _I.unpack_from(data, pos)
+        pos += 4
+        if pos + n > end:
+            raise MalformedFrameError("field longer than frame")
+        out.append(data[pos : pos + n])
+        pos += n
+    if pos != end:
+        raise MalformedFrameError("trailing bytes after last field")
+    return out
+
+
+def _text(raw: bytes, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MalformedFrameError(f"{what} is not UTF-8") from None
+
+
+def encode(frame: LinkFrame) -> bytes:
+    """Encode one link frame to the bytes of one WebSocket binary message."""
+    if isinstance(frame, Msg):
+        return _BQ.pack(T_MSG, frame.seq) + frame.body
+    if isinstance(frame, App):
+        return b"\x30" + frame.body
+    if isinstance(frame, Ack):
+        return _BQ.pack(T_ACK, frame.seq)
+    if isinstance(frame, Hello):
+        return _fields(
+            T_HELLO,
+            frame.did.encode(),
+            frame.nonce,
+            ",".join(frame.suites).encode(),
+        )
+    if isinstance(frame, Proof):
+        return _fields(T_PROOF, frame.signature)
+    if isinstance(frame, Refuse):
+        return _fields(T_REFUSE, _H.pack(frame.code), frame.reason.encode())
+    if isinstance(frame, SessionOffer):
+        return _fields(T_SESSION_OFFER, frame.bundle, frame.session_id)
+    if isinstance(frame, SessionInit):
+        return _fields(T_SESSION_INIT, frame.session_id, frame.payload)
+    raise TypeError(f"not a link frame: {type(frame).__name__}")
+
+
+def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
+    """Parse one link frame; raise MalformedFrameError / OversizeError on bad input."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise MalformedFrameError("link frames are binary")
+    data = bytes(data)
+    if len(data) > max_size + 64:
+        raise OversizeError(f"frame of {len(data)} bytes exceeds bound {max_size}")
+    if not data:
+        raise MalformedFrameError("empty frame")
+    t = data[0]
+    if t == T_MSG:
+        if len(data) < _BQ.size:
+            raise MalformedFrameError("truncated MSG header")
+        return Msg(_Q.unpack_from(data, 1)[0], data[_BQ.size :])
+    if t == T_APP:
+        return App(data[1:])
+    if t == T_ACK:
+        if len(data) != _BQ.size:
+            raise MalformedFrameError("ACK must be exactly 9 bytes")
+        return Ack(_Q.unpack_from(data, 1)[0])
+    if t == T_HELLO:
+        did_raw, nonce, suites_raw = _split(data, 3)
+        if len(nonce) != NONCE_LEN:
+            raise MalformedFrameError("HELLO nonce must be 32 bytes")
+        if not 0 < len(did_raw) <= MAX_DID_LEN:
+            raise MalformedFrameError("HELLO DID length out of range")
+        suites_text = _text(suites_raw, "suites")
+        suites = tuple(s for s in suites_text.split(",") if s)
+        return Hello(_text(did_raw, "DID"), nonce, suites)
+    if t == T_PROOF:
+        (sig,) = _split(data, 1)
+        return Proof(sig)
+    if t == T_REFUSE:
+        code_raw, reason = _split(data, 2)
+        if len(code_raw) != 2:
+            raise MalformedFrameError("REFUSE code must be 2 bytes")
+        return Refuse(_H.unpack(code_raw)[0], _text(reason, "reason"))
+    if t == T_SESSION_OFFER:
+        bundle, sid = _split(data, 2)
+        return SessionOffer(bundle, sid)
+    if t == T_SESSION_INIT:
+        sid, payload = _split(data, 2)
+        if not sid:
+            raise MalformedFrameError("SESSION_INIT needs a session id")
+        return SessionInit(sid, payload)
+    raise MalformedFrameError(f"unknown link frame type 0x{t:02x}")

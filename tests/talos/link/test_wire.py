@@ -1,0 +1,81 @@
+"""Round-trip every link frame and reject every malformed one (talos/link/wire.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from talos.link import wire
+from talos_sdk.errors import MalformedFrameError, OversizeError
+
+FRAMES: list[wire.LinkFrame] = [
+    wire.Hello("did:key:z6Mkabc", b"\x01" * 32, ("x25519", "x25519-mlkem768")),
+    wire.Hello("did:key:z6Mkabc", b"\x00" * 32, ()),
+    wire.Proof(b"s" * 64),
+    wire.Refuse(4003, "unknown peer"),
+    wire.SessionOffer(b"bundle-bytes", b""),
+    wire.SessionOffer(b"bundle-bytes", b"i" * 16),
+    wire.SessionInit(b"i" * 16, b"x3dh-initial"),
+    wire.Msg(0, b""),
+    wire.Msg(2**64 - 1, b"sealed"),
+    wire.Ack(7),
+    wire.App(b"ciphertext"),
+]
+
+
+@pytest.mark.parametrize("frame", FRAMES, ids=lambda f: type(f).__name__)
+def test_round_trip(frame: wire.LinkFrame) -> None:
+    assert wire.decode(wire.encode(frame)) == frame
+
+
+def test_hot_path_frames_are_compact() -> None:
+    assert len(wire.encode(wire.Ack(1))) == 9
+    assert wire.encode(wire.Msg(1, b"abc")) == b"\x20" + (1).to_bytes(8, "big") + b"abc"
+    assert wire.encode(wire.App(b"abc")) == b"\x30abc"
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"", "empty"),
+        (b"\xff", "unknown link frame type"),
+        (b"\x20\x00\x00", "truncated MSG"),
+        (b"\x21" + b"\x00" * 7, "ACK must be"),
+        (b"\x21" + b"\x00" * 9, "ACK must be"),
+        (b"\x02\x00\x00", "truncated field length"),
+        (b"\x02\x00\x00\x00\x09abc", "field longer"),
+        (b"\x02\x00\x00\x00\x01abc", "trailing bytes"),
+        (wire.encode(wire.Hello("did:x", b"\x01" * 32, ()))[:-5], "truncated|longer"),
+        (
+            b"\x01" + b"\x00\x00\x00\x05did:x" + b"\x00\x00\x00\x03abc" + b"\x00\x00\x00\x00",
+            "nonce must be 32",
+        ),
+        (
+            b"\x01" + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x20" + b"n" * 32 + b"\x00\x00\x00\x00",
+            "DID length",
+        ),
+        (
+            b"\x01" + b"\x00\x00\x00\x02\xff\xfe" + b"\x00\x00\x00\x20" + b"n" * 32 + b"\0\0\0\0",
+            "DID is not UTF-8",
+        ),
+        (b"\x03" + b"\x00\x00\x00\x01x" + b"\x00\x00\x00\x00", "code must be 2"),
+        (b"\x11" + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x00", "needs a session id"),
+    ],
+)
+def test_malformed_frames_are_rejected(data: bytes, match: str) -> None:
+    with pytest.raises(MalformedFrameError, match=match):
+        wire.decode(data)
+
+
+def test_oversize_frame_is_rejected() -> None:
+    with pytest.raises(OversizeError):
+        wire.decode(wire.encode(wire.App(b"x" * 2000)), max_size=1000)
+
+
+def test_text_frames_are_rejected() -> None:
+    with pytest.raises(MalformedFrameError, match="binary"):
+        wire.decode("hello")  # type: ignore[arg-type]
+
+
+def test_encode_rejects_non_frames() -> None:
+    with pytest.raises(TypeError):
+        wire.encode("nope")  # type: ignore[arg-type]
