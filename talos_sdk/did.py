@@ -1,0 +1,98 @@
+"""did:key identifiers for Ed25519 keys (W3C CCG did:key method, DESIGN.md "Identity").
+
+A Talos DID is ``did:key:z`` + base58btc(varint(0xed) || public key), i.e. the
+multicodec ``ed25519-pub`` prefix ``0xed 0x01`` followed by the 32 raw key bytes,
+the same string any did:key tool computes for that key. Only bare DIDs are
+accepted: DID URLs with a path, query or fragment are refused, so one key has
+exactly one spelling and string equality is identity equality.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from talos_sdk.base58 import b58decode, b58encode
+from talos_sdk.errors import DIDError, EncodingError
+
+__all__ = [
+    "DID_KEY_PREFIX",
+    "ED25519_MULTICODEC",
+    "did_from_public_key",
+    "public_key_from_did",
+]
+
+DID_KEY_PREFIX = "did:key:"
+ED25519_MULTICODEC = b"\xed\x01"  # unsigned varint of 0xed (ed25519-pub)
+_ED25519_CODE = 0xED
+_KEY_LEN = 32
+
+# Names for codes another did:key tool may hand us, so the error says what it got.
+_CODEC_NAMES = {
+    0xEC: "x25519-pub",
+    0xE7: "secp256k1-pub",
+    0xEB: "bls12_381-g2-pub",
+    0x1200: "p256-pub",
+    0x1201: "p384-pub",
+    0x1202: "p521-pub",
+    0x1205: "rsa-pub",
+}
+
+
+def did_from_public_key(public_key: bytes) -> str:
+    """Return the did:key for a raw 32-byte Ed25519 public key."""
+    if not isinstance(public_key, bytes | bytearray | memoryview):
+        raise DIDError(f"public key must be bytes, not {type(public_key).__name__}")
+    raw = bytes(public_key)
+    if len(raw) != _KEY_LEN:
+        raise DIDError(f"Ed25519 public key must be {_KEY_LEN} bytes, got {len(raw)}")
+    return DID_KEY_PREFIX + "z" + b58encode(ED25519_MULTICODEC + raw)
+
+
+def _read_varint(data: bytes) -> tuple[int, int]:
+    """Decode an unsigned LEB128 varint (multiformats unsigned-varint); return (value, length)."""
+    value = 0
+    for i, byte in enumerate(data[:9]):  # multiformats caps varints at 9 bytes
+        value |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            return value, i + 1
+    raise DIDError("did:key multicodec prefix is not a valid unsigned varint")
+
+
+@lru_cache(maxsize=16384)
+def public_key_from_did(did: str) -> bytes:
+    """Parse a did:key and return its raw 32-byte Ed25519 public key.
+
+    Cached: peers verify the same few DIDs over and over. Every malformed input
+    raises :class:`DIDError` naming what was wrong.
+    """
+    if not isinstance(did, str):
+        raise DIDError(f"DID must be a str, not {type(did).__name__}")
+    if not did.startswith("did:"):
+        raise DIDError(f"not a DID (expected 'did:key:z...'): {did[:64]!r}")
+    if not did.startswith(DID_KEY_PREFIX):
+        method = did[4:].split(":", 1)[0]
+        raise DIDError(f"unsupported DID method {method!r} (only 'key' is supported)")
+    msid = did[len(DID_KEY_PREFIX) :]
+    for sep in "#?/":
+        if sep in msid:
+            raise DIDError(f"DID URLs are not accepted ({sep!r} found); pass the bare did:key")
+    if not msid:
+        raise DIDError("did:key has an empty method-specific identifier")
+    if msid[0] != "z":
+        raise DIDError(
+            f"unsupported multibase prefix {msid[0]!r} (did:key Ed25519 uses 'z', base58btc)"
+        )
+    try:
+        decoded = b58decode(msid[1:])
+    except EncodingError as exc:
+        raise DIDError(f"did:key is not valid base58btc: {exc}") from None
+    code, used = _read_varint(decoded)
+    if code != _ED25519_CODE or decoded[:used] != ED25519_MULTICODEC:
+        name = _CODEC_NAMES.get(code, "unknown")
+        raise DIDError(
+            f"unsupported multicodec 0x{code:x} ({name}); Talos DIDs are ed25519-pub (0xed)"
+        )
+    key = decoded[used:]
+    if len(key) != _KEY_LEN:
+        raise DIDError(f"did:key Ed25519 key must be {_KEY_LEN} bytes, got {len(key)}")
+    return key
