@@ -1,0 +1,140 @@
+"""Crypto primitives: our wrappers beside the raw cryptography / PyNaCl calls (issue 6).
+
+Run ``python bench/bench_crypto.py`` (any pyperf option works; ``--fast`` for a
+smoke run). Rows follow DESIGN.md "Performance targets": Wallet sign/verify
+against the faster of libsodium and OpenSSL Ed25519, ChaCha20-Poly1305 on a
+35-byte frame, plus the floors the protocol is built on (X25519, SHA-256,
+ML-KEM-768, ML-DSA-65).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Suite
+from cryptography.hazmat.primitives.asymmetric import ed25519, mldsa, mlkem, x25519
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from nacl.signing import SigningKey
+
+SIZES = {"64 B": 64, "10 KB": 10 * 1024}
+AEAD_SIZES = {"35 B": 35, "10 KB": 10 * 1024, "1 MiB": 1024 * 1024}
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def bench_ed25519(suite: Suite) -> None:
+    """Raw Ed25519 through both libraries: the floor under Wallet.sign / verify."""
+    seed = bytes(range(32))
+    nacl_key = SigningKey(seed)
+    nacl_vk = nacl_key.verify_key
+    ossl_key = ed25519.Ed25519PrivateKey.from_private_bytes(seed)
+    ossl_pk = ossl_key.public_key()
+    for size_label, size in SIZES.items():
+        msg = os.urandom(size)
+        tag = size_label.replace(" ", "")
+        sig = ossl_key.sign(msg)
+        suite.floor(
+            f"ed25519.sign.{tag}.nacl",
+            f"libsodium Ed25519 sign {size_label}",
+            partial(nacl_key.sign, msg),
+        )
+        suite.floor(
+            f"ed25519.sign.{tag}.openssl",
+            f"OpenSSL Ed25519 sign {size_label}",
+            partial(ossl_key.sign, msg),
+        )
+        suite.floor(
+            f"ed25519.verify.{tag}.nacl",
+            f"libsodium Ed25519 verify {size_label}",
+            partial(nacl_vk.verify, msg, sig),
+        )
+        suite.floor(
+            f"ed25519.verify.{tag}.openssl",
+            f"OpenSSL Ed25519 verify {size_label}",
+            partial(ossl_pk.verify, sig, msg),
+        )
+
+
+def bench_x25519(suite: Suite) -> None:
+    """One X25519 DH: the unit cost of X3DH and of every DH ratchet step."""
+    a = x25519.X25519PrivateKey.generate()
+    b_pub = x25519.X25519PrivateKey.generate().public_key()
+    suite.floor("x25519.exchange", "OpenSSL X25519 exchange", lambda: a.exchange(b_pub))
+    suite.floor("x25519.generate", "OpenSSL X25519 generate", x25519.X25519PrivateKey.generate)
+
+
+def bench_aead(suite: Suite) -> None:
+    """ChaCha20-Poly1305 seal at the frame sizes the node sends."""
+    aead = ChaCha20Poly1305(bytes(32))
+    nonce = bytes(12)
+    for size_label, size in AEAD_SIZES.items():
+        tag = size_label.replace(" ", "")
+        pt = os.urandom(size)
+        ct = aead.encrypt(nonce, pt, b"ad")
+        suite.floor(
+            f"chacha20poly1305.seal.{tag}",
+            f"OpenSSL ChaCha20-Poly1305 seal {size_label}",
+            partial(aead.encrypt, nonce, pt, b"ad"),
+        )
+        suite.floor(
+            f"chacha20poly1305.open.{tag}",
+            f"OpenSSL ChaCha20-Poly1305 open {size_label}",
+            partial(aead.decrypt, nonce, ct, b"ad"),
+        )
+
+
+def bench_sha256(suite: Suite) -> None:
+    """SHA-256, the hash of commitments, block links and Merkle nodes."""
+    for size_label, size in SIZES.items():
+        data = os.urandom(size)
+        tag = size_label.replace(" ", "")
+        suite.floor(
+            f"sha256.{tag}",
+            f"hashlib SHA-256 {size_label}",
+            partial(_sha256, data),
+        )
+
+
+def bench_post_quantum(suite: Suite) -> None:
+    """ML-KEM-768 and ML-DSA-65 from OpenSSL: the PQ hybrid's floor."""
+    kem = mlkem.MLKEM768PrivateKey.generate()
+    kem_pub = kem.public_key()
+    _, ct = kem_pub.encapsulate()
+    suite.floor(
+        "mlkem768.generate", "OpenSSL ML-KEM-768 generate", mlkem.MLKEM768PrivateKey.generate
+    )
+    suite.floor("mlkem768.encapsulate", "OpenSSL ML-KEM-768 encapsulate", kem_pub.encapsulate)
+    suite.floor(
+        "mlkem768.decapsulate", "OpenSSL ML-KEM-768 decapsulate", lambda: kem.decapsulate(ct)
+    )
+    dsa = mldsa.MLDSA65PrivateKey.generate()
+    dsa_pub = dsa.public_key()
+    msg = os.urandom(64)
+    sig = dsa.sign(msg)
+    suite.floor("mldsa65.sign.64B", "OpenSSL ML-DSA-65 sign 64 B", lambda: dsa.sign(msg))
+    suite.floor(
+        "mldsa65.verify.64B", "OpenSSL ML-DSA-65 verify 64 B", lambda: dsa_pub.verify(sig, msg)
+    )
+
+
+def main() -> None:
+    """Register every row, run them, print the table, write the results JSON."""
+    suite = Suite.create(__file__)
+    bench_ed25519(suite)
+    bench_x25519(suite)
+    bench_aead(suite)
+    bench_sha256(suite)
+    bench_post_quantum(suite)
+    suite.finish()
+
+
+if __name__ == "__main__":
+    main()
