@@ -1,0 +1,189 @@
+"""Mutual challenge-response at the start of every link (DESIGN.md "Peer links").
+
+Pure and sans-I/O, in the style of websockets' ``protocol.py``: the asyncio link
+feeds decoded frames in and sends what comes back. Both sides send a
+:class:`~talos.link.wire.Hello` (DID, fresh 32-byte nonce, supported suites).
+Each then signs, with its Ed25519 identity key::
+
+    LABEL || b"/proof/" || role || SHA-256(transcript)
+    transcript = LABEL || lp(initiator DID) || lp(responder DID)
+                 || initiator nonce || responder nonce
+                 || lp(initiator suites) || lp(responder suites)
+
+so a proof binds both nonces (no replay), both DIDs (no relaying to a third
+party) and the signer's role (no reflecting a proof back at its author). The
+peer's proof is checked against the key inside the DID it claims: holding
+another key and claiming a DID fails here. Every failure is a :class:`Refusal`
+carrying the WebSocket close code to use; nothing is trusted before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Final, Protocol
+
+from talos.link.wire import NONCE_LEN, Hello, Proof
+from talos_sdk.errors import HandshakeError, TalosError
+
+__all__ = [
+    "CLOSE_BAD_PROOF",
+    "CLOSE_DUPLICATE",
+    "CLOSE_NO_SUITE",
+    "CLOSE_PINNED_MISMATCH",
+    "CLOSE_PROTOCOL",
+    "CLOSE_SHUTDOWN",
+    "CLOSE_UNAUTHORIZED",
+    "LABEL",
+    "SUITES",
+    "Authenticated",
+    "LinkHandshake",
+    "Refusal",
+    "Role",
+]
+
+LABEL: Final = b"talos/link/v1"
+#: Session suites in order of preference (hybrid post-quantum first).
+SUITES: Final = ("x25519-mlkem768", "x25519")
+
+# WebSocket private-use close codes (RFC 6455 section 7.4.2: 4000-4999).
+CLOSE_PROTOCOL: Final = 4000
+CLOSE_BAD_PROOF: Final = 4001
+CLOSE_UNAUTHORIZED: Final = 4003
+CLOSE_PINNED_MISMATCH: Final = 4004
+CLOSE_NO_SUITE: Final = 4005
+CLOSE_DUPLICATE: Final = 4006
+CLOSE_SHUTDOWN: Final = 4007
+
+
+class Signer(Protocol):
+    """What the handshake needs from a wallet."""
+
+    @property
+    def did(self) -> str: ...
+
+    def sign(self, data: bytes) -> bytes: ...
+
+
+Verifier = Callable[[str, bytes, bytes], bool]
+
+
+class Role(IntEnum):
+    """Who dialled: the initiator opened the WebSocket."""
+
+    INITIATOR = 0
+    RESPONDER = 1
+
+
+class Refusal(HandshakeError):
+    """The handshake failed; ``code`` is the close code, ``reason`` goes to the peer."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Authenticated:
+    """Outcome of a successful handshake."""
+
+    peer_did: str
+    suites: tuple[str, ...]  # suites both sides support, our preference order
+    transcript_hash: bytes
+
+
+def _lp(data: bytes) -> bytes:
+    return struct.pack(">H", len(data)) + data
+
+
+def _default_verify(did: str, data: bytes, sig: bytes) -> bool:
+    from talos_sdk.wallet import verify
+
+    return verify(did, data, sig)
+
+
+class LinkHandshake:
+    """One side of the link handshake: ``hello()``, ``receive_hello()``, ``receive_proof()``."""
+
+    def __init__(
+        self,
+        signer: Signer,
+        role: Role,
+        nonce: bytes,
+        *,
+        suites: tuple[str, ...] = SUITES,
+        expected_did: str | None = None,
+        authorizer: Callable[[str], bool] | None = None,
+        verify: Verifier = _default_verify,
+    ) -> None:
+        if len(nonce) != NONCE_LEN:
+            raise ValueError("handshake nonce must be 32 bytes")
+        self._signer = signer
+        self._role = role
+        self._nonce = nonce
+        self._suites = suites
+        self._expected = expected_did
+        self._authorizer = authorizer
+        self._verify = verify
+        self._peer: Hello | None = None
+        self._hash: bytes | None = None
+
+    def hello(self) -> Hello:
+        """Our hello; send it first (initiator) or in reply (responder)."""
+        return Hello(self._signer.did, self._nonce, self._suites)
+
+    def receive_hello(self, peer: Hello) -> Proof:
+        """Check the peer's claim (pin, authorizer, suites) and return our proof."""
+        if self._peer is not None:
+            raise Refusal(CLOSE_PROTOCOL, "unexpected second hello")
+        if self._expected is not None and peer.did != self._expected:
+            raise Refusal(
+                CLOSE_PINNED_MISMATCH,
+                f"pinned DID mismatch: expected {self._expected}, peer claims {peer.did}",
+            )
+        if peer.did == self._signer.did:
+            raise Refusal(CLOSE_BAD_PROOF, "peer claims our own DID")
+        if peer.nonce == self._nonce:
+            raise Refusal(CLOSE_BAD_PROOF, "peer echoed our nonce")
+        if self._authorizer is not None and not self._authorizer(peer.did):
+            raise Refusal(CLOSE_UNAUTHORIZED, f"unknown peer {peer.did}")
+        if not set(self._suites) & set(peer.suites):
+            raise Refusal(CLOSE_NO_SUITE, "no session suite in common")
+        self._peer = peer
+        self._hash = self._transcript_hash(peer)
+        return Proof(self._signer.sign(self._signed(self._role, self._hash)))
+
+    def receive_proof(self, proof: Proof) -> Authenticated:
+        """Verify the peer's proof against the key in its claimed DID."""
+        if self._peer is None or self._hash is None:
+            raise Refusal(CLOSE_PROTOCOL, "proof before hello")
+        peer_role = Role.RESPONDER if self._role is Role.INITIATOR else Role.INITIATOR
+        try:
+            ok = self._verify(self._peer.did, self._signed(peer_role, self._hash), proof.signature)
+        except TalosError:
+            ok = False  # a malformed DID cannot prove anything
+        if not ok:
+            raise Refusal(CLOSE_BAD_PROOF, f"handshake proof does not verify for {self._peer.did}")
+        common = tuple(s for s in self._suites if s in self._peer.suites)
+        return Authenticated(self._peer.did, common, self._hash)
+
+    def _transcript_hash(self, peer: Hello) -> bytes:
+        mine = self.hello()
+        i, r = (mine, peer) if self._role is Role.INITIATOR else (peer, mine)
+        return hashlib.sha256(
+            LABEL
+            + _lp(i.did.encode())
+            + _lp(r.did.encode())
+            + i.nonce
+            + r.nonce
+            + _lp(",".join(i.suites).encode())
+            + _lp(",".join(r.suites).encode())
+        ).digest()
+
+    @staticmethod
+    def _signed(role: Role, transcript_hash: bytes) -> bytes:
+        return LABEL + b"/proof/" + bytes((role,)) + transcript_hash
