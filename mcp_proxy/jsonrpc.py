@@ -1,0 +1,143 @@
+"""Just enough JSON-RPC 2.0 for policy and audit (JSON-RPC 2.0 spec §4-5, MCP "Base Protocol").
+
+The tunnel forwards every message as the bytes it received; this module only
+reads the fields policy and audit need (kind, ``id``, ``method``, the tool name
+of ``tools/call``, a progress token) and builds error replies. Batches (JSON
+arrays) are not part of MCP since 2025-06-18 and are refused as invalid.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from talos_sdk.errors import ProtocolError
+
+__all__ = [
+    "INTERNAL_ERROR",
+    "INVALID_REQUEST",
+    "LINK_DOWN",
+    "PARSE_ERROR",
+    "TOOL_DENIED",
+    "JsonRpcError",
+    "Kind",
+    "Sniffed",
+    "error_reply",
+    "sniff",
+]
+
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+INTERNAL_ERROR = -32603
+# Implementation-defined server errors live in -32000..-32099 (JSON-RPC 2.0 §5.1).
+TOOL_DENIED = -32001
+LINK_DOWN = -32002
+
+RequestId = int | str
+
+
+class Kind(enum.Enum):
+    """What a JSON-RPC message is."""
+
+    REQUEST = "request"
+    NOTIFICATION = "notification"
+    RESPONSE = "response"
+    ERROR = "error"
+
+
+class JsonRpcError(ProtocolError):
+    """A line that is not a JSON-RPC message; carries the reply code and the id if known."""
+
+    def __init__(self, code: int, message: str, request_id: RequestId | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+@dataclass(frozen=True, slots=True)
+class Sniffed:
+    """The fields of one message that policy and audit look at."""
+
+    kind: Kind
+    id: RequestId | None
+    method: str | None
+    tool: str | None
+    params: Any
+    result: Any
+    progress_token: RequestId | None
+
+
+def _valid_id(value: Any) -> bool:
+    # bool is an int subclass but not a valid id.
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def sniff(line: bytes) -> Sniffed:
+    """Classify one JSON-RPC message; raise JsonRpcError with the reply code if it is not one."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        raise JsonRpcError(PARSE_ERROR, "Parse error") from None
+    if not isinstance(obj, dict):
+        raise JsonRpcError(INVALID_REQUEST, "Invalid Request: not a JSON object")
+    raw_id = obj.get("id")
+    request_id = raw_id if _valid_id(raw_id) else None
+    if obj.get("jsonrpc") != "2.0":
+        raise JsonRpcError(INVALID_REQUEST, 'Invalid Request: jsonrpc must be "2.0"', request_id)
+    if "id" in obj and raw_id is not None and request_id is None:
+        raise JsonRpcError(INVALID_REQUEST, "Invalid Request: id must be a string or integer")
+    method = obj.get("method")
+    if method is not None:
+        if not isinstance(method, str):
+            raise JsonRpcError(
+                INVALID_REQUEST, "Invalid Request: method must be a string", request_id
+            )
+        params = obj.get("params")
+        if params is not None and not isinstance(params, dict | list):
+            raise JsonRpcError(
+                INVALID_REQUEST, "Invalid Request: params must be an object", request_id
+            )
+        tool = None
+        token = None
+        if isinstance(params, dict):
+            if method == "tools/call":
+                name = params.get("name")
+                if not isinstance(name, str):
+                    raise JsonRpcError(
+                        INVALID_REQUEST, "Invalid Request: tools/call needs params.name", request_id
+                    )
+                tool = name
+            meta = params.get("_meta")
+            if isinstance(meta, dict) and _valid_id(meta.get("progressToken")):
+                token = meta["progressToken"]
+        elif method == "tools/call":
+            raise JsonRpcError(
+                INVALID_REQUEST, "Invalid Request: tools/call needs params.name", request_id
+            )
+        kind = Kind.NOTIFICATION if "id" not in obj else Kind.REQUEST
+        if kind is Kind.REQUEST and request_id is None:
+            raise JsonRpcError(INVALID_REQUEST, "Invalid Request: request id must not be null")
+        return Sniffed(kind, request_id, method, tool, params, None, token)
+    if "result" in obj:
+        if request_id is None:
+            raise JsonRpcError(INVALID_REQUEST, "Invalid Request: response without an id")
+        return Sniffed(Kind.RESPONSE, request_id, None, None, None, obj["result"], None)
+    if "error" in obj:
+        if not isinstance(obj["error"], dict):
+            raise JsonRpcError(
+                INVALID_REQUEST, "Invalid Request: error must be an object", request_id
+            )
+        # An error reply may carry a null id (it answered an unparseable request).
+        return Sniffed(Kind.ERROR, request_id, None, None, None, obj["error"], None)
+    raise JsonRpcError(INVALID_REQUEST, "Invalid Request: no method, result or error", request_id)
+
+
+def error_reply(request_id: RequestId | None, code: int, message: str, data: Any = None) -> bytes:
+    """Serialise a JSON-RPC error response (no trailing newline)."""
+    error: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        error["data"] = data
+    return orjson.dumps({"jsonrpc": "2.0", "id": request_id, "error": error})

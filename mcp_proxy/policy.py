@@ -1,0 +1,201 @@
+"""Who may use which tool server and which tools (DESIGN.md "MCP tunnel": authorised by policy).
+
+Default deny. A DID is allowed when it is named by ``--allow`` or has a
+``[peers."did:..."]`` table in the policy file; anyone else is refused at the
+link by the node's authorizer. A policy file (TOML) looks like::
+
+    [servers.time]                      # name -> command, args, env
+    command = "python"
+    args = ["-m", "mcp_server_time"]
+    env = { TZ = "UTC" }
+
+    [peers."did:key:z6Mk..."]
+    servers = ["time"]                  # "*" (the default): every server
+    tools = ["get_current_time"]        # "*" (the default): every tool
+
+``--tools`` narrows every caller to a global allow list on top of that.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from talos_sdk.errors import UsageError
+
+__all__ = [
+    "DEFAULT_SERVER",
+    "Policy",
+    "PolicyDenied",
+    "PolicyError",
+    "PolicyFile",
+    "ServerSpec",
+    "load_policy_file",
+]
+
+DEFAULT_SERVER = "default"
+WILDCARD = "*"
+
+
+class PolicyError(UsageError):
+    """The policy file or the command line policy options are invalid."""
+
+
+class PolicyDenied(UsageError):
+    """A caller asked for a server or tool the policy does not grant."""
+
+
+class ServerSpec(BaseModel):
+    """How to start one stdio MCP tool server."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    command: str = Field(min_length=1)
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class PeerRule(BaseModel):
+    """What one caller DID may use."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    servers: tuple[str, ...] = (WILDCARD,)
+    tools: tuple[str, ...] = (WILDCARD,)
+
+
+class PolicyFile(BaseModel):
+    """The TOML policy file, validated at the boundary."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    servers: dict[str, ServerSpec] = Field(default_factory=dict)
+    peers: dict[str, PeerRule] = Field(default_factory=dict)
+
+
+def load_policy_file(path: Path) -> PolicyFile:
+    """Read and validate a TOML policy file; PolicyError names what is wrong."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise PolicyError(f"cannot read policy file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"policy file {path} is not valid TOML: {exc}") from exc
+    try:
+        return PolicyFile.model_validate(data)
+    except ValidationError as exc:
+        raise PolicyError(f"policy file {path} is invalid: {exc}") from exc
+
+
+def _as_set(names: Iterable[str]) -> frozenset[str] | None:
+    """None means "everything" (a wildcard entry)."""
+    names = frozenset(names)
+    return None if WILDCARD in names else names
+
+
+@dataclass(frozen=True, slots=True)
+class _Grant:
+    servers: frozenset[str] | None
+    tools: frozenset[str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The policy in force on a ``talos-proxy serve`` side."""
+
+    servers: Mapping[str, ServerSpec]
+    grants: Mapping[str, _Grant] = field(default_factory=dict)
+    global_tools: frozenset[str] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        allow: Iterable[str] = (),
+        tools: Iterable[str] | None = None,
+        command: Iterable[str] = (),
+        policy_file: PolicyFile | None = None,
+    ) -> Policy:
+        """Combine ``--allow``, ``--tools``, ``-- CMD ARGS`` and ``--policy FILE``."""
+        servers: dict[str, ServerSpec] = {}
+        argv = list(command)
+        if argv:
+            servers[DEFAULT_SERVER] = ServerSpec(command=argv[0], args=tuple(argv[1:]))
+        grants: dict[str, _Grant] = {}
+        if policy_file is not None:
+            for name, spec in policy_file.servers.items():
+                if name in servers:
+                    raise PolicyError(f"server {name!r} is given twice")
+                servers[name] = spec
+            for did, rule in policy_file.peers.items():
+                grant = _Grant(_as_set(rule.servers), _as_set(rule.tools))
+                for server in grant.servers or ():
+                    if server not in servers:
+                        raise PolicyError(f"peer {did} names unknown server {server!r}")
+                grants[did] = grant
+        for did in allow:
+            if not did.startswith("did:"):
+                raise PolicyError(f"--allow needs a DID, got {did!r}")
+            grants.setdefault(did, _Grant(None, None))
+        if not servers:
+            raise PolicyError("no tool server: give -- CMD ARGS or [servers.NAME] in --policy")
+        global_tools = None if tools is None else _as_set(tools)
+        return cls(servers, grants, global_tools)
+
+    def is_peer_allowed(self, did: str) -> bool:
+        """The node's link authorizer: default deny."""
+        return did in self.grants
+
+    def server_for(self, did: str, name: str) -> tuple[str, ServerSpec]:
+        """Resolve the server a session asked for ("" = the only or the default one)."""
+        grant = self.grants.get(did)
+        if grant is None:
+            raise PolicyDenied(f"{did} is not allowed")
+        if not name:
+            if DEFAULT_SERVER in self.servers:
+                name = DEFAULT_SERVER
+            elif len(self.servers) == 1:
+                name = next(iter(self.servers))
+            else:
+                raise PolicyDenied(
+                    f"several servers are offered, choose one of {sorted(self.servers)}"
+                )
+        spec = self.servers.get(name)
+        if spec is None:
+            raise PolicyDenied(f"no server named {name!r}")
+        if grant.servers is not None and name not in grant.servers:
+            raise PolicyDenied(f"server {name!r} not allowed for {did}")
+        return name, spec
+
+    def tool_allowed(self, did: str, tool: str) -> bool:
+        """Whether ``did`` may call ``tool`` (both the global and the per-DID list must agree)."""
+        if self.global_tools is not None and tool not in self.global_tools:
+            return False
+        grant = self.grants.get(did)
+        if grant is None:
+            return False
+        return grant.tools is None or tool in grant.tools
+
+    def restricts_tools(self, did: str) -> bool:
+        """Whether tools/list replies for ``did`` need filtering at all (the hot path skips it)."""
+        grant = self.grants.get(did)
+        return self.global_tools is not None or grant is None or grant.tools is not None
+
+    def filter_tools_list(self, did: str, response: bytes) -> bytes:
+        """Rewrite a tools/list response so it lists only the tools ``did`` may call."""
+        obj: Any = orjson.loads(response)
+        result: Any = obj.get("result") if isinstance(obj, dict) else None
+        tools = result.get("tools") if isinstance(result, dict) else None
+        if not isinstance(tools, list):
+            return response
+        result["tools"] = [
+            tool
+            for tool in tools
+            if isinstance(tool, dict)
+            and isinstance(tool.get("name"), str)
+            and self.tool_allowed(did, tool["name"])
+        ]
+        return orjson.dumps(obj)

@@ -1,0 +1,111 @@
+"""Tunnel app frames: what the "mcp" app channel of a node link carries (ARCHITECTURE.md).
+
+Pure: no I/O. One frame addresses one MCP client session and carries one or more
+JSON-RPC messages as opaque bytes, so the sender can coalesce whatever is queued
+into a single frame under load (DESIGN.md "MCP tunnel, 64 requests in flight")::
+
+    frame    = version:u8 kind:u8 session:u32 count:u32 message*
+    message  = length:u32 bytes            (big-endian lengths)
+
+Kinds: OPEN (the session starts; its one message is the server name, may be
+empty), MESSAGES (JSON-RPC lines, no trailing newline), CLOSE (the session
+ends), ERROR (the session failed; its one message is a UTF-8 reason).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from talos_sdk.errors import MalformedFrameError, OversizeError
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "VERSION",
+    "FrameKind",
+    "TunnelFrame",
+    "TunnelFrameError",
+    "decode_frame",
+    "encode_frame",
+]
+
+VERSION = 1
+# The node bounds link frames; stay well under any sane bound so a coalesced
+# batch is never refused by the link. A single message may still be this large.
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+
+_HEAD = struct.Struct(">BBII")
+_LEN = struct.Struct(">I")
+
+
+class TunnelFrameError(MalformedFrameError):
+    """Bytes on the "mcp" app channel that are not a tunnel frame."""
+
+
+class FrameKind(enum.IntEnum):
+    """What a tunnel frame does to its client session."""
+
+    OPEN = 1
+    MESSAGES = 2
+    CLOSE = 3
+    ERROR = 4
+
+
+@dataclass(frozen=True, slots=True)
+class TunnelFrame:
+    """One decoded tunnel frame."""
+
+    kind: FrameKind
+    session: int
+    messages: tuple[bytes, ...]
+
+
+def encode_frame(kind: FrameKind, session: int, messages: Sequence[bytes] = ()) -> bytes:
+    """Encode a frame; raises OversizeError above MAX_FRAME_BYTES."""
+    if not 0 <= session <= 0xFFFFFFFF:
+        raise TunnelFrameError(f"session id out of range: {session}")
+    parts = [_HEAD.pack(VERSION, kind, session, len(messages))]
+    size = _HEAD.size
+    for message in messages:
+        size += _LEN.size + len(message)
+        parts.append(_LEN.pack(len(message)))
+        parts.append(message)
+    if size > MAX_FRAME_BYTES:
+        raise OversizeError(f"tunnel frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+    return b"".join(parts)
+
+
+def decode_frame(data: bytes) -> TunnelFrame:
+    """Decode a frame, rejecting anything truncated, trailing, or unknown."""
+    if len(data) > MAX_FRAME_BYTES:
+        raise OversizeError(f"tunnel frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    if len(data) < _HEAD.size:
+        raise TunnelFrameError("tunnel frame shorter than its header")
+    version, raw_kind, session, count = _HEAD.unpack_from(data)
+    if version != VERSION:
+        raise TunnelFrameError(f"unknown tunnel frame version {version}")
+    try:
+        kind = FrameKind(raw_kind)
+    except ValueError:
+        raise TunnelFrameError(f"unknown tunnel frame kind {raw_kind}") from None
+    view = memoryview(data)
+    offset = _HEAD.size
+    messages: list[bytes] = []
+    for _ in range(count):
+        if offset + _LEN.size > len(data):
+            raise TunnelFrameError("tunnel frame truncated in a length prefix")
+        (length,) = _LEN.unpack_from(data, offset)
+        offset += _LEN.size
+        if offset + length > len(data):
+            raise TunnelFrameError("tunnel frame truncated in a message")
+        messages.append(bytes(view[offset : offset + length]))
+        offset += length
+    if offset != len(data):
+        raise TunnelFrameError("trailing bytes after the last message")
+    if kind in (FrameKind.OPEN, FrameKind.ERROR) and count > 1:
+        raise TunnelFrameError(f"{kind.name} frame carries more than one message")
+    if kind is FrameKind.MESSAGES and count == 0:
+        raise TunnelFrameError("MESSAGES frame carries no message")
+    return TunnelFrame(kind, session, tuple(messages))

@@ -1,0 +1,1 @@
+"""Real MCP servers used as tools by the tunnel tests."""
