@@ -1,0 +1,182 @@
+"""Node configuration and the layout of a node home (DESIGN.md "Who uses it").
+
+A home folder holds everything one node owns::
+
+    <home>/identity.key   Ed25519 wallet (0600)
+    <home>/config.json    NodeConfig (pydantic, below)
+    <home>/api.token      bearer token of the control API (0600)
+    <home>/store/         the LMDB environment (talos/store.py)
+    <home>/node.json      written by a running node: its link and API addresses
+
+Addresses of peers are ``ws://HOST:PORT#DID``: the fragment pins the identity
+the link handshake must prove (docs/PROTOCOL.md "Link protocol").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from talos_sdk.errors import UsageError
+
+__all__ = [
+    "Home",
+    "NodeConfig",
+    "PeerAddr",
+    "default_home",
+    "parse_listen",
+    "parse_peer_addr",
+]
+
+
+class NodeConfig(BaseModel):
+    """Everything a node can be told; stored as ``<home>/config.json``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    listen: str | None = Field(default=None, description="HOST:PORT for peer links")
+    peers: tuple[str, ...] = Field(default=(), description="ws://HOST:PORT#DID to dial")
+    allow: tuple[str, ...] = Field(default=(), description="extra DIDs allowed to link")
+    api: bool = True
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=0, ge=0, le=65535)
+    map_size: int = Field(default=1 << 30, ge=1 << 20)
+    max_frame: int = Field(default=1 << 20, ge=1024)
+    ratchet_every: int = Field(default=64, ge=1)
+    one_time_prekeys: int = Field(default=8, ge=0, le=1000)
+    pq: bool = True
+    seal_count: int = Field(default=256, ge=1)
+    seal_interval: float = Field(default=1.0, gt=0)
+    ping_interval: float = Field(default=20.0, gt=0)
+    handshake_timeout: float = Field(default=10.0, gt=0)
+    reconnect_initial: float = Field(default=0.1, gt=0)
+    reconnect_max: float = Field(default=10.0, gt=0)
+    retry_interval: float = Field(default=3.0, gt=0)
+    session_flush_interval: float = Field(default=1.0, gt=0)
+    log_format: Literal["kv", "json"] = "kv"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddr:
+    """A dialable peer: WebSocket URL plus the DID it must prove."""
+
+    url: str
+    did: str
+
+    def __str__(self) -> str:
+        return f"{self.url}#{self.did}"
+
+
+def parse_peer_addr(addr: str) -> PeerAddr:
+    """Parse ``ws://HOST:PORT#DID`` (``wss://`` too); the DID fragment is required."""
+    from talos_sdk.did import public_key_from_did
+
+    parts = urlsplit(addr)
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        raise UsageError(f"peer address must look like ws://HOST:PORT#DID, got {addr!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise UsageError(f"bad port in peer address {addr!r}") from None
+    if port is None:
+        raise UsageError(f"peer address needs a port: {addr!r}")
+    if not parts.fragment:
+        raise UsageError(f"peer address needs the peer's DID after '#': {addr!r}")
+    public_key_from_did(parts.fragment)  # raises DIDError for a malformed DID
+    url = addr.split("#", 1)[0]
+    return PeerAddr(url, parts.fragment)
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """Parse ``HOST:PORT`` (port 0 picks a free port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"listen address must be HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def default_home() -> Path:
+    """``$TALOS_HOME`` or ``~/.talos``."""
+    env = os.environ.get("TALOS_HOME")
+    return Path(env) if env else Path.home() / ".talos"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Create ``path`` 0600 from the start (never world-readable, even briefly)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.chmod(path, 0o600)
+
+
+@dataclass(frozen=True, slots=True)
+class Home:
+    """Paths inside one node home."""
+
+    path: Path
+
+    @property
+    def identity(self) -> Path:
+        return self.path / "identity.key"
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def token_file(self) -> Path:
+        return self.path / "api.token"
+
+    @property
+    def store_dir(self) -> Path:
+        return self.path / "store"
+
+    @property
+    def node_file(self) -> Path:
+        return self.path / "node.json"
+
+    def exists(self) -> bool:
+        return self.identity.exists()
+
+    def load_config(self) -> NodeConfig:
+        if not self.config_file.exists():
+            return NodeConfig()
+        try:
+            return NodeConfig.model_validate_json(self.config_file.read_bytes())
+        except ValidationError as exc:
+            raise UsageError(f"invalid config {self.config_file}: {exc}") from None
+
+    def save_config(self, config: NodeConfig) -> None:
+        self.config_file.write_text(config.model_dump_json(indent=2) + "\n")
+
+    def api_token(self) -> str:
+        try:
+            return self.token_file.read_text().strip()
+        except FileNotFoundError:
+            raise UsageError(f"no API token in {self.path}: run `talosd init` first") from None
+
+    def create_api_token(self) -> str:
+        token = secrets.token_urlsafe(32)
+        _write_private(self.token_file, token.encode() + b"\n")
+        return token
+
+    def write_node_info(self, info: dict[str, object]) -> None:
+        tmp = self.node_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        tmp.replace(self.node_file)
+
+    def read_node_info(self) -> dict[str, object] | None:
+        try:
+            data = json.loads(self.node_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return data if isinstance(data, dict) else None
