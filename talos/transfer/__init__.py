@@ -1,0 +1,1 @@
+"""File transfer between peers (issue 5; docs/PROTOCOL.md "File transfer")."""

@@ -1,0 +1,477 @@
+"""File transfer protocol, pure and sans-I/O (docs/PROTOCOL.md "File transfer").
+
+Everything here is deterministic given its inputs: the control messages that
+travel on the ratchet-sealed app channel ``"file"``, the bulk-path handshake
+and frame headers, the chunk-stream bookkeeping that says which chunk is legal
+next, the transfer state machine (as a transition table, in the style of h11),
+and the file-name sanitiser. The asyncio code in :mod:`talos.transfer.bulk` and
+:mod:`talos.transfer.manager` only moves bytes and waits.
+
+Keys: the sender draws a random 32-byte *transfer key* and sends it inside the
+OFFER, which the node seals with the peers' Double Ratchet session, so only
+the peer holding that session learns it. Each sending *attempt* (epoch) seals
+its chunks with a fresh key ``derive_stream_key(transfer_key, label)`` where
+the label binds transfer id, epoch and start offset, so a resumed attempt
+never reuses a (key, nonce) pair even if the source file changed.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+import unicodedata
+from dataclasses import dataclass
+from typing import Final
+
+from talos_sdk.errors import MalformedFrameError, OversizeError, ProtocolError, UsageError
+
+__all__ = [
+    "APP_NAME",
+    "BULK_CHUNK",
+    "FALLBACK_CHUNK",
+    "TID_LEN",
+    "Accept",
+    "Cancel",
+    "Chunk",
+    "ChunkPlan",
+    "Credit",
+    "Done",
+    "Failed",
+    "Offer",
+    "Pending",
+    "Reject",
+    "TransferMessage",
+    "TransferProtocolError",
+    "TransferState",
+    "bulk_client_proof",
+    "bulk_server_proof",
+    "decode_message",
+    "encode_message",
+    "next_state",
+    "numbered_name",
+    "safe_name",
+    "stream_label",
+]
+
+APP_NAME: Final = "file"
+TID_LEN: Final = 16
+KEY_LEN: Final = 32
+TOKEN_LEN: Final = 32
+NONCE_LEN: Final = 32
+#: Bulk path writes 1 MiB sealed chunks (issue 5: large writes).
+BULK_CHUNK: Final = 1 << 20
+#: App-channel fallback keeps each sealed chunk well under the link frame bound.
+FALLBACK_CHUNK: Final = 256 << 10
+#: Largest chunk a receiver accepts, whatever path it came over.
+MAX_CHUNK: Final = BULK_CHUNK
+#: Bound on a sanitised name, in UTF-8 bytes (ext4/NTFS limit 255, room for " (n)").
+MAX_NAME_BYTES: Final = 200
+MAX_REASON: Final = 512
+MAX_MESSAGE: Final = FALLBACK_CHUNK + 4096
+
+BULK_MAGIC: Final = b"TLSB\x01"
+
+
+class TransferProtocolError(ProtocolError):
+    """The peer broke the file-transfer protocol (bad size, extra chunk, ...)."""
+
+
+# --------------------------------------------------------------------------- messages
+
+T_OFFER: Final = 1
+T_ACCEPT: Final = 2
+T_PENDING: Final = 3
+T_REJECT: Final = 4
+T_DONE: Final = 5
+T_FAILED: Final = 6
+T_CHUNK: Final = 7
+T_CREDIT: Final = 8
+T_CANCEL: Final = 9
+
+_OFFER = struct.Struct(">B16sQ32s32sH")
+_ACCEPT = struct.Struct(">B16sQIIH32sH")
+_TID = struct.Struct(">B16s")
+_TID_STR = struct.Struct(">B16sH")
+_CHUNK = struct.Struct(">B16sIQ")
+_CREDIT = struct.Struct(">B16sIQ")
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """Sender -> receiver: "may I send you this file?" (re-sent to ask where to resume)."""
+
+    tid: bytes
+    size: int
+    sha256: bytes
+    key: bytes
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    """Receiver -> sender: start attempt ``epoch`` at byte ``offset``.
+
+    ``window`` is the initial credit in chunks. ``bulk_port`` 0 means "no bulk
+    listener, use the app channel"; otherwise the sender connects to
+    ``bulk_host:bulk_port`` and proves ``token`` (one-time, bound to this tid).
+    """
+
+    tid: bytes
+    offset: int
+    epoch: int
+    window: int
+    bulk_port: int
+    token: bytes
+    bulk_host: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """Receiver -> sender: the offer waits for a local ``talosd files accept``."""
+
+    tid: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Receiver -> sender: refused for good (policy, quota, disk)."""
+
+    tid: bytes
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Receiver -> sender: whole file verified, fsync'd and visible."""
+
+    tid: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Either side: this attempt failed; the transfer may be offered again."""
+
+    tid: bytes
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Either side: stop and forget this transfer."""
+
+    tid: bytes
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Sender -> receiver on the app-channel fallback: one sealed chunk."""
+
+    tid: bytes
+    epoch: int
+    index: int
+    sealed: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """Receiver -> sender on the fallback: chunks with index < ``upto`` may be sent."""
+
+    tid: bytes
+    epoch: int
+    upto: int
+
+
+TransferMessage = Offer | Accept | Pending | Reject | Done | Failed | Cancel | Chunk | Credit
+
+
+def _check_tid(tid: bytes) -> None:
+    if len(tid) != TID_LEN:
+        raise UsageError(f"transfer id must be {TID_LEN} bytes")
+
+
+def _text(value: str, bound: int) -> bytes:
+    raw = value.encode("utf-8", "replace")
+    return raw[:bound]
+
+
+def encode_message(msg: TransferMessage) -> bytes:
+    """Binary form: a type byte, the 16-byte transfer id, fixed fields, a tail."""
+    _check_tid(msg.tid)
+    if isinstance(msg, Offer):
+        if len(msg.sha256) != 32 or len(msg.key) != KEY_LEN:
+            raise UsageError("offer needs a 32-byte sha256 and a 32-byte key")
+        name = _text(msg.name, 1024)
+        return _OFFER.pack(T_OFFER, msg.tid, msg.size, msg.sha256, msg.key, len(name)) + name
+    if isinstance(msg, Accept):
+        token = msg.token if msg.bulk_port else bytes(TOKEN_LEN)
+        if len(token) != TOKEN_LEN:
+            raise UsageError("bulk token must be 32 bytes")
+        host = _text(msg.bulk_host, 255)
+        head = _ACCEPT.pack(
+            T_ACCEPT, msg.tid, msg.offset, msg.epoch, msg.window, msg.bulk_port, token, len(host)
+        )
+        return head + host
+    if isinstance(msg, Pending):
+        return _TID.pack(T_PENDING, msg.tid)
+    if isinstance(msg, Done):
+        return _TID.pack(T_DONE, msg.tid)
+    if isinstance(msg, Reject | Failed | Cancel):
+        kind = {Reject: T_REJECT, Failed: T_FAILED, Cancel: T_CANCEL}[type(msg)]
+        reason = _text(msg.reason, MAX_REASON)
+        return _TID_STR.pack(kind, msg.tid, len(reason)) + reason
+    if isinstance(msg, Chunk):
+        return _CHUNK.pack(T_CHUNK, msg.tid, msg.epoch, msg.index) + msg.sealed
+    if isinstance(msg, Credit):
+        return _CREDIT.pack(T_CREDIT, msg.tid, msg.epoch, msg.upto)
+    raise UsageError(f"not a transfer message: {type(msg).__name__}")
+
+
+def _tail(data: bytes, head: int, length: int, what: str) -> bytes:
+    if len(data) != head + length:
+        raise MalformedFrameError(f"transfer {what}: length field does not match the frame")
+    return data[head:]
+
+
+def _utf8(raw: bytes, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MalformedFrameError(f"transfer {what}: text is not UTF-8") from None
+
+
+def decode_message(data: bytes) -> TransferMessage:
+    """Parse one app-channel payload; :class:`MalformedFrameError` on anything else."""
+    if len(data) > MAX_MESSAGE:
+        raise OversizeError(f"transfer message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+    if len(data) < 1 + TID_LEN:
+        raise MalformedFrameError("transfer message too short")
+    kind = data[0]
+    try:
+        if kind == T_OFFER:
+            _, tid, size, digest, key, n = _OFFER.unpack_from(data)
+            return Offer(
+                tid, size, digest, key, _utf8(_tail(data, _OFFER.size, n, "offer"), "name")
+            )
+        if kind == T_ACCEPT:
+            _, tid, off, epoch, window, port, token, n = _ACCEPT.unpack_from(data)
+            host = _utf8(_tail(data, _ACCEPT.size, n, "accept"), "host")
+            return Accept(tid, off, epoch, window, port, token, host)
+        if kind in (T_PENDING, T_DONE):
+            if len(data) != _TID.size:
+                raise MalformedFrameError("transfer message has trailing bytes")
+            tid = data[1 : 1 + TID_LEN]
+            return Pending(tid) if kind == T_PENDING else Done(tid)
+        if kind in (T_REJECT, T_FAILED, T_CANCEL):
+            _, tid, n = _TID_STR.unpack_from(data)
+            reason = _utf8(_tail(data, _TID_STR.size, n, "reason"), "reason")
+            cls = {T_REJECT: Reject, T_FAILED: Failed, T_CANCEL: Cancel}[kind]
+            return cls(tid, reason)
+        if kind == T_CHUNK:
+            _, tid, epoch, index = _CHUNK.unpack_from(data)
+            return Chunk(tid, epoch, index, data[_CHUNK.size :])
+        if kind == T_CREDIT:
+            if len(data) != _CREDIT.size:
+                raise MalformedFrameError("credit message has trailing bytes")
+            _, tid, epoch, upto = _CREDIT.unpack_from(data)
+            return Credit(tid, epoch, upto)
+    except struct.error:
+        raise MalformedFrameError("transfer message truncated") from None
+    raise MalformedFrameError(f"unknown transfer message type {kind}")
+
+
+# --------------------------------------------------------------------------- chunk plan
+
+
+@dataclass(slots=True)
+class ChunkPlan:
+    """Receiver-side bookkeeping of one attempt: which sealed chunk may come next.
+
+    Chunk lengths are the sender's choice (bulk 1 MiB, fallback 256 KiB) but
+    every chunk must be non-empty unless the file is, no larger than
+    :data:`MAX_CHUNK`, and the ``final`` flag (authenticated by the AEAD) must
+    be set exactly on the chunk that reaches the announced size. A sender
+    that lies about the size therefore fails here, not on disk.
+    """
+
+    size: int
+    offset: int
+    index: int = 0
+    finished: bool = False
+
+    def accept(self, length: int, final: bool) -> int:
+        """Check the next chunk; returns the file offset it is written at."""
+        if self.finished:
+            raise TransferProtocolError("chunk after the final chunk")
+        if length > MAX_CHUNK:
+            raise OversizeError(f"chunk of {length} bytes exceeds {MAX_CHUNK}")
+        end = self.offset + length
+        if end > self.size:
+            raise TransferProtocolError(
+                f"sender sent more than the announced size ({end} > {self.size} bytes)"
+            )
+        if final and end != self.size:
+            raise TransferProtocolError(f"stream ended at {end} bytes, the offer said {self.size}")
+        if not final and (length == 0 or end == self.size):
+            raise TransferProtocolError(
+                "a non-final chunk must be non-empty and end before the size"
+            )
+        at = self.offset
+        self.offset = end
+        self.index += 1
+        self.finished = final
+        return at
+
+
+def stream_label(tid: bytes, epoch: int, offset: int) -> bytes:
+    """HKDF label of one attempt's stream key (binds transfer, attempt, start)."""
+    return b"talos/file/v1" + tid + struct.pack(">IQ", epoch, offset)
+
+
+def stream_id(tid: bytes, epoch: int) -> bytes:
+    """The 4-byte nonce prefix of an attempt's stream (the key already differs)."""
+    return hashlib.sha256(tid + struct.pack(">I", epoch)).digest()[:4]
+
+
+# --------------------------------------------------------------------------- bulk handshake
+
+#: client -> server: magic, tid, client nonce.
+BULK_HELLO = struct.Struct(">5s16s32s")
+#: server -> client: server nonce, server proof.
+BULK_REPLY = struct.Struct(">32s32s")
+#: client -> server: client proof, epoch.
+BULK_PROOF = struct.Struct(">32sI")
+#: sender -> receiver per chunk: sealed length.
+BULK_FRAME = struct.Struct(">I")
+#: receiver -> sender credit: chunks below this index may be sent.
+BULK_CREDIT = struct.Struct(">Q")
+
+
+def _proof(role: bytes, token: bytes, tid: bytes, nc: bytes, ns: bytes) -> bytes:
+    return hmac.digest(token, b"talos/bulk/v1/" + role + tid + nc + ns, "sha256")
+
+
+def bulk_server_proof(token: bytes, tid: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """HMAC-SHA256 the receiver proves the one-time token with."""
+    return _proof(b"server", token, tid, client_nonce, server_nonce)
+
+
+def bulk_client_proof(token: bytes, tid: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """HMAC-SHA256 the sender proves the one-time token with."""
+    return _proof(b"client", token, tid, client_nonce, server_nonce)
+
+
+# --------------------------------------------------------------------------- states
+
+
+class TransferState(enum.StrEnum):
+    """Where a transfer is; persisted as its string value."""
+
+    OFFERED = "offered"  # out: offer sent, no reply yet
+    PENDING = "pending"  # waiting for the receiving user to accept
+    ACTIVE = "active"  # bytes flowing (or about to resume)
+    COMPLETE = "complete"  # receiver verified the SHA-256; file visible
+    FAILED = "failed"  # gave up (protocol error, hash mismatch, disk full)
+    REJECTED = "rejected"  # policy or quota said no
+    CANCELLED = "cancelled"
+
+
+class Event(enum.StrEnum):
+    """What can happen to a transfer."""
+
+    HOLD = "hold"
+    ACCEPT = "accept"
+    DONE = "done"
+    FAIL = "fail"
+    REJECT = "reject"
+    CANCEL = "cancel"
+
+
+S, E = TransferState, Event
+_FINAL = {S.COMPLETE, S.FAILED, S.REJECTED, S.CANCELLED}
+_TRANSITIONS: dict[tuple[TransferState, Event], TransferState] = {
+    (S.OFFERED, E.HOLD): S.PENDING,
+    (S.OFFERED, E.ACCEPT): S.ACTIVE,
+    (S.OFFERED, E.REJECT): S.REJECTED,
+    (S.PENDING, E.ACCEPT): S.ACTIVE,
+    (S.PENDING, E.REJECT): S.REJECTED,
+    (S.PENDING, E.HOLD): S.PENDING,
+    (S.ACTIVE, E.ACCEPT): S.ACTIVE,  # resume: a new attempt
+    (S.ACTIVE, E.DONE): S.COMPLETE,
+    (S.ACTIVE, E.FAIL): S.FAILED,
+    (S.ACTIVE, E.REJECT): S.REJECTED,
+    (S.COMPLETE, E.DONE): S.COMPLETE,  # duplicate DONE after a resume race
+    **{(s, E.CANCEL): S.CANCELLED for s in (S.OFFERED, S.PENDING, S.ACTIVE)},
+}
+
+
+def next_state(state: TransferState, event: Event) -> TransferState:
+    """The state after ``event``; :class:`TransferProtocolError` if not allowed."""
+    try:
+        return _TRANSITIONS[(state, event)]
+    except KeyError:
+        raise TransferProtocolError(
+            f"{event.value!r} not allowed in state {state.value!r}"
+        ) from None
+
+
+def is_final(state: TransferState) -> bool:
+    """True once nothing more will happen to the transfer."""
+    return state in _FINAL
+
+
+# --------------------------------------------------------------------------- names
+
+_RESERVED = {"CON", "PRN", "AUX", "NUL", "CLOCK$", "CONIN$", "CONOUT$"}
+_RESERVED |= {f"{p}{i}" for p in ("COM", "LPT") for i in range(10)}
+_FORBIDDEN = set('<>:"|?*\\/')
+
+
+def _clip_utf8(text: str, limit: int) -> str:
+    raw = text.encode("utf-8")
+    if len(raw) <= limit:
+        return text
+    return raw[:limit].decode("utf-8", "ignore")
+
+
+def safe_name(raw: str) -> str:
+    """A file name the sender proposes, made safe to create in the files dir.
+
+    Keeps only the last path component (both ``/`` and ``\\``), drops control
+    and format characters (incl. bidi overrides and NUL), replaces characters
+    Windows forbids, strips leading dots (no hidden files, no ``..``) and
+    trailing dots/spaces, renames device names (``CON``, ``NUL.txt``), bounds
+    the length to :data:`MAX_NAME_BYTES` keeping the extension, and never
+    returns an empty string.
+    """
+    text = unicodedata.normalize("NFC", raw.replace("\\", "/")).split("/")
+    base = next((p for p in reversed(text) if p.strip(". ")), "")
+    cleaned = "".join(
+        "_" if ch in _FORBIDDEN else ch
+        for ch in base
+        if unicodedata.category(ch)[0] != "C" and ch not in "\u2028\u2029"
+    )
+    cleaned = cleaned.strip().lstrip(".").rstrip(". ").strip()
+    if not cleaned:
+        return "file"
+    stem, dot, ext = cleaned.rpartition(".")
+    if not dot:
+        stem, ext = cleaned, ""
+    if stem.split(".")[0].upper() in _RESERVED or (not dot and cleaned.upper() in _RESERVED):
+        stem = "_" + stem
+    ext = _clip_utf8(ext, 20) if dot else ""
+    suffix = f".{ext}" if dot and ext else ""
+    stem = _clip_utf8(stem, MAX_NAME_BYTES - len(suffix.encode()))
+    return (stem.rstrip(". ") or "file") + suffix
+
+
+def numbered_name(name: str, n: int) -> str:
+    """``name`` for the n-th collision: ``report (2).pdf``; n=0 is ``name`` itself."""
+    if n == 0:
+        return name
+    stem, dot, ext = name.rpartition(".")
+    if not dot or not stem:
+        return f"{name} ({n})"
+    return f"{stem} ({n}).{ext}"
