@@ -187,6 +187,13 @@ class Credit:
 TransferMessage = Offer | Accept | Pending | Reject | Done | Failed | Cancel | Chunk | Credit
 
 
+_REASONED: dict[int, type[Reject | Failed | Cancel]] = {
+    T_REJECT: Reject,
+    T_FAILED: Failed,
+    T_CANCEL: Cancel,
+}
+
+
 def _check_tid(tid: bytes) -> None:
     if len(tid) != TID_LEN:
         raise UsageError(f"transfer id must be {TID_LEN} bytes")
@@ -267,7 +274,7 @@ def decode_message(data: bytes) -> TransferMessage:
         if kind in (T_REJECT, T_FAILED, T_CANCEL):
             _, tid, n = _TID_STR.unpack_from(data)
             reason = _utf8(_tail(data, _TID_STR.size, n, "reason"), "reason")
-            cls = {T_REJECT: Reject, T_FAILED: Failed, T_CANCEL: Cancel}[kind]
+            cls: type[Reject | Failed | Cancel] = _REASONED[kind]
             return cls(tid, reason)
         if kind == T_CHUNK:
             _, tid, epoch, index = _CHUNK.unpack_from(data)
