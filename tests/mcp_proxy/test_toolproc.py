@@ -1,0 +1,124 @@
+"""Tests for mcp_proxy.toolproc against real subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import orjson
+
+from mcp_proxy.jsonrpc import INTERNAL_ERROR
+from mcp_proxy.policy import ServerSpec
+from mcp_proxy.toolproc import EXIT_SPAWN_FAILED, ToolProcess
+
+INIT = orjson.dumps(
+    {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "0"},
+        },
+    }
+)
+
+
+def bad(mode: str) -> ServerSpec:
+    return ServerSpec(command=sys.executable, args=("-m", "tests.tools.bad_server", mode))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.lines: list[dict[str, object]] = []
+        self.exits: list[int] = []
+        self.got = asyncio.Event()
+
+    def on_line(self, line: bytes) -> None:
+        self.lines.append(orjson.loads(line) if line.startswith(b"{") else {"raw": line.decode()})
+        self.got.set()
+
+    def on_exit(self, code: int) -> None:
+        self.exits.append(code)
+
+
+async def test_real_server_initialize_then_clean_terminate() -> None:
+    rec = Recorder()
+    spec = ServerSpec(command=sys.executable, args=("-m", "tests.tools.everything_server"))
+    proc = ToolProcess(spec, rec.on_line, rec.on_exit)
+    async with asyncio.timeout(20):
+        await proc.start()
+        proc.send(INIT, 1)
+        await rec.got.wait()
+        assert rec.lines[0]["id"] == 1 and "result" in rec.lines[0]
+        assert proc.settle(1) and not proc.settle(1)
+        code = await proc.terminate()
+    assert rec.exits == [code]
+    assert not proc.alive
+
+
+async def test_spawn_failure_fails_pending_with_clear_error() -> None:
+    rec = Recorder()
+    proc = ToolProcess(ServerSpec(command="/nonexistent/tool"), rec.on_line, rec.on_exit)
+    async with asyncio.timeout(5):
+        await proc.start()
+        assert rec.exits == [EXIT_SPAWN_FAILED]
+        proc.send(INIT, 1)
+    assert rec.lines == [
+        {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "error": {"code": INTERNAL_ERROR, "message": "tool process exited (code 127)"},
+        }
+    ]
+
+
+async def test_exit_at_start_and_crash_in_initialize() -> None:
+    for mode, code in (("exit-at-start", 4), ("crash-in-initialize", 5)):
+        rec = Recorder()
+        proc = ToolProcess(bad(mode), rec.on_line, rec.on_exit)
+        async with asyncio.timeout(10):
+            await proc.start()
+            proc.send(INIT, 1)
+            assert await proc.wait() == code
+        assert rec.exits == [code]
+        errors = [m for m in rec.lines if "error" in m]
+        assert errors == [
+            {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "error": {"code": INTERNAL_ERROR, "message": f"tool process exited (code {code})"},
+            }
+        ]
+
+
+async def test_garbage_lines_are_passed_up_not_fatal() -> None:
+    rec = Recorder()
+    proc = ToolProcess(bad("garbage"), rec.on_line, rec.on_exit)
+    async with asyncio.timeout(10):
+        await proc.start()
+        proc.send(INIT, 1)
+        while len(rec.lines) < 3:
+            rec.got.clear()
+            await rec.got.wait()
+        assert rec.lines[0] == {"raw": "this is not json {"}
+        assert rec.lines[2]["id"] == 1
+        assert proc.alive
+        await proc.terminate()
+
+
+async def test_sigkill_after_grace_when_sigterm_ignored() -> None:
+    rec = Recorder()
+    proc = ToolProcess(bad("hang"), rec.on_line, rec.on_exit, grace=0.3)
+    async with asyncio.timeout(10):
+        await proc.start()
+        await rec.got.wait()  # "ready": its SIGTERM handler is installed
+        proc.send(INIT, 7)
+        code = await proc.terminate()
+    assert code == -9
+    assert rec.lines[0] == {"raw": "ready"}
+    assert rec.lines[1]["error"] == {
+        "code": INTERNAL_ERROR,
+        "message": "tool process exited (code -9)",
+    }
