@@ -1,0 +1,105 @@
+"""Stream sealer: round trips, ordering, truncation, tampering (talos_sdk/aead.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from talos_sdk.aead import (
+    CHUNK_HEADER_SIZE,
+    TAG_SIZE,
+    StreamOpener,
+    StreamSealer,
+    derive_stream_key,
+)
+from talos_sdk.errors import DecryptionError, UsageError
+
+KEY = derive_stream_key(bytes(range(32)), b"file:1")
+
+
+def pair(stream_id: bytes = b"s1") -> tuple[StreamSealer, StreamOpener]:
+    return StreamSealer(KEY, stream_id), StreamOpener(KEY, stream_id)
+
+
+@given(chunks=st.lists(st.binary(max_size=300), min_size=1, max_size=20))
+def test_round_trip_in_order(chunks: list[bytes]) -> None:
+    sealer, opener = pair()
+    sealed = [sealer.seal(c, final=i == len(chunks) - 1) for i, c in enumerate(chunks)]
+    assert [opener.open(s) for s in sealed] == chunks
+    assert opener.finished and sealer.finished
+    assert all(
+        len(s) == len(c) + CHUNK_HEADER_SIZE + TAG_SIZE for s, c in zip(sealed, chunks, strict=True)
+    )
+
+
+def test_replay_and_reorder_rejected() -> None:
+    sealer, opener = pair()
+    a, b = sealer.seal(b"a"), sealer.seal(b"b")
+    with pytest.raises(DecryptionError):
+        opener.open(b)
+    assert opener.open(a) == b"a"
+    with pytest.raises(DecryptionError):
+        opener.open(a)
+    assert opener.open(b) == b"b"
+
+
+def test_final_flag_is_authenticated() -> None:
+    sealer, opener = pair()
+    last = bytearray(sealer.seal(b"end", final=True))
+    last[8] = 0  # attacker clears the final bit to hide a truncation point
+    with pytest.raises(DecryptionError):
+        opener.open(bytes(last))
+
+
+def test_nothing_after_final() -> None:
+    sealer, opener = pair()
+    opener.open(sealer.seal(b"x", final=True))
+    with pytest.raises(UsageError, match="finished"):
+        sealer.seal(b"y")
+    other = StreamSealer(KEY, b"s1")
+    other.seal(b"x")
+    with pytest.raises(DecryptionError):
+        opener.open(other.seal(b"y"))
+
+
+@pytest.mark.parametrize("where", [0, 8, CHUNK_HEADER_SIZE, -1])
+def test_tampered_chunk(where: int) -> None:
+    sealer, opener = pair()
+    sealed = bytearray(sealer.seal(b"payload"))
+    sealed[where] ^= 0x01
+    with pytest.raises(DecryptionError):
+        opener.open(bytes(sealed))
+    assert opener.counter == 0
+
+
+def test_truncated_and_unknown_flags() -> None:
+    sealer, opener = pair()
+    sealed = sealer.seal(b"")
+    with pytest.raises(DecryptionError):
+        opener.open(sealed[:-1])
+    with pytest.raises(DecryptionError):
+        opener.open(sealed[:8] + b"\x02" + sealed[9:])
+
+
+def test_other_stream_or_key_rejected() -> None:
+    sealed = StreamSealer(KEY, b"s1").seal(b"data")
+    with pytest.raises(DecryptionError):
+        StreamOpener(KEY, b"s2").open(sealed)
+    with pytest.raises(DecryptionError):
+        StreamOpener(derive_stream_key(bytes(32), b"file:1"), b"s1").open(sealed)
+
+
+def test_derive_stream_key_separates_labels() -> None:
+    secret = bytes(range(32))
+    assert derive_stream_key(secret, b"a") != derive_stream_key(secret, b"b")
+    assert len(derive_stream_key(secret, b"a")) == 32
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(UsageError, match="32 bytes"):
+        StreamSealer(b"short", b"s")
+    with pytest.raises(UsageError, match="stream_id"):
+        StreamOpener(KEY, "s")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="at least 16"):
+        derive_stream_key(b"tiny", b"x")
