@@ -10,7 +10,9 @@ Each then signs, with its Ed25519 identity key::
                  || initiator nonce || responder nonce
                  || lp(initiator suites) || lp(responder suites)
 
-so a proof binds both nonces (no replay), both DIDs (no relaying to a third
+On the wire: initiator HELLO, responder HELLO, initiator PROOF, responder
+PROOF (sent only once the initiator's proof verified, so it also means
+"accepted"). A proof binds both nonces (no replay), both DIDs (no relaying to a third
 party) and the signer's role (no reflecting a proof back at its author). The
 peer's proof is checked against the key inside the DID it claims: holding
 another key and claiming a DID fails here. Every failure is a :class:`Refusal`

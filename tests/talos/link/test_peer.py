@@ -1,0 +1,137 @@
+"""Authenticated WebSocket links on 127.0.0.1 (talos/link/peer.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from websockets.asyncio.server import Server, ServerConnection, serve
+
+from talos.link import handshake as hs
+from talos.link import wire
+from talos.link.peer import Link, LinkSettings, PeerRefused, accept_link, dial_link
+from talos_sdk.errors import HandshakeError
+from talos_sdk.wallet import Wallet
+
+SETTINGS = LinkSettings(max_frame=4096, handshake_timeout=5)
+
+
+@dataclass
+class Liar:
+    """Signs with its own key but claims someone else's DID."""
+
+    wallet: Wallet
+    did: str
+
+    def sign(self, data: bytes) -> bytes:
+        return self.wallet.sign(data)
+
+
+@dataclass
+class Listener:
+    wallet: Wallet
+    authorizer: Callable[[str], bool]
+    links: asyncio.Queue[Link] = field(default_factory=asyncio.Queue)
+    errors: asyncio.Queue[Exception] = field(default_factory=asyncio.Queue)
+    server: Server | None = None
+
+    async def handler(self, ws: ServerConnection) -> None:
+        try:
+            link = await accept_link(ws, self.wallet, self.authorizer, SETTINGS)
+        except HandshakeError as exc:
+            await self.errors.put(exc)
+            return
+        await self.links.put(link)
+        await ws.wait_closed()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        port = next(iter(self.server.sockets)).getsockname()[1]
+        return f"ws://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def listener() -> AsyncIterator[Listener]:
+    lst = Listener(Wallet.generate(), lambda did: True)
+    async with serve(
+        lst.handler, "127.0.0.1", 0, compression=None, max_size=SETTINGS.ws_max_size
+    ) as server:
+        lst.server = server
+        yield lst
+
+
+async def test_link_authenticates_and_carries_frames(listener: Listener) -> None:
+    me = Wallet.generate()
+    async with asyncio.timeout(5):
+        link = await dial_link(listener.url, listener.wallet.did, me, lambda d: True, SETTINGS)
+        server_link = await listener.links.get()
+        assert link.peer_did == listener.wallet.did
+        assert server_link.peer_did == me.did
+        assert link.suites == hs.SUITES
+        await link.send(wire.encode(wire.Msg(1, b"hi")))
+        assert wire.decode(await server_link.recv()) == wire.Msg(1, b"hi")
+        await server_link.send(wire.encode(wire.Ack(1)))
+        assert wire.decode(await link.recv()) == wire.Ack(1)
+        await link.close()
+
+
+async def test_unknown_peer_gets_a_clear_refusal(listener: Listener) -> None:
+    listener.authorizer = lambda did: False
+    async with asyncio.timeout(5):
+        with pytest.raises(PeerRefused, match="unknown peer") as exc:
+            await dial_link(
+                listener.url, listener.wallet.did, Wallet.generate(), lambda d: True, SETTINGS
+            )
+        assert exc.value.code == hs.CLOSE_UNAUTHORIZED
+        assert isinstance(await listener.errors.get(), hs.Refusal)
+
+
+async def test_impostor_claiming_a_did_is_refused(listener: Listener) -> None:
+    victim = Wallet.generate()
+    liar = Liar(Wallet.generate(), victim.did)
+    async with asyncio.timeout(5):
+        with pytest.raises(PeerRefused, match="does not verify") as exc:
+            await dial_link(listener.url, listener.wallet.did, liar, lambda d: True, SETTINGS)
+        assert exc.value.code == hs.CLOSE_BAD_PROOF
+        err = await listener.errors.get()
+        assert isinstance(err, hs.Refusal)
+        assert err.code == hs.CLOSE_BAD_PROOF
+        assert listener.links.empty()
+
+
+async def test_dialer_refuses_a_server_that_is_not_the_pinned_did(listener: Listener) -> None:
+    someone_else = Wallet.generate().did
+    async with asyncio.timeout(5):
+        with pytest.raises(hs.Refusal, match="pinned DID mismatch"):
+            await dial_link(listener.url, someone_else, Wallet.generate(), lambda d: True, SETTINGS)
+        err = await listener.errors.get()
+        assert isinstance(err, PeerRefused)
+        assert err.code == hs.CLOSE_PINNED_MISMATCH
+
+
+async def test_garbage_during_handshake_is_refused(listener: Listener) -> None:
+    from websockets.asyncio.client import connect
+
+    async with asyncio.timeout(5), connect(listener.url, compression=None) as ws:
+        await ws.send(b"\xffgarbage")
+        refusal = wire.decode(await ws.recv())  # type: ignore[arg-type]
+        assert isinstance(refusal, wire.Refuse)
+        assert refusal.code == hs.CLOSE_PROTOCOL
+        err = await listener.errors.get()
+        assert "bad handshake frame" in str(err)
+
+
+async def test_unreachable_address_is_a_connection_error() -> None:
+    async with asyncio.timeout(5):
+        # Bind then close a socket to get a port nobody listens on.
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        with pytest.raises(ConnectionError, match="cannot reach"):
+            await dial_link(
+                f"ws://127.0.0.1:{port}", "did:key:x", Wallet.generate(), lambda d: True, SETTINGS
+            )
