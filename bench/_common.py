@@ -29,7 +29,8 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-RESULTS_DIR = BENCH_DIR / "results"
+# Overridable so tests and parallel runs do not share one results folder.
+RESULTS_DIR = Path(os.environ.get("TALOS_BENCH_RESULTS", BENCH_DIR / "results"))
 
 # pyperf re-runs the script in worker processes; a fresh clone without an
 # editable install still finds the packages when run from anywhere.
@@ -81,6 +82,7 @@ class Suite:
     runner: pyperf.Runner | None
     metrics: dict[str, Metric] = field(default_factory=dict)
     rows: list[Row] = field(default_factory=list)
+    samples: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, script_file: str, *, pyperf_runner: bool = True) -> Suite:
@@ -140,13 +142,17 @@ class Suite:
         self.metrics[key] = Metric(key, label, value, unit)
         self.rows.append(Row(ours=key, raw=raw))
 
+    def record_samples(self, key: str, samples: Sequence[float]) -> None:
+        """Keep a latency distribution (seconds) for run_all.py's plots."""
+        self.samples[key] = list(samples)
+
     def finish(self) -> Path | None:
         """Print the table and write the results JSON (main process only)."""
         if not self.is_main_process:
             return None
         print()
         print(format_table(self.metrics, self.rows))
-        return write_results(self.script, self.fast, self.metrics)
+        return write_results(self.script, self.fast, self.metrics, self.rows, self.samples)
 
 
 def machine_description() -> dict[str, str]:
@@ -180,9 +186,15 @@ def machine_description() -> dict[str, str]:
     return desc
 
 
-def write_results(script: str, fast: bool, metrics: dict[str, Metric]) -> Path:
+def write_results(
+    script: str,
+    fast: bool,
+    metrics: dict[str, Metric],
+    rows: Sequence[Row] = (),
+    samples: dict[str, list[float]] | None = None,
+) -> Path:
     """Write ``bench/results/<script>.json``, the input of run_all.py."""
-    RESULTS_DIR.mkdir(exist_ok=True)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{script}.json"
     doc = {
         "script": script,
@@ -190,6 +202,8 @@ def write_results(script: str, fast: bool, metrics: dict[str, Metric]) -> Path:
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine_description(),
         "metrics": {k: asdict(m) for k, m in metrics.items()},
+        "rows": [asdict(r) for r in rows],
+        "samples": samples or {},
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
@@ -199,6 +213,8 @@ def load_results(path: Path) -> dict[str, Any]:
     """Read a results JSON file back; metrics become :class:`Metric` objects."""
     doc: dict[str, Any] = json.loads(path.read_text())
     doc["metrics"] = {k: Metric(**v) for k, v in doc["metrics"].items()}
+    doc["rows"] = [Row(**r) for r in doc.get("rows", [])]
+    doc.setdefault("samples", {})
     return doc
 
 

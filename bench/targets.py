@@ -1,0 +1,266 @@
+"""The performance targets of DESIGN.md "Performance targets", as data.
+
+Each :class:`Target` row carries the seed figure we set out to beat, the floor
+measured on this class of machine (both as text, copied from DESIGN.md) and
+one or more criteria that ``run_all.py`` checks against the figures MEASURED in
+this run (``bench/results/*.json``). A criterion names metric keys written by
+the bench scripts; a key that no script has written yet reads "not measured
+yet" instead of pass or miss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from _common import Metric, format_rate, format_seconds
+
+MB = 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """The outcome of one criterion: what was measured and whether it met the target."""
+
+    measured: str
+    floor: str
+    ratio: str
+    ok: bool | None  # None: not measured yet
+
+
+NOT_MEASURED = Check("—", "", "", None)
+
+
+def _rate_text(m: Metric, per: str = "/s") -> str:
+    if m.unit == "B/s":
+        return f"{m.value / MB:,.0f} MB/s"
+    return f"{format_rate(m.rate())}{per}"
+
+
+@dataclass(frozen=True, slots=True)
+class AtLeastRatio:
+    """rate(ours) >= factor x the fastest of the raw rates, all from the same run."""
+
+    ours: str
+    raws: tuple[str, ...]
+    factor: float
+
+    @property
+    def text(self) -> str:
+        """The target as written in the report."""
+        return f"≥ {self.factor:g} × raw"
+
+    def check(self, metrics: Mapping[str, Metric]) -> Check:
+        """Compare the measured rates."""
+        if self.ours not in metrics or not all(r in metrics for r in self.raws):
+            return NOT_MEASURED
+        ours = metrics[self.ours]
+        best = max((metrics[r] for r in self.raws), key=lambda m: m.rate())
+        r = ours.rate() / best.rate()
+        return Check(
+            _rate_text(ours), f"{_rate_text(best)} ({best.label})", f"{r:.2f}×", r >= self.factor
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AtLeastRate:
+    """rate(key) >= minimum per second (ops, records, requests or bytes)."""
+
+    key: str
+    minimum: float
+    per: str = "/s"
+    floor: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The target as written in the report."""
+        if self.per == " MB/s":
+            return f"≥ {self.minimum / MB:,.0f} MB/s"
+        return f"≥ {format_rate(self.minimum)}{self.per}"
+
+    def check(self, metrics: Mapping[str, Metric]) -> Check:
+        """Compare the measured rate with the absolute target."""
+        if self.key not in metrics:
+            return NOT_MEASURED
+        m = metrics[self.key]
+        floor = metrics.get(self.floor) if self.floor else None
+        floor_text = f"{_rate_text(floor)} ({floor.label})" if floor else ""
+        ratio = f"{m.rate() / floor.rate():.2f}×" if floor else ""
+        return Check(_rate_text(m), floor_text, ratio, m.rate() >= self.minimum)
+
+
+@dataclass(frozen=True, slots=True)
+class AtMost:
+    """value(key) <= limit, for latencies (seconds) and sizes (bytes)."""
+
+    key: str
+    limit: float
+    floors: tuple[str, ...] = ()
+    floor_factor: float | None = None
+
+    @property
+    def text(self) -> str:
+        """The target as written in the report."""
+        parts = []
+        if self.limit != float("inf"):
+            parts.append(f"≤ {self._fmt(self.limit)}")
+        if self.floor_factor is not None:
+            parts.append(f"≤ {self.floor_factor:g} × floor")
+        return ", ".join(parts)
+
+    def _fmt(self, v: float) -> str:
+        return f"{v / MB:,.0f} MB" if self.key.endswith("rss") else format_seconds(v)
+
+    def check(self, metrics: Mapping[str, Metric]) -> Check:
+        """Compare with the absolute limit and, if given, a multiple of the summed floors."""
+        if self.key not in metrics or not all(f in metrics for f in self.floors):
+            return NOT_MEASURED
+        v = metrics[self.key].value
+        ok = v <= self.limit
+        floor_text, ratio = "", ""
+        if self.floors:
+            floor = sum(metrics[f].value for f in self.floors)
+            floor_text = (
+                self._fmt(floor) + " (" + " + ".join(metrics[f].label for f in self.floors) + ")"
+            )
+            ratio = f"{v / floor:.2f}× floor"
+            if self.floor_factor is not None:
+                ok = ok and v <= self.floor_factor * floor
+        return Check(self._fmt(v), floor_text, ratio, ok)
+
+
+Criterion = AtLeastRatio | AtLeastRate | AtMost
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One row of DESIGN.md's targets table."""
+
+    what: str
+    seed: str
+    floor_here: str
+    criteria: tuple[Criterion, ...]
+
+
+TARGETS: tuple[Target, ...] = (
+    Target(
+        "Wallet.sign (64 B)",
+        "15.4k ops/s",
+        "libsodium 34k, OpenSSL 27k",
+        (
+            AtLeastRatio(
+                "wallet.sign.64B", ("ed25519.sign.64B.nacl", "ed25519.sign.64B.openssl"), 0.9
+            ),
+        ),
+    ),
+    Target(
+        "Wallet.verify (64 B)",
+        "6.9k ops/s",
+        "libsodium 12k, OpenSSL 8k",
+        (
+            AtLeastRatio(
+                "wallet.verify.64B", ("ed25519.verify.64B.nacl", "ed25519.verify.64B.openssl"), 0.9
+            ),
+        ),
+    ),
+    Target(
+        "ChaCha20-Poly1305 seal, 35 B frame (framing included)",
+        "290k ops/s",
+        "1.1M raw calls/s",
+        (AtLeastRatio("frame.seal.35B", ("chacha20poly1305.seal.35B",), 0.5),),
+    ),
+    Target(
+        "Session.encrypt (35 B)",
+        "50.7k ops/s",
+        "—",
+        (AtLeastRate("session.encrypt.35B", 150_000, floor="chacha20poly1305.seal.35B"),),
+    ),
+    Target(
+        "Session create pair, X3DH, keys included",
+        "669 /s (1.49 ms)",
+        "X25519 27k DH/s",
+        (AtLeastRate("session.create_pair.x25519", 3_000, floor="x25519.exchange"),),
+    ),
+    Target(
+        "Session create pair, PQ hybrid (ML-KEM-768)",
+        "—",
+        "—",
+        (AtLeastRate("session.create_pair.x25519-mlkem768", 1_500, floor="x25519.exchange"),),
+    ),
+    Target(
+        "canonical_json_bytes (small object)",
+        "297k ops/s",
+        "—",
+        (AtLeastRate("canonical.small", 500_000, floor="canonical.small.raw"),),
+    ),
+    Target(
+        "LMDB block store write (batch)",
+        "2.0M ops/s",
+        "raw lmdb 475k",
+        (AtLeastRatio("store.append.batch", ("store.append.batch.raw",), 0.7),),
+    ),
+    Target(
+        "LMDB block store read (random)",
+        "3.9M ops/s",
+        "raw lmdb 1.04M",
+        (AtLeastRatio("store.read.random", ("store.read.random.raw",), 0.7),),
+    ),
+    Target(
+        "block validation, one core",
+        "0.24 ms/block",
+        "Ed25519 verify 12k/s",
+        (
+            AtLeastRate(
+                "chain.validate.1core", 10_000, " records/s", floor="ed25519.verify.64B.nacl"
+            ),
+        ),
+    ),
+    Target(
+        "block validation, all cores vs one",
+        "—",
+        "2 cores",
+        (AtLeastRatio("chain.validate.allcores", ("chain.validate.1core",), 1.7),),
+    ),
+    Target(
+        "end-to-end message A → B, durable (fsync before ack), p50",
+        "4–6 ms",
+        "one LMDB sync commit 0.4 ms",
+        (AtMost("e2e.latency.p50", 1e-3, ("store.sync_commit", "ws.roundtrip.p50"), 2.0),),
+    ),
+    Target(
+        "MCP tunnel added round trip (ping)",
+        "+12.3 ms",
+        "naive unencrypted relay +0.5 ms",
+        (AtMost("tunnel.ping.added.p50", 0.6e-3), AtMost("tunnel.ping.added.p99", 2e-3)),
+    ),
+    Target(
+        "MCP tunnel, lean JSON-RPC client, sequential",
+        "~80 req/s",
+        "raw stdio 2,600 /s",
+        (
+            AtLeastRate(
+                "tunnel.lean.sequential", 1_000, " req/s", floor="tunnel.lean.sequential.raw"
+            ),
+        ),
+    ),
+    Target(
+        "MCP tunnel, 64 requests in flight",
+        "—",
+        "raw 18k /s, naive relay 9.2k /s",
+        (
+            AtLeastRate(
+                "tunnel.lean.inflight64", 8_000, " req/s", floor="tunnel.lean.inflight64.raw"
+            ),
+        ),
+    ),
+    Target(
+        "file transfer, loopback, encrypted",
+        "9.1 MB/s",
+        "ChaCha20 1.9 GB/s/core; plain websockets copy 200–250 MiB/s",
+        (
+            AtLeastRatio("transfer.encrypted", ("transfer.plain_ws",), 1.0),
+            AtLeastRate("transfer.encrypted", 400 * MB, " MB/s"),
+            AtMost("transfer.peak_rss", 200 * MB),
+        ),
+    ),
+)
