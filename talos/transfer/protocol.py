@@ -18,7 +18,6 @@ never reuses a (key, nonce) pair even if the source file changed.
 from __future__ import annotations
 
 import enum
-import hashlib
 import hmac
 import struct
 import unicodedata
@@ -335,11 +334,6 @@ class ChunkPlan:
 def stream_label(tid: bytes, epoch: int, offset: int) -> bytes:
     """HKDF label of one attempt's stream key (binds transfer, attempt, start)."""
     return b"talos/file/v1" + tid + struct.pack(">IQ", epoch, offset)
-
-
-def stream_id(tid: bytes, epoch: int) -> bytes:
-    """The 4-byte nonce prefix of an attempt's stream (the key already differs)."""
-    return hashlib.sha256(tid + struct.pack(">I", epoch)).digest()[:4]
 
 
 # --------------------------------------------------------------------------- bulk handshake

@@ -1,0 +1,216 @@
+"""Tests for the sender/receiver file logic (talos.transfer.sender / receiver), no network."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from talos.transfer.protocol import TransferProtocolError
+from talos.transfer.receiver import (
+    PARTIAL_DIR,
+    IncomingAttempt,
+    IncomingFile,
+    IntegrityError,
+    NoSpaceError,
+)
+from talos.transfer.sender import OutgoingAttempt, SourceChangedError, hash_file
+from talos_sdk.errors import DecryptionError, StorageError, UsageError
+
+TID = bytes(range(16))
+KEY = b"k" * 32
+
+
+def _source(tmp_path: Path, size: int) -> tuple[Path, bytes]:
+    data = os.urandom(size)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    return src, hashlib.sha256(data).digest()
+
+
+def _visible(files: Path) -> list[str]:
+    return sorted(p.name for p in files.iterdir() if p.name != PARTIAL_DIR)
+
+
+def _pump(out: OutgoingAttempt, att: IncomingAttempt) -> None:
+    while not out.finished:
+        att.process(out.next_sealed())
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, 4096, 4097, 3 * 4096 + 5])
+def test_round_trip_sizes(tmp_path: Path, size: int) -> None:
+    src, digest = _source(tmp_path, size)
+    files = tmp_path / "files"
+    inc = IncomingFile(files, TID, size)
+    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, 4096)
+    att = IncomingAttempt(inc, KEY, TID, 0)
+    _pump(out, att)
+    final = inc.finish(digest, "doc.bin")
+    assert final == files / "doc.bin"
+    assert final.read_bytes() == src.read_bytes()
+    assert list((files / PARTIAL_DIR).iterdir()) == []
+    assert hash_file(src) == (size, digest)
+
+
+def test_resume_from_committed_offset_with_new_epoch(tmp_path: Path) -> None:
+    size = 10 * 4096 + 7
+    src, digest = _source(tmp_path, size)
+    files = tmp_path / "files"
+    inc = IncomingFile(files, TID, size)
+    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, 4096)
+    att = IncomingAttempt(inc, KEY, TID, 0)
+    for _ in range(3):
+        att.process(out.next_sealed())
+    committed = inc.sync()
+    att.process(out.next_sealed())  # written but never committed: dropped on resume
+    inc.close()
+    out.close()
+
+    inc2 = IncomingFile(files, TID, size, committed=committed)
+    assert inc2.written == 3 * 4096
+    out2 = OutgoingAttempt(src, size, KEY, TID, 1, committed, 4096)
+    att2 = IncomingAttempt(inc2, KEY, TID, 1)
+    _pump(out2, att2)
+    assert inc2.finish(digest, "r.bin").read_bytes() == src.read_bytes()
+
+
+def test_chunk_from_old_epoch_is_rejected(tmp_path: Path) -> None:
+    src, _ = _source(tmp_path, 9000)
+    inc = IncomingFile(tmp_path / "files", TID, 9000)
+    old = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096)
+    att = IncomingAttempt(inc, KEY, TID, 1)
+    with pytest.raises(DecryptionError):
+        att.process(old.next_sealed())
+    assert inc.written == 0
+
+
+def test_tampered_chunk_rejected_nothing_written(tmp_path: Path) -> None:
+    src, _ = _source(tmp_path, 9000)
+    inc = IncomingFile(tmp_path / "files", TID, 9000)
+    out = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096)
+    att = IncomingAttempt(inc, KEY, TID, 0)
+    sealed = bytearray(out.next_sealed())
+    sealed[100] ^= 1
+    with pytest.raises(DecryptionError):
+        att.process(bytes(sealed))
+    assert inc.written == 0
+
+
+def test_truncated_stream_detected(tmp_path: Path) -> None:
+    src, digest = _source(tmp_path, 9000)
+    files = tmp_path / "files"
+    inc = IncomingFile(files, TID, 9000)
+    out = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096)
+    att = IncomingAttempt(inc, KEY, TID, 0)
+    att.process(out.next_sealed())
+    out.next_sealed()  # dropped in transit
+    with pytest.raises(DecryptionError):
+        att.process(out.next_sealed())
+    with pytest.raises(TransferProtocolError, match="ended at 4096 of 9000"):
+        inc.finish(digest, "x")
+    inc.discard()
+    assert _visible(files) == []
+    assert list((files / PARTIAL_DIR).iterdir()) == []
+
+
+def test_wrong_total_hash_leaves_nothing_visible(tmp_path: Path) -> None:
+    src, _ = _source(tmp_path, 5000)
+    files = tmp_path / "files"
+    inc = IncomingFile(files, TID, 5000)
+    _pump(OutgoingAttempt(src, 5000, KEY, TID, 0, 0, 4096), IncomingAttempt(inc, KEY, TID, 0))
+    with pytest.raises(IntegrityError):
+        inc.finish(b"\x00" * 32, "x.bin")
+    inc.discard()
+    assert _visible(files) == []
+
+
+def test_sender_lying_about_size_more_bytes(tmp_path: Path) -> None:
+    src, _ = _source(tmp_path, 9000)
+    inc = IncomingFile(tmp_path / "files", TID, 5000)  # offer said 5000
+    out = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096)
+    att = IncomingAttempt(inc, KEY, TID, 0)
+    att.process(out.next_sealed())
+    with pytest.raises(TransferProtocolError, match="more than the announced size"):
+        att.process(out.next_sealed())
+    assert inc.written == 4096
+
+
+def test_sender_lying_about_size_fewer_bytes(tmp_path: Path) -> None:
+    src, _ = _source(tmp_path, 3000)
+    inc = IncomingFile(tmp_path / "files", TID, 5000)
+    att = IncomingAttempt(inc, KEY, TID, 0)
+    with pytest.raises(TransferProtocolError, match="stream ended at 3000"):
+        _pump(OutgoingAttempt(src, 3000, KEY, TID, 0, 0, 4096), att)
+
+
+def test_collision_picks_numbered_name_and_never_follows_symlink(tmp_path: Path) -> None:
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "a.txt").write_bytes(b"mine")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    (files / "a (1).txt").symlink_to(outside)
+    src, digest = _source(tmp_path, 10)
+    inc = IncomingFile(files, TID, 10)
+    _pump(OutgoingAttempt(src, 10, KEY, TID, 0, 0, 4096), IncomingAttempt(inc, KEY, TID, 0))
+    assert inc.finish(digest, "a.txt") == files / "a (2).txt"
+    assert (files / "a.txt").read_bytes() == b"mine"
+    assert outside.read_bytes() == b"precious"
+
+
+def test_source_changed_size(tmp_path: Path) -> None:
+    src, _ = _source(tmp_path, 100)
+    with pytest.raises(SourceChangedError):
+        OutgoingAttempt(src, 99, KEY, TID, 0, 0, 4096)
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    src, _ = _source(tmp_path, 100)
+    with pytest.raises(UsageError):
+        OutgoingAttempt(src, 100, KEY, TID, 0, 101, 4096)
+    with pytest.raises(UsageError):
+        IncomingFile(tmp_path / "f", TID, 10, committed=11)
+    with pytest.raises(UsageError):
+        hash_file(Path("/dev/null"))
+    inc = IncomingFile(tmp_path / "f", TID, 10)
+    with pytest.raises(UsageError, match="out-of-order"):
+        inc.write(5, b"x")
+
+
+def test_partial_shorter_than_recorded_progress(tmp_path: Path) -> None:
+    IncomingFile(tmp_path / "f", TID, 100).close()
+    with pytest.raises(StorageError, match="shorter"):
+        IncomingFile(tmp_path / "f", TID, 100, committed=50)
+
+
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """A real kernel write limit (RLIMIT_FSIZE): writes past it fail with EFBIG."""
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def test_disk_full_is_a_clear_error(tmp_path: Path) -> None:
+    limit = 64 * 1024
+    size = 4 * limit
+    src, _ = _source(tmp_path, size)
+    files = tmp_path / "files"
+    inc = IncomingFile(files, TID, size)
+    att = IncomingAttempt(inc, KEY, TID, 0)
+    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, 16 * 1024)
+    with file_size_limit(limit), pytest.raises(NoSpaceError, match="no space left"):
+        _pump(out, att)
+    inc.discard()
+    assert _visible(files) == []
