@@ -104,10 +104,11 @@ class Suite:
             return True
         return self.runner.args.worker_task is None
 
-    def _bench(self, key: str, label: str, fn: Callable[[], object]) -> None:
+    def _bench(self, key: str, label: str, fn: Callable[[], object], per_call: int) -> None:
         if self.runner is None:
             raise RuntimeError("this suite was created without a pyperf runner")
-        bench = self.runner.bench_func(label, fn)
+        # inner_loops makes pyperf report time per item of a batched call.
+        bench = self.runner.bench_func(label, fn, inner_loops=per_call)
         if bench is not None and self.is_main_process:
             self.metrics[key] = Metric(key, label, bench.mean(), "s")
 
@@ -119,21 +120,26 @@ class Suite:
         ours_fn: Callable[[], object],
         *,
         raw_label: str,
+        per_call: int = 1,
     ) -> None:
-        """Benchmark ``ours_fn`` and the raw call it wraps, back to back in this run."""
+        """Benchmark ``ours_fn`` and the raw call it wraps, back to back in this run.
+
+        ``per_call`` is the number of items one call handles (a batch), so the
+        figures are per item.
+        """
         raw_key = key + ".raw"
-        self._bench(raw_key, raw_label, raw_fn)
-        self._bench(key, label, ours_fn)
+        self._bench(raw_key, raw_label, raw_fn, per_call)
+        self._bench(key, label, ours_fn, per_call)
         self.rows.append(Row(ours=key, raw=raw_key))
 
-    def floor(self, key: str, label: str, fn: Callable[[], object]) -> None:
+    def floor(self, key: str, label: str, fn: Callable[[], object], *, per_call: int = 1) -> None:
         """Benchmark a raw call that has no wrapper of ours (a floor shown on its own)."""
-        self._bench(key, label, fn)
+        self._bench(key, label, fn, per_call)
         self.rows.append(Row(ours=key))
 
-    def single(self, key: str, label: str, fn: Callable[[], object]) -> None:
+    def single(self, key: str, label: str, fn: Callable[[], object], *, per_call: int = 1) -> None:
         """Benchmark one of our calls that has no raw counterpart."""
-        self.floor(key, label, fn)
+        self.floor(key, label, fn, per_call=per_call)
 
     def record(
         self, key: str, label: str, value: float, unit: str, *, raw: str | None = None
