@@ -1,0 +1,228 @@
+"""The durable message pipeline: outbox, inbox, per-peer order and acks (DESIGN.md "Storage").
+
+Pure bookkeeping plus the LMDB row layouts; the node (talos/node.py) does the
+I/O. The rules, per ordered pair of nodes:
+
+* the sender gives each message the next per-peer sequence number and commits
+  it to the ``outbox`` (durably) before it may leave the node;
+* the receiver accepts only ``delivered + 1``; a lower number is a duplicate
+  (dropped, re-acked), a higher one a gap (dropped, not acked: the sender
+  resends from its oldest unacknowledged message);
+* accepted messages are group-committed — inbox rows, block-log records,
+  ``delivered`` and the session state in one durable transaction — and only
+  then acknowledged with a cumulative :class:`~talos.link.wire.Ack`;
+* an ack lets the sender drop every outbox row up to it.
+
+Row layouts (big-endian)::
+
+    outbox  DID || 0x00 || seq u64      -> msg id (16) || ts_ms u64 || text (UTF-8)
+    inbox   n u64 (arrival order)       -> msg id (16) || ts_ms u64 || seq u64
+                                           || len u16 || from DID || text (UTF-8)
+    meta    b"out:" || DID              -> last assigned seq u64
+    meta    b"in:" || DID               -> last delivered seq u64
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+from talos.store import Txn
+from talos_sdk.errors import MalformedFrameError
+
+__all__ = [
+    "InboxEntry",
+    "OutboxEntry",
+    "ReceiverState",
+    "SenderState",
+    "Verdict",
+    "decode_inbox",
+    "decode_outbox",
+    "encode_inbox",
+    "encode_outbox",
+    "iter_outbox",
+    "outbox_key",
+]
+
+_U64 = struct.Struct(">Q")
+_OUT = struct.Struct(">16sQ")
+_IN = struct.Struct(">16sQQH")
+MSG_ID_LEN: Final = 16
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEntry:
+    """A message waiting for the peer's ack."""
+
+    peer: str
+    seq: int
+    msg_id: bytes
+    ts_ms: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class InboxEntry:
+    """A message committed to our inbox."""
+
+    n: int
+    msg_id: bytes
+    sender: str
+    seq: int
+    ts_ms: int
+    text: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"id": self.msg_id.hex(), "from": self.sender, "text": self.text, "ts": self.ts_ms}
+
+
+def outbox_prefix(peer: str) -> bytes:
+    return peer.encode() + b"\x00"
+
+
+def outbox_key(peer: str, seq: int) -> bytes:
+    return outbox_prefix(peer) + _U64.pack(seq)
+
+
+def encode_outbox(msg_id: bytes, ts_ms: int, text: str) -> bytes:
+    return _OUT.pack(msg_id, ts_ms) + text.encode()
+
+
+def decode_outbox(key: bytes, value: bytes) -> OutboxEntry:
+    # The seq is the last 8 bytes: it may itself contain 0x00 bytes.
+    msg_id, ts = _OUT.unpack_from(value)
+    return OutboxEntry(
+        key[:-9].decode(), _U64.unpack(key[-8:])[0], msg_id, ts, value[_OUT.size :].decode()
+    )
+
+
+def iter_outbox(txn: Txn, peer: str, after_seq: int = 0) -> Iterator[OutboxEntry]:
+    """Outbox rows for ``peer`` with seq > ``after_seq``, in order."""
+    prefix = outbox_prefix(peer)
+    for key, value in txn.items("outbox", outbox_key(peer, after_seq + 1)):
+        if not key.startswith(prefix) or len(key) != len(prefix) + 8:
+            return
+        yield decode_outbox(key, value)
+
+
+def encode_inbox(msg_id: bytes, sender: str, seq: int, ts_ms: int, text: str) -> bytes:
+    did = sender.encode()
+    return _IN.pack(msg_id, ts_ms, seq, len(did)) + did + text.encode()
+
+
+def decode_inbox(key: bytes, value: bytes) -> InboxEntry:
+    try:
+        msg_id, ts, seq, n = _IN.unpack_from(value)
+        did = value[_IN.size : _IN.size + n].decode()
+        text = value[_IN.size + n :].decode()
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise MalformedFrameError(f"corrupt inbox row: {exc}") from None
+    return InboxEntry(_U64.unpack(key)[0], msg_id, did, seq, ts, text)
+
+
+def meta_out(peer: str) -> bytes:
+    return b"out:" + peer.encode()
+
+
+def meta_in(peer: str) -> bytes:
+    return b"in:" + peer.encode()
+
+
+def get_u64(txn: Txn, db: str, key: bytes) -> int:
+    raw = txn.get(db, key)
+    return 0 if raw is None else _U64.unpack(raw)[0]
+
+
+def put_u64(txn: Txn, db: str, key: bytes, value: int) -> None:
+    txn.put(db, key, _U64.pack(value))
+
+
+def enqueue(txn: Txn, peer: str, msg_id: bytes, ts_ms: int, text: str) -> int:
+    """Assign the next sequence number for ``peer`` and queue the message; returns the seq."""
+    seq = get_u64(txn, "meta", meta_out(peer)) + 1
+    txn.put("outbox", outbox_key(peer, seq), encode_outbox(msg_id, ts_ms, text))
+    put_u64(txn, "meta", meta_out(peer), seq)
+    return seq
+
+
+def drop_acked(txn: Txn, peer: str, upto: int) -> int:
+    """Delete outbox rows of ``peer`` up to ``upto``; returns how many."""
+    keys = [outbox_key(peer, e.seq) for e in iter_outbox(txn, peer) if e.seq <= upto]
+    for k in keys:
+        txn.delete("outbox", k)
+    return len(keys)
+
+
+class Verdict:
+    """What to do with an incoming message sequence number."""
+
+    ACCEPT: Final = "accept"
+    DUPLICATE: Final = "duplicate"
+    GAP: Final = "gap"
+
+
+@dataclass(slots=True)
+class ReceiverState:
+    """Per-peer receive side: ``delivered`` is committed, ``accepted`` includes the open batch."""
+
+    delivered: int
+    accepted: int = -1
+
+    def __post_init__(self) -> None:
+        if self.accepted < 0:
+            self.accepted = self.delivered
+
+    def classify(self, seq: int) -> str:
+        if seq <= self.accepted:
+            return Verdict.DUPLICATE
+        if seq == self.accepted + 1:
+            self.accepted = seq
+            return Verdict.ACCEPT
+        return Verdict.GAP
+
+    def committed(self, seq: int) -> None:
+        self.delivered = max(self.delivered, seq)
+
+    def rolled_back(self) -> None:
+        """A batch failed to commit: its messages must be accepted again on resend."""
+        self.accepted = self.delivered
+
+
+@dataclass(slots=True)
+class SenderState:
+    """Per-peer send side: what is acked, what this link has sent, who waits."""
+
+    acked: int
+    sent: int = -1
+    waiters: dict[int, list[asyncio.Future[None]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.sent < 0:
+            self.sent = self.acked
+
+    def rewind(self) -> None:
+        """Resend everything unacknowledged (new link, or no progress for a while)."""
+        self.sent = self.acked
+
+    def on_ack(self, seq: int) -> bool:
+        """Record a cumulative ack; True if it moved forward."""
+        if seq <= self.acked:
+            return False
+        self.acked = seq
+        self.sent = max(self.sent, seq)
+        for s in [s for s in self.waiters if s <= seq]:
+            for fut in self.waiters.pop(s):
+                if not fut.done():
+                    fut.set_result(None)
+        return True
+
+    def wait_for(self, seq: int) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if seq <= self.acked:
+            fut.set_result(None)
+        else:
+            self.waiters.setdefault(seq, []).append(fut)
+        return fut
