@@ -1,0 +1,461 @@
+"""Records, blocks and the rules that make a block valid (DESIGN.md "block log").
+
+Pure: no I/O, no clock. docs/PROTOCOL.md "Block log" is the normative text;
+this module is its implementation.
+
+Record (binary, big-endian, every variable field length-prefixed)::
+
+    u8 version=1 | u8 len kind | u8 len record_id | u16 len sender DID
+    | u16 len recipient DID | u64 timestamp_ms | u16 len commitment
+    | u8 len signature (0 or 64) | u16 len extra
+
+The record keeps the exact commitment bytes its sender signed, so anyone can
+re-check ``verify(sender, commitment, signature)`` years later. A record with an
+empty signature is one the node authored itself (audit records): its sender
+must be the node, and the block signature is what vouches for it.
+
+Block = header || 64-byte Ed25519 signature of the node over the header::
+
+    b"TLBK" | u8 version=1 | u64 height | u64 timestamp_ms | 32 prev_hash
+    | 32 merkle_root | u32 record_count | u16 len node DID
+
+``merkle_root`` is the RFC 6962 tree hash over the *encoded records* as leaf
+data. ``Block.hash()`` is SHA-256 of the whole encoding *including* the
+signature, so the next block's ``prev_hash`` pins the exact bytes stored.
+Height 0 links to 32 zero bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from talos_sdk.merkle import merkle_root, verify_inclusion
+
+from talos_sdk.canonical import canonical_json_bytes
+from talos_sdk.errors import ChainError, MalformedFrameError, UsageError
+from talos_sdk.wallet import verify
+
+__all__ = [
+    "GENESIS_PREV",
+    "MAX_COMMITMENT",
+    "MAX_EXTRA",
+    "Block",
+    "BlockHeightError",
+    "BlockLinkError",
+    "BlockNodeError",
+    "BlockSignatureError",
+    "ChainDefect",
+    "MalformedChainDataError",
+    "MerkleRootError",
+    "Record",
+    "RecordCountError",
+    "RecordSignatureError",
+    "check_record_signature",
+    "collect_block_defects",
+    "head_signing_bytes",
+    "head_statement",
+    "validate_block",
+    "verify_head_statement",
+    "verify_inclusion_proof",
+]
+
+GENESIS_PREV = bytes(32)
+MAX_COMMITMENT = 4096
+MAX_EXTRA = 4096
+_SIG_LEN = 64
+_RECORD_VERSION = 1
+_BLOCK_MAGIC = b"TLBK"
+_BLOCK_VERSION = 1
+_U16 = struct.Struct(">H")
+_U64 = struct.Struct(">Q")
+_HDR_FIXED = struct.Struct(">4sBQQ32s32sIH")  # through the node DID length
+_HEAD_TYPE = "talos.chain.head/1"
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+class ChainDefect(ChainError):
+    """A defect at a place in the log: ``height`` and, for record-level defects, ``index``."""
+
+    code: ClassVar[str] = "defect"
+
+    def __init__(self, message: str, *, height: int | None, index: int | None = None) -> None:
+        where = f"block {height}" if height is not None else "log"
+        if index is not None:
+            where += f", record {index}"
+        super().__init__(f"{where}: {message}")
+        self.height = height
+        self.index = index
+        self.detail = message
+
+
+class MalformedChainDataError(ChainDefect, MalformedFrameError):
+    """Stored bytes that do not decode as a block or record."""
+
+    code = "malformed"
+
+
+class BlockHeightError(ChainDefect):
+    """A block sits at a height other than the one its header claims."""
+
+    code = "height"
+
+
+class BlockLinkError(ChainDefect):
+    """``prev_hash`` does not name the previous block."""
+
+    code = "prev_link"
+
+
+class BlockNodeError(ChainDefect):
+    """A block was authored by a DID other than this log's node."""
+
+    code = "node"
+
+
+class RecordCountError(ChainDefect):
+    """The header's record count differs from the records stored for the block."""
+
+    code = "record_count"
+
+
+class MerkleRootError(ChainDefect):
+    """The records do not hash to the header's Merkle root."""
+
+    code = "merkle_root"
+
+
+class BlockSignatureError(ChainDefect):
+    """The node signature over the block header does not verify."""
+
+    code = "block_signature"
+
+
+class RecordSignatureError(ChainDefect):
+    """A record's sender signature over its commitment does not verify."""
+
+    code = "sender_signature"
+
+
+# --- records ------------------------------------------------------------------------------------
+
+
+def _text(raw: bytes, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MalformedFrameError(f"record {what} is not UTF-8") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One entry of the log: who sent what to whom, and the sender's signed commitment."""
+
+    kind: str
+    record_id: bytes
+    sender: str
+    recipient: str
+    commitment: bytes
+    signature: bytes
+    timestamp_ms: int
+    extra: bytes = b""
+    encoded: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        kind = self.kind.encode("utf-8")
+        if not 1 <= len(kind) <= 32:
+            raise UsageError("record kind must be 1..32 bytes of UTF-8")
+        if len(self.record_id) not in (16, 32):
+            raise UsageError("record id must be 16 or 32 bytes")
+        sender, recipient = self.sender.encode("utf-8"), self.recipient.encode("utf-8")
+        if not sender or len(sender) > 0xFFFF or len(recipient) > 0xFFFF:
+            raise UsageError("record sender must be a DID; DIDs are at most 65535 bytes")
+        if len(self.commitment) > MAX_COMMITMENT:
+            raise UsageError(f"record commitment above {MAX_COMMITMENT} bytes")
+        if len(self.signature) not in (0, _SIG_LEN):
+            raise UsageError("record signature must be empty or 64 bytes")
+        if not 0 <= self.timestamp_ms < 1 << 64:
+            raise UsageError("record timestamp out of range")
+        if len(self.extra) > MAX_EXTRA:
+            raise UsageError(f"record extra above {MAX_EXTRA} bytes")
+        encoded = b"".join(
+            (
+                bytes((_RECORD_VERSION, len(kind))),
+                kind,
+                bytes((len(self.record_id),)),
+                self.record_id,
+                _U16.pack(len(sender)),
+                sender,
+                _U16.pack(len(recipient)),
+                recipient,
+                _U64.pack(self.timestamp_ms),
+                _U16.pack(len(self.commitment)),
+                self.commitment,
+                bytes((len(self.signature),)),
+                self.signature,
+                _U16.pack(len(self.extra)),
+                self.extra,
+            )
+        )
+        object.__setattr__(self, "encoded", encoded)
+
+    @property
+    def commitment_hash(self) -> bytes:
+        """SHA-256 of the signed commitment bytes."""
+        return hashlib.sha256(self.commitment).digest()
+
+    def to_bytes(self) -> bytes:
+        """The canonical encoding (also the Merkle leaf data)."""
+        return self.encoded
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Record:
+        """Decode; any deviation from the layout is :class:`MalformedFrameError`."""
+        data = bytes(data)
+        try:
+            pos = 0
+
+            def take(n: int) -> bytes:
+                nonlocal pos
+                end = pos + n
+                if end > len(data):
+                    raise MalformedFrameError("record truncated")
+                chunk = data[pos:end]
+                pos = end
+                return chunk
+
+            if take(1)[0] != _RECORD_VERSION:
+                raise MalformedFrameError("unknown record version")
+            kind = _text(take(take(1)[0]), "kind")
+            record_id = take(take(1)[0])
+            sender = _text(take(_U16.unpack(take(2))[0]), "sender")
+            recipient = _text(take(_U16.unpack(take(2))[0]), "recipient")
+            (timestamp_ms,) = _U64.unpack(take(8))
+            commitment = take(_U16.unpack(take(2))[0])
+            signature = take(take(1)[0])
+            extra = take(_U16.unpack(take(2))[0])
+            if pos != len(data):
+                raise MalformedFrameError("trailing bytes after record")
+            return cls(
+                kind, record_id, sender, recipient, commitment, signature, timestamp_ms, extra
+            )
+        except UsageError as exc:
+            raise MalformedFrameError(f"record fields out of bounds: {exc}") from None
+
+
+def check_record_signature(record: Record, node_did: str) -> str | None:
+    """Why the record's sender signature is unacceptable, or ``None`` if it is fine."""
+    if not record.signature:
+        return None if record.sender == node_did else "unsigned record not authored by the node"
+    try:
+        ok = verify(record.sender, record.commitment, record.signature)
+    except UsageError as exc:  # DIDError: a sender that is not a did:key we can check
+        return f"sender DID unusable: {exc}"
+    return None if ok else "sender signature does not verify"
+
+
+# --- blocks -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A sealed block: header fields plus the node's signature over :meth:`header_bytes`."""
+
+    height: int
+    prev_hash: bytes
+    timestamp_ms: int
+    merkle_root: bytes
+    record_count: int
+    node_did: str
+    signature: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.height < 1 << 64 or not 0 <= self.timestamp_ms < 1 << 64:
+            raise UsageError("block height / timestamp out of range")
+        if len(self.prev_hash) != 32 or len(self.merkle_root) != 32:
+            raise UsageError("block prev_hash and merkle_root are 32 bytes")
+        if not 0 <= self.record_count < 1 << 32:
+            raise UsageError("block record count out of range")
+        if len(self.signature) not in (0, _SIG_LEN):
+            raise UsageError("block signature must be 64 bytes")
+        if not self.node_did or len(self.node_did.encode("utf-8")) > 0xFFFF:
+            raise UsageError("block node DID must be 1..65535 bytes")
+
+    def header_bytes(self) -> bytes:
+        """The bytes the node signs."""
+        did = self.node_did.encode("utf-8")
+        return (
+            _HDR_FIXED.pack(
+                _BLOCK_MAGIC,
+                _BLOCK_VERSION,
+                self.height,
+                self.timestamp_ms,
+                self.prev_hash,
+                self.merkle_root,
+                self.record_count,
+                len(did),
+            )
+            + did
+        )
+
+    def to_bytes(self) -> bytes:
+        """Header followed by the 64-byte signature."""
+        if not self.signature:
+            raise UsageError("an unsigned block has no stored form")
+        return self.header_bytes() + self.signature
+
+    def hash(self) -> bytes:
+        """SHA-256 of :meth:`to_bytes` (signature included)."""
+        return hashlib.sha256(self.to_bytes()).digest()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Block:
+        """Decode; any deviation from the layout is :class:`MalformedFrameError`."""
+        data = bytes(data)
+        if len(data) < _HDR_FIXED.size + _SIG_LEN:
+            raise MalformedFrameError("block truncated")
+        magic, version, height, ts, prev, root, count, did_len = _HDR_FIXED.unpack_from(data)
+        if magic != _BLOCK_MAGIC or version != _BLOCK_VERSION:
+            raise MalformedFrameError("not a version 1 Talos block")
+        if len(data) != _HDR_FIXED.size + did_len + _SIG_LEN:
+            raise MalformedFrameError("block length does not match its DID length")
+        did = _text(data[_HDR_FIXED.size : _HDR_FIXED.size + did_len], "node DID")
+        try:
+            return cls(height, prev, ts, root, count, did, data[-_SIG_LEN:])
+        except UsageError as exc:
+            raise MalformedFrameError(f"block fields out of bounds: {exc}") from None
+
+
+def collect_block_defects(
+    block: Block,
+    records: Sequence[Record],
+    prev_hash: bytes,
+    node_did: str,
+    *,
+    expected_height: int | None = None,
+) -> list[ChainDefect]:
+    """Every rule ``block`` breaks, in the order :func:`validate_block` checks them."""
+    h = block.height
+    out: list[ChainDefect] = []
+    if expected_height is not None and h != expected_height:
+        out.append(
+            BlockHeightError(f"header says height {h}, expected {expected_height}", height=h)
+        )
+    if block.prev_hash != prev_hash:
+        out.append(
+            BlockLinkError(
+                f"prev_hash {block.prev_hash.hex()[:16]}… does not match the previous block "
+                f"{prev_hash.hex()[:16]}…",
+                height=h,
+            )
+        )
+    if block.node_did != node_did:
+        out.append(BlockNodeError(f"authored by {block.node_did}, not {node_did}", height=h))
+    if block.record_count != len(records):
+        out.append(
+            RecordCountError(
+                f"header counts {block.record_count} records, {len(records)} stored", height=h
+            )
+        )
+    if merkle_root([r.encoded for r in records]) != block.merkle_root:
+        out.append(MerkleRootError("records do not hash to the header's Merkle root", height=h))
+    if not verify(node_did, block.header_bytes(), block.signature):
+        out.append(BlockSignatureError("node signature over the header does not verify", height=h))
+    for i, record in enumerate(records):
+        why = check_record_signature(record, node_did)
+        if why is not None:
+            out.append(RecordSignatureError(why, height=h, index=i))
+    return out
+
+
+def validate_block(
+    block: Block,
+    records: Sequence[Record],
+    prev_hash: bytes,
+    node_did: str,
+    *,
+    expected_height: int | None = None,
+) -> None:
+    """Raise the :class:`ChainDefect` subclass for the first rule ``block`` breaks.
+
+    Checks, in order: height, link to ``prev_hash``, author, record count,
+    Merkle root, node signature, then every record's sender signature.
+    """
+    defects = collect_block_defects(
+        block, records, prev_hash, node_did, expected_height=expected_height
+    )
+    if defects:
+        raise defects[0]
+
+
+# --- signed heads and inclusion proofs (JSON-able, for peers) -----------------------------------
+
+
+def _head_body(node_did: str, height: int, block_hash: bytes, timestamp_ms: int) -> dict[str, Any]:
+    return {
+        "type": _HEAD_TYPE,
+        "node": node_did,
+        "height": height,
+        "hash": block_hash.hex(),
+        "timestamp_ms": timestamp_ms,
+    }
+
+
+def head_statement(
+    node_did: str, height: int, block_hash: bytes, timestamp_ms: int, signature: bytes
+) -> dict[str, Any]:
+    """A signed head as a JSON-able dict; ``signature`` is over :func:`head_signing_bytes`."""
+    body = _head_body(node_did, height, block_hash, timestamp_ms)
+    body["signature"] = signature.hex()
+    return body
+
+
+def head_signing_bytes(node_did: str, height: int, block_hash: bytes, timestamp_ms: int) -> bytes:
+    """RFC 8785 bytes of the head statement without its signature (what the node signs)."""
+    return canonical_json_bytes(_head_body(node_did, height, block_hash, timestamp_ms))
+
+
+def verify_head_statement(statement: dict[str, Any], node_did: str | None = None) -> bool:
+    """True if ``statement`` is a well-formed head signed by its node (and by ``node_did``)."""
+    try:
+        if statement.get("type") != _HEAD_TYPE:
+            return False
+        did = statement["node"]
+        if node_did is not None and did != node_did:
+            return False
+        body = head_signing_bytes(
+            did,
+            int(statement["height"]),
+            bytes.fromhex(statement["hash"]),
+            int(statement["timestamp_ms"]),
+        )
+        return verify(did, body, bytes.fromhex(statement["signature"]))
+    except (KeyError, TypeError, ValueError):  # UsageError is a ValueError too
+        return False
+
+
+def verify_inclusion_proof(proof: dict[str, Any], node_did: str) -> bool:
+    """True if ``proof`` (from ``BlockLog.inclusion_proof``) shows its record in a block
+    signed by ``node_did``: the block verifies, its root and size match, and the RFC 6962
+    audit path leads from the leaf to that root."""
+    try:
+        block = Block.from_bytes(bytes.fromhex(proof["block"]))
+        leaf = bytes.fromhex(proof["leaf"])
+        root = bytes.fromhex(proof["root"])
+        path = [bytes.fromhex(p) for p in proof["proof"]]
+        index, size = int(proof["index"]), int(proof["size"])
+        if block.node_did != node_did or block.height != int(proof["height"]):
+            return False
+        if block.merkle_root != root or block.record_count != size:
+            return False
+        if not verify(node_did, block.header_bytes(), block.signature):
+            return False
+        Record.from_bytes(leaf)  # the leaf must be a record, not arbitrary data
+        return bool(verify_inclusion(leaf, index, size, path, root))
+    except (KeyError, TypeError, ValueError, MalformedFrameError):
+        return False

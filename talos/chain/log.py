@@ -1,0 +1,402 @@
+"""The node's append-only block log over :class:`~talos.store.Store` (DESIGN.md "block log").
+
+Appending is O(1) and does no cryptography: the encoded record goes into the
+``pending`` database, inside the caller's write transaction when one is given,
+so an inbox row and its log record commit (or roll back) together. Sealing is
+where the work happens, off the hot path: the pending records are read back
+from LMDB, their sender signatures verified as one batch, the Merkle root
+computed, the block signed and written with its record index in one durable
+transaction. A record that fails its checks is moved to ``quarantine`` with the
+reason — never sealed, never silently dropped.
+
+The Merkle root is computed at seal time from what LMDB holds rather than kept
+in an in-memory accumulator during ``append``: an append made inside a caller's
+transaction that later aborts would otherwise leave the accumulator ahead of
+the store, and hashing at seal time keeps SHA-256 off the message hot path.
+For the same reason, restart needs no rebuild: pending records are in LMDB.
+
+The log is synchronous. :func:`run_sealer` is the asyncio helper a node runs as
+a background task; it seals in a worker thread (``asyncio.to_thread``).
+Sealing is durable (fsync) because a signed head may leave the node right
+after: a block a peer has seen must never be lost and re-sealed differently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from talos_sdk.merkle import inclusion_proof as merkle_inclusion_proof
+from talos_sdk.merkle import merkle_root
+
+from talos.chain.block import (
+    GENESIS_PREV,
+    Block,
+    Record,
+    check_record_signature,
+    head_signing_bytes,
+    head_statement,
+    verify_inclusion_proof,
+)
+from talos.store import Store, Txn
+from talos_sdk.errors import MalformedFrameError, UsageError
+
+__all__ = [
+    "BlockLog",
+    "Head",
+    "Quarantined",
+    "UnknownRecordError",
+    "block_key",
+    "record_key",
+    "run_sealer",
+    "verify_inclusion_proof",
+]
+
+_U64 = struct.Struct(">Q")
+_LOC = struct.Struct(">QI")
+
+
+class _Signer(Protocol):
+    """What the log needs of a wallet."""
+
+    @property
+    def did(self) -> str: ...
+
+    def sign(self, data: bytes) -> bytes: ...
+
+
+class UnknownRecordError(UsageError, KeyError):
+    """No sealed record has this id."""
+
+
+def block_key(height: int) -> bytes:
+    """Key of block ``height`` in the ``blocks`` database."""
+    return _U64.pack(height)
+
+
+def record_key(height: int, index: int) -> bytes:
+    """Key of record ``index`` of block ``height`` in ``block_records`` (also the index value)."""
+    return _LOC.pack(height, index)
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """The latest block and the node's signed statement about it."""
+
+    height: int
+    hash: bytes
+    statement: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """A pending record that was refused at sealing, with the reason."""
+
+    reason: str
+    data: bytes
+
+    @property
+    def record(self) -> Record | None:
+        """The record, or ``None`` if its bytes do not even decode."""
+        try:
+            return Record.from_bytes(self.data)
+        except MalformedFrameError:
+            return None
+
+
+class BlockLog:
+    """Append records, seal them into signed blocks, and answer questions about the log."""
+
+    def __init__(
+        self,
+        store: Store,
+        wallet: _Signer,
+        *,
+        max_records: int = 256,
+        max_delay_ms: int = 50,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if max_records < 1 or max_delay_ms < 0:
+            raise UsageError("max_records must be >= 1 and max_delay_ms >= 0")
+        self.store = store
+        self.wallet = wallet
+        self.node_did = wallet.did
+        self.max_records = max_records
+        self.max_delay_ms = max_delay_ms
+        self._clock = clock
+        self._lock = threading.Lock()  # append (loop thread) vs seal (worker thread)
+        self._seal_lock = threading.Lock()
+        self._head: Head | None = None
+        with store.read() as txn:
+            last_pending = txn.last("pending")
+            self._next_seq = _U64.unpack(last_pending[0])[0] + 1 if last_pending else 0
+            self._pending = txn.count("pending")
+            last = txn.last("blocks")
+            self._tip = Block.from_bytes(last[1]) if last else None
+        # Records that survived a restart are due max_delay_ms after it.
+        self._oldest_ms: int | None = self._now_ms() if self._pending else None
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def append(self, record: Record, txn: Txn | None = None, *, durable: bool = False) -> None:
+        """Queue ``record`` for the next block.
+
+        With ``txn`` the record commits with the caller's transaction. Without,
+        it is written in its own transaction, group-committed unless ``durable``.
+        """
+        if txn is None:
+            with self.store.write(durable=durable) as own:
+                self._append(record, own)
+        else:
+            self._append(record, txn)
+
+    def _append(self, record: Record, txn: Txn) -> None:
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            # Counted before commit: if the caller aborts, the count is high and
+            # a seal merely happens early; seal() re-reads the truth.
+            self._pending += 1
+            if self._oldest_ms is None:
+                self._oldest_ms = self._now_ms()
+        txn.put("pending", _U64.pack(seq), record.encoded)
+
+    @property
+    def pending_count(self) -> int:
+        """Records appended and not yet sealed (an upper bound, see ``_append``)."""
+        return self._pending
+
+    def seal_due(self, now_ms: int | None = None) -> bool:
+        """True if the open block is full or its oldest record has waited long enough."""
+        if self._pending >= self.max_records:
+            return True
+        oldest = self._oldest_ms
+        if not self._pending or oldest is None:
+            return False
+        now = self._now_ms() if now_ms is None else now_ms
+        return now - oldest >= self.max_delay_ms
+
+    def seal_if_due(self, now_ms: int | None = None) -> list[Block]:
+        """Seal if :meth:`seal_due`; returns the blocks written."""
+        return self.seal() if self.seal_due(now_ms) else []
+
+    def seal(self) -> list[Block]:
+        """Seal every pending record into blocks of at most ``max_records``."""
+        sealed: list[Block] = []
+        with self._seal_lock:
+            while True:
+                block, more = self._seal_one()
+                if block is not None:
+                    sealed.append(block)
+                if not more:
+                    break
+        return sealed
+
+    def _seal_one(self) -> tuple[Block | None, bool]:
+        with self._lock:
+            counted = self._pending
+        with self.store.read() as txn:
+            batch: list[tuple[bytes, bytes]] = []
+            for key, value in txn.items("pending"):
+                batch.append((key, value))
+                if len(batch) == self.max_records:
+                    break
+        more_after = len(batch) == self.max_records
+
+        # The batch signature check: CPU only, no transaction held.
+        good: list[tuple[bytes, Record]] = []
+        refused: list[tuple[bytes, str, bytes]] = []
+        seen: set[bytes] = set()
+        for key, data in batch:
+            try:
+                record = Record.from_bytes(data)
+            except MalformedFrameError as exc:
+                refused.append((key, f"malformed: {exc}", data))
+                continue
+            why = check_record_signature(record, self.node_did)
+            if why is None and record.record_id in seen:
+                why = "duplicate record id in block"
+            if why is not None:
+                refused.append((key, why, data))
+                continue
+            seen.add(record.record_id)
+            good.append((key, record))
+
+        block: Block | None = None
+        if batch:
+            with self.store.write(durable=True) as txn:
+                keep: list[Record] = []
+                for key, record in good:
+                    if txn.get("records", record.record_id) is not None:
+                        refused.append((key, "record id already sealed", record.encoded))
+                    else:
+                        keep.append(record)
+                for key, why, data in refused:
+                    txn.put("quarantine", key, _quarantine_value(why, data))
+                for key, _ in batch:
+                    txn.delete("pending", key)
+                if keep:
+                    block = self._write_block(txn, keep)
+                remaining = txn.count("pending")
+            if block is not None:
+                self._tip = block
+        else:
+            remaining = 0
+        with self._lock:
+            # Appends counted since we started are kept; the store tells the rest.
+            self._pending = remaining + max(0, self._pending - counted)
+            self._oldest_ms = self._now_ms() if self._pending else None
+        return block, more_after
+
+    def _write_block(self, txn: Txn, records: list[Record]) -> Block:
+        tip = self._tip
+        height = 0 if tip is None else tip.height + 1
+        leaves = [r.encoded for r in records]
+        unsigned = Block(
+            height=height,
+            prev_hash=GENESIS_PREV if tip is None else tip.hash(),
+            timestamp_ms=self._now_ms(),
+            merkle_root=merkle_root(leaves),
+            record_count=len(records),
+            node_did=self.node_did,
+        )
+        block = Block(
+            unsigned.height,
+            unsigned.prev_hash,
+            unsigned.timestamp_ms,
+            unsigned.merkle_root,
+            unsigned.record_count,
+            unsigned.node_did,
+            self.wallet.sign(unsigned.header_bytes()),
+        )
+        txn.put("blocks", block_key(height), block.to_bytes())
+        txn.put_many(
+            "block_records", [(record_key(height, i), leaf) for i, leaf in enumerate(leaves)]
+        )
+        txn.put_many(
+            "records", [(r.record_id, record_key(height, i)) for i, r in enumerate(records)]
+        )
+        return block
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def heads(self) -> Head | None:
+        """Latest block and a signed head statement peers can keep, or ``None`` if empty."""
+        tip = self._tip
+        if tip is None:
+            return None
+        head = self._head
+        if head is None or head.height != tip.height:
+            block_hash = tip.hash()
+            ts = self._now_ms()
+            sig = self.wallet.sign(head_signing_bytes(self.node_did, tip.height, block_hash, ts))
+            head = Head(
+                tip.height,
+                block_hash,
+                head_statement(self.node_did, tip.height, block_hash, ts, sig),
+            )
+            self._head = head
+        return head
+
+    @property
+    def height(self) -> int:
+        """Height of the latest block, -1 when nothing is sealed yet."""
+        return -1 if self._tip is None else self._tip.height
+
+    def get_block(self, height: int) -> Block | None:
+        """The block at ``height`` (one LMDB get)."""
+        with self.store.read() as txn:
+            data = txn.get("blocks", block_key(height))
+        return None if data is None else Block.from_bytes(data)
+
+    def block_records(self, height: int) -> list[Record]:
+        """The records of block ``height`` in leaf order."""
+        with self.store.read() as txn:
+            return [Record.from_bytes(v) for _, v in _records_of(txn, height)]
+
+    def iter_blocks(self, start: int = 0) -> Iterator[Block]:
+        """Blocks in height order from ``start``."""
+        with self.store.read() as txn:
+            for _, data in txn.items("blocks", block_key(start)):
+                yield Block.from_bytes(data)
+
+    def find_record(self, record_id: bytes) -> tuple[Block, int, Record] | None:
+        """Where a sealed record is: its block, index, and the record itself."""
+        with self.store.read() as txn:
+            loc = txn.get("records", record_id)
+            if loc is None:
+                return None
+            height, index = _LOC.unpack(loc)
+            block = txn.get("blocks", block_key(height))
+            data = txn.get("block_records", loc)
+        if block is None or data is None:
+            return None
+        return Block.from_bytes(block), index, Record.from_bytes(data)
+
+    def inclusion_proof(self, record_id: bytes) -> dict[str, Any]:
+        """A JSON-able RFC 6962 inclusion proof for a sealed record, checked by
+        :func:`verify_inclusion_proof` with nothing but the node's DID."""
+        with self.store.read() as txn:
+            loc = txn.get("records", record_id)
+            if loc is None:
+                raise UnknownRecordError(f"no sealed record with id {record_id.hex()}")
+            height, index = _LOC.unpack(loc)
+            block_bytes = txn.get("blocks", block_key(height))
+            leaves = [v for _, v in _records_of(txn, height)]
+        if block_bytes is None or index >= len(leaves):
+            raise UnknownRecordError(f"record {record_id.hex()} indexed but not stored")
+        block = Block.from_bytes(block_bytes)
+        return {
+            "height": height,
+            "index": index,
+            "size": len(leaves),
+            "leaf": leaves[index].hex(),
+            "proof": [p.hex() for p in merkle_inclusion_proof(leaves, index)],
+            "root": block.merkle_root.hex(),
+            "block": block_bytes.hex(),
+            "block_signature": block.signature.hex(),
+        }
+
+    def quarantined(self) -> list[Quarantined]:
+        """Records refused at sealing, oldest first."""
+        with self.store.read() as txn:
+            return [_quarantine_entry(v) for _, v in txn.items("quarantine")]
+
+
+def _records_of(txn: Txn, height: int) -> Iterator[tuple[bytes, bytes]]:
+    prefix = block_key(height)
+    for key, value in txn.items("block_records", prefix):
+        if key[:8] != prefix:
+            return
+        yield key, value
+
+
+def _quarantine_value(reason: str, data: bytes) -> bytes:
+    why = reason.encode("utf-8")[:0xFFFF]
+    return struct.pack(">H", len(why)) + why + data
+
+
+def _quarantine_entry(value: bytes) -> Quarantined:
+    (n,) = struct.unpack_from(">H", value)
+    return Quarantined(value[2 : 2 + n].decode("utf-8", "replace"), value[2 + n :])
+
+
+async def run_sealer(log: BlockLog, interval: float | None = None) -> None:
+    """Seal ``log`` on time until cancelled; the CPU work runs in a worker thread.
+
+    ``interval`` defaults to half of ``max_delay_ms`` so no record waits much
+    longer than the configured delay.
+    """
+    period = interval if interval is not None else max(log.max_delay_ms / 2000, 0.001)
+    while True:
+        await asyncio.sleep(period)
+        if log.seal_due():
+            await asyncio.to_thread(log.seal)

@@ -1,0 +1,245 @@
+"""Re-validate a whole block log and report every defect with its place (``talosd chain verify``).
+
+Checks (docs/PROTOCOL.md "Block log"): heights are 0..n-1 with no gap and
+match their keys; every block links to the stored bytes of the one before;
+author, record count, Merkle root and node signature of every block; the
+sender signature of every record; the record index (``records``) names exactly
+the sealed records, each at its place.
+
+The parent reads raw bytes in one LMDB read snapshot and computes each
+block's expected ``prev_hash`` (so links across range boundaries are its job);
+the CPU work — decoding, hashing, Ed25519 — goes to worker *processes* for
+large logs. Processes, not threads: per-record Python work (decode, leaf
+hashing) holds the GIL, so threads do not scale it. Workers get bytes, not
+the LMDB path, so they never read pages a live writer may be recycling.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import struct
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from talos.chain.block import (
+    GENESIS_PREV,
+    Block,
+    BlockLinkError,
+    ChainDefect,
+    Record,
+    check_record_signature,
+    collect_block_defects,
+)
+from talos.store import Store
+from talos_sdk.errors import MalformedFrameError
+
+__all__ = ["Defect", "RecordIndexError", "VerifyReport", "verify_chain"]
+
+_LOC = struct.Struct(">QI")
+#: Below this many records one process is faster than starting workers.
+PARALLEL_THRESHOLD = 4096
+
+
+class RecordIndexError(ChainDefect):
+    """The ``records`` index disagrees with the sealed records."""
+
+    code = "record_index"
+
+
+@dataclass(frozen=True, slots=True)
+class Defect:
+    """One problem found: what (``code``, ``message``) and where (``height``, ``index``)."""
+
+    code: str
+    height: int | None
+    index: int | None
+    message: str
+
+    @classmethod
+    def of(cls, err: ChainDefect) -> Defect:
+        return cls(err.code, err.height, err.index, err.detail)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """Result of :func:`verify_chain`; ``ok`` when no defect was found."""
+
+    blocks: int
+    records: int
+    head_height: int
+    head_hash: bytes | None
+    defects: tuple[Defect, ...] = field(default=())
+    workers: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return not self.defects
+
+
+# (height, block bytes or None, [(index, record bytes)], expected prev_hash or None)
+_Job = tuple[int, bytes | None, list[tuple[int, bytes]], bytes | None]
+# defects, [(record_id, height, index)], record count
+_Result = tuple[list[Defect], list[tuple[bytes, int, int]], int]
+
+
+def _check_block(job: _Job, node_did: str) -> _Result:
+    height, raw, raw_records, prev = job
+    defects: list[Defect] = []
+    ids: list[tuple[bytes, int, int]] = []
+    records: list[Record] = []
+    for expect, (index, data) in enumerate(raw_records):
+        if index != expect:
+            defects.append(Defect("record_count", height, expect, f"record slot {expect} missing"))
+            break
+        try:
+            record = Record.from_bytes(data)
+        except MalformedFrameError as exc:
+            defects.append(Defect("malformed", height, index, f"record does not decode: {exc}"))
+            continue
+        records.append(record)
+        ids.append((record.record_id, height, index))
+    if raw is None:
+        defects.append(Defect("missing_block", height, None, "no block stored at this height"))
+        return defects, ids, len(raw_records)
+    try:
+        block = Block.from_bytes(raw)
+    except MalformedFrameError as exc:
+        defects.append(Defect("malformed", height, None, f"block does not decode: {exc}"))
+        return defects, ids, len(raw_records)
+    if defects:  # a record is missing or unreadable: root and count cannot match
+        for i, record in enumerate(records):
+            why = check_record_signature(record, node_did)
+            if why is not None:
+                defects.append(Defect("sender_signature", height, i, why))
+        return defects, ids, len(raw_records)
+    found = collect_block_defects(
+        block, records, GENESIS_PREV if prev is None else prev, node_did, expected_height=height
+    )
+    if prev is None and height > 0:  # the previous block is missing: no link to check
+        found = [d for d in found if not isinstance(d, BlockLinkError)]
+    defects.extend(Defect.of(d) for d in found)
+    return defects, ids, len(raw_records)
+
+
+def _check_range(jobs: Sequence[_Job], node_did: str) -> list[_Result]:
+    return [_check_block(job, node_did) for job in jobs]
+
+
+def _read_jobs(store: Store) -> tuple[list[_Job], dict[bytes, bytes], list[Defect], bytes | None]:
+    """Everything needed, from one snapshot: jobs per height, the index, layout defects."""
+    import hashlib
+
+    defects: list[Defect] = []
+    with store.read() as txn:
+        blocks: dict[int, bytes] = {}
+        for key, value in txn.items("blocks"):
+            if len(key) != 8:
+                defects.append(Defect("malformed", None, None, f"bad block key {key.hex()}"))
+                continue
+            blocks[int.from_bytes(key, "big")] = value
+        recs: dict[int, list[tuple[int, bytes]]] = {}
+        for key, value in txn.items("block_records"):
+            if len(key) != _LOC.size:
+                defects.append(Defect("malformed", None, None, f"bad record key {key.hex()}"))
+                continue
+            h, i = _LOC.unpack(key)
+            recs.setdefault(h, []).append((i, value))
+        index = dict(txn.items("records"))
+    top = max([*blocks, *recs], default=-1)
+    jobs: list[_Job] = []
+    prev: bytes | None = GENESIS_PREV
+    for h in range(top + 1):
+        raw = blocks.get(h)
+        jobs.append((h, raw, recs.get(h, []), prev))
+        prev = None if raw is None else hashlib.sha256(raw).digest()
+    head = None if top < 0 or blocks.get(top) is None else hashlib.sha256(blocks[top]).digest()
+    return jobs, index, defects, head
+
+
+def verify_chain(
+    store: Store | Path | str,
+    node_did: str,
+    *,
+    workers: int | None = None,
+    parallel_threshold: int = PARALLEL_THRESHOLD,
+) -> VerifyReport:
+    """Re-validate the whole log in ``store`` (a :class:`Store` or a home's store path).
+
+    ``workers=None`` uses every core when the log has at least
+    ``parallel_threshold`` records; ``workers=1`` forces one process.
+    """
+    if isinstance(store, Store):
+        jobs, index, defects, head = _read_jobs(store)
+    else:
+        with Store(Path(store)) as opened:
+            jobs, index, defects, head = _read_jobs(opened)
+
+    total = sum(len(j[2]) for j in jobs)
+    n = workers if workers is not None else (os.cpu_count() or 1)
+    if total < parallel_threshold or n <= 1 or len(jobs) < 2:
+        n = 1
+        results = _check_range(jobs, node_did)
+    else:
+        results = _parallel(jobs, node_did, n)
+
+    located: dict[bytes, tuple[int, int]] = {}
+    for found, ids, _ in results:
+        defects.extend(found)
+        for record_id, h, i in ids:
+            if record_id in located:
+                h0, i0 = located[record_id]
+                defects.append(
+                    Defect(
+                        "record_index", h, i, f"record id also sealed at block {h0}, record {i0}"
+                    )
+                )
+            else:
+                located[record_id] = (h, i)
+    for record_id, (h, i) in located.items():
+        loc = index.get(record_id)
+        if loc is None:
+            defects.append(Defect("record_index", h, i, "sealed record missing from the index"))
+        elif loc != _LOC.pack(h, i):
+            defects.append(Defect("record_index", h, i, "index points elsewhere"))
+    for record_id, loc in index.items():
+        if record_id not in located:
+            where = _LOC.unpack(loc) if len(loc) == _LOC.size else (None, None)
+            defects.append(
+                Defect(
+                    "record_index",
+                    where[0],
+                    where[1],
+                    f"index names unknown record {record_id.hex()}",
+                )
+            )
+    defects.sort(key=lambda d: (d.height if d.height is not None else -1, d.index or -1, d.code))
+    return VerifyReport(
+        blocks=len(jobs),
+        records=total,
+        head_height=len(jobs) - 1,
+        head_hash=head,
+        defects=tuple(defects),
+        workers=n,
+    )
+
+
+def _parallel(jobs: list[_Job], node_did: str, n: int) -> list[_Result]:
+    # Contiguous ranges of about equal record count, a few per worker for balance.
+    target = max(1, sum(len(j[2]) for j in jobs) // (n * 4))
+    chunks: list[list[_Job]] = [[]]
+    size = 0
+    for job in jobs:
+        chunks[-1].append(job)
+        size += len(job[2]) or 1
+        if size >= target:
+            chunks.append([])
+            size = 0
+    chunks = [c for c in chunks if c]
+    # forkserver: safe even when the caller runs threads (a node's event loop helpers).
+    ctx = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
+        parts = pool.map(_check_range, chunks, [node_did] * len(chunks))
+        return [r for part in parts for r in part]

@@ -1,0 +1,218 @@
+"""Tests for talos/chain/log.py: append, seal, reopen, proofs, quarantine on real LMDB."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from talos.chain.block import GENESIS_PREV, validate_block, verify_head_statement
+from talos.chain.log import BlockLog, UnknownRecordError, run_sealer, verify_inclusion_proof
+from talos.store import Store
+from talos_sdk.errors import UsageError
+from tests.talos.chain import ALICE, BOB, NODE, audit_record, make_record
+
+
+class FakeClock:
+    """Injectable clock (seconds), moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def open_log(path: Path, clock: FakeClock | None = None, **kw: int) -> tuple[Store, BlockLog]:
+    store = Store(path)
+    return store, BlockLog(store, NODE, clock=clock or FakeClock(), **kw)
+
+
+def test_append_then_seal_builds_a_valid_chain(tmp_path: Path) -> None:
+    store, log = open_log(tmp_path, max_records=4)
+    for i in range(10):
+        log.append(make_record(i))
+    assert log.pending_count == 10
+    blocks = log.seal()
+    assert [b.record_count for b in blocks] == [4, 4, 2]
+    assert log.pending_count == 0
+    prev = GENESIS_PREV
+    for h, block in enumerate(log.iter_blocks()):
+        validate_block(block, log.block_records(h), prev, NODE.did, expected_height=h)
+        prev = block.hash()
+    assert log.height == 2
+    assert log.get_block(2) == blocks[2]
+    assert log.get_block(3) is None
+    assert list(log.iter_blocks(1)) == blocks[1:]
+    assert log.seal() == []
+    store.close()
+
+
+def test_append_joins_the_callers_transaction(tmp_path: Path) -> None:
+    store, log = open_log(tmp_path)
+    with pytest.raises(RuntimeError), store.write() as txn:
+        txn.put("inbox", b"m0", b"hello")
+        log.append(make_record(0), txn)
+        raise RuntimeError("crash before commit")
+    with store.write() as txn:
+        txn.put("inbox", b"m1", b"hello")
+        log.append(make_record(1), txn)
+    blocks = log.seal()  # the aborted record never reached the log
+    assert len(blocks) == 1
+    assert log.block_records(0) == [make_record(1)]
+    assert log.find_record(make_record(0).record_id) is None
+    store.close()
+
+
+def test_seal_by_count_and_by_time(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store, log = open_log(tmp_path, clock, max_records=3, max_delay_ms=50)
+    log.append(make_record(0))
+    assert not log.seal_due()
+    assert log.seal_if_due() == []
+    clock.now += 0.049
+    assert log.seal_if_due() == []
+    clock.now += 0.002
+    assert len(log.seal_if_due()) == 1
+    for i in range(1, 4):
+        log.append(make_record(i))
+    assert log.seal_due()  # full, no time passed
+    assert [b.record_count for b in log.seal_if_due()] == [3]
+    assert not log.seal_due()
+    store.close()
+
+
+def test_pending_records_survive_reopen(tmp_path: Path) -> None:
+    store, log = open_log(tmp_path)
+    log.append(make_record(0), durable=True)
+    log.seal()
+    log.append(make_record(1))
+    log.append(make_record(2))
+    store.close()  # "crash": records are pending in LMDB, not sealed
+
+    clock = FakeClock()
+    store, log = open_log(tmp_path, clock, max_delay_ms=50)
+    assert log.pending_count == 2
+    assert log.height == 0
+    assert not log.seal_due()
+    clock.now += 0.05
+    blocks = log.seal_if_due()
+    assert len(blocks) == 1
+    assert blocks[0].height == 1
+    assert blocks[0].prev_hash == log.get_block(0).hash()  # type: ignore[union-attr]
+    assert log.block_records(1) == [make_record(1), make_record(2)]
+    log.append(make_record(3))
+    log.seal()
+    assert log.height == 2
+    store.close()
+
+
+def test_bad_sender_signature_is_quarantined_not_sealed(tmp_path: Path) -> None:
+    store, log = open_log(tmp_path)
+    forged = dataclasses.replace(make_record(1), signature=BOB.sign(make_record(1).commitment))
+    unsigned_foreign = dataclasses.replace(make_record(2), signature=b"")
+    log.append(make_record(0))
+    log.append(forged)
+    log.append(unsigned_foreign)
+    log.append(audit_record(3))
+    log.append(make_record(0))  # same id twice in one batch
+    blocks = log.seal()
+    assert len(blocks) == 1
+    assert log.block_records(0) == [make_record(0), audit_record(3)]
+    q = log.quarantined()
+    assert [e.reason for e in q] == [
+        "sender signature does not verify",
+        "unsigned record not authored by the node",
+        "duplicate record id in block",
+    ]
+    assert q[0].record == forged
+    log.append(make_record(0))  # already sealed in block 0
+    assert log.seal() == []
+    assert log.quarantined()[-1].reason == "record id already sealed"
+    assert log.pending_count == 0
+    store.close()
+
+
+def test_undecodable_pending_bytes_are_quarantined(tmp_path: Path) -> None:
+    store, log = open_log(tmp_path)
+    with store.write() as txn:
+        txn.put("pending", (7).to_bytes(8, "big"), b"\x01garbage")
+    log.append(make_record(0))
+    log.seal()
+    q = log.quarantined()
+    assert len(q) == 1
+    assert q[0].reason.startswith("malformed")
+    assert q[0].record is None
+    assert log.block_records(0) == [make_record(0)]
+    store.close()
+
+
+def test_find_record_and_inclusion_proofs(tmp_path: Path) -> None:
+    store, log = open_log(tmp_path, max_records=5)
+    records = [make_record(i) for i in range(12)]
+    for r in records:
+        log.append(r)
+    log.seal()
+    found = log.find_record(records[7].record_id)
+    assert found is not None
+    block, index, record = found
+    assert (block.height, index, record) == (1, 2, records[7])
+    for r in records:
+        proof = log.inclusion_proof(r.record_id)
+        assert verify_inclusion_proof(proof, NODE.did)
+        assert not verify_inclusion_proof(proof, ALICE.did)
+    proof = log.inclusion_proof(records[3].record_id)
+    other = log.inclusion_proof(records[4].record_id)
+    assert not verify_inclusion_proof({**proof, "leaf": other["leaf"]}, NODE.did)
+    assert not verify_inclusion_proof({**proof, "index": 2}, NODE.did)
+    assert not verify_inclusion_proof({**proof, "height": 1}, NODE.did)
+    assert not verify_inclusion_proof({**proof, "proof": proof["proof"][::-1]}, NODE.did)
+    assert not verify_inclusion_proof({**proof, "block": "00"}, NODE.did)
+    assert not verify_inclusion_proof({"leaf": "zz"}, NODE.did)
+    with pytest.raises(UnknownRecordError):
+        log.inclusion_proof(b"\x00" * 16)
+    assert log.find_record(b"\x00" * 16) is None
+    store.close()
+
+
+def test_heads_are_signed_statements(tmp_path: Path) -> None:
+    store, log = open_log(tmp_path)
+    assert log.heads() is None
+    log.append(make_record(0))
+    log.seal()
+    head = log.heads()
+    assert head is not None
+    assert (head.height, head.hash) == (0, log.get_block(0).hash())  # type: ignore[union-attr]
+    assert verify_head_statement(head.statement, NODE.did)
+    assert log.heads() is head  # cached until the next block
+    log.append(make_record(1))
+    log.seal()
+    assert log.heads().height == 1  # type: ignore[union-attr]
+    store.close()
+
+
+def test_bad_parameters(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        with pytest.raises(UsageError):
+            BlockLog(store, NODE, max_records=0)
+        with pytest.raises(UsageError):
+            BlockLog(store, NODE, max_delay_ms=-1)
+
+
+async def test_run_sealer_seals_on_time(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    log = BlockLog(store, NODE, max_delay_ms=5)
+    task = asyncio.create_task(run_sealer(log, interval=0.002))
+    try:
+        log.append(make_record(0))
+        async with asyncio.timeout(5):
+            while log.height < 0:
+                await asyncio.sleep(0.002)
+        assert log.block_records(0) == [make_record(0)]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        store.close()
