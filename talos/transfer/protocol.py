@@ -342,12 +342,15 @@ def stream_label(tid: bytes, epoch: int, offset: int) -> bytes:
 BULK_HELLO = struct.Struct(">5s16s32s")
 #: server -> client: server nonce, server proof.
 BULK_REPLY = struct.Struct(">32s32s")
-#: client -> server: client proof, epoch.
-BULK_PROOF = struct.Struct(">32sI")
+#: client -> server: client proof (the token is one-time per attempt, so it names the epoch).
+BULK_PROOF = struct.Struct(">32s")
 #: sender -> receiver per chunk: sealed length.
 BULK_FRAME = struct.Struct(">I")
 #: receiver -> sender credit: chunks below this index may be sent.
 BULK_CREDIT = struct.Struct(">Q")
+#: credit values that end a bulk stream instead: verified / failed.
+BULK_VERIFIED: Final = 2**64 - 1
+BULK_FAILED: Final = 2**64 - 2
 
 
 def _proof(role: bytes, token: bytes, tid: bytes, nc: bytes, ns: bytes) -> bytes:

@@ -1,0 +1,230 @@
+"""Tests for the bulk TCP path (talos.transfer.bulk) over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from talos.transfer.bulk import (
+    BulkListener,
+    BulkStream,
+    connect_bulk,
+    receive_chunks,
+    send_chunks,
+    send_verdict,
+)
+from talos.transfer.protocol import BULK_CHUNK
+from talos.transfer.receiver import PARTIAL_DIR, IncomingAttempt, IncomingFile
+from talos.transfer.sender import OutgoingAttempt
+from talos_sdk.errors import DecryptionError, HandshakeError
+
+TID = os.urandom(16)
+KEY = os.urandom(32)
+TOKEN = os.urandom(32)
+
+
+def _source(tmp_path: Path, size: int) -> tuple[Path, bytes]:
+    data = os.urandom(size)
+    path = tmp_path / "src.bin"
+    path.write_bytes(data)
+    return path, hashlib.sha256(data).digest()
+
+
+async def _serve_file(
+    listener: BulkListener,
+    files: Path,
+    size: int,
+    digest: bytes,
+    window: int,
+    process_hook: Callable[[], None] | None = None,
+) -> asyncio.Future[Path]:
+    """Register a receiving attempt; the future resolves to the verified file."""
+    done: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
+    inc = IncomingFile(files, TID, size)
+    att = IncomingAttempt(inc, KEY, TID, 0)
+
+    def process(sealed: bytes) -> bool:
+        if process_hook is not None:
+            process_hook()
+        return att.process(sealed)
+
+    async def handler(stream: BulkStream) -> None:
+        try:
+            await receive_chunks(stream, process, window)
+            path = inc.finish(digest, "out.bin")
+        except Exception as exc:
+            inc.discard()
+            await send_verdict(stream, False)
+            done.set_exception(exc)
+        else:
+            await send_verdict(stream, True)
+            done.set_result(path)
+        finally:
+            await stream.close()
+
+    listener.expect(TID, TOKEN, handler)
+    return done
+
+
+async def _send(port: int, src: Path, size: int, window: int, chunk: int = BULK_CHUNK) -> bool:
+    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, chunk)
+    stream = await connect_bulk("127.0.0.1", port, TID, TOKEN)
+    try:
+        return await send_chunks(stream, out.next_sealed, window)
+    finally:
+        await stream.close()
+        out.close()
+
+
+@pytest.fixture
+async def listener() -> BulkListener:
+    lst = BulkListener("127.0.0.1", 0)
+    await lst.start()
+    yield lst  # type: ignore[misc]
+    await lst.close()
+
+
+@pytest.mark.parametrize("size", [0, 5, BULK_CHUNK, 3 * BULK_CHUNK + 17])
+async def test_bulk_round_trip(tmp_path: Path, listener: BulkListener, size: int) -> None:
+    src, digest = _source(tmp_path, size)
+    done = await _serve_file(listener, tmp_path / "files", size, digest, window=4)
+    async with asyncio.timeout(20):
+        assert await _send(listener.port, src, size, window=4)
+        path = await done
+    assert path.read_bytes() == src.read_bytes()
+
+
+async def test_wrong_token_is_refused(tmp_path: Path, listener: BulkListener) -> None:
+    src, digest = _source(tmp_path, 10)
+    done = await _serve_file(listener, tmp_path / "files", 10, digest, window=4)
+    async with asyncio.timeout(10):
+        with pytest.raises(HandshakeError):
+            await connect_bulk("127.0.0.1", listener.port, TID, os.urandom(32))
+        with pytest.raises(HandshakeError, match="refused"):
+            await connect_bulk("127.0.0.1", listener.port, os.urandom(16), TOKEN)
+        # the legitimate sender can still attach afterwards
+        assert await _send(listener.port, src, 10, window=4)
+        await done
+    assert listener.refused == 2
+
+
+async def test_token_is_one_time(tmp_path: Path, listener: BulkListener) -> None:
+    src, digest = _source(tmp_path, 10)
+    done = await _serve_file(listener, tmp_path / "files", 10, digest, window=4)
+    async with asyncio.timeout(10):
+        assert await _send(listener.port, src, 10, window=4)
+        await done
+        with pytest.raises(HandshakeError):
+            await connect_bulk("127.0.0.1", listener.port, TID, TOKEN)
+
+
+async def _flip_proxy(
+    target_port: int, flip_at: int
+) -> tuple[asyncio.Server, Callable[[], Awaitable[None]]]:
+    """A real TCP relay that flips one byte of the sender->receiver stream."""
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, flip: int | None) -> None:
+        seen = 0
+        try:
+            while data := await r.read(1 << 16):
+                if flip is not None and seen <= flip < seen + len(data):
+                    buf = bytearray(data)
+                    buf[flip - seen] ^= 0x40
+                    data = bytes(buf)
+                seen += len(data)
+                w.write(data)
+                await w.drain()
+        except OSError:
+            pass
+        finally:
+            w.close()
+
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def on_conn(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection("127.0.0.1", target_port)
+        for t in (pipe(cr, sw, flip_at), pipe(sr, cw, None)):
+            task = asyncio.create_task(t)
+            tasks.add(task)
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+
+    async def close() -> None:
+        server.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    return server, close
+
+
+async def test_flipped_byte_on_the_wire_is_rejected(tmp_path: Path, listener: BulkListener) -> None:
+    size = 3 * BULK_CHUNK
+    src, digest = _source(tmp_path, size)
+    files = tmp_path / "files"
+    done = await _serve_file(listener, files, size, digest, window=4)
+    # sender -> receiver: 53-byte hello, 32-byte proof, then (u32 | 25 + 1 MiB sealed) frames;
+    # flip a ciphertext byte inside the second chunk
+    second = 53 + 32 + (4 + 25 + BULK_CHUNK)
+    server, close = await _flip_proxy(listener.port, second + 4 + 9 + 5000)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with asyncio.timeout(20):
+            assert await _send(port, src, size, window=4) is False
+            with pytest.raises(DecryptionError):
+                await done
+    finally:
+        await close()
+    assert [p.name for p in files.iterdir() if p.name != PARTIAL_DIR] == []
+    assert list((files / PARTIAL_DIR).iterdir()) == []
+
+
+async def test_slow_receiver_holds_the_sender_to_its_window(
+    tmp_path: Path, listener: BulkListener
+) -> None:
+    chunk = 64 * 1024
+    size = 40 * chunk
+    window = 3
+    src, digest = _source(tmp_path, size)
+    lock = threading.Lock()
+    counts = {"sent": 0, "processed": 0, "max_ahead": 0}
+
+    def slow() -> None:
+        threading.Event().wait(0.002)
+        with lock:
+            counts["processed"] += 1
+
+    done = await _serve_file(listener, tmp_path / "files", size, digest, window, slow)
+    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, chunk)
+
+    def on_sent(_: int) -> None:
+        with lock:
+            counts["sent"] += 1
+            ahead = counts["sent"] - counts["processed"]
+            counts["max_ahead"] = max(counts["max_ahead"], ahead)
+
+    async with asyncio.timeout(20):
+        stream = await connect_bulk("127.0.0.1", listener.port, TID, TOKEN)
+        assert await send_chunks(stream, out.next_sealed, window, on_sent)
+        await stream.close()
+        await done
+    out.close()
+    assert counts["sent"] == 40
+    # at most `window` granted-but-unprocessed chunks, plus the one being processed
+    assert counts["max_ahead"] <= window + 1
+
+
+async def test_unreachable_listener_raises_oserror() -> None:
+    probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = probe.sockets[0].getsockname()[1]
+    probe.close()
+    await probe.wait_closed()
+    async with asyncio.timeout(10):
+        with pytest.raises(OSError):
+            await connect_bulk("127.0.0.1", port, TID, TOKEN)
