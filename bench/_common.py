@@ -120,6 +120,7 @@ class Suite:
         ours_fn: Callable[[], object],
         *,
         raw_label: str,
+        raw_key: str | None = None,
         per_call: int = 1,
     ) -> None:
         """Benchmark ``ours_fn`` and the raw call it wraps, back to back in this run.
@@ -127,7 +128,7 @@ class Suite:
         ``per_call`` is the number of items one call handles (a batch), so the
         figures are per item.
         """
-        raw_key = key + ".raw"
+        raw_key = raw_key or key + ".raw"
         self._bench(raw_key, raw_label, raw_fn, per_call)
         self._bench(key, label, ours_fn, per_call)
         self.rows.append(Row(ours=key, raw=raw_key))

@@ -4,7 +4,7 @@ Run ``python bench/bench_crypto.py`` (any pyperf option works; ``--fast`` for a
 smoke run). Rows follow DESIGN.md "Performance targets": Wallet sign/verify
 against the faster of libsodium and OpenSSL Ed25519, ChaCha20-Poly1305 on a
 35-byte frame, plus the floors the protocol is built on (X25519, SHA-256,
-ML-KEM-768, ML-DSA-65).
+ML-KEM-768, ML-DSA-65); our stream sealer beside ChaCha20-Poly1305.
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Suite
 from cryptography.hazmat.primitives.asymmetric import ed25519, mldsa, mlkem, x25519
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from nacl.bindings import crypto_sign, crypto_sign_open, crypto_sign_seed_keypair
 from nacl.signing import SigningKey
+
+from talos_sdk.aead import StreamSealer
+from talos_sdk.did import did_from_public_key
+from talos_sdk.wallet import Wallet
 
 SIZES = {"64 B": 64, "10 KB": 10 * 1024}
 AEAD_SIZES = {"35 B": 35, "10 KB": 10 * 1024, "1 MiB": 1024 * 1024}
@@ -30,9 +35,19 @@ def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+def _nacl_sign(data: bytes, secret_key: bytes) -> bytes:
+    return crypto_sign(data, secret_key)[:64]
+
+
+def _nacl_verify(data: bytes, signature: bytes, public_key: bytes) -> bytes:
+    return crypto_sign_open(signature + data, public_key)
+
+
 def bench_ed25519(suite: Suite) -> None:
-    """Raw Ed25519 through both libraries: the floor under Wallet.sign / verify."""
+    """Wallet sign / verify beside the libsodium call it wraps, with both libraries as floors."""
     seed = bytes(range(32))
+    wallet = Wallet.from_seed(seed)
+    pk, sk = crypto_sign_seed_keypair(seed)
     nacl_key = SigningKey(seed)
     nacl_vk = nacl_key.verify_key
     ossl_key = ed25519.Ed25519PrivateKey.from_private_bytes(seed)
@@ -40,10 +55,17 @@ def bench_ed25519(suite: Suite) -> None:
     for size_label, size in SIZES.items():
         msg = os.urandom(size)
         tag = size_label.replace(" ", "")
-        sig = ossl_key.sign(msg)
+        sig = wallet.sign(msg)
+        suite.pair(
+            f"wallet.sign.{tag}",
+            f"Wallet.sign {size_label}",
+            partial(_nacl_sign, msg, sk),
+            partial(wallet.sign, msg),
+            raw_label=f"nacl.bindings.crypto_sign {size_label}",
+        )
         suite.floor(
             f"ed25519.sign.{tag}.nacl",
-            f"libsodium Ed25519 sign {size_label}",
+            f"PyNaCl SigningKey.sign {size_label}",
             partial(nacl_key.sign, msg),
         )
         suite.floor(
@@ -51,9 +73,16 @@ def bench_ed25519(suite: Suite) -> None:
             f"OpenSSL Ed25519 sign {size_label}",
             partial(ossl_key.sign, msg),
         )
+        suite.pair(
+            f"wallet.verify.{tag}",
+            f"Wallet.verify {size_label}",
+            partial(_nacl_verify, msg, sig, pk),
+            partial(wallet.verify, msg, sig),
+            raw_label=f"nacl.bindings.crypto_sign_open {size_label}",
+        )
         suite.floor(
             f"ed25519.verify.{tag}.nacl",
-            f"libsodium Ed25519 verify {size_label}",
+            f"PyNaCl VerifyKey.verify {size_label}",
             partial(nacl_vk.verify, msg, sig),
         )
         suite.floor(
@@ -61,6 +90,37 @@ def bench_ed25519(suite: Suite) -> None:
             f"OpenSSL Ed25519 verify {size_label}",
             partial(ossl_pk.verify, sig, msg),
         )
+
+
+def _seed_keypair_random() -> tuple[bytes, bytes]:
+    return crypto_sign_seed_keypair(os.urandom(32))
+
+
+def bench_wallet(suite: Suite) -> None:
+    """Building an identity and naming it: Wallet.generate / from_seed / to_did."""
+    seed = bytes(range(32))
+    wallet = Wallet.from_seed(seed)
+    suite.pair(
+        "wallet.generate",
+        "Wallet.generate",
+        _seed_keypair_random,
+        Wallet.generate,
+        raw_label="crypto_sign_seed_keypair(os.urandom(32))",
+    )
+    suite.pair(
+        "wallet.from_seed",
+        "Wallet.from_seed",
+        partial(crypto_sign_seed_keypair, seed),
+        partial(Wallet.from_seed, seed),
+        raw_label="crypto_sign_seed_keypair(seed)",
+    )
+    suite.pair(
+        "wallet.to_did",
+        "Wallet.to_did (cached)",
+        partial(did_from_public_key, wallet.public_key),
+        wallet.to_did,
+        raw_label="did_from_public_key (computed each time)",
+    )
 
 
 def bench_x25519(suite: Suite) -> None:
@@ -72,17 +132,22 @@ def bench_x25519(suite: Suite) -> None:
 
 
 def bench_aead(suite: Suite) -> None:
-    """ChaCha20-Poly1305 seal at the frame sizes the node sends."""
+    """ChaCha20-Poly1305 at the frame sizes the node sends; our stream sealer beside it."""
     aead = ChaCha20Poly1305(bytes(32))
     nonce = bytes(12)
     for size_label, size in AEAD_SIZES.items():
         tag = size_label.replace(" ", "")
         pt = os.urandom(size)
         ct = aead.encrypt(nonce, pt, b"ad")
-        suite.floor(
-            f"chacha20poly1305.seal.{tag}",
-            f"OpenSSL ChaCha20-Poly1305 seal {size_label}",
+        # A fresh sealer per size: its counter only grows, as in a real stream.
+        sealer = StreamSealer(bytes(32), b"bench-stream-" + tag.encode())
+        suite.pair(
+            f"stream.seal.{tag}",
+            f"talos_sdk.aead.StreamSealer.seal {size_label}",
             partial(aead.encrypt, nonce, pt, b"ad"),
+            partial(sealer.seal, pt),
+            raw_label=f"OpenSSL ChaCha20-Poly1305 seal {size_label}",
+            raw_key=f"chacha20poly1305.seal.{tag}",
         )
         suite.floor(
             f"chacha20poly1305.open.{tag}",
@@ -129,6 +194,7 @@ def main() -> None:
     """Register every row, run them, print the table, write the results JSON."""
     suite = Suite.create(__file__)
     bench_ed25519(suite)
+    bench_wallet(suite)
     bench_x25519(suite)
     bench_aead(suite)
     bench_sha256(suite)
