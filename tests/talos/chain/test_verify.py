@@ -1,0 +1,204 @@
+"""Tests for talos/chain/verify.py: tamper with raw LMDB bytes, expect the right defect there."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from talos_sdk.merkle import merkle_root
+
+from talos.chain.block import Block, Record
+from talos.chain.log import BlockLog, block_key, record_key
+from talos.chain.verify import verify_chain
+from talos.store import Store
+from tests.talos.chain import BOB, NODE, audit_record, make_record
+
+PER_BLOCK = 4
+BLOCKS = 5
+
+
+@pytest.fixture
+def chain(tmp_path: Path) -> Iterator[tuple[Store, BlockLog]]:
+    store = Store(tmp_path / "store")
+    log = BlockLog(store, NODE, max_records=PER_BLOCK, clock=lambda: 1_700_000_000.0)
+    for i in range(PER_BLOCK * BLOCKS - 1):
+        log.append(make_record(i))
+    log.append(audit_record(99))
+    log.seal()
+    yield store, log
+    store.close()
+
+
+def where(store: Store) -> list[tuple[str, int | None, int | None]]:
+    report = verify_chain(store, NODE.did, workers=1)
+    return [(d.code, d.height, d.index) for d in report.defects]
+
+
+def test_clean_chain_verifies(chain: tuple[Store, BlockLog]) -> None:
+    store, log = chain
+    report = verify_chain(store, NODE.did, workers=1)
+    assert report.ok, report.defects
+    assert (report.blocks, report.records, report.head_height) == (BLOCKS, PER_BLOCK * BLOCKS, 4)
+    assert report.head_hash == log.heads().hash  # type: ignore[union-attr]
+
+
+def test_verify_by_path_opens_the_store_itself(
+    chain: tuple[Store, BlockLog], tmp_path: Path
+) -> None:
+    store, _ = chain
+    store.close()
+    report = verify_chain(tmp_path / "store", NODE.did)
+    assert report.ok
+    assert report.records == PER_BLOCK * BLOCKS
+
+
+def test_empty_log_is_ok(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        report = verify_chain(store, NODE.did)
+    assert report.ok
+    assert (report.blocks, report.head_height, report.head_hash) == (0, -1, None)
+
+
+def test_flipped_byte_in_a_record(chain: tuple[Store, BlockLog]) -> None:
+    store, _ = chain
+    with store.write() as txn:
+        raw = bytearray(txn.get("block_records", record_key(1, 2)) or b"")
+        record = Record.from_bytes(bytes(raw))
+        at = bytes(raw).index(record.commitment) + 5
+        raw[at] ^= 0x01
+        txn.put("block_records", record_key(1, 2), bytes(raw))
+    assert where(store) == [("merkle_root", 1, None), ("sender_signature", 1, 2)]
+
+
+def test_flipped_byte_in_a_block_header(chain: tuple[Store, BlockLog]) -> None:
+    store, _ = chain
+    with store.write() as txn:
+        raw = bytearray(txn.get("blocks", block_key(2)) or b"")
+        raw[16] ^= 0x40  # inside the timestamp
+        txn.put("blocks", block_key(2), bytes(raw))
+    assert where(store) == [("block_signature", 2, None), ("prev_link", 3, None)]
+
+
+def test_reordered_blocks(chain: tuple[Store, BlockLog]) -> None:
+    store, _ = chain
+    with store.write() as txn:
+        b1, b2 = txn.get("blocks", block_key(1)), txn.get("blocks", block_key(2))
+        assert b1 is not None and b2 is not None
+        txn.put("blocks", block_key(1), b2)
+        txn.put("blocks", block_key(2), b1)
+    found = where(store)
+    assert ("height", 1, None) in found
+    assert ("height", 2, None) in found
+    assert ("prev_link", 1, None) in found
+    assert ("merkle_root", 2, None) in found
+    assert all(h in (1, 2, 3) for _, h, _ in found)
+
+
+def test_deleted_block(chain: tuple[Store, BlockLog]) -> None:
+    store, _ = chain
+    with store.write() as txn:
+        txn.delete("blocks", block_key(2))
+    assert where(store) == [("missing_block", 2, None)]
+
+
+def test_record_swapped_between_blocks(chain: tuple[Store, BlockLog]) -> None:
+    store, _ = chain
+    with store.write() as txn:
+        a, b = (
+            txn.get("block_records", record_key(1, 0)),
+            txn.get("block_records", record_key(3, 1)),
+        )
+        assert a is not None and b is not None
+        txn.put("block_records", record_key(1, 0), b)
+        txn.put("block_records", record_key(3, 1), a)
+    assert where(store) == [
+        ("merkle_root", 1, None),
+        ("record_index", 1, 0),
+        ("merkle_root", 3, None),
+        ("record_index", 3, 1),
+    ]
+
+
+def test_forged_sender_signature_in_a_node_signed_block(chain: tuple[Store, BlockLog]) -> None:
+    """A node that signs a block over a forged record is caught by the sender check alone."""
+    store, log = chain
+    forged = dataclasses.replace(make_record(500), signature=BOB.sign(make_record(500).commitment))
+    records = [make_record(501), forged]
+    tip = log.get_block(log.height)
+    assert tip is not None
+    unsigned = Block(
+        tip.height + 1,
+        tip.hash(),
+        tip.timestamp_ms,
+        merkle_root([r.encoded for r in records]),
+        len(records),
+        NODE.did,
+    )
+    block = dataclasses.replace(unsigned, signature=NODE.sign(unsigned.header_bytes()))
+    with store.write() as txn:
+        txn.put("blocks", block_key(block.height), block.to_bytes())
+        for i, r in enumerate(records):
+            txn.put("block_records", record_key(block.height, i), r.encoded)
+            txn.put("records", r.record_id, record_key(block.height, i))
+    assert where(store) == [("sender_signature", BLOCKS, 1)]
+
+
+def test_record_index_tampering(chain: tuple[Store, BlockLog]) -> None:
+    store, _ = chain
+    with store.write() as txn:
+        txn.delete("records", make_record(5).record_id)  # block 1, record 1
+        txn.put("records", make_record(6).record_id, record_key(0, 0))  # block 1, record 2
+        txn.put("records", b"\x07" * 16, record_key(4, 0))
+    assert where(store) == [
+        ("record_index", 1, 1),
+        ("record_index", 1, 2),
+        ("record_index", 4, 0),
+    ]
+
+
+def test_malformed_block_and_record_bytes(chain: tuple[Store, BlockLog]) -> None:
+    store, _ = chain
+    with store.write() as txn:
+        txn.put("blocks", block_key(1), b"TLBK\x01garbage")
+        txn.put("block_records", record_key(3, 0), b"\x01\x00")
+    found = where(store)
+    assert ("malformed", 1, None) in found
+    assert ("malformed", 3, 0) in found
+    assert ("prev_link", 2, None) in found
+    assert ("record_index", None, None) not in found
+
+
+def test_missing_record_slot(chain: tuple[Store, BlockLog]) -> None:
+    store, _ = chain
+    with store.write() as txn:
+        txn.delete("block_records", record_key(2, 1))
+    found = where(store)
+    assert ("record_count", 2, 1) in found
+    assert ("record_index", 2, 1) in found
+
+
+def test_parallel_report_equals_serial(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    log = BlockLog(store, NODE, max_records=8, clock=lambda: 1_700_000_000.0)
+    for i in range(8 * 30):
+        log.append(make_record(i))
+    log.seal()
+    with store.write() as txn:
+        raw = bytearray(txn.get("blocks", block_key(7)) or b"")
+        raw[-1] ^= 1
+        txn.put("blocks", block_key(7), bytes(raw))
+        txn.delete("blocks", block_key(20))
+        txn.put("block_records", record_key(25, 3), make_record(9999).encoded)
+    serial = verify_chain(store, NODE.did, workers=1)
+    parallel = verify_chain(store, NODE.did, workers=2, parallel_threshold=0)
+    assert parallel.workers == 2 and serial.workers == 1
+    assert serial.defects
+    assert parallel.defects == serial.defects
+    assert (parallel.blocks, parallel.records, parallel.head_hash) == (
+        serial.blocks,
+        serial.records,
+        serial.head_hash,
+    )
+    store.close()
