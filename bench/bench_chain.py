@@ -1,0 +1,174 @@
+"""Block log validation and Merkle proofs (issue 6; DESIGN.md "block validation").
+
+Rows: ``verify_chain`` over a sealed log of signed message records, per
+record, on one core and on all cores (the parallel path ``talosd chain verify``
+takes), beside one raw Ed25519 verify (the per-record floor: every record
+carries a sender signature); and RFC 6962 inclusion proofs for a block's worth
+of records, built and verified, beside the same hashing done with bare
+``hashlib``.
+
+The log is built once by the main process in a temporary home that pyperf's
+worker processes (its children) reopen by path, so setup is not paid per
+worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Suite
+from nacl.bindings import crypto_sign_open
+
+from talos.chain.block import Record
+from talos.chain.log import BlockLog
+from talos.chain.verify import verify_chain
+from talos.store import Store
+from talos_sdk.merkle import inclusion_proof, verify_inclusion
+from talos_sdk.wallet import Wallet
+
+RECORDS = 10_000
+FAST_RECORDS = 300
+BLOCK = 256  # records per block: BlockLog's default seal count
+NODE = Wallet.from_seed(bytes(range(32)))
+SENDER = Wallet.from_seed(bytes(range(32, 64)))
+
+
+def _home(suite: Suite, records: int) -> tuple[Path, bool]:
+    """The shared log folder: named after the main process so its workers find it."""
+    assert suite.runner is not None
+    in_worker = suite.runner.args.pipe is not None
+    owner = os.getppid() if in_worker else os.getpid()
+    path = Path(tempfile.gettempdir()) / f"talos-bench-chain-{owner}-{records}"
+    return path, in_worker
+
+
+def build_log(path: Path, records: int) -> None:
+    """Seal ``records`` signed message records into blocks of :data:`BLOCK`."""
+    with Store(path) as store:
+        log = BlockLog(store, NODE, max_records=BLOCK)
+        for start in range(0, records, BLOCK):
+            with store.write(durable=False) as txn:
+                for i in range(start, min(start + BLOCK, records)):
+                    commitment = b"talos.msg/1|" + i.to_bytes(8, "big") + bytes(32)
+                    record = Record(
+                        kind="msg",
+                        record_id=hashlib.sha256(commitment).digest()[:16],
+                        sender=SENDER.did,
+                        recipient=NODE.did,
+                        commitment=commitment,
+                        signature=SENDER.sign(commitment),
+                        timestamp_ms=1_732_000_000_000 + i,
+                    )
+                    log.append(record, txn)
+            log.seal()
+        store.sync()
+
+
+def _verify(path: Path, workers: int) -> None:
+    report = verify_chain(path, NODE.did, workers=workers, parallel_threshold=0)
+    if not report.ok:
+        raise RuntimeError(f"bench log does not verify: {report.defects[:3]}")
+
+
+def bench_validation(suite: Suite) -> None:
+    """Whole-log validation per record, one process vs every core."""
+    records = FAST_RECORDS if suite.fast else RECORDS
+    path, in_worker = _home(suite, records)
+    if not in_worker:
+        shutil.rmtree(path, ignore_errors=True)
+        build_log(path, records)
+        atexit.register(shutil.rmtree, path, True)
+    commitment = b"x" * 52
+    signed = SENDER.sign(commitment) + commitment
+    suite.floor(
+        "chain.record_sig.floor",
+        "libsodium Ed25519 verify, one record's signature",
+        partial(crypto_sign_open, signed, SENDER.public_key),
+    )
+    suite.single(
+        "chain.validate.1core",
+        f"verify_chain, {records} records, 1 process (per record)",
+        partial(_verify, path, 1),
+        per_call=records,
+    )
+    cores = os.cpu_count() or 1
+    suite.single(
+        "chain.validate.allcores",
+        f"verify_chain, {records} records, {cores} processes (per record)",
+        partial(_verify, path, cores),
+        per_call=records,
+    )
+
+
+def _raw_leaf(data: bytes) -> bytes:
+    return hashlib.sha256(b"\x00" + data).digest()
+
+
+def _raw_root(leaves: list[bytes]) -> bytes:
+    """RFC 6962 root for a power-of-two leaf count: the hashing a proof build needs."""
+    level = [_raw_leaf(x) for x in leaves]
+    while len(level) > 1:
+        level = [
+            hashlib.sha256(b"\x01" + level[i] + level[i + 1]).digest()
+            for i in range(0, len(level), 2)
+        ]
+    return level[0]
+
+
+def _raw_verify(leaf: bytes, index: int, proof: list[bytes], root: bytes) -> bool:
+    """Path hashing of RFC 9162 section 2.1.3.2 for a power-of-two tree, no checks."""
+    h = _raw_leaf(leaf)
+    for sibling in proof:
+        if index & 1:
+            h = hashlib.sha256(b"\x01" + sibling + h).digest()
+        else:
+            h = hashlib.sha256(b"\x01" + h + sibling).digest()
+        index >>= 1
+    return h == root
+
+
+def bench_merkle(suite: Suite) -> None:
+    """Inclusion proofs over one block of records."""
+    leaves = [hashlib.sha256(i.to_bytes(4, "big")).digest() * 4 for i in range(BLOCK)]
+    index = 77
+    proof = list(inclusion_proof(leaves, index))
+    root = _raw_root(leaves)
+    if not verify_inclusion(leaves[index], index, BLOCK, proof, root):
+        raise RuntimeError("merkle root of this script and talos_sdk.merkle disagree")
+    if not _raw_verify(leaves[index], index, proof, root):
+        raise RuntimeError("raw proof check disagrees with talos_sdk.merkle")
+    suite.pair(
+        "merkle.proof.build",
+        f"inclusion_proof, {BLOCK} leaves",
+        partial(_raw_root, leaves),
+        partial(inclusion_proof, leaves, index),
+        raw_label=f"hashlib tree hash, {BLOCK} leaves",
+    )
+    suite.pair(
+        "merkle.proof.verify",
+        f"verify_inclusion, {BLOCK} leaves",
+        partial(_raw_verify, leaves[index], index, proof, root),
+        partial(verify_inclusion, leaves[index], index, BLOCK, proof, root),
+        raw_label=f"hashlib audit path, {BLOCK} leaves",
+    )
+
+
+def main() -> None:
+    """Register every row, run them, print the table, write the results JSON."""
+    suite = Suite.create(__file__)
+    bench_validation(suite)
+    bench_merkle(suite)
+    suite.finish()
+
+
+if __name__ == "__main__":
+    main()
