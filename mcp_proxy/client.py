@@ -1,0 +1,248 @@
+"""The ``talos-proxy connect`` side: be the MCP server an agent launches (MCP "Transports: stdio").
+
+Every message of the agent goes to the remote tool as bytes: requests,
+responses to the tool's own requests (sampling, elicitation, roots),
+notifications (progress, cancellation, initialized). Every message of the tool
+comes back the same way. Locally the client only checks that a line is
+JSON-RPC (-32700 / -32600 replies otherwise) and remembers which request ids
+are unanswered, so that a dropped link answers them (-32002) instead of
+leaving the agent waiting.
+
+When the link comes back, or the remote session failed, the session is opened
+again on the next need, and the agent's cached ``initialize`` request and
+``initialized`` notification are replayed to the fresh tool process (its
+reply swallowed), so the agent keeps one MCP session across reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Callable
+
+from mcp_proxy.jsonrpc import (
+    INTERNAL_ERROR,
+    LINK_DOWN,
+    JsonRpcError,
+    Kind,
+    RequestId,
+    error_reply,
+    sniff,
+)
+from mcp_proxy.transport import FrameSender, TunnelTransport
+from mcp_proxy.tunnel_wire import FrameKind, decode_frame
+from talos_sdk.errors import ProtocolError
+
+__all__ = ["ClientSession", "TunnelClient", "serve_stdio"]
+
+log = logging.getLogger(__name__)
+
+Deliver = Callable[[bytes], None]
+
+
+class ClientSession:
+    """One agent-side MCP session carried by the tunnel."""
+
+    def __init__(self, client: TunnelClient, sid: int, deliver: Deliver) -> None:
+        self.client = client
+        self.sid = sid
+        self.deliver = deliver
+        self.attached = False
+        self.closed = False
+        self.pending: dict[RequestId, str] = {}
+        self._init_line: bytes | None = None
+        self._init_id: RequestId | None = None
+        self._initialized_line: bytes | None = None
+        self._swallow: set[RequestId] = set()
+
+    async def from_agent(self, line: bytes) -> None:
+        """Forward one line of the agent; answers locally what cannot be forwarded."""
+        try:
+            msg = sniff(line)
+        except JsonRpcError as exc:
+            self.deliver(error_reply(exc.request_id, exc.code, str(exc)))
+            return
+        if msg.kind is Kind.REQUEST:
+            assert msg.id is not None and msg.method is not None
+            if msg.method == "initialize":
+                self._init_line, self._init_id = line, msg.id
+                self._initialized_line = None
+            self.pending[msg.id] = msg.method
+        elif msg.kind is Kind.NOTIFICATION:
+            if msg.method == "notifications/initialized":
+                self._initialized_line = line
+            elif msg.method == "notifications/cancelled" and isinstance(msg.params, dict):
+                cancelled = msg.params.get("requestId")
+                if isinstance(cancelled, int | str):
+                    self.pending.pop(cancelled, None)
+        if not await self.client.wait_link():
+            if msg.kind is Kind.REQUEST:
+                assert msg.id is not None
+                self.pending.pop(msg.id, None)
+                self.deliver(error_reply(msg.id, LINK_DOWN, self.client.down_message()))
+            return
+        if not self.attached:
+            self.attach(replay=msg.method != "initialize")
+        self.client.sender.message(self.sid, line)
+
+    def attach(self, *, replay: bool = True) -> None:
+        """Open the remote session (again), replaying the agent's handshake if it had one."""
+        sender = self.client.sender
+        sender.control(FrameKind.OPEN, self.sid, self.client.server_name.encode())
+        self.attached = True
+        if replay and self._init_line is not None and self._init_id is not None:
+            self._swallow.add(self._init_id)
+            sender.message(self.sid, self._init_line)
+            if self._initialized_line is not None:
+                sender.message(self.sid, self._initialized_line)
+
+    def from_remote(self, line: bytes) -> None:
+        if self.pending or self._swallow:
+            try:
+                msg = sniff(line)
+            except JsonRpcError as exc:
+                log.warning("session %d: malformed message from the tunnel: %s", self.sid, exc)
+                return
+            if msg.kind in (Kind.RESPONSE, Kind.ERROR) and msg.id is not None:
+                if msg.id in self._swallow:
+                    self._swallow.discard(msg.id)
+                    if msg.id not in self.pending:
+                        return
+                self.pending.pop(msg.id, None)
+        self.deliver(line)
+
+    def detach(self, code: int, reason: str) -> None:
+        """The remote session is gone: answer every pending request with an error."""
+        self.attached = False
+        self._swallow.clear()
+        pending, self.pending = self.pending, {}
+        for request_id in pending:
+            self.deliver(error_reply(request_id, code, reason))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.attached and self.client.link_up:
+            self.client.sender.control(FrameKind.CLOSE, self.sid)
+        self.attached = False
+        self.client.sessions.pop(self.sid, None)
+
+
+class TunnelClient:
+    """The agent side of the tunnel to one serving peer."""
+
+    def __init__(
+        self,
+        transport: TunnelTransport,
+        server_did: str,
+        server_name: str = "",
+        *,
+        link_wait: float = 10.0,
+    ) -> None:
+        self.transport = transport
+        self.server_did = server_did
+        self.server_name = server_name
+        self.link_wait = link_wait
+        self.sender = FrameSender(transport, server_did)
+        self.sessions: dict[int, ClientSession] = {}
+        self._next_sid = 1
+        self._up = asyncio.Event()
+        if transport.is_up(server_did):
+            self._up.set()
+        transport.set_receiver(self._on_payload)
+        transport.add_link_listener(self._on_link)
+
+    @property
+    def link_up(self) -> bool:
+        return self._up.is_set()
+
+    def down_message(self) -> str:
+        return f"tunnel link to {self.server_did} is down"
+
+    def open_session(self, deliver: Deliver) -> ClientSession:
+        sid = self._next_sid
+        self._next_sid += 1
+        session = self.sessions[sid] = ClientSession(self, sid, deliver)
+        return session
+
+    async def wait_link(self) -> bool:
+        if self._up.is_set():
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._up.wait(), self.link_wait)
+        return self._up.is_set()
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            session.close()
+        await self.sender.flush()
+        await self.sender.close()
+
+    def _on_payload(self, peer: str, payload: bytes) -> None:
+        if peer != self.server_did:
+            log.warning("tunnel frame from unexpected peer %s ignored", peer)
+            return
+        try:
+            frame = decode_frame(payload)
+        except ProtocolError as exc:
+            log.warning("bad tunnel frame from %s: %s", peer, exc)
+            return
+        session = self.sessions.get(frame.session)
+        if session is None:
+            return
+        if frame.kind is FrameKind.MESSAGES:
+            for line in frame.messages:
+                session.from_remote(line)
+        elif frame.kind in (FrameKind.ERROR, FrameKind.CLOSE):
+            reason = frame.messages[0].decode("utf-8", "replace") if frame.messages else "closed"
+            log.warning("remote session %d ended: %s", frame.session, reason)
+            session.detach(INTERNAL_ERROR, reason)
+
+    def _on_link(self, peer: str, up: bool) -> None:
+        if peer != self.server_did:
+            return
+        if up:
+            log.info("tunnel link to %s is up", peer)
+            self._up.set()
+            for session in self.sessions.values():
+                # Reopen at once so the tool can talk first (list_changed, logging).
+                if not session.attached and session._init_line is not None:
+                    session.attach()
+            return
+        log.warning("tunnel link to %s is down", peer)
+        self._up.clear()
+        self.sender.discard()
+        for session in self.sessions.values():
+            session.detach(LINK_DOWN, f"tunnel link to {peer} lost")
+
+
+async def serve_stdio(client: TunnelClient) -> None:
+    """Run one MCP session over this process's stdin/stdout until stdin closes."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=16 * 1024 * 1024)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin.buffer)
+    out_transport, _ = await loop.connect_write_pipe(asyncio.Protocol, sys.stdout.buffer)
+
+    def deliver(line: bytes) -> None:
+        out_transport.write(line + b"\n")
+
+    session = client.open_session(deliver)
+    try:
+        while True:
+            try:
+                line = await reader.readline()
+            except ValueError:
+                deliver(error_reply(None, INTERNAL_ERROR, "message too large"))
+                continue
+            if not line:
+                break
+            line = line.strip()
+            if line:
+                await session.from_agent(line)
+    finally:
+        session.close()
+        await client.close()
+        out_transport.close()

@@ -1,0 +1,216 @@
+"""The one interface between the tunnel and what carries its frames (ARCHITECTURE.md, Node).
+
+:class:`TunnelTransport` is all ``serve`` and ``connect`` know about the link:
+send an app payload to a peer, receive payloads, hear about links going up and
+down. :class:`NodeTransport` implements it over a talos ``Node`` app channel;
+:class:`LoopbackTransport` is an in-process connected pair for tests of the
+proxy logic (a transport, like h11's connected pair, not a stand-in for the
+code under test).
+
+:class:`FrameSender` is the hot path's coalescer: messages are queued without
+waiting, and one task drains the queue greedily, so whatever accumulated while
+the previous frame was being sent leaves as one frame (never waits to batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from mcp_proxy.tunnel_wire import FrameKind, encode_frame
+from talos_sdk.errors import TalosError
+
+__all__ = [
+    "APP_NAME",
+    "FrameSender",
+    "LinkDownError",
+    "LinkListener",
+    "LoopbackTransport",
+    "NodeTransport",
+    "Receiver",
+    "TunnelTransport",
+]
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "mcp"
+# Stay far below the node's link frame bound (NodeConfig.max_frame, 1 MiB by default).
+MAX_BATCH_BYTES = 256 * 1024
+
+Receiver = Callable[[str, bytes], None]
+LinkListener = Callable[[str, bool], None]
+
+
+class LinkDownError(TalosError):
+    """No link to the peer right now."""
+
+
+class TunnelTransport(Protocol):
+    """Carries tunnel frames between this proxy and its peers, ordered per peer."""
+
+    async def send(self, peer: str, payload: bytes) -> None: ...
+
+    def set_receiver(self, receiver: Receiver) -> None: ...
+
+    def add_link_listener(self, listener: LinkListener) -> None: ...
+
+    def is_up(self, peer: str) -> bool: ...
+
+
+class NodeTransport:
+    """A :class:`TunnelTransport` over a talos ``Node``'s "mcp" app channel."""
+
+    def __init__(self, node: Any, app: str = APP_NAME) -> None:
+        self.node = node
+        self.app = app
+        self._receiver: Receiver | None = None
+        node.register_app(app, self._on_app)
+
+    def _on_app(self, peer: str, payload: bytes) -> None:
+        if self._receiver is not None:
+            self._receiver(peer, payload)
+
+    async def send(self, peer: str, payload: bytes) -> None:
+        await self.node.send_app(peer, self.app, payload)
+
+    def set_receiver(self, receiver: Receiver) -> None:
+        self._receiver = receiver
+
+    def add_link_listener(self, listener: LinkListener) -> None:
+        self.node.on_link_change(listener)
+
+    def is_up(self, peer: str) -> bool:
+        return bool(self.node.is_connected(peer))
+
+
+class LoopbackTransport:
+    """One end of an in-process connected pair; frames keep their order."""
+
+    def __init__(self, did: str) -> None:
+        self.did = did
+        self.other: LoopbackTransport | None = None
+        self.up = True
+        self._receiver: Receiver | None = None
+        self._listeners: list[LinkListener] = []
+        self.sent_frames = 0
+
+    @classmethod
+    def pair(cls, did_a: str, did_b: str) -> tuple[LoopbackTransport, LoopbackTransport]:
+        a, b = cls(did_a), cls(did_b)
+        a.other, b.other = b, a
+        return a, b
+
+    async def send(self, peer: str, payload: bytes) -> None:
+        other = self.other
+        if not self.up or other is None or other.did != peer:
+            raise LinkDownError(f"no link to {peer}")
+        self.sent_frames += 1
+        asyncio.get_running_loop().call_soon(other._deliver, self.did, payload)
+
+    def _deliver(self, peer: str, payload: bytes) -> None:
+        if self.up and self._receiver is not None:
+            self._receiver(peer, payload)
+
+    def set_receiver(self, receiver: Receiver) -> None:
+        self._receiver = receiver
+
+    def add_link_listener(self, listener: LinkListener) -> None:
+        self._listeners.append(listener)
+
+    def is_up(self, peer: str) -> bool:
+        return self.up and self.other is not None and self.other.did == peer
+
+    def set_link(self, up: bool) -> None:
+        """Drop or restore the link; both ends hear about it."""
+        assert self.other is not None
+        for end in (self, self.other):
+            end.up = up
+        for end in (self, self.other):
+            peer = end.other.did if end.other is not None else ""
+            for listener in list(end._listeners):
+                listener(peer, up)
+
+
+class FrameSender:
+    """Queues frames for one peer and sends them, coalescing consecutive messages of a session."""
+
+    def __init__(self, transport: TunnelTransport, peer: str) -> None:
+        self.transport = transport
+        self.peer = peer
+        self._items: deque[tuple[FrameKind, int, bytes | None]] = deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self.frames_sent = 0
+
+    def message(self, session: int, line: bytes) -> None:
+        self._push(FrameKind.MESSAGES, session, line)
+
+    def control(self, kind: FrameKind, session: int, payload: bytes | None = None) -> None:
+        self._push(kind, session, payload)
+
+    def _push(self, kind: FrameKind, session: int, payload: bytes | None) -> None:
+        self._items.append((kind, session, payload))
+        self._idle.clear()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"mcp-send-{self.peer[-8:]}")
+        self._wake.set()
+
+    async def flush(self) -> None:
+        """Wait until everything queued has been handed to the transport."""
+        if self._task is not None and not self._task.done():
+            await self._idle.wait()
+
+    def discard(self) -> None:
+        """Drop what is queued (its sessions died with the link)."""
+        self._items.clear()
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._items.clear()
+
+    def _next_frame(self) -> bytes:
+        kind, session, payload = self._items.popleft()
+        if kind is not FrameKind.MESSAGES:
+            return encode_frame(kind, session, () if payload is None else (payload,))
+        assert payload is not None
+        batch = [payload]
+        size = len(payload)
+        items = self._items
+        while items:
+            nkind, nsession, npayload = items[0]
+            if nkind is not FrameKind.MESSAGES or nsession != session or npayload is None:
+                break
+            if size + len(npayload) > MAX_BATCH_BYTES:
+                break
+            items.popleft()
+            batch.append(npayload)
+            size += len(npayload)
+        return encode_frame(FrameKind.MESSAGES, session, batch)
+
+    async def _run(self) -> None:
+        while True:
+            if not self._items:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            frame = self._next_frame()
+            try:
+                await self.transport.send(self.peer, frame)
+                self.frames_sent += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # The link listener fails the pending requests; a lost frame is not retried
+                # because the sessions it belonged to are torn down with the link.
+                log.warning("mcp frame to %s not sent: %s", self.peer, exc)

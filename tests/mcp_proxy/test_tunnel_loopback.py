@@ -1,0 +1,220 @@
+"""The serve/connect proxy logic end to end over a loopback link, with the real everything_server."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+
+from mcp_proxy.audit import Auditor
+from mcp_proxy.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, LINK_DOWN, PARSE_ERROR, TOOL_DENIED
+from mcp_proxy.policy import Policy
+from tests.mcp_proxy.loopback import CLIENT_DID, EVERYTHING, Agent, MemorySink, Pair
+
+TIMEOUT = 30
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    p = Pair(Policy.build(allow=[CLIENT_DID], command=EVERYTHING))
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+def text_of(reply: dict[str, object]) -> str:
+    result = reply["result"]
+    assert isinstance(result, dict)
+    return str(result["content"][0]["text"])
+
+
+async def test_initialize_list_call(pair: Pair) -> None:
+    agent = Agent(pair.client)
+    async with asyncio.timeout(TIMEOUT):
+        init = await agent.initialize()
+        assert init["result"]["serverInfo"]["name"] == "everything"
+        tools = await agent.request("tools/list")
+        names = {t["name"] for t in tools["result"]["tools"]}
+        assert {"echo", "add", "crash", "sample"} <= names
+        assert text_of(await agent.call("add", a=2, b=40)) == "42"
+        assert (await agent.request("ping"))["result"] == {}
+
+
+async def test_64_pipelined_calls_coalesce(pair: Pair) -> None:
+    agent = Agent(pair.client)
+    async with asyncio.timeout(TIMEOUT):
+        await agent.initialize()
+        frames_before = pair.client_end.sent_frames
+        results = await asyncio.gather(*(agent.call("add", a=i, b=1000) for i in range(64)))
+    assert [text_of(r) for r in results] == [str(i + 1000) for i in range(64)]
+    # 64 requests left in fewer frames than messages: the sender coalesced the queue.
+    assert pair.client_end.sent_frames - frames_before < 64
+
+
+async def test_denied_tool_and_filtered_list() -> None:
+    sink = MemorySink()
+    auditor = Auditor(sink)
+    await auditor.start()
+    pair = Pair(
+        Policy.build(allow=[CLIENT_DID], tools=["echo"], command=EVERYTHING), auditor=auditor
+    )
+    agent = Agent(pair.client)
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            await agent.initialize()
+            tools = await agent.request("tools/list")
+            assert [t["name"] for t in tools["result"]["tools"]] == ["echo"]
+            denied = await agent.call("crash", code=9)
+            assert denied["error"]["code"] == TOOL_DENIED
+            assert denied["error"]["message"] == f"tool 'crash' not allowed for {CLIENT_DID}"
+            # The tool never saw it: the process is still alive and answers.
+            assert text_of(await agent.call("echo", text="still here")) == "still here"
+            await auditor.stop()
+    finally:
+        await pair.close()
+    outcomes = [(r.method, r.tool, r.outcome) for r in sink.records]
+    assert ("tools/call", "crash", "denied") in outcomes
+    assert ("tools/call", "echo", "ok") in outcomes
+    assert all(r.caller == CLIENT_DID for r in sink.records)
+    echo = next(r for r in sink.records if r.tool == "echo")
+    assert len(echo.params_sha256) == 32 and len(echo.result_sha256) == 32
+    assert echo.plaintext == b""
+
+
+async def test_malformed_from_agent_gets_errors_and_session_survives(pair: Pair) -> None:
+    agent = Agent(pair.client)
+    async with asyncio.timeout(TIMEOUT):
+        await agent.initialize()
+        await agent.send_raw(b"{this is not json")
+        assert (await agent.inbox.get())["error"]["code"] == PARSE_ERROR
+        await agent.send_raw(b'{"jsonrpc":"2.0","id":5,"method":7}')
+        bad = await agent.inbox.get()
+        assert (bad["id"], bad["error"]["code"]) == (5, INVALID_REQUEST)
+        assert text_of(await agent.call("echo", text="ok")) == "ok"
+
+
+async def test_tool_crash_errors_pending_and_next_request_gets_fresh_process(pair: Pair) -> None:
+    agent = Agent(pair.client)
+    async with asyncio.timeout(TIMEOUT):
+        await agent.initialize()
+        pid1 = text_of(await agent.call("pid"))
+        crashed = await agent.call("crash", code=3)
+        assert crashed["error"] == {
+            "code": INTERNAL_ERROR,
+            "message": "tool process exited (code 3)",
+        }
+        # The next request reopens the session; the agent's initialize is replayed.
+        pid2 = text_of(await agent.call("pid"))
+    assert pid1 != pid2
+    assert pair.server.started_processes == 2
+
+
+async def test_link_drop_errors_pending_then_reconnects(pair: Pair) -> None:
+    agent = Agent(pair.client)
+    async with asyncio.timeout(TIMEOUT):
+        await agent.initialize()
+        pid1 = text_of(await agent.call("pid"))
+        rid, fut = agent.start_request("tools/call")
+        await agent.send_raw(
+            b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":'
+            b'{"name":"slow","arguments":{"steps":50,"delay":0.1}}}' % rid
+        )
+        pair.client_end.set_link(False)
+        dropped = await fut
+        assert dropped["error"]["code"] == LINK_DOWN
+        # The server side ended the session's tool process with the link.
+        while pair.server.sessions:
+            await asyncio.sleep(0.01)
+        pair.client_end.set_link(True)
+        pid2 = text_of(await agent.call("pid"))
+    assert pid1 != pid2
+
+
+async def test_link_down_too_long_answers_with_link_error() -> None:
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=EVERYTHING), link_wait=0.05)
+    agent = Agent(pair.client)
+    try:
+        pair.client_end.set_link(False)
+        async with asyncio.timeout(TIMEOUT):
+            reply = await agent.request("ping")
+        assert reply["error"]["code"] == LINK_DOWN
+        assert pair.server.started_processes == 0
+    finally:
+        await pair.close()
+
+
+async def test_unauthorised_peer_refused_and_tool_never_started() -> None:
+    pair = Pair(Policy.build(allow=["did:key:z6MkSomeoneElse"], command=EVERYTHING))
+    agent = Agent(pair.client)
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            reply = await agent.request("ping")
+        assert reply["error"]["code"] == INTERNAL_ERROR
+        assert "not allowed" in reply["error"]["message"]
+        assert pair.server.started_processes == 0
+    finally:
+        await pair.close()
+
+
+async def test_tool_that_fails_to_start() -> None:
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=["/nonexistent/tool"]))
+    agent = Agent(pair.client)
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            reply = await agent.request("ping")
+        assert reply["error"]["code"] == INTERNAL_ERROR
+        assert "tool process exited (code 127)" in reply["error"]["message"]
+    finally:
+        await pair.close()
+
+
+async def test_malformed_tool_output_is_attributed() -> None:
+    bad = [sys.executable, "-m", "tests.tools.bad_server", "garbage"]
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=bad))
+    agent = Agent(pair.client)
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            reply = await agent.request("ping")
+        # The bad server sends garbage, then a response with neither result nor error for
+        # the id: that one is attributable and becomes an error for the caller.
+        assert reply["error"]["code"] == INTERNAL_ERROR
+        assert "malformed response" in reply["error"]["message"]
+    finally:
+        await pair.close()
+
+
+async def test_progress_and_sampling_forwarded(pair: Pair) -> None:
+    agent = Agent(pair.client)
+    async with asyncio.timeout(TIMEOUT):
+        await agent.initialize()
+        rid, fut = agent.start_request("tools/call")
+        await agent.send_raw(
+            b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"slow",'
+            b'"arguments":{"steps":3,"delay":0.01},"_meta":{"progressToken":"tok-1"}}}' % rid
+        )
+        reply = await fut
+        progress = [m for m in agent.other if m.get("method") == "notifications/progress"]
+        assert [p["params"]["progressToken"] for p in progress] == ["tok-1"] * 3
+        assert text_of(reply) == "done 3"
+
+        rid, fut = agent.start_request("tools/call")
+        await agent.send_raw(
+            b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"sample",'
+            b'"arguments":{"prompt":"hi"}}}' % rid
+        )
+        ask = await agent.inbox.get()
+        while ask.get("method") != "sampling/createMessage":
+            ask = await agent.inbox.get()
+        await agent.send_raw(
+            b'{"jsonrpc":"2.0","id":%s,"result":{"role":"assistant","model":"m",'
+            b'"content":{"type":"text","text":"from the model"}}}'
+            % (
+                b'"%s"' % ask["id"].encode()
+                if isinstance(ask["id"], str)
+                else str(ask["id"]).encode()
+            )
+        )
+        assert text_of(await fut) == "from the model"
