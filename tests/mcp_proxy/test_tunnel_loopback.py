@@ -1,4 +1,4 @@
-"""The serve/connect proxy logic end to end over a loopback link, with the real everything_server."""
+"""serve/connect proxy logic end to end over a loopback link, with the real everything_server."""
 
 from __future__ import annotations
 
