@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -238,8 +239,10 @@ def _parallel(jobs: list[_Job], node_did: str, n: int) -> list[_Result]:
             chunks.append([])
             size = 0
     chunks = [c for c in chunks if c]
-    # forkserver: safe even when the caller runs threads (a node's event loop helpers).
-    ctx = multiprocessing.get_context("forkserver")
+    # fork is cheapest and does not re-import the caller's __main__; with other
+    # threads alive (a running node) forking is unsafe, so use a forkserver then.
+    method = "fork" if threading.active_count() == 1 else "forkserver"
+    ctx = multiprocessing.get_context(method)
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
         parts = pool.map(_check_range, chunks, [node_did] * len(chunks))
         return [r for part in parts for r in part]
