@@ -25,6 +25,7 @@ __all__ = [
     "Msg",
     "Proof",
     "Refuse",
+    "SessionAck",
     "SessionInit",
     "SessionOffer",
     "decode",
@@ -40,6 +41,7 @@ T_PROOF: Final = 0x02
 T_REFUSE: Final = 0x03
 T_SESSION_OFFER: Final = 0x10
 T_SESSION_INIT: Final = 0x11
+T_SESSION_ACK: Final = 0x12
 T_MSG: Final = 0x20
 T_ACK: Final = 0x21
 T_APP: Final = 0x30
@@ -91,6 +93,13 @@ class SessionInit:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionAck:
+    """The responder's first ratchet message: confirms the session, ends initial data."""
+
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Msg:
     """A durable message: per-peer sequence number and the sealed frame."""
 
@@ -112,7 +121,7 @@ class App:
     body: bytes
 
 
-LinkFrame = Hello | Proof | Refuse | SessionOffer | SessionInit | Msg | Ack | App
+LinkFrame = Hello | Proof | Refuse | SessionOffer | SessionInit | SessionAck | Msg | Ack | App
 
 
 def _fields(type_byte: int, *fields: bytes) -> bytes:
@@ -172,6 +181,8 @@ def encode(frame: LinkFrame) -> bytes:
         return _fields(T_SESSION_OFFER, frame.bundle, frame.session_id)
     if isinstance(frame, SessionInit):
         return _fields(T_SESSION_INIT, frame.session_id, frame.payload)
+    if isinstance(frame, SessionAck):
+        return bytes((T_SESSION_ACK,)) + frame.body
     raise TypeError(f"not a link frame: {type(frame).__name__}")
 
 
@@ -220,4 +231,6 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
         if not sid:
             raise MalformedFrameError("SESSION_INIT needs a session id")
         return SessionInit(sid, payload)
+    if t == T_SESSION_ACK:
+        return SessionAck(data[1:])
     raise MalformedFrameError(f"unknown link frame type 0x{t:02x}")

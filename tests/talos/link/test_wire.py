@@ -15,6 +15,7 @@ FRAMES: list[wire.LinkFrame] = [
     wire.SessionOffer(b"bundle-bytes", b""),
     wire.SessionOffer(b"bundle-bytes", b"i" * 16),
     wire.SessionInit(b"i" * 16, b"x3dh-initial"),
+    wire.SessionAck(b"ratchet"),
     wire.Msg(0, b""),
     wire.Msg(2**64 - 1, b"sealed"),
     wire.Ack(7),
