@@ -159,6 +159,7 @@ class Auditor:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._dirty = False
+        self._stopping = False
         self.written = 0
 
     async def start(self) -> None:
@@ -167,10 +168,11 @@ class Auditor:
     async def stop(self) -> None:
         """Write what is queued and sync, then stop."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if task is not None and not task.done():
+            # Not cancelled: a write in a worker thread must finish before the final flush.
+            self._stopping = True
+            self._wake.set()
+            await task
         await self._flush(durable=True)
 
     def submit(self, rec: AuditRecord) -> None:
@@ -193,6 +195,8 @@ class Auditor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
+            if self._stopping:
+                return
             due = loop.time() >= next_sync
             try:
                 await self._flush(durable=due)
@@ -204,15 +208,12 @@ class Auditor:
     async def _flush(self, *, durable: bool) -> None:
         batch, self._queue = self._queue, []
         barriers, self._barriers = self._barriers, []
+        sync = bool(durable or barriers) and (self._dirty or bool(batch))
         try:
-            if batch:
-                self.sink.write(batch)
-                self.written += len(batch)
-                self._dirty = True
-            if (durable or barriers) and self._dirty:
-                self._dirty = False
-                # fsync is the slow part; keep it off the event loop.
-                await asyncio.to_thread(self.sink.sync)
+            if batch or sync:
+                # LMDB's writer lock may be held by the node's writer thread (and fsync is
+                # slow): neither may stall the event loop that forwards tool traffic.
+                await asyncio.to_thread(self._write, batch, sync)
         except BaseException as exc:
             for fut in barriers:
                 if not fut.done():
@@ -223,3 +224,12 @@ class Auditor:
         for fut in barriers:
             if not fut.done():
                 fut.set_result(None)
+
+    def _write(self, batch: list[AuditRecord], sync: bool) -> None:
+        if batch:
+            self.sink.write(batch)
+            self.written += len(batch)
+            self._dirty = True
+        if sync:
+            self._dirty = False
+            self.sink.sync()

@@ -1,0 +1,132 @@
+"""Tests for mcp_proxy.audit: group commit and strict mode into a real BlockLog on LMDB."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+
+import orjson
+import pytest
+
+from mcp_proxy.audit import MAX_COMMITMENT, AuditMode, Auditor, AuditRecord, BlockLogSink, digest
+from talos.chain.block import MAX_COMMITMENT as BLOCK_MAX_COMMITMENT
+from talos.chain.block import MAX_EXTRA as BLOCK_MAX_EXTRA
+from talos.chain.log import BlockLog
+from talos.store import Store
+from talos_sdk.wallet import Wallet
+
+CALLER = "did:key:z6MkCaller"
+
+
+def rec(i: int, *, tool: str = "echo", plaintext: bytes = b"") -> AuditRecord:
+    return AuditRecord(
+        caller=CALLER,
+        server="default",
+        method="tools/call",
+        tool=tool,
+        request_id=i,
+        params_sha256=digest({"i": i}),
+        result_sha256=digest({"ok": True}),
+        latency_us=123,
+        outcome="ok",
+        timestamp_ms=1_700_000_000_000 + i,
+        plaintext=plaintext,
+    )
+
+
+@pytest.fixture
+def block_log(tmp_path: Path) -> BlockLog:
+    store = Store(tmp_path / "store")
+    return BlockLog(store, Wallet.generate(), max_records=1000)
+
+
+def sealed_commitments(block_log: BlockLog) -> list[dict[str, object]]:
+    block_log.seal()
+    out = []
+    for height in range(block_log.height + 1):
+        for r in block_log.block_records(height):
+            assert r.kind == "mcp"
+            out.append(orjson.loads(r.commitment))
+    return out
+
+
+def test_bounds_match_the_block_format() -> None:
+    assert MAX_COMMITMENT == BLOCK_MAX_COMMITMENT
+    from mcp_proxy.audit import MAX_EXTRA
+
+    assert MAX_EXTRA == BLOCK_MAX_EXTRA
+
+
+def test_digest_is_stable_over_key_order() -> None:
+    assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
+    assert digest({"a": 1}) == hashlib.sha256(b'{"a":1}').digest()
+    assert digest(None) == b""
+
+
+async def test_group_commit_batches_into_the_block_log(block_log: BlockLog) -> None:
+    sink = BlockLogSink(block_log, block_log.node_did)
+    auditor = Auditor(sink, sync_interval=0.05)
+    async with asyncio.timeout(10):
+        await auditor.start()
+        for i in range(100):
+            auditor.submit(rec(i))
+        await auditor.stop()
+    assert auditor.written == 100
+    commitments = sealed_commitments(block_log)
+    assert [c["id"] for c in commitments] == list(range(100))
+    first = commitments[0]
+    assert first["caller"] == CALLER and first["tool"] == "echo" and first["outcome"] == "ok"
+    assert first["params_sha256"] == digest({"i": 0}).hex()
+    block_log.store.close()
+
+
+async def test_strict_barrier_waits_for_durable_write(block_log: BlockLog) -> None:
+    sink = BlockLogSink(block_log, block_log.node_did)
+    auditor = Auditor(sink, mode=AuditMode.STRICT, sync_interval=60)
+    async with asyncio.timeout(10):
+        await auditor.start()
+        auditor.submit(rec(1))
+        await auditor.record_barrier()
+        # Durable means it is in LMDB already, before any seal or stop.
+        assert block_log.pending_count == 1
+        await auditor.stop()
+    block_log.store.close()
+
+
+async def test_plaintext_goes_to_extra_and_is_bounded(block_log: BlockLog) -> None:
+    sink = BlockLogSink(block_log, block_log.node_did)
+    auditor = Auditor(sink, plaintext=True)
+    async with asyncio.timeout(10):
+        await auditor.start()
+        auditor.submit(rec(1, plaintext=b"x" * 10_000))
+        await auditor.stop()
+    block_log.seal()
+    (record,) = block_log.block_records(0)
+    assert record.extra == b"x" * BLOCK_MAX_EXTRA
+    assert record.recipient == CALLER and record.sender == block_log.node_did
+    block_log.store.close()
+
+
+def test_huge_tool_name_still_fits_the_commitment() -> None:
+    commitment = rec(1, tool="t" * 10_000).commitment()
+    assert len(commitment) <= MAX_COMMITMENT
+    assert orjson.loads(commitment)["tool"] == "t" * 256
+
+
+async def test_failed_write_fails_strict_waiters(tmp_path: Path) -> None:
+    class Broken:
+        def write(self, records: object) -> None:
+            raise OSError("disk gone")
+
+        def sync(self) -> None:
+            raise OSError("disk gone")
+
+    auditor = Auditor(Broken(), mode=AuditMode.STRICT)
+    async with asyncio.timeout(10):
+        await auditor.start()
+        auditor.submit(rec(1))
+        with pytest.raises(OSError, match="disk gone"):
+            await auditor.record_barrier()
+        auditor._queue.clear()
+        await auditor.stop()
