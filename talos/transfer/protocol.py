@@ -48,6 +48,7 @@ __all__ = [
     "bulk_server_proof",
     "decode_message",
     "encode_message",
+    "file_commitment",
     "next_state",
     "numbered_name",
     "safe_name",
@@ -89,7 +90,7 @@ T_CHUNK: Final = 7
 T_CREDIT: Final = 8
 T_CANCEL: Final = 9
 
-_OFFER = struct.Struct(">B16sQ32s32sH")
+_OFFER = struct.Struct(">B16sQ32s32s64sH")
 _ACCEPT = struct.Struct(">B16sQIIH32sH")
 _TID = struct.Struct(">B16s")
 _TID_STR = struct.Struct(">B16sH")
@@ -105,6 +106,7 @@ class Offer:
     size: int
     sha256: bytes
     key: bytes
+    signature: bytes  # sender's Ed25519 signature over file_commitment(...)
     name: str
 
 
@@ -207,10 +209,13 @@ def encode_message(msg: TransferMessage) -> bytes:
     """Binary form: a type byte, the 16-byte transfer id, fixed fields, a tail."""
     _check_tid(msg.tid)
     if isinstance(msg, Offer):
-        if len(msg.sha256) != 32 or len(msg.key) != KEY_LEN:
-            raise UsageError("offer needs a 32-byte sha256 and a 32-byte key")
+        if len(msg.sha256) != 32 or len(msg.key) != KEY_LEN or len(msg.signature) != 64:
+            raise UsageError("offer needs a 32-byte sha256, a 32-byte key, a 64-byte signature")
         name = _text(msg.name, 1024)
-        return _OFFER.pack(T_OFFER, msg.tid, msg.size, msg.sha256, msg.key, len(name)) + name
+        head = _OFFER.pack(
+            T_OFFER, msg.tid, msg.size, msg.sha256, msg.key, msg.signature, len(name)
+        )
+        return head + name
     if isinstance(msg, Accept):
         token = msg.token if msg.bulk_port else bytes(TOKEN_LEN)
         if len(token) != TOKEN_LEN:
@@ -257,10 +262,9 @@ def decode_message(data: bytes) -> TransferMessage:
     kind = data[0]
     try:
         if kind == T_OFFER:
-            _, tid, size, digest, key, n = _OFFER.unpack_from(data)
-            return Offer(
-                tid, size, digest, key, _utf8(_tail(data, _OFFER.size, n, "offer"), "name")
-            )
+            _, tid, size, digest, key, sig, n = _OFFER.unpack_from(data)
+            name = _utf8(_tail(data, _OFFER.size, n, "offer"), "name")
+            return Offer(tid, size, digest, key, sig, name)
         if kind == T_ACCEPT:
             _, tid, off, epoch, window, port, token, n = _ACCEPT.unpack_from(data)
             host = _utf8(_tail(data, _ACCEPT.size, n, "accept"), "host")
@@ -329,6 +333,12 @@ class ChunkPlan:
         self.index += 1
         self.finished = final
         return at
+
+
+def file_commitment(tid: bytes, sha256: bytes, size: int, sender: str, recipient: str) -> bytes:
+    """The bytes the sender signs for a file (kept in both block-log records)."""
+    parties = sender.encode() + b"\x00" + recipient.encode()
+    return b"talos/file/v1" + tid + sha256 + struct.pack(">Q", size) + parties
 
 
 def stream_label(tid: bytes, epoch: int, offset: int) -> bytes:

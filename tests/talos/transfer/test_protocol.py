@@ -36,8 +36,8 @@ from talos_sdk.errors import MalformedFrameError, OversizeError, UsageError
 TID = bytes(range(16))
 
 MESSAGES = [
-    Offer(TID, 123, b"\x01" * 32, b"\x02" * 32, "report ü.pdf"),
-    Offer(TID, 0, b"\x01" * 32, b"\x02" * 32, ""),
+    Offer(TID, 123, b"\x01" * 32, b"\x02" * 32, b"\x03" * 64, "report ü.pdf"),
+    Offer(TID, 0, b"\x01" * 32, b"\x02" * 32, b"\x03" * 64, ""),
     Accept(TID, 4096, 3, 8, 40123, b"\x07" * 32, "127.0.0.1"),
     Accept(TID, 0, 0, 8, 0, bytes(32), ""),
     Pending(TID),
@@ -77,7 +77,7 @@ def test_bad_messages() -> None:
     with pytest.raises(UsageError):
         encode_message(Done(b"short"))
     with pytest.raises(UsageError):
-        encode_message(Offer(TID, 1, b"x", b"\x02" * 32, "n"))
+        encode_message(Offer(TID, 1, b"x", b"\x02" * 32, b"\x03" * 64, "n"))
 
 
 @given(st.binary(max_size=200))

@@ -1,0 +1,734 @@
+"""File transfer glue to the node (issue 5; docs/PROTOCOL.md "File transfer").
+
+:class:`TransferManager` speaks the control messages of
+:mod:`talos.transfer.protocol` on the node's ratchet-sealed app channel
+``"file"``, keeps every transfer in the store's ``transfers`` database (so a
+restart of either node resumes from the last committed offset), moves the
+bytes over the bulk TCP path (:mod:`talos.transfer.bulk`) or, if that cannot
+connect, over the app channel itself, and appends one ``"file"`` record to the
+block log when a transfer completes.
+
+Failure policy: a broken connection or a chunk that fails authentication ends
+the *attempt* (the sender re-offers and resumes from the receiver's last
+committed offset; at most :data:`MAX_ATTEMPTS`). A size lie, a SHA-256
+mismatch, a full disk or the quota end the *transfer*: the partial file is
+deleted and the sender is told why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from talos.store import Store
+from talos.transfer import bulk
+from talos.transfer.protocol import (
+    APP_NAME,
+    BULK_CHUNK,
+    FALLBACK_CHUNK,
+    TID_LEN,
+    Accept,
+    Cancel,
+    Chunk,
+    Credit,
+    Done,
+    Event,
+    Failed,
+    Offer,
+    Pending,
+    Reject,
+    TransferMessage,
+    TransferProtocolError,
+    TransferState,
+    decode_message,
+    encode_message,
+    file_commitment,
+    is_final,
+    next_state,
+    safe_name,
+)
+from talos.transfer.receiver import IncomingAttempt, IncomingFile
+from talos.transfer.sender import OutgoingAttempt, hash_file
+from talos_sdk.errors import (
+    DecryptionError,
+    HandshakeError,
+    ProtocolError,
+    StorageError,
+    TalosError,
+    UsageError,
+)
+from talos_sdk.wallet import verify as verify_signature
+
+__all__ = ["MAX_ATTEMPTS", "TransferConfig", "TransferInfo", "TransferManager"]
+
+log = logging.getLogger("talos.transfer")
+
+MAX_ATTEMPTS: Final = 5
+_DB: Final = "transfers"
+
+
+class TransferConfig(BaseModel):
+    """File-transfer settings of a node (pydantic: read from CLI flags / JSON)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    files_dir: Path | None = Field(default=None, description="where received files land")
+    auto_accept: tuple[str, ...] = Field(default=(), description="DIDs whose offers need no accept")
+    quota_bytes: int = Field(default=64 << 30, ge=0, description="bytes of incoming files held")
+    bulk: bool = True
+    bulk_host: str = "127.0.0.1"
+    bulk_port: int = Field(default=0, ge=0, le=65535)
+    window: int = Field(default=8, ge=1, le=1024, description="chunks in flight")
+    checkpoint_bytes: int = Field(default=32 << 20, ge=1 << 16)
+    retry_delay: float = Field(default=0.2, gt=0)
+
+
+class AppNode(Protocol):
+    """What the manager needs from :class:`talos.node.Node` (docs/ARCHITECTURE.md)."""
+
+    @property
+    def did(self) -> str: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def wallet(self) -> Any: ...
+
+    def register_app(
+        self, name: str, handler: Callable[[str, bytes], Awaitable[None] | None]
+    ) -> None: ...
+
+    async def send_app(self, did: str, name: str, payload: bytes) -> None: ...
+
+    def on_link_change(self, callback: Callable[[str, bool], None]) -> None: ...
+
+    def is_connected(self, did: str) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TransferInfo:
+    """One transfer as persisted in the ``transfers`` database."""
+
+    tid: str
+    direction: str  # "in" | "out"
+    peer: str
+    name: str
+    size: int
+    sha256: str
+    key: str = ""  # hex; never leaves the node (not in to_public)
+    signature: str = ""  # hex; the sender's signature over file_commitment
+    state: TransferState = TransferState.OFFERED
+    offset: int = 0  # in: bytes committed (fsync'd + recorded); out: bytes acknowledged
+    epoch: int = 0
+    attempts: int = 0
+    path: str = ""
+    error: str = ""
+    created_ms: int = 0
+    updated_ms: int = 0
+
+    def to_public(self) -> dict[str, Any]:
+        """JSON view for the CLI / control API (no key)."""
+        data = asdict(self)
+        del data["key"], data["signature"]
+        data["state"] = self.state.value
+        data["status"] = self.state.value
+        data["from"] = self.peer if self.direction == "in" else ""
+        data["to"] = self.peer if self.direction == "out" else ""
+        return data
+
+    def encode(self) -> bytes:
+        data = asdict(self)
+        data["state"] = self.state.value
+        return orjson.dumps(data)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> TransferInfo:
+        data = orjson.loads(raw)
+        data["state"] = TransferState(data["state"])
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class _Incoming:
+    """Live receiving state of one attempt."""
+
+    file: IncomingFile
+    attempt: IncomingAttempt
+    queue: asyncio.Queue[bytes | None]
+    task: asyncio.Task[None] | None = None
+
+
+class TransferManager:
+    """Sends and receives files for one node."""
+
+    def __init__(
+        self, node: AppNode, files_dir: Path, config: TransferConfig | None = None
+    ) -> None:
+        self.node = node
+        self.config = config or TransferConfig()
+        self.files_dir = Path(files_dir)
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.listener: bulk.BulkListener | None = None
+        self.block_log: Any = getattr(node, "log", None)
+        self._incoming: dict[bytes, _Incoming] = {}
+        self._sending: dict[bytes, asyncio.Task[None]] = {}
+        self._credit: dict[bytes, tuple[int, asyncio.Event]] = {}
+        self._waiters: dict[bytes, list[asyncio.Future[TransferInfo]]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.progress: dict[bytes, int] = {}
+        #: called as ``on_progress(tid, committed_offset)`` after each receiver checkpoint
+        self.on_progress: Callable[[bytes, int], None] | None = None
+        self.bytes_sent: dict[bytes, int] = {}
+        self._stopped = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Register the app channel, start the bulk listener, resume unfinished sends."""
+        if self.config.bulk:
+            self.listener = bulk.BulkListener(self.config.bulk_host, self.config.bulk_port)
+            await self.listener.start()
+        self.node.register_app(APP_NAME, self._on_app)
+        self.node.on_link_change(self._on_link)
+        for info in self.list():
+            if (
+                info.direction == "out"
+                and not is_final(info.state)
+                and self.node.is_connected(info.peer)
+            ):
+                self._spawn(self._offer(bytes.fromhex(info.tid)))
+
+    async def stop(self) -> None:
+        """Stop every transfer task; progress already committed survives."""
+        self._stopped = True
+        if self.listener is not None:
+            await self.listener.close()
+        tasks = [*self._tasks, *self._sending.values()]
+        tasks += [i.task for i in self._incoming.values() if i.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for inc in self._incoming.values():
+            inc.file.close()
+        self._incoming.clear()
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_link(self, did: str, up: bool) -> None:
+        if not up or self._stopped:
+            return
+        for info in self.list():
+            tid = bytes.fromhex(info.tid)
+            if (
+                info.direction == "out"
+                and info.peer == did
+                and not is_final(info.state)
+                and tid not in self._sending
+            ):
+                self._spawn(self._offer(tid))
+
+    # ------------------------------------------------------------------ store
+
+    def get(self, tid: str | bytes) -> TransferInfo:
+        """The transfer with id ``tid`` (hex or bytes); :class:`UsageError` if unknown."""
+        key = bytes.fromhex(tid) if isinstance(tid, str) else tid
+        with self.node.store.read() as txn:
+            raw = txn.get(_DB, key)
+        if raw is None:
+            raise UsageError(f"no transfer with id {key.hex()}")
+        return TransferInfo.decode(raw)
+
+    def list(self) -> list[TransferInfo]:
+        """Every transfer, oldest first."""
+        with self.node.store.read() as txn:
+            infos = [TransferInfo.decode(v) for _, v in txn.items(_DB)]
+        return sorted(infos, key=lambda i: (i.created_ms, i.tid))
+
+    def _save(self, info: TransferInfo, durable: bool = True) -> TransferInfo:
+        info = replace(info, updated_ms=int(time.time() * 1000))
+        with self.node.store.write(durable=durable) as txn:
+            txn.put(_DB, bytes.fromhex(info.tid), info.encode())
+        if is_final(info.state):
+            for fut in self._waiters.pop(bytes.fromhex(info.tid), []):
+                if not fut.done():
+                    fut.set_result(info)
+        return info
+
+    def _move(self, info: TransferInfo, event: Event, **changes: Any) -> TransferInfo:
+        return self._save(replace(info, state=next_state(info.state, event), **changes))
+
+    async def wait(self, tid: str | bytes, timeout: float | None = None) -> TransferInfo:
+        """Until the transfer reaches a final state (even one not offered yet); returns it."""
+        key = bytes.fromhex(tid) if isinstance(tid, str) else tid
+        with contextlib.suppress(UsageError):  # not offered yet: wait for it to appear
+            info = self.get(key)
+            if is_final(info.state):
+                return info
+        fut: asyncio.Future[TransferInfo] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(key, []).append(fut)
+        async with asyncio.timeout(timeout):
+            return await fut
+
+    async def _send(self, did: str, msg: TransferMessage) -> None:
+        try:
+            await self.node.send_app(did, APP_NAME, encode_message(msg))
+        except (TalosError, OSError, ConnectionError) as exc:
+            log.info("transfer message to %s not sent: %s", did, exc)
+
+    # ------------------------------------------------------------------ sending
+
+    async def send_file(self, did: str, path: Path | str, name: str | None = None) -> str:
+        """Offer ``path`` to ``did`` (as ``name``, default its base name); returns the id (hex).
+
+        The transfer resumes by itself after a link drop or a restart of either node.
+        """
+        path = Path(path).resolve()
+        try:
+            size, digest = await asyncio.to_thread(hash_file, path)
+        except OSError as exc:
+            raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+        now = int(time.time() * 1000)
+        tid = os.urandom(TID_LEN)
+        commitment = file_commitment(tid, digest, size, self.node.did, did)
+        info = TransferInfo(
+            tid=tid.hex(),
+            direction="out",
+            peer=did,
+            name=path.name if name is None else name,
+            size=size,
+            sha256=digest.hex(),
+            key=os.urandom(32).hex(),
+            signature=self.node.wallet.sign(commitment).hex(),
+            path=str(path),
+            created_ms=now,
+        )
+        self._save(info)
+        if self.node.is_connected(did):
+            await self._offer(bytes.fromhex(info.tid))
+        return info.tid
+
+    async def _offer(self, tid: bytes) -> None:
+        info = self.get(tid)
+        if is_final(info.state):
+            return
+        offer = Offer(
+            tid,
+            info.size,
+            bytes.fromhex(info.sha256),
+            bytes.fromhex(info.key),
+            bytes.fromhex(info.signature),
+            info.name,
+        )
+        await self._send(info.peer, offer)
+
+    def _on_accept(self, peer: str, msg: Accept, info: TransferInfo) -> None:
+        if info.direction != "out" or is_final(info.state):
+            return
+        if not 0 <= msg.offset <= info.size:
+            self._fail_out(info, f"receiver asked to resume at {msg.offset}")
+            return
+        info = self._move(info, Event.ACCEPT, epoch=msg.epoch, offset=msg.offset)
+        old = self._sending.pop(msg.tid, None)
+        if old is not None:
+            old.cancel()
+        task = asyncio.ensure_future(self._run_send(info, msg))
+        self._sending[msg.tid] = task
+        task.add_done_callback(functools.partial(self._sent_done, msg.tid))
+
+    def _sent_done(self, tid: bytes, task: asyncio.Task[None]) -> None:
+        if self._sending.get(tid) is task:
+            del self._sending[tid]
+
+    async def _run_send(self, info: TransferInfo, msg: Accept) -> None:
+        tid = msg.tid
+        try:
+            if msg.bulk_port and await self._send_bulk(info, msg):
+                return
+            await self._send_fallback(info, msg)
+        except asyncio.CancelledError:
+            raise
+        except TalosError as exc:  # source changed, etc.: the transfer cannot go on
+            self._fail_out(self.get(tid), str(exc))
+            await self._send(info.peer, Cancel(tid, str(exc)))
+        except (OSError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            log.info("transfer %s attempt %d broke: %s", tid.hex(), msg.epoch, exc)
+            await self._retry_later(tid)
+
+    async def _retry_later(self, tid: bytes) -> None:
+        await asyncio.sleep(self.config.retry_delay)
+        info = self.get(tid)
+        if not is_final(info.state) and self.node.is_connected(info.peer):
+            await self._offer(tid)
+
+    def _count(self, tid: bytes) -> Callable[[int], None]:
+        def on_sent(n: int) -> None:
+            self.bytes_sent[tid] = self.bytes_sent.get(tid, 0) + n
+
+        return on_sent
+
+    async def _send_bulk(self, info: TransferInfo, msg: Accept) -> bool:
+        """True if the bulk path carried the attempt to a verdict; False to fall back."""
+        out = OutgoingAttempt(
+            Path(info.path), info.size, bytes.fromhex(info.key), msg.tid, msg.epoch, msg.offset,
+            BULK_CHUNK,
+        )  # fmt: skip
+        try:
+            try:
+                stream = await bulk.connect_bulk(msg.bulk_host, msg.bulk_port, msg.tid, msg.token)
+            except (OSError, TimeoutError, HandshakeError) as exc:
+                log.info("bulk path to %s unavailable (%s); using the app channel", info.peer, exc)
+                return False
+            try:
+                verified = await bulk.send_chunks(
+                    stream, out.next_sealed, msg.window, self._count(msg.tid)
+                )
+            finally:
+                await stream.close()
+        finally:
+            out.close()
+        if not verified:
+            await self._retry_later(msg.tid)
+        return True
+
+    async def _send_fallback(self, info: TransferInfo, msg: Accept) -> None:
+        tid = msg.tid
+        event = asyncio.Event()
+        self._credit[tid] = (msg.window, event)
+        out = OutgoingAttempt(
+            Path(info.path), info.size, bytes.fromhex(info.key), tid, msg.epoch, msg.offset,
+            FALLBACK_CHUNK,
+        )  # fmt: skip
+        count = self._count(tid)
+        try:
+            while not out.finished:
+                index = out.index
+                while index >= self._credit[tid][0]:
+                    event.clear()
+                    await event.wait()
+                sealed = await asyncio.to_thread(out.next_sealed)
+                await self.node.send_app(
+                    info.peer, APP_NAME, encode_message(Chunk(tid, msg.epoch, index, sealed))
+                )
+                count(len(sealed))
+        finally:
+            out.close()
+            self._credit.pop(tid, None)
+
+    def _on_credit(self, msg: Credit) -> None:
+        entry = self._credit.get(msg.tid)
+        if entry is not None and msg.upto > entry[0]:
+            self._credit[msg.tid] = (msg.upto, entry[1])
+            entry[1].set()
+
+    def _fail_out(self, info: TransferInfo, reason: str) -> None:
+        if not is_final(info.state):
+            self._save(replace(info, state=TransferState.FAILED, error=reason))
+
+    # ------------------------------------------------------------------ receiving
+
+    def _quota_used(self) -> int:
+        held = (TransferState.PENDING, TransferState.ACTIVE, TransferState.COMPLETE)
+        return sum(i.size for i in self.list() if i.direction == "in" and i.state in held)
+
+    async def _on_offer(self, peer: str, msg: Offer) -> None:
+        try:
+            info: TransferInfo | None = self.get(msg.tid)
+        except UsageError:
+            info = None
+        if info is not None:
+            if info.peer != peer or info.direction != "in":
+                return  # a tid collision or another peer replaying it: ignore
+            await self._answer_known(info)
+            return
+        commitment = file_commitment(msg.tid, msg.sha256, msg.size, peer, self.node.did)
+        if not verify_signature(peer, commitment, msg.signature):
+            await self._send(peer, Reject(msg.tid, "offer signature does not verify"))
+            return
+        name = safe_name(msg.name)
+        now = int(time.time() * 1000)
+        info = TransferInfo(
+            tid=msg.tid.hex(),
+            direction="in",
+            peer=peer,
+            name=name,
+            size=msg.size,
+            sha256=msg.sha256.hex(),
+            key=msg.key.hex(),
+            signature=msg.signature.hex(),
+            created_ms=now,
+        )
+        reason = ""
+        if self._quota_used() + msg.size > self.config.quota_bytes:
+            reason = f"quota exceeded: {msg.size} bytes offered, quota {self.config.quota_bytes}"
+        elif shutil.disk_usage(self.files_dir).free < msg.size:
+            reason = f"not enough disk space for {msg.size} bytes"
+        if reason:
+            self._save(replace(info, state=TransferState.REJECTED, error=reason))
+            await self._send(peer, Reject(msg.tid, reason))
+            return
+        info = self._save(info)
+        if peer in self.config.auto_accept:
+            await self._start_attempt(info)
+        else:
+            self._move(info, Event.HOLD)
+            await self._send(peer, Pending(msg.tid))
+
+    async def _answer_known(self, info: TransferInfo) -> None:
+        tid = bytes.fromhex(info.tid)
+        if info.state is TransferState.COMPLETE:
+            await self._send(info.peer, Done(tid))
+        elif info.state is TransferState.PENDING:
+            await self._send(info.peer, Pending(tid))
+        elif info.state is TransferState.ACTIVE:
+            await self._start_attempt(info)
+        else:
+            await self._send(info.peer, Reject(tid, info.error or info.state.value))
+
+    async def accept(self, tid: str | bytes) -> TransferInfo:
+        """Accept a pending incoming transfer (``talosd files accept ID``)."""
+        info = self.get(tid)
+        if info.direction != "in" or info.state is not TransferState.PENDING:
+            raise UsageError(f"transfer {info.tid} is not a pending incoming transfer")
+        await self._start_attempt(info)
+        return self.get(tid)
+
+    async def reject(self, tid: str | bytes, reason: str = "declined") -> TransferInfo:
+        """Refuse a pending incoming transfer."""
+        info = self.get(tid)
+        if info.direction != "in" or info.state is not TransferState.PENDING:
+            raise UsageError(f"transfer {info.tid} is not a pending incoming transfer")
+        info = self._move(info, Event.REJECT, error=reason)
+        await self._send(info.peer, Reject(bytes.fromhex(info.tid), reason))
+        return info
+
+    async def _start_attempt(self, info: TransferInfo) -> None:
+        tid = bytes.fromhex(info.tid)
+        await self._end_incoming(tid)
+        if info.attempts >= MAX_ATTEMPTS:
+            await self._fail_in(info, f"gave up after {info.attempts} attempts")
+            return
+        epoch = info.epoch + 1
+        try:
+            file = await asyncio.to_thread(
+                IncomingFile, self.files_dir, tid, info.size, info.offset
+            )
+        except StorageError as exc:
+            await self._fail_in(info, str(exc))
+            return
+        attempt = IncomingAttempt(file, bytes.fromhex(info.key), tid, epoch)
+        info = self._move(info, Event.ACCEPT, epoch=epoch, attempts=info.attempts + 1)
+        inc = _Incoming(file, attempt, asyncio.Queue())
+        self._incoming[tid] = inc
+        port, token, host = 0, b"", ""
+        if self.listener is not None:
+            token = os.urandom(32)
+            port, host = self.listener.port, self.config.bulk_host
+            self.listener.expect(tid, token, lambda s: self._receive_bulk(tid, inc, s))
+        inc.task = asyncio.ensure_future(self._receive_fallback(tid, inc))
+        accept = Accept(tid, info.offset, epoch, self.config.window, port, token, host)
+        await self._send(info.peer, accept)
+
+    async def _end_incoming(self, tid: bytes) -> None:
+        inc = self._incoming.pop(tid, None)
+        if self.listener is not None:
+            self.listener.forget(tid)
+        if inc is None:
+            return
+        if inc.task is not None and inc.task is not asyncio.current_task():
+            inc.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await inc.task
+        inc.file.close()
+
+    async def _checkpoint(self, tid: bytes, inc: _Incoming, force: bool = False) -> None:
+        if not force and inc.file.written - inc.file.synced < self.config.checkpoint_bytes:
+            return
+        offset = await asyncio.to_thread(inc.file.sync)
+        self.progress[tid] = offset
+        if self._incoming.get(tid) is inc:
+            self._save(replace(self.get(tid), offset=offset))
+        if self.on_progress is not None:
+            self.on_progress(tid, offset)
+
+    async def _receive_bulk(self, tid: bytes, inc: _Incoming, stream: bulk.BulkStream) -> None:
+        if inc.task is not None:  # the bulk path won: no fallback chunks for this attempt
+            inc.task.cancel()
+        inc.task = asyncio.current_task()
+        try:
+            await bulk.receive_chunks(
+                stream,
+                inc.attempt.process,
+                self.config.window,
+                lambda: self._checkpoint(tid, inc),
+            )
+            verified = await self._finish(tid, inc)
+            await bulk.send_verdict(stream, verified)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._attempt_failed(tid, inc, exc)
+            await bulk.send_verdict(stream, False)
+        finally:
+            await stream.close()
+
+    async def _receive_fallback(self, tid: bytes, inc: _Incoming) -> None:
+        window = self.config.window
+        granted = window
+        processed = 0
+        peer = self.get(tid).peer
+        try:
+            while True:
+                sealed = await inc.queue.get()
+                if sealed is None:
+                    return
+                final = await asyncio.to_thread(inc.attempt.process, sealed)
+                processed += 1
+                await self._checkpoint(tid, inc)
+                if final:
+                    await self._finish(tid, inc)
+                    return
+                if processed + window - granted >= max(1, window // 4):
+                    granted = processed + window
+                    await self._send(peer, Credit(tid, inc.attempt.epoch, granted))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._attempt_failed(tid, inc, exc)
+
+    def _on_chunk(self, peer: str, msg: Chunk) -> None:
+        inc = self._incoming.get(msg.tid)
+        if inc is None or inc.attempt.epoch != msg.epoch or self.get(msg.tid).peer != peer:
+            return
+        inc.queue.put_nowait(msg.sealed)
+
+    async def _finish(self, tid: bytes, inc: _Incoming) -> bool:
+        info = self.get(tid)
+        try:
+            path = await asyncio.to_thread(inc.file.finish, bytes.fromhex(info.sha256), info.name)
+        except (TransferProtocolError, StorageError) as exc:
+            await self._fail_in(info, str(exc))
+            return False
+        self._incoming.pop(tid, None)
+        if self.listener is not None:
+            self.listener.forget(tid)
+        info = self._move(info, Event.DONE, offset=info.size, path=str(path))
+        self._record(info, sender=info.peer, recipient=self.node.did)
+        await self._send(info.peer, Done(tid))
+        return True
+
+    async def _attempt_failed(self, tid: bytes, inc: _Incoming, exc: BaseException) -> None:
+        info = self.get(tid)
+        if isinstance(
+            exc, DecryptionError | OSError | ConnectionError | asyncio.IncompleteReadError
+        ):
+            # The bytes were damaged or cut in transit: keep what is committed, let the sender
+            # come back for another attempt from there.
+            log.warning("transfer %s attempt %d failed: %r", info.tid, info.epoch, exc)
+            if self._incoming.get(tid) is inc:
+                await self._end_incoming(tid)
+            return
+        reason = str(exc) if isinstance(exc, TalosError) else f"internal error: {exc!r}"
+        await self._fail_in(info, reason)
+
+    async def _fail_in(self, info: TransferInfo, reason: str) -> None:
+        tid = bytes.fromhex(info.tid)
+        inc = self._incoming.pop(tid, None)
+        if self.listener is not None:
+            self.listener.forget(tid)
+        if inc is not None:
+            inc.file.discard()
+        else:
+            (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
+        if not is_final(info.state):
+            self._save(replace(info, state=TransferState.FAILED, error=reason))
+        await self._send(info.peer, Failed(tid, reason))
+
+    # ------------------------------------------------------------------ both
+
+    def _record(self, info: TransferInfo, sender: str, recipient: str) -> None:
+        """One block-log record per completed transfer: sha256, size, parties.
+
+        Both nodes log the sender's own signature over :func:`file_commitment`,
+        so the receiver's record is as non-repudiable as a message record.
+        """
+        if self.block_log is None:
+            return
+        from talos.chain.block import Record
+
+        tid = bytes.fromhex(info.tid)
+        commitment = file_commitment(tid, bytes.fromhex(info.sha256), info.size, sender, recipient)
+        record = Record(
+            kind="file",
+            record_id=tid,
+            sender=sender,
+            recipient=recipient,
+            commitment=commitment,
+            signature=bytes.fromhex(info.signature),
+            timestamp_ms=int(time.time() * 1000),
+            extra=info.name.encode(),
+        )
+        try:
+            self.block_log.append(record, durable=True)
+        except TalosError as exc:
+            log.error("transfer %s: block log record not written: %s", info.tid, exc)
+
+    async def _on_app(self, peer: str, payload: bytes) -> None:
+        try:
+            msg = decode_message(payload)
+        except ProtocolError as exc:
+            log.warning("bad transfer message from %s: %s", peer, exc)
+            return
+        if isinstance(msg, Offer):
+            await self._on_offer(peer, msg)
+            return
+        if isinstance(msg, Chunk):
+            self._on_chunk(peer, msg)
+            return
+        if isinstance(msg, Credit):
+            self._on_credit(msg)
+            return
+        try:
+            info = self.get(msg.tid)
+        except UsageError:
+            return
+        if info.peer != peer:
+            return
+        try:
+            await self._on_control(peer, msg, info)
+        except TransferProtocolError as exc:
+            log.info("transfer %s: ignored %s: %s", info.tid, type(msg).__name__, exc)
+
+    async def _on_control(self, peer: str, msg: TransferMessage, info: TransferInfo) -> None:
+        if isinstance(msg, Accept):
+            self._on_accept(peer, msg, info)
+        elif isinstance(msg, Pending) and info.direction == "out":
+            if info.state is TransferState.OFFERED:
+                self._move(info, Event.HOLD)
+        elif isinstance(msg, Done) and info.direction == "out" and not is_final(info.state):
+            info = self._move(info, Event.DONE, offset=info.size)
+            self._record(info, sender=self.node.did, recipient=peer)
+        elif isinstance(msg, Reject) and info.direction == "out":
+            self._move(info, Event.REJECT, error=msg.reason)
+        elif isinstance(msg, Failed) and info.direction == "out":
+            self._fail_out(info, msg.reason)
+        elif isinstance(msg, Cancel) and not is_final(info.state):
+            if info.direction == "in":
+                await self._end_incoming(bytes.fromhex(info.tid))
+                (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
+            self._move(info, Event.CANCEL, error=msg.reason)

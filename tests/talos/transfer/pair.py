@@ -1,0 +1,78 @@
+"""Two in-process app-channel endpoints with real LMDB stores and real block logs.
+
+A *transport* for the manager tests (ordered delivery of app payloads, link
+up/down callbacks), standing in for talos.node.Node until the node lands; the
+bytes themselves move over the real bulk TCP path on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from talos.chain.log import BlockLog
+from talos.store import Store
+from talos_sdk.wallet import Wallet
+
+
+class NotConnected(ConnectionError):
+    """The other endpoint is down."""
+
+
+class Endpoint:
+    """One side: did, store, log, app handlers, link callbacks."""
+
+    def __init__(self, home: Path, wallet: Wallet) -> None:
+        self.home = home
+        self.wallet = wallet
+        self.did = wallet.did
+        self.store = Store(home / "store")
+        self.log = BlockLog(self.store, wallet)
+        self.apps: dict[str, Callable[[str, bytes], Awaitable[None] | None]] = {}
+        self.link_callbacks: list[Callable[[str, bool], None]] = []
+        self.other: Endpoint | None = None
+        self.up = False
+        self.queue: asyncio.Queue[tuple[str, str, bytes]] = asyncio.Queue()
+        self.pump = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        while True:
+            sender, name, payload = await self.queue.get()
+            handler = self.apps.get(name)
+            if handler is not None:
+                result = handler(sender, payload)
+                if inspect.isawaitable(result):
+                    await result
+
+    def register_app(
+        self, name: str, handler: Callable[[str, bytes], Awaitable[None] | None]
+    ) -> None:
+        self.apps[name] = handler
+
+    async def send_app(self, did: str, name: str, payload: bytes) -> None:
+        other = self.other
+        if other is None or not self.up or other.did != did:
+            raise NotConnected(did)
+        other.queue.put_nowait((self.did, name, payload))
+
+    def on_link_change(self, callback: Callable[[str, bool], None]) -> None:
+        self.link_callbacks.append(callback)
+
+    def is_connected(self, did: str) -> bool:
+        return self.up and self.other is not None and self.other.did == did
+
+    async def close(self) -> None:
+        self.pump.cancel()
+        await asyncio.gather(self.pump, return_exceptions=True)
+        self.store.close()
+
+
+def link(a: Endpoint, b: Endpoint, up: bool) -> None:
+    """Bring the link between ``a`` and ``b`` up or down, telling both sides."""
+    a.other, b.other = b, a
+    a.up = b.up = up
+    for x, y in ((a, b), (b, a)):
+        for cb in x.link_callbacks:
+            cb(y.did, up)

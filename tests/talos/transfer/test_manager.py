@@ -1,0 +1,272 @@
+"""Tests for talos.transfer.manager: whole transfers between two endpoints over 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from talos.transfer.manager import TransferConfig, TransferManager
+from talos.transfer.protocol import BULK_CHUNK, TransferState
+from talos.transfer.receiver import PARTIAL_DIR
+from talos_sdk.errors import UsageError
+from talos_sdk.wallet import Wallet
+
+from .pair import Endpoint, link
+
+LIMIT = 30.0
+
+
+@dataclass
+class Net:
+    tmp: Path
+    a: Endpoint
+    b: Endpoint
+    sender: TransferManager
+    receiver: TransferManager
+    wallet_b: Wallet
+
+    async def restart_receiver(self, config: TransferConfig) -> None:
+        link(self.a, self.b, False)
+        await self.receiver.stop()
+        await self.b.close()
+        self.b = Endpoint(self.tmp / "b", self.wallet_b)
+        self.receiver = TransferManager(self.b, self.tmp / "b" / "files", config)
+        await self.receiver.start()
+        link(self.a, self.b, True)
+
+
+async def _net(tmp_path: Path, receiver_config: TransferConfig) -> Net:
+    wa, wb = Wallet.generate(), Wallet.generate()
+    a = Endpoint(tmp_path / "a", wa)
+    b = Endpoint(tmp_path / "b", wb)
+    sender = TransferManager(a, tmp_path / "a" / "files")
+    receiver = TransferManager(b, tmp_path / "b" / "files", receiver_config)
+    await sender.start()
+    await receiver.start()
+    link(a, b, True)
+    return Net(tmp_path, a, b, sender, receiver, wb)
+
+
+@pytest.fixture
+async def net(tmp_path: Path) -> AsyncIterator[Net]:
+    n = await _net(tmp_path, TransferConfig())
+    n.receiver.config = TransferConfig(auto_accept=(n.a.did,))
+    yield n
+    await n.sender.stop()
+    await n.receiver.stop()
+    await n.a.close()
+    await n.b.close()
+
+
+def _file(tmp: Path, size: int, name: str = "data.bin") -> tuple[Path, str]:
+    path = tmp / name
+    data = os.urandom(size)
+    path.write_bytes(data)
+    return path, hashlib.sha256(data).hexdigest()
+
+
+def _visible(files: Path) -> list[str]:
+    return sorted(p.name for p in files.iterdir() if p.name != PARTIAL_DIR)
+
+
+@pytest.mark.parametrize("size", [0, 10, BULK_CHUNK, 2 * BULK_CHUNK + 3])
+async def test_send_and_receive(net: Net, size: int) -> None:
+    src, digest = _file(net.tmp, size)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        out = await net.sender.wait(tid)
+        inc = await net.receiver.wait(tid)
+    assert out.state is inc.state is TransferState.COMPLETE
+    assert Path(inc.path) == net.receiver.files_dir / "data.bin"
+    assert Path(inc.path).read_bytes() == src.read_bytes()
+    public = inc.to_public()
+    assert public["name"] == "data.bin"
+    assert public["size"] == size
+    assert public["sha256"] == digest
+    assert public["from"] == net.a.did
+    assert public["status"] == "complete"
+    assert "key" not in public
+    for endpoint in (net.a, net.b):
+        endpoint.log.seal()
+        blocks = list(endpoint.log.iter_blocks())
+        records = [r for blk in blocks for r in endpoint.log.block_records(blk.height)]
+        files = [r for r in records if r.kind == "file"]
+        assert len(files) == 1
+        assert bytes.fromhex(digest) in files[0].commitment
+        assert (files[0].sender, files[0].recipient) == (net.a.did, net.b.did)
+
+
+async def test_64_mib_over_bulk(net: Net) -> None:
+    src, _ = _file(net.tmp, 64 << 20)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        inc = await net.receiver.wait(tid)
+        await net.sender.wait(tid)
+    assert inc.state is TransferState.COMPLETE
+    assert hashlib.sha256(Path(inc.path).read_bytes()).hexdigest() == inc.sha256
+    assert net.sender.bytes_sent[bytes.fromhex(tid)] > 64 << 20  # bulk path, sealed overhead
+
+
+async def test_fallback_over_app_channel(net: Net) -> None:
+    assert net.receiver.listener is not None
+    await net.receiver.listener.close()
+    net.receiver.listener = None  # this receiver offers no bulk port
+    src, _ = _file(net.tmp, 3 * BULK_CHUNK + 5)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.COMPLETE
+    assert Path(inc.path).read_bytes() == src.read_bytes()
+
+
+async def test_pending_until_accepted(net: Net) -> None:
+    net.receiver.config = TransferConfig()  # nobody auto-accepted
+    src, _ = _file(net.tmp, 1000)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        while net.sender.get(tid).state is not TransferState.PENDING:
+            await asyncio.sleep(0.005)
+        assert net.receiver.get(tid).state is TransferState.PENDING
+        assert _visible(net.receiver.files_dir) == []
+        with pytest.raises(UsageError, match="not a pending incoming"):
+            await net.sender.accept(tid)
+        await net.receiver.accept(tid)
+        inc = await net.receiver.wait(tid)
+        out = await net.sender.wait(tid)
+    assert inc.state is out.state is TransferState.COMPLETE
+    with pytest.raises(UsageError, match="no transfer"):
+        net.receiver.get("00" * 16)
+
+
+async def test_pending_rejected(net: Net) -> None:
+    net.receiver.config = TransferConfig()  # nobody auto-accepted
+    src, _ = _file(net.tmp, 1000)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        while net.receiver.list() == [] or net.receiver.get(tid).state is not TransferState.PENDING:
+            await asyncio.sleep(0.005)
+        await net.receiver.reject(tid, "not today")
+        out = await net.sender.wait(tid)
+    assert out.state is TransferState.REJECTED
+    assert out.error == "not today"
+
+
+async def test_quota_exceeded(net: Net) -> None:
+    net.receiver.config = TransferConfig(quota_bytes=5000, auto_accept=(net.a.did,))
+    first, _ = _file(net.tmp, 4000, "first.bin")
+    second, _ = _file(net.tmp, 2000, "second.bin")
+    async with asyncio.timeout(LIMIT):
+        ok = await net.sender.wait(await net.sender.send_file(net.b.did, first))
+        assert ok.state is TransferState.COMPLETE
+        tid = await net.sender.send_file(net.b.did, second)
+        out = await net.sender.wait(tid)
+    assert out.state is TransferState.REJECTED
+    assert "quota exceeded" in out.error
+    assert net.receiver.get(tid).state is TransferState.REJECTED
+    assert _visible(net.receiver.files_dir) == ["first.bin"]
+
+
+@pytest.mark.parametrize(
+    ("name", "lands_as"),
+    [
+        ("../../etc/passwd", "passwd"),
+        ("/etc/passwd", "passwd"),
+        ("..", "file"),
+        ("a\x00b.txt", "ab.txt"),
+        ("NUL", "_NUL"),
+        ("CON.txt", "_CON.txt"),
+        (".ssh", "ssh"),
+        ("..\\..\\win.ini", "win.ini"),
+    ],
+)
+async def test_hostile_names_land_inside_files_dir(net: Net, name: str, lands_as: str) -> None:
+    src, _ = _file(net.tmp, 100)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src, name=name)
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.COMPLETE
+    path = Path(inc.path)
+    assert path.parent == net.receiver.files_dir
+    assert path.name == lands_as
+    assert path.read_bytes() == src.read_bytes()
+
+
+async def test_same_name_twice_never_overwrites(net: Net) -> None:
+    first, _ = _file(net.tmp, 100, "one.txt")
+    async with asyncio.timeout(LIMIT):
+        t1 = await net.sender.send_file(net.b.did, first, name="report.txt")
+        p1 = Path((await net.receiver.wait(t1)).path)
+        second, _ = _file(net.tmp, 120, "two.txt")
+        t2 = await net.sender.send_file(net.b.did, second, name="report.txt")
+        p2 = Path((await net.receiver.wait(t2)).path)
+    assert (p1.name, p2.name) == ("report.txt", "report (1).txt")
+    assert p1.read_bytes() == first.read_bytes()
+    assert p2.read_bytes() == second.read_bytes()
+
+
+async def test_wrong_total_hash_fails_with_nothing_visible(net: Net) -> None:
+    net.receiver.config = TransferConfig()  # nobody auto-accepted
+    src, _ = _file(net.tmp, 3 * BULK_CHUNK)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        while net.receiver.list() == [] or net.receiver.get(tid).state is not TransferState.PENDING:
+            await asyncio.sleep(0.005)
+        src.write_bytes(os.urandom(3 * BULK_CHUNK))  # same size, other bytes than offered
+        await net.receiver.accept(tid)
+        inc = await net.receiver.wait(tid)
+        out = await net.sender.wait(tid)
+    assert inc.state is out.state is TransferState.FAILED
+    assert "SHA-256" in inc.error and "SHA-256" in out.error
+    assert _visible(net.receiver.files_dir) == []
+    assert list((net.receiver.files_dir / PARTIAL_DIR).iterdir()) == []
+
+
+async def test_source_changing_size_cancels(net: Net) -> None:
+    net.receiver.config = TransferConfig()  # nobody auto-accepted
+    src, _ = _file(net.tmp, 1000)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        while net.receiver.list() == [] or net.receiver.get(tid).state is not TransferState.PENDING:
+            await asyncio.sleep(0.005)
+        src.write_bytes(os.urandom(2000))
+        await net.receiver.accept(tid)
+        out = await net.sender.wait(tid)
+        inc = await net.receiver.wait(tid)
+    assert out.state is TransferState.FAILED
+    assert "changed size" in out.error
+    assert inc.state is TransferState.CANCELLED
+    assert _visible(net.receiver.files_dir) == []
+
+
+async def test_receiver_restart_resumes_from_checkpoint(net: Net) -> None:
+    config = TransferConfig(auto_accept=(net.a.did,), checkpoint_bytes=1 << 20, window=2)
+    net.receiver.config = config
+    size = 64 << 20
+    src, _ = _file(net.tmp, size)
+    reached = asyncio.Event()
+
+    def on_progress(tid: bytes, offset: int) -> None:
+        if offset >= 8 << 20:
+            reached.set()
+
+    net.receiver.on_progress = on_progress
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        await reached.wait()
+        await net.restart_receiver(config)
+        committed = net.receiver.get(tid).offset
+        assert 8 << 20 <= committed < size
+        sent_before = net.sender.bytes_sent[bytes.fromhex(tid)]
+        inc = await net.receiver.wait(tid)
+        await net.sender.wait(tid)
+    assert inc.state is TransferState.COMPLETE
+    assert inc.epoch >= 2
+    assert Path(inc.path).read_bytes() == src.read_bytes()
+    sent_after = net.sender.bytes_sent[bytes.fromhex(tid)] - sent_before
+    assert 0 < sent_after < size
