@@ -1,0 +1,191 @@
+"""Prekey bundles and their secrets (talos_sdk/bundle.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from talos_sdk.bundle import (
+    SUITE_HYBRID,
+    SUITE_X25519,
+    ByteReader,
+    IdentityKey,
+    PrekeyBundle,
+    PrekeySecrets,
+    x25519_dh,
+    x25519_keypair,
+)
+from talos_sdk.errors import BundleError, EncodingError, MalformedFrameError, UsageError
+from talos_sdk.wallet import Wallet
+
+
+def counter_rng(start: int = 1):  # type: ignore[no-untyped-def]
+    """Deterministic bytes so bundles reproduce (the SDK takes randomness as a parameter)."""
+    state = [start]
+
+    def rng(n: int) -> bytes:
+        state[0] += 1
+        return bytes((state[0] + i) % 256 for i in range(n))
+
+    return rng
+
+
+@pytest.fixture(scope="module")
+def wallet() -> Wallet:
+    return Wallet.from_seed(bytes(range(32)))
+
+
+@pytest.fixture(scope="module")
+def hybrid_secrets(wallet: Wallet) -> PrekeySecrets:
+    return PrekeySecrets.generate(wallet, one_time=3, pq=True, rng=counter_rng())
+
+
+@pytest.mark.parametrize("pq", [False, True])
+def test_bundle_round_trip_and_verify(wallet: Wallet, pq: bool) -> None:
+    secrets = PrekeySecrets.generate(wallet, one_time=2, pq=pq)
+    bundle = secrets.bundle()
+    again = PrekeyBundle.from_bytes(bundle.to_bytes())
+    assert again == bundle
+    assert again.verify() is again
+    assert again.did == wallet.did and again.signing_key == wallet.public_key
+    assert [i for i, _ in again.one_time] == [1, 2]
+    assert again.suites == ((SUITE_X25519, SUITE_HYBRID) if pq else (SUITE_X25519,))
+    assert (again.pq_public is not None) is pq
+
+
+def test_generation_is_reproducible_with_injected_rng(wallet: Wallet) -> None:
+    a = PrekeySecrets.generate(wallet, one_time=2, pq=True, rng=counter_rng())
+    b = PrekeySecrets.generate(wallet, one_time=2, pq=True, rng=counter_rng())
+    assert a.to_bytes() == b.to_bytes()
+    assert a.bundle().to_bytes() == b.bundle().to_bytes()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"spk": bytes(32)},
+        {"identity_dh": bytes(32)},
+        {"spk_id": 7},
+        {"suites": (SUITE_X25519,)},
+        {"signature": bytes(64)},
+    ],
+)
+def test_tampered_bundle_fails_signature(hybrid_secrets: PrekeySecrets, change: dict) -> None:  # type: ignore[type-arg]
+    bad = dataclasses.replace(hybrid_secrets.bundle(), **change)
+    with pytest.raises(BundleError, match="signature does not verify"):
+        bad.verify()
+
+
+def test_bundle_signed_by_another_did(hybrid_secrets: PrekeySecrets) -> None:
+    other = Wallet.from_seed(bytes(32))
+    bad = dataclasses.replace(hybrid_secrets.bundle(), did=other.did)
+    with pytest.raises(BundleError, match="signature"):
+        bad.verify()
+
+
+def test_unknown_suite_rejected(wallet: Wallet) -> None:
+    secrets = PrekeySecrets.generate(wallet)
+    body = dataclasses.replace(secrets.bundle(), suites=("x448-frodo",), signature=b"")
+    signed = dataclasses.replace(
+        body, signature=wallet.sign(b"Talos_PrekeyBundle_v1\x00" + body.signed_body())
+    )
+    with pytest.raises(BundleError, match="unknown suite"):
+        PrekeyBundle.from_bytes(signed.to_bytes()).verify()
+
+
+def test_hybrid_suite_without_kem_key_rejected(wallet: Wallet) -> None:
+    secrets = PrekeySecrets.generate(wallet)
+    body = dataclasses.replace(secrets.bundle(), suites=(SUITE_X25519, SUITE_HYBRID))
+    signed = dataclasses.replace(
+        body, signature=wallet.sign(b"Talos_PrekeyBundle_v1\x00" + body.signed_body())
+    )
+    with pytest.raises(BundleError, match="without an ML-KEM-768 prekey"):
+        signed.verify()
+
+
+def test_one_time_prekeys_consumed_once(wallet: Wallet) -> None:
+    secrets = PrekeySecrets.generate(wallet, one_time=2)
+    first = secrets.one_time_private(1)
+    assert secrets.consume_one_time(1) == first
+    assert [i for i, _ in secrets.bundle().one_time] == [2]
+    with pytest.raises(BundleError, match="one-time prekey 1 was already used"):
+        secrets.consume_one_time(1)
+    with pytest.raises(BundleError, match="unknown one-time prekey 9"):
+        secrets.one_time_private(9)
+    # The used set survives persistence: a restart does not reopen a used OPK.
+    restored = PrekeySecrets.from_bytes(secrets.to_bytes())
+    with pytest.raises(BundleError, match="already used"):
+        restored.consume_one_time(1)
+    assert secrets.add_one_time(2) == [3, 4]
+    assert [i for i, _ in secrets.bundle().one_time] == [2, 3, 4]
+    secrets.bundle().verify()  # OPKs are unsigned: adding them keeps the signature valid
+
+
+def test_secrets_round_trip_dict_and_bytes(hybrid_secrets: PrekeySecrets) -> None:
+    d = json.loads(json.dumps(hybrid_secrets.to_dict()))
+    from_dict = PrekeySecrets.from_dict(d)
+    from_bytes = PrekeySecrets.from_bytes(hybrid_secrets.to_bytes())
+    for s in (from_dict, from_bytes):
+        assert s.to_bytes() == hybrid_secrets.to_bytes()
+        assert s.bundle() == hybrid_secrets.bundle()
+        s.bundle().verify()
+
+
+@pytest.mark.parametrize("garbage", [b"", b"TPKS\x01", b"nonsense" * 10, b"TPKS\x01\x00\x05abc"])
+def test_secrets_from_garbage(garbage: bytes) -> None:
+    with pytest.raises(EncodingError):
+        PrekeySecrets.from_bytes(garbage)
+
+
+@pytest.mark.parametrize("d", [{}, {"version": 2}, {"version": 1, "did": "did:key:zzz"}])
+def test_secrets_from_bad_dict(d: dict) -> None:  # type: ignore[type-arg]
+    with pytest.raises(EncodingError):
+        PrekeySecrets.from_dict(d)
+
+
+def test_bundle_from_garbage(hybrid_secrets: PrekeySecrets) -> None:
+    good = hybrid_secrets.bundle().to_bytes()
+    for bad in (b"", good[:-1], good + b"\x00", b"\x02" + good[1:], good[:40]):
+        with pytest.raises(MalformedFrameError):
+            PrekeyBundle.from_bytes(bad)
+    with pytest.raises(MalformedFrameError, match="expected bytes"):
+        PrekeyBundle.from_bytes("text")  # type: ignore[arg-type]
+
+
+def test_bundle_bad_did_and_kem_key(hybrid_secrets: PrekeySecrets) -> None:
+    b = hybrid_secrets.bundle()
+    with pytest.raises(MalformedFrameError, match="bundle DID"):
+        dataclasses.replace(b, did="did:web:example.com")
+    with pytest.raises(MalformedFrameError, match="ML-KEM-768 public key"):
+        dataclasses.replace(b, pq_key=b"\x00" * 10)
+
+
+def test_low_order_point_is_rejected() -> None:
+    private, _ = x25519_keypair()
+    with pytest.raises(BundleError, match="low-order"):
+        x25519_dh(private, bytes(32))
+
+
+def test_identity_key_binding(wallet: Wallet) -> None:
+    ik = IdentityKey.generate(wallet)
+    assert ik.did == wallet.did
+    again = IdentityKey.from_private(wallet, ik.private)
+    assert again.public == ik.public and again.binding == ik.binding  # Ed25519 is deterministic
+
+
+def test_usage_errors(wallet: Wallet) -> None:
+    with pytest.raises(UsageError, match="one_time"):
+        PrekeySecrets.generate(wallet, one_time=-1)
+    other = Wallet.from_seed(bytes(32))
+    with pytest.raises(UsageError, match="another wallet"):
+        PrekeySecrets.generate(wallet, identity=IdentityKey.generate(other))
+    with pytest.raises(UsageError, match="32 bytes"):
+        IdentityKey.from_private(wallet, b"short")
+
+
+def test_byte_reader_reports_truncation() -> None:
+    r = ByteReader(b"\x00\x05ab", "thing")
+    with pytest.raises(MalformedFrameError, match="thing: truncated"):
+        r.var16()
