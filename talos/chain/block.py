@@ -33,10 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from talos_sdk.merkle import merkle_root, verify_inclusion
-
 from talos_sdk.canonical import canonical_json_bytes
 from talos_sdk.errors import ChainError, MalformedFrameError, UsageError
+from talos_sdk.merkle import merkle_root, verify_inclusion
 from talos_sdk.wallet import verify
 
 __all__ = [
@@ -215,37 +214,61 @@ class Record:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Record:
-        """Decode; any deviation from the layout is :class:`MalformedFrameError`."""
+        """Decode; any deviation from the layout is :class:`MalformedFrameError`.
+
+        One pass with no re-encoding (this is the hot loop of chain verification):
+        the layout is canonical, so the input bytes *are* the encoding.
+        """
         data = bytes(data)
+        n = len(data)
         try:
-            pos = 0
-
-            def take(n: int) -> bytes:
-                nonlocal pos
-                end = pos + n
-                if end > len(data):
-                    raise MalformedFrameError("record truncated")
-                chunk = data[pos:end]
-                pos = end
-                return chunk
-
-            if take(1)[0] != _RECORD_VERSION:
+            if data[0] != _RECORD_VERSION:
                 raise MalformedFrameError("unknown record version")
-            kind = _text(take(take(1)[0]), "kind")
-            record_id = take(take(1)[0])
-            sender = _text(take(_U16.unpack(take(2))[0]), "sender")
-            recipient = _text(take(_U16.unpack(take(2))[0]), "recipient")
-            (timestamp_ms,) = _U64.unpack(take(8))
-            commitment = take(_U16.unpack(take(2))[0])
-            signature = take(take(1)[0])
-            extra = take(_U16.unpack(take(2))[0])
-            if pos != len(data):
-                raise MalformedFrameError("trailing bytes after record")
-            return cls(
-                kind, record_id, sender, recipient, commitment, signature, timestamp_ms, extra
+            end = 2 + data[1]
+            kind_b = data[2:end]
+            pos = end + 1
+            end = pos + data[end]
+            record_id = data[pos:end]
+            pos = end + 2
+            end = pos + _U16.unpack_from(data, end)[0]
+            sender_b = data[pos:end]
+            pos = end + 2
+            end = pos + _U16.unpack_from(data, end)[0]
+            recipient_b = data[pos:end]
+            (timestamp_ms,) = _U64.unpack_from(data, end)
+            pos = end + 10
+            end = pos + _U16.unpack_from(data, end + 8)[0]
+            commitment = data[pos:end]
+            pos = end + 1
+            end = pos + data[end]
+            signature = data[pos:end]
+            pos = end + 2
+            end = pos + _U16.unpack_from(data, end)[0]
+            extra = data[pos:end]
+        except (IndexError, struct.error):
+            raise MalformedFrameError("record truncated") from None
+        if end != n:
+            raise MalformedFrameError(
+                "record truncated" if end > n else "trailing bytes after record"
             )
-        except UsageError as exc:
-            raise MalformedFrameError(f"record fields out of bounds: {exc}") from None
+        if not 1 <= len(kind_b) <= 32 or len(record_id) not in (16, 32) or not sender_b:
+            raise MalformedFrameError("record fields out of bounds: kind, id (16 or 32) or sender")
+        if len(signature) not in (0, _SIG_LEN):
+            raise MalformedFrameError("record fields out of bounds: signature")
+        if len(commitment) > MAX_COMMITMENT or len(extra) > MAX_EXTRA:
+            raise MalformedFrameError("record fields out of bounds: commitment or extra")
+        record = object.__new__(cls)
+        init = object.__setattr__
+        init(record, "kind", _text(kind_b, "kind"))
+        init(record, "record_id", record_id)
+        init(record, "sender", _text(sender_b, "sender"))
+        init(record, "recipient", _text(recipient_b, "recipient"))
+        init(record, "commitment", commitment)
+        init(record, "signature", signature)
+        init(record, "timestamp_ms", timestamp_ms)
+        init(record, "extra", extra)
+        init(record, "encoded", data)
+        return record
 
 
 def check_record_signature(record: Record, node_did: str) -> str | None:
