@@ -1,0 +1,885 @@
+"""The running node (docs/ARCHITECTURE.md "Node contract"; DESIGN.md layer 2).
+
+Asyncio glue only: protocol rules live in pure modules (link frames, handshake,
+pipeline rules, sessions over the SDK). One event loop owns the links, the
+sessions and the in-memory pipeline state; every LMDB write runs on ONE writer
+thread so that a durable commit (fsync) never blocks the loop and frames keep
+arriving while it runs — which is what makes group commit happen under load.
+
+Message path (DESIGN.md "Storage": nothing is acknowledged before it is
+committed)::
+
+    send_message -> outbox (durable) -> seal (signed commitment) -> MSG frame
+    MSG -> open -> batch -> one durable txn (inbox + log record + delivered seq
+           + session state) -> ACK (cumulative) -> sender drops outbox rows
+
+Crash safety of ratchet state is described in docs/adr/0001-session-persistence.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import logging
+import os
+import random
+import struct
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from talos import pipeline as pl
+from talos.chain.log import BlockLog, run_sealer
+from talos.config import Home, NodeConfig, PeerAddr, parse_listen, parse_peer_addr
+from talos.link import wire
+from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_PROTOCOL, CLOSE_SHUTDOWN, Role
+from talos.link.peer import Link, LinkSettings, accept_link, dial_link
+from talos.logging import event
+from talos.metrics import Metrics
+from talos.sessions import Opened, SessionManager
+from talos.store import Store, Txn
+from talos_sdk.errors import (
+    DecryptionError,
+    HandshakeError,
+    ProtocolError,
+    SignatureError,
+    StorageError,
+    TalosError,
+    UsageError,
+)
+from talos_sdk.wallet import Wallet
+
+__all__ = ["ConnectTimeoutError", "Node", "NotConnectedError", "init_home"]
+
+_log = logging.getLogger("talos.node")
+_U64 = struct.Struct(">Q")
+_RUNNING = b"running"
+_T = TypeVar("_T")
+
+AppHandler = Callable[[str, bytes], Awaitable[None] | None]
+LinkCallback = Callable[[str, bool], None]
+
+
+class NotConnectedError(TalosError, ConnectionError):
+    """No authenticated link with a ready session to that peer right now."""
+
+
+class ConnectTimeoutError(NotConnectedError, TimeoutError):
+    """``wait_connected`` gave up."""
+
+
+def init_home(path: Path, config: NodeConfig | None = None) -> Wallet:
+    """Create a node home: identity (0600), config, API token (0600). Refuses to overwrite."""
+    home = Home(path)
+    if home.exists():
+        raise UsageError(f"{home.identity} already exists; refusing to overwrite an identity")
+    path.mkdir(parents=True, exist_ok=True)
+    config = config or NodeConfig()
+    wallet = Wallet.generate()
+    wallet.save(home.identity)
+    home.save_config(config)
+    home.create_api_token()
+    with Store(home.store_dir, map_size=config.map_size) as store:
+        manager = SessionManager(
+            store, wallet, pq=config.pq, one_time=config.one_time_prekeys, ratchet_every=1
+        )
+        with store.write() as txn:
+            manager.load(txn, discard=False)
+    return wallet
+
+
+@dataclass(slots=True)
+class _Incoming:
+    peer: str
+    opened: Opened
+
+
+@dataclass(slots=True)
+class _Peer:
+    """Everything the node keeps in memory about one peer."""
+
+    did: str
+    tx: pl.SenderState
+    rx: pl.ReceiverState
+    link: Link | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+    pumping: bool = False
+    dirty: bool = False
+    last_progress: float = 0.0
+    max_sent: int = 0
+    sent_at: dict[int, float] = field(default_factory=dict)
+
+
+class Node:
+    """A Talos node: identity, store, links, sessions, pipeline, block log."""
+
+    def __init__(
+        self,
+        home: Path,
+        config: NodeConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.home = Home(Path(home))
+        self.config = config if config is not None else self.home.load_config()
+        self._clock = clock
+        self.metrics = Metrics()
+        self.authorizer: Callable[[str], bool] = self._default_authorizer
+        self._apps: dict[str, AppHandler] = {}
+        self._link_callbacks: list[LinkCallback] = []
+        self._peers: dict[str, _Peer] = {}
+        self._known: dict[str, str] = {}  # DID -> address ("" when only allowed)
+        self._allow: set[str] = set(self.config.allow)
+        self._dialers: dict[str, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._link_tasks: set[asyncio.Task[Any]] = set()
+        self._incoming: list[_Incoming] = []
+        self._incoming_event = asyncio.Event()
+        self._inbox_event = asyncio.Event()
+        self._server: Server | None = None
+        self._api: Any = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._stopping = False
+        self.started = False
+        self.listen_url: str | None = None
+        self.api_url: str | None = None
+        self.unclean_start = False
+        self.settings = LinkSettings(
+            max_frame=self.config.max_frame,
+            ping_interval=self.config.ping_interval,
+            handshake_timeout=self.config.handshake_timeout,
+        )
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the store, restore state, listen, dial configured peers, start the API."""
+        if not self.home.exists():
+            raise UsageError(f"no identity in {self.home.path}: run `talosd init` first")
+        self.wallet = Wallet.load(self.home.identity)
+        self.did = self.wallet.did
+        self.store = Store(self.home.store_dir, map_size=self.config.map_size)
+        try:
+            await self._open_state()
+        except BaseException:
+            self.store.close()
+            raise
+        self._tasks += [
+            asyncio.create_task(run_sealer(self.log), name="talos-sealer"),
+            asyncio.create_task(self._commit_loop(), name="talos-committer"),
+            asyncio.create_task(self._flush_loop(), name="talos-session-flush"),
+            asyncio.create_task(self._retry_loop(), name="talos-retry"),
+        ]
+        self.metrics.gauge(
+            "peers_connected", lambda: sum(p.ready.is_set() for p in self._peers.values())
+        )
+        self.metrics.gauge("outbox_depth", self._outbox_depth)
+        self.metrics.gauge("log_pending_records", lambda: self.log.pending_count)
+        if self.config.listen:
+            host, port = parse_listen(self.config.listen)
+            self._server = await serve(
+                self._on_accept,
+                host,
+                port,
+                compression=None,
+                max_size=self.settings.ws_max_size,
+                ping_interval=self.config.ping_interval,
+                ping_timeout=self.config.ping_interval,
+                close_timeout=2,
+                max_queue=256,
+            )
+            sock = next(iter(self._server.sockets))
+            real_host, real_port = sock.getsockname()[:2]
+            self.listen_url = f"ws://{real_host}:{real_port}"
+        for addr in list(self._known.values()):
+            if addr:
+                self._start_dialer(parse_peer_addr(addr))
+        for addr in self.config.peers:
+            await self.add_peer(addr)
+        if self.config.api:
+            from talos.api import start_api
+
+            self._api, self.api_url = await start_api(
+                self, self.config.api_host, self.config.api_port
+            )
+        self.home.write_node_info(
+            {"pid": os.getpid(), "did": self.did, "listen": self.listen_url, "api": self.api_url}
+        )
+        self.started = True
+        event(
+            _log, "node_started", did=self.did, listen=self.listen_url, unclean=self.unclean_start
+        )
+
+    async def _open_state(self) -> None:
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="talos-writer")
+        self.log = BlockLog(
+            self.store,
+            self.wallet,
+            max_records=self.config.seal_count,
+            max_delay_ms=int(self.config.seal_interval * 1000),
+        )
+        with self.store.read() as txn:
+            self.unclean_start = txn.get("meta", _RUNNING) is not None
+            self._known = {k.decode(): v.decode() for k, v in txn.items("peers")}
+        self.sessions = SessionManager(
+            self.store,
+            self.wallet,
+            pq=self.config.pq,
+            one_time=self.config.one_time_prekeys,
+            ratchet_every=self.config.ratchet_every,
+        )
+        # ADR 0001: after an unclean stop no ratchet state may be reused.
+        await self._write(lambda txn: self.sessions.load(txn, discard=self.unclean_start))
+        await self._write(lambda txn: txn.put("meta", _RUNNING, _U64.pack(os.getpid())))
+        if self.unclean_start:
+            event(_log, "unclean_shutdown_detected", level=logging.WARNING, action="sessions reset")
+
+    async def stop(self) -> None:
+        """Clean shutdown: close links, flush sessions, seal the log, clear the running marker."""
+        if not self.started or self._stopping:
+            return
+        self._stopping = True
+        if self._api is not None:
+            await self._api.cleanup()
+        for task in self._dialers.values():
+            task.cancel()
+        if self._server is not None:
+            self._server.close(close_connections=False)
+        links = [p.link for p in self._peers.values() if p.link is not None]
+        await asyncio.gather(
+            *(link.close(CLOSE_SHUTDOWN, "node shutting down") for link in links),
+            return_exceptions=True,
+        )
+        if self._server is not None:
+            await self._server.wait_closed()
+        for task in [*self._tasks, *self._dialers.values(), *self._link_tasks]:
+            task.cancel()
+        await asyncio.gather(
+            *self._tasks, *self._dialers.values(), *self._link_tasks, return_exceptions=True
+        )
+        try:
+            await self._write(self._final_flush)
+        except StorageError as exc:
+            event(_log, "final_flush_failed", level=logging.ERROR, error=str(exc))
+        await asyncio.to_thread(self.log.seal)
+        assert self._writer is not None
+        self._writer.shutdown(wait=True)
+        self.store.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.home.node_file.unlink()
+        self.started = False
+        event(_log, "node_stopped", did=self.did)
+
+    def _final_flush(self, txn: Txn) -> None:
+        self.sessions.persist(txn, self.sessions.snapshot_all())
+        txn.delete("meta", _RUNNING)
+
+    async def __aenter__(self) -> Node:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # --- writer thread -------------------------------------------------------------------------
+
+    async def _write(self, fn: Callable[[Txn], _T], durable: bool = True) -> _T:
+        """Run ``fn`` inside one write transaction on the writer thread."""
+
+        def job() -> _T:
+            with self.store.write(durable=durable) as txn:
+                return fn(txn)
+
+        assert self._writer is not None
+        return await asyncio.get_running_loop().run_in_executor(self._writer, job)
+
+    # --- peers and links -----------------------------------------------------------------------
+
+    def _default_authorizer(self, did: str) -> bool:
+        return did in self._known or did in self._allow
+
+    def allow(self, did: str) -> None:
+        """Let ``did`` hold a link with us (``--allow``)."""
+        self._allow.add(did)
+
+    async def add_peer(self, addr: str) -> PeerAddr:
+        """Remember ``ws://HOST:PORT#DID`` in the peers table and keep a link to it."""
+        peer = parse_peer_addr(addr)
+        if peer.did == self.did:
+            raise UsageError("that address is this node's own DID")
+        changed = self._known.get(peer.did) != str(peer)
+        if changed:
+            await self._write(lambda txn: txn.put("peers", peer.did.encode(), str(peer).encode()))
+            self._known[peer.did] = str(peer)
+        running = self._dialers.get(peer.did)
+        if not self._stopping and (changed or running is None or running.done()):
+            self._start_dialer(peer)
+        return peer
+
+    async def connect(self, addr: str) -> None:
+        """Contract alias of :meth:`add_peer`: dial and keep reconnecting with backoff."""
+        await self.add_peer(addr)
+
+    def known_peers(self) -> dict[str, str]:
+        return dict(self._known)
+
+    def _peer(self, did: str) -> _Peer:
+        peer = self._peers.get(did)
+        if peer is None:
+            with self.store.read() as txn:
+                first = next(pl.iter_outbox(txn, did), None)
+                assigned = pl.get_u64(txn, "meta", pl.meta_out(did))
+                delivered = pl.get_u64(txn, "meta", pl.meta_in(did))
+            acked = first.seq - 1 if first is not None else assigned
+            peer = _Peer(did, pl.SenderState(acked), pl.ReceiverState(delivered))
+            peer.down.set()
+            self._peers[did] = peer
+        return peer
+
+    def _start_dialer(self, addr: PeerAddr) -> None:
+        old = self._dialers.get(addr.did)
+        if old is not None and not old.done():
+            old.cancel()
+        self._dialers[addr.did] = asyncio.create_task(
+            self._dial_loop(addr), name=f"talos-dial-{addr.did[-8:]}"
+        )
+
+    async def _dial_loop(self, addr: PeerAddr) -> None:
+        delay = self.config.reconnect_initial
+        while not self._stopping:
+            peer = self._peer(addr.did)
+            if peer.link is not None:
+                await peer.down.wait()
+                continue
+            try:
+                link = await dial_link(
+                    addr.url, addr.did, self.wallet, self.authorizer, self.settings
+                )
+            except (ConnectionError, HandshakeError) as exc:
+                event(_log, "dial_failed", level=logging.DEBUG, peer=addr.did, error=str(exc))
+                # Exponential backoff with full jitter, capped (AWS architecture blog).
+                await asyncio.sleep(random.uniform(0.5, 1.0) * delay)
+                delay = min(delay * 2, self.config.reconnect_max)
+                continue
+            delay = self.config.reconnect_initial
+            await self._run_link(link)
+            await asyncio.sleep(random.uniform(0, self.config.reconnect_initial))
+
+    async def _on_accept(self, ws: ServerConnection) -> None:
+        if self._stopping:
+            await ws.close(CLOSE_SHUTDOWN, "node shutting down")
+            return
+        try:
+            link = await accept_link(ws, self.wallet, self.authorizer, self.settings)
+        except HandshakeError as exc:
+            self.metrics.inc("links_refused")
+            event(_log, "link_refused", level=logging.WARNING, reason=str(exc))
+            return
+        await self._run_link(link)
+
+    def _prefer(self, new: Link, old: Link) -> bool:
+        """Which of two links to one peer survives; both sides decide alike."""
+
+        def dialer(link: Link) -> str:
+            return self.did if link.role is Role.INITIATOR else link.peer_did
+
+        if dialer(new) == dialer(old):
+            return True  # a redial replaces a link that died without us noticing
+        return dialer(new) == min(self.did, new.peer_did)
+
+    async def _run_link(self, link: Link) -> None:
+        """Own ``link`` until it closes: session setup, then the read loop."""
+        peer = self._peer(link.peer_did)
+        old = peer.link
+        if old is not None and old.open:
+            if not self._prefer(link, old):
+                await link.close(CLOSE_DUPLICATE, "duplicate link")
+                return
+            self._spawn(old.close(CLOSE_DUPLICATE, "replaced by a newer link"))
+        self._set_down(peer)
+        peer.link = link
+        peer.down.clear()
+        self.metrics.inc("links_up")
+        event(_log, "link_up", peer=link.peer_did, role=link.role.name.lower())
+        task = asyncio.current_task()
+        if task is not None:
+            self._link_tasks.add(task)
+        try:
+            await link.send(wire.encode(self.sessions.offer(link.peer_did)))
+            await self._read_loop(peer, link)
+        except ConnectionClosed:
+            pass
+        except ProtocolError as exc:
+            event(_log, "link_protocol_error", level=logging.WARNING, peer=peer.did, error=str(exc))
+            with contextlib.suppress(ConnectionClosed):
+                await link.close(CLOSE_PROTOCOL, str(exc))
+        finally:
+            if task is not None:
+                self._link_tasks.discard(task)
+            if peer.link is link:
+                peer.link = None
+                self._set_down(peer)
+                peer.down.set()
+            event(_log, "link_down", peer=peer.did, code=link.ws.close_code)
+
+    def _set_down(self, peer: _Peer) -> None:
+        was_up = peer.ready.is_set()
+        peer.ready.clear()
+        peer.tx.rewind()
+        if was_up:
+            self._notify_link(peer.did, False)
+
+    def _set_ready(self, peer: _Peer) -> None:
+        peer.ready.set()
+        peer.last_progress = time.monotonic()
+        event(_log, "session_ready", peer=peer.did, suite=self.sessions.suite(peer.did))
+        self._notify_link(peer.did, True)
+        self._kick(peer)
+
+    def _notify_link(self, did: str, up: bool) -> None:
+        for cb in list(self._link_callbacks):
+            try:
+                cb(did, up)
+            except Exception as exc:
+                event(_log, "link_callback_failed", level=logging.ERROR, error=repr(exc))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._link_tasks.add(task)
+        task.add_done_callback(self._link_tasks.discard)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    async def _read_loop(self, peer: _Peer, link: Link) -> None:
+        max_frame = self.config.max_frame
+        while True:
+            data = await link.recv()
+            try:
+                frame = wire.decode(data, max_frame)
+                if isinstance(frame, wire.Msg):
+                    self._on_msg(peer, frame)
+                elif isinstance(frame, wire.Ack):
+                    self._on_ack(peer, frame.seq)
+                elif isinstance(frame, wire.App):
+                    await self._on_app(peer, frame)
+                elif isinstance(frame, wire.SessionOffer):
+                    await self._on_offer(peer, link, frame)
+                elif isinstance(frame, wire.SessionInit):
+                    await self._on_session_init(peer, link, frame)
+                elif isinstance(frame, wire.SessionAck):
+                    self.sessions.on_ack(peer.did, frame)
+                elif isinstance(frame, wire.Refuse):
+                    event(_log, "peer_refused", peer=peer.did, reason=frame.reason)
+                    return
+                else:
+                    raise ProtocolError(f"unexpected {type(frame).__name__} after handshake")
+            except (ProtocolError, DecryptionError, SignatureError) as exc:
+                # Bad input costs the frame, never the node or the link.
+                self.metrics.inc("frames_rejected")
+                event(
+                    _log,
+                    "frame_rejected",
+                    level=logging.WARNING,
+                    peer=peer.did,
+                    kind=type(exc).__name__,
+                    error=str(exc),
+                )
+
+    async def _on_offer(self, peer: _Peer, link: Link, offer: wire.SessionOffer) -> None:
+        init = self.sessions.on_offer(peer.did, offer, link.suites)
+        if init is not None:
+            await self._write(lambda txn: self.sessions.persist_establish(txn, peer.did))
+            await link.send(wire.encode(init))
+        if self.sessions.has(peer.did):
+            self._set_ready(peer)
+
+    async def _on_session_init(self, peer: _Peer, link: Link, init: wire.SessionInit) -> None:
+        ack = self.sessions.on_init(peer.did, init)
+        await self._write(lambda txn: self.sessions.persist_establish(txn, peer.did))
+        await link.send(wire.encode(ack))
+        peer.tx.rewind()  # anything sealed with a replaced session is lost: resend
+        self._set_ready(peer)
+
+    def _on_msg(self, peer: _Peer, frame: wire.Msg) -> None:
+        opened = self.sessions.open_message(peer.did, frame.body)
+        if opened.seq != frame.seq:
+            raise ProtocolError("MSG header sequence differs from the sealed one")
+        verdict = peer.rx.classify(opened.seq)
+        if verdict == pl.Verdict.ACCEPT:
+            self._incoming.append(_Incoming(peer.did, opened))
+            self._incoming_event.set()
+            self.metrics.inc("messages_in")
+        elif verdict == pl.Verdict.DUPLICATE:
+            self.metrics.inc("messages_duplicate")
+            if opened.seq <= peer.rx.delivered:
+                self._send_ack(peer)
+            # else: it is in the open batch and gets acked with it
+        else:
+            self.metrics.inc("messages_gap")
+
+    def _send_ack(self, peer: _Peer) -> None:
+        link = peer.link
+        if link is not None:
+            self._spawn(self._send_quiet(link, wire.encode(wire.Ack(peer.rx.delivered))))
+
+    @staticmethod
+    async def _send_quiet(link: Link, data: bytes) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await link.send(data)
+
+    def _on_ack(self, peer: _Peer, seq: int) -> None:
+        if seq > peer.max_sent:
+            raise ProtocolError(f"ack {seq} for a message not sent yet")
+        if not peer.tx.on_ack(seq):
+            return
+        now = time.monotonic()
+        peer.last_progress = now
+        for s in [s for s in peer.sent_at if s <= seq]:
+            self.metrics.ack_latency.observe(now - peer.sent_at.pop(s))
+        did = peer.did
+        self._spawn(self._write(lambda txn: pl.drop_acked(txn, did, seq), durable=False))
+
+    async def _on_app(self, peer: _Peer, frame: wire.App) -> None:
+        name, payload = self.sessions.open_app(peer.did, frame.body)
+        handler = self._apps.get(name)
+        if handler is None:
+            raise ProtocolError(f"no app channel named {name!r}")
+        self.metrics.inc("app_frames_in")
+        result = handler(peer.did, payload)
+        if inspect.isawaitable(result):
+            await result
+
+    # --- committing ----------------------------------------------------------------------------
+
+    async def _commit_loop(self) -> None:
+        """Group commit: everything that arrived since the last commit goes in one txn."""
+        while True:
+            await self._incoming_event.wait()
+            self._incoming_event.clear()
+            batch, self._incoming = self._incoming, []
+            if not batch:
+                continue
+            peers = {item.peer for item in batch}
+            snaps = self.sessions.snapshot(peers)
+            try:
+                await self._write(functools.partial(self._commit_batch, batch=batch, snaps=snaps))
+            except StorageError as exc:
+                self.metrics.inc("commit_failures")
+                event(_log, "commit_failed", level=logging.ERROR, error=str(exc), count=len(batch))
+                for did in peers:
+                    self._peers[did].rx.rolled_back()
+                continue
+            self.metrics.inc("commits")
+            for item in batch:
+                self._peers[item.peer].rx.committed(item.opened.seq)
+            for did in peers:
+                self._send_ack(self._peers[did])
+            self._inbox_event.set()
+            self._inbox_event = asyncio.Event()
+
+    def _commit_batch(self, txn: Txn, batch: list[_Incoming], snaps: dict[str, bytes]) -> None:
+        last = txn.last("inbox")
+        n = _U64.unpack(last[0])[0] + 1 if last is not None else 1
+        top: dict[str, int] = {}
+        for item in batch:
+            o = item.opened
+            txn.put(
+                "inbox", _U64.pack(n), pl.encode_inbox(o.msg_id, item.peer, o.seq, o.ts_ms, o.text)
+            )
+            self.log.append(o.record, txn)
+            top[item.peer] = o.seq
+            n += 1
+        for did, seq in top.items():
+            pl.put_u64(txn, "meta", pl.meta_in(did), seq)
+        self.sessions.persist(txn, snaps)
+
+    async def _flush_loop(self) -> None:
+        """Session state between message commits, not synced (ADR 0001)."""
+        while True:
+            await asyncio.sleep(self.config.session_flush_interval)
+            snaps = self.sessions.snapshot_dirty()
+            if snaps:
+                try:
+                    await self._write(
+                        functools.partial(self.sessions.persist, snaps=snaps), durable=False
+                    )
+                except StorageError as exc:
+                    event(_log, "session_flush_failed", level=logging.ERROR, error=str(exc))
+
+    # --- sending -------------------------------------------------------------------------------
+
+    async def send_message(self, did: str, text: str, wait: bool = False) -> str:
+        """Queue ``text`` for ``did`` durably; return the message id (hex).
+
+        With ``wait`` return only once the peer acknowledged its commit.
+        """
+        if did == self.did:
+            raise UsageError("cannot send a message to this node itself")
+        if not isinstance(text, str):
+            raise UsageError("message text must be a string")
+        if len(text.encode()) > self.config.max_frame - 1024:
+            raise UsageError(f"message above {self.config.max_frame - 1024} bytes")
+        from talos_sdk.did import public_key_from_did
+
+        public_key_from_did(did)  # a clear DIDError for a malformed recipient
+        msg_id = os.urandom(pl.MSG_ID_LEN)
+        ts_ms = int(self._clock() * 1000)
+        seq = await self._write(lambda txn: pl.enqueue(txn, did, msg_id, ts_ms, text))
+        self.metrics.inc("messages_out")
+        peer = self._peer(did)
+        waiter = peer.tx.wait_for(seq) if wait else None
+        self._kick(peer)
+        if waiter is not None:
+            await waiter
+        return msg_id.hex()
+
+    def _kick(self, peer: _Peer) -> None:
+        peer.dirty = True
+        if not peer.pumping and peer.ready.is_set():
+            peer.pumping = True
+            self._spawn(self._pump(peer))
+
+    async def _pump(self, peer: _Peer) -> None:
+        """Send every outbox row this link has not sent yet, in order."""
+        try:
+            while peer.dirty and peer.ready.is_set():
+                peer.dirty = False
+                link = peer.link
+                if link is None:
+                    return
+                with self.store.read() as txn:
+                    rows = list(_take(pl.iter_outbox(txn, peer.did, peer.tx.sent), 256))
+                if len(rows) == 256:
+                    peer.dirty = True
+                for row in rows:
+                    if peer.link is not link or not peer.ready.is_set():
+                        return
+                    if row.seq <= peer.tx.sent:
+                        continue
+                    body = self.sessions.seal_message(peer.did, row)
+                    if peer.tx.sent == peer.tx.acked:
+                        peer.last_progress = time.monotonic()
+                    peer.tx.sent = row.seq
+                    peer.max_sent = max(peer.max_sent, row.seq)
+                    peer.sent_at.setdefault(row.seq, time.monotonic())
+                    await link.send(wire.encode(wire.Msg(row.seq, body)))
+        except ConnectionClosed:
+            pass
+        finally:
+            peer.pumping = False
+
+    async def _retry_loop(self) -> None:
+        """Resend from the oldest unacked message when a link makes no progress."""
+        interval = self.config.retry_interval
+        while True:
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            for peer in self._peers.values():
+                if (
+                    peer.ready.is_set()
+                    and peer.tx.sent > peer.tx.acked
+                    and now - peer.last_progress > interval
+                ):
+                    event(_log, "resend", peer=peer.did, from_seq=peer.tx.acked + 1)
+                    peer.tx.rewind()
+                    peer.last_progress = now
+                    self._kick(peer)
+                elif peer.ready.is_set() and peer.tx.sent == peer.tx.acked:
+                    self._kick(peer)  # rows queued while the link was coming up
+
+    # --- application channels ------------------------------------------------------------------
+
+    def register_app(self, name: str, handler: AppHandler) -> None:
+        """Deliver app frames named ``name`` to ``handler(peer_did, payload)`` in link order."""
+        if not name or len(name.encode()) > 255:
+            raise UsageError("app channel name must be 1..255 bytes")
+        self._apps[name] = handler
+
+    async def send_app(self, did: str, name: str, payload: bytes) -> None:
+        """Seal ``payload`` with the peer's session and send it now (ordered, not durable)."""
+        peer = self._peers.get(did)
+        link = peer.link if peer is not None else None
+        if peer is None or link is None or not peer.ready.is_set():
+            raise NotConnectedError(f"no link with {did}")
+        body = self.sessions.seal_app(did, name, payload)
+        if len(body) > self.config.max_frame:
+            raise UsageError(f"app payload above the {self.config.max_frame}-byte frame bound")
+        try:
+            await link.send(b"\x30" + body)
+        except ConnectionClosed:
+            raise NotConnectedError(f"link with {did} closed") from None
+
+    def on_link_change(self, callback: LinkCallback) -> None:
+        """Call ``callback(did, up)`` whenever a peer's session becomes ready or goes away."""
+        self._link_callbacks.append(callback)
+
+    def is_connected(self, did: str) -> bool:
+        peer = self._peers.get(did)
+        return peer is not None and peer.ready.is_set()
+
+    async def wait_connected(self, did: str, timeout: float) -> None:
+        """Wait until the link to ``did`` and its session are up."""
+        peer = self._peer(did)
+        try:
+            async with asyncio.timeout(timeout):
+                await peer.ready.wait()
+        except TimeoutError:
+            raise ConnectTimeoutError(f"no link with {did} after {timeout} s") from None
+
+    # --- reading state (API, CLI) --------------------------------------------------------------
+
+    def inbox(self, after: int = 0, limit: int = 1000) -> list[pl.InboxEntry]:
+        """Inbox entries with arrival number > ``after``."""
+        with self.store.read() as txn:
+            return list(_take(iter_inbox(txn, after), limit))
+
+    async def wait_inbox(self, after: int, timeout: float) -> list[pl.InboxEntry]:
+        """Like :meth:`inbox` but wait up to ``timeout`` for something new."""
+        deadline = time.monotonic() + timeout
+        while True:
+            signal = self._inbox_event
+            entries = self.inbox(after)
+            left = deadline - time.monotonic()
+            if entries or left <= 0:
+                return entries
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await signal.wait()
+
+    def _outbox_depth(self) -> int:
+        with self.store.read() as txn:
+            return txn.count("outbox")
+
+    def status(self) -> dict[str, Any]:
+        """Links, sessions with their suites, and queue depths."""
+        links = []
+        for did, peer in sorted(self._peers.items()):
+            links.append(
+                {
+                    "did": did,
+                    "connected": peer.link is not None,
+                    "ready": peer.ready.is_set(),
+                    "role": peer.link.role.name.lower() if peer.link is not None else None,
+                    "acked": peer.tx.acked,
+                    "sent": peer.tx.sent,
+                    "delivered": peer.rx.delivered,
+                }
+            )
+        with self.store.read() as txn:
+            outbox = txn.count("outbox")
+            inbox = txn.count("inbox")
+        return {
+            "did": self.did,
+            "listen": self.listen_url,
+            "links": links,
+            "sessions": self.sessions.info(),
+            "queues": {
+                "outbox": outbox,
+                "inbox": inbox,
+                "incoming_batch": len(self._incoming),
+                "log_pending": self.log.pending_count,
+            },
+            "chain_height": self.log.height,
+        }
+
+
+def iter_inbox(txn: Txn, after: int = 0) -> Iterable[pl.InboxEntry]:
+    for key, value in txn.items("inbox", _U64.pack(after + 1)):
+        yield pl.decode_inbox(key, value)
+
+
+def _take(it: Iterable[_T], n: int) -> list[_T]:
+    out: list[_T] = []
+    for x in it:
+        out.append(x)
+        if len(out) >= n:
+            break
+    return out
+
+
+# --- offline access for the CLI (the node is not running; the store lock proves it) ------------
+
+
+def _offline_store(home: Home) -> Store:
+    return Store(home.store_dir, map_size=home.load_config().map_size)
+
+
+def offline_identity(home: Home) -> dict[str, Any]:
+    """``talosd id`` without a running node: wallet file plus stored prekeys."""
+    from talos.sessions import load_secrets
+
+    wallet = Wallet.load(home.identity)
+    with _offline_store(home) as store, store.read() as txn:
+        secrets = load_secrets(txn)
+    out: dict[str, Any] = {"did": wallet.did, "x25519": None, "suites": [], "listen": None}
+    if secrets is not None:
+        out["x25519"] = secrets.identity.public.hex()
+        out["suites"] = list(secrets.suites)
+    return out
+
+
+def offline_add_peer(home: Home, addr: str) -> dict[str, str]:
+    peer = parse_peer_addr(addr)
+    with _offline_store(home) as store, store.write() as txn:
+        txn.put("peers", peer.did.encode(), str(peer).encode())
+    return {"did": peer.did, "addr": str(peer)}
+
+
+def offline_peers(home: Home) -> list[dict[str, Any]]:
+    with _offline_store(home) as store, store.read() as txn:
+        return [
+            {"did": k.decode(), "addr": v.decode() or None, "connected": False}
+            for k, v in txn.items("peers")
+        ]
+
+
+def offline_send(home: Home, did: str, text: str) -> str:
+    """Queue a message durably for the node's next run; returns its id."""
+    from talos_sdk.did import public_key_from_did
+
+    public_key_from_did(did)
+    msg_id = os.urandom(pl.MSG_ID_LEN)
+    with _offline_store(home) as store, store.write(durable=True) as txn:
+        pl.enqueue(txn, did, msg_id, int(time.time() * 1000), text)
+    return msg_id.hex()
+
+
+def offline_inbox(home: Home, after: int = 0) -> list[dict[str, object]]:
+    with _offline_store(home) as store, store.read() as txn:
+        return [e.to_json() for e in iter_inbox(txn, after)]
+
+
+def offline_verify(home: Home) -> dict[str, Any]:
+    from talos.api import report_json
+    from talos.chain.verify import verify_chain
+
+    wallet_did = Wallet.load(home.identity).did
+    with _offline_store(home) as store:
+        return report_json(verify_chain(store, wallet_did))
+
+
+def offline_blocks(home: Home) -> list[dict[str, Any]]:
+    from talos.api import block_json
+
+    wallet = Wallet.load(home.identity)
+    with _offline_store(home) as store:
+        return [block_json(b) for b in BlockLog(store, wallet).iter_blocks()]
+
+
+def offline_proof(home: Home, record_id: str) -> dict[str, Any]:
+    try:
+        rid = bytes.fromhex(record_id)
+    except ValueError:
+        raise UsageError("record id must be hex") from None
+    wallet = Wallet.load(home.identity)
+    with _offline_store(home) as store:
+        return BlockLog(store, wallet).inclusion_proof(rid)

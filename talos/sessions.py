@@ -1,0 +1,309 @@
+"""Double Ratchet sessions with linked peers: prekeys, X3DH over the link, persistence.
+
+Setup (docs/PROTOCOL.md "Link protocol", after the handshake): both sides send
+a :class:`~talos.link.wire.SessionOffer` (own prekey bundle + the id of the
+session it holds with the other side). Equal non-empty ids: the stored session
+is resumed. Otherwise the side with the smaller DID runs X3DH (hybrid
+``x25519-mlkem768`` when both support it) against the peer's bundle and sends
+the first ratchet message in a :class:`~talos.link.wire.SessionInit`; the peer
+accepts it in place of any older session and answers with a
+:class:`~talos.link.wire.SessionAck` so the initiator stops attaching the X3DH
+initial data. Session id = SHA-256(initial message)[:16] on both sides.
+
+Persistence rules are in docs/adr/0001-session-persistence.md: the node writes
+:meth:`SessionManager.snapshot` bytes in the same transaction as the durable
+message commit, flushes dirty sessions periodically without sync, and throws
+every session away after an unclean stop.
+
+Message frames are sealed with :class:`talos_sdk.frames.RatchetFrameCrypto`
+(signed commitment inside the ciphertext). App-channel frames are sealed with
+the session alone, unsigned: the link is authenticated and the AEAD
+authenticates the sender, and a per-frame Ed25519 signature would cost more
+than the frame (DESIGN.md performance targets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from talos.chain.block import Record
+from talos.link import wire
+from talos.pipeline import OutboxEntry
+from talos.store import Txn
+from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, PrekeyBundle, PrekeySecrets
+from talos_sdk.errors import BundleError, MalformedFrameError, ProtocolError, UsageError
+from talos_sdk.ratchet import Session
+from talos_sdk.wallet import Wallet
+
+if TYPE_CHECKING:
+    from talos_sdk.frames import RatchetFrameCrypto
+
+__all__ = ["Opened", "SessionManager", "UnknownSessionError", "load_secrets"]
+
+_SECRETS_KEY = b"secrets"
+_APP_AD = b"talos/app/v1"
+_SID_LEN = 16
+_U16 = struct.Struct(">H")
+MSG_FRAME_TYPE = "msg"
+
+
+class UnknownSessionError(ProtocolError):
+    """A frame arrived for a peer we hold no session with."""
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A decrypted durable message and the audit record to commit with it."""
+
+    msg_id: bytes
+    seq: int
+    ts_ms: int
+    text: str
+    record: Record
+
+
+@dataclass(slots=True)
+class _Entry:
+    sid: bytes
+    session: Session
+    crypto: RatchetFrameCrypto | None = None
+
+
+def _sid(initial_message: bytes) -> bytes:
+    return hashlib.sha256(initial_message).digest()[:_SID_LEN]
+
+
+def load_secrets(txn: Txn) -> PrekeySecrets | None:
+    """Our stored prekey secrets, if any."""
+    raw = txn.get("prekeys", _SECRETS_KEY)
+    return None if raw is None else PrekeySecrets.from_bytes(raw)
+
+
+class SessionManager:
+    """Our prekey secrets and one ratchet session per peer, in memory; LMDB via the node."""
+
+    def __init__(
+        self, store: Any, wallet: Wallet, *, pq: bool, one_time: int, ratchet_every: int
+    ) -> None:
+        self._store = store
+        self._wallet = wallet
+        self._pq = pq
+        self._one_time = one_time
+        self._ratchet_every = ratchet_every
+        self._entries: dict[str, _Entry] = {}
+        self._dirty: set[str] = set()
+        self._secrets: PrekeySecrets | None = None
+
+    # --- persistence ---------------------------------------------------------------------------
+
+    def load(self, txn: Txn, *, discard: bool) -> int:
+        """Load prekeys (creating them once) and sessions; ``discard`` drops every session."""
+        raw = txn.get("prekeys", _SECRETS_KEY)
+        if raw is None:
+            self._secrets = PrekeySecrets.generate(
+                self._wallet, one_time=self._one_time, pq=self._pq
+            )
+            txn.put("prekeys", _SECRETS_KEY, self._secrets.to_bytes())
+        else:
+            self._secrets = PrekeySecrets.from_bytes(raw)
+        if discard:
+            n = txn.count("sessions")
+            txn.clear("sessions")
+            return n
+        for key, value in txn.items("sessions"):
+            (n,) = _U16.unpack_from(value)
+            sid = value[2 : 2 + n]
+            session = Session.from_bytes(value[2 + n :])
+            session.ratchet_every = self._ratchet_every
+            self._install(key.decode(), sid, session)
+        self._dirty.clear()
+        return len(self._entries)
+
+    def snapshot(self, peers: set[str] | list[str]) -> dict[str, bytes]:
+        """Serialised state of ``peers`` (for the commit txn); they stop being dirty."""
+        out: dict[str, bytes] = {}
+        for did in peers:
+            entry = self._entries.get(did)
+            if entry is not None:
+                out[did] = _U16.pack(len(entry.sid)) + entry.sid + entry.session.to_bytes()
+            self._dirty.discard(did)
+        return out
+
+    def snapshot_dirty(self) -> dict[str, bytes]:
+        return self.snapshot(list(self._dirty))
+
+    def snapshot_all(self) -> dict[str, bytes]:
+        return self.snapshot(list(self._entries))
+
+    def persist(self, txn: Txn, snaps: dict[str, bytes]) -> None:
+        """Write snapshots inside the caller's transaction."""
+        for did, blob in snaps.items():
+            txn.put("sessions", did.encode(), blob)
+
+    def persist_establish(self, txn: Txn, peer: str) -> None:
+        """A new session (and possibly a consumed one-time prekey) is written durably."""
+        self.persist(txn, self.snapshot([peer]))
+        if self._entries.get(peer) is None:
+            txn.delete("sessions", peer.encode())
+        assert self._secrets is not None
+        txn.put("prekeys", _SECRETS_KEY, self._secrets.to_bytes())
+
+    # --- setup over the link -------------------------------------------------------------------
+
+    @property
+    def secrets(self) -> PrekeySecrets:
+        if self._secrets is None:
+            raise UsageError("SessionManager.load() has not run")
+        return self._secrets
+
+    def offer(self, peer: str) -> wire.SessionOffer:
+        secrets = self.secrets
+        if len(secrets.one_time_ids) < max(1, self._one_time // 2):
+            secrets.add_one_time(self._one_time - len(secrets.one_time_ids))
+        entry = self._entries.get(peer)
+        return wire.SessionOffer(secrets.bundle().to_bytes(), entry.sid if entry else b"")
+
+    def on_offer(
+        self, peer: str, offer: wire.SessionOffer, suites: tuple[str, ...]
+    ) -> wire.SessionInit | None:
+        """Resume, initiate (returns the SessionInit to send), or wait for the peer's init."""
+        bundle = PrekeyBundle.from_bytes(offer.bundle)
+        bundle.verify()
+        if bundle.did != peer:
+            raise BundleError("prekey bundle belongs to another DID than the link peer")
+        entry = self._entries.get(peer)
+        if entry is not None and offer.session_id == entry.sid:
+            return None
+        self.drop(peer)
+        if self._wallet.did > peer:
+            return None  # the peer initiates
+        suite = SUITE_X25519
+        if self._pq and SUITE_HYBRID in suites and SUITE_HYBRID in bundle.suites:
+            suite = SUITE_HYBRID
+        session = Session.initiate(
+            self._wallet,
+            self.secrets,
+            bundle,
+            suite=suite,
+            ratchet_every=self._ratchet_every,
+        )
+        first = session.encrypt(b"")
+        sid = _sid(first)
+        self._install(peer, sid, session)
+        return wire.SessionInit(sid, first)
+
+    def on_init(self, peer: str, init: wire.SessionInit) -> wire.SessionAck:
+        """Accept the peer's X3DH initial message, replacing any session we hold."""
+        if _sid(init.payload) != init.session_id:
+            raise MalformedFrameError("session id does not match the initial message")
+        if self._wallet.did < peer:
+            raise ProtocolError("session init from the side that must respond")
+        session, _ = Session.respond(
+            self._wallet, self.secrets, init.payload, ratchet_every=self._ratchet_every
+        )
+        if session.peer_did != peer:
+            raise ProtocolError("X3DH initiator is not the link peer")
+        self._install(peer, init.session_id, session)
+        return wire.SessionAck(session.encrypt(b""))
+
+    def on_ack(self, peer: str, ack: wire.SessionAck) -> None:
+        self._get(peer).session.decrypt(ack.body)
+        self._dirty.add(peer)
+
+    def _install(self, peer: str, sid: bytes, session: Session) -> None:
+        self._entries[peer] = _Entry(sid, session)
+        self._dirty.add(peer)
+
+    def drop(self, peer: str) -> None:
+        self._entries.pop(peer, None)
+        self._dirty.discard(peer)
+
+    def has(self, peer: str) -> bool:
+        return peer in self._entries
+
+    def suite(self, peer: str) -> str | None:
+        entry = self._entries.get(peer)
+        return entry.session.suite if entry else None
+
+    def info(self) -> list[dict[str, object]]:
+        return [
+            {"did": did, "suite": e.session.suite, "id": e.sid.hex()}
+            for did, e in sorted(self._entries.items())
+        ]
+
+    def _get(self, peer: str) -> _Entry:
+        entry = self._entries.get(peer)
+        if entry is None:
+            raise UnknownSessionError(f"no session with {peer}")
+        return entry
+
+    def _crypto(self, entry: _Entry) -> RatchetFrameCrypto:
+        if entry.crypto is None:
+            from talos_sdk.frames import RatchetFrameCrypto
+
+            entry.crypto = RatchetFrameCrypto(self._wallet, entry.session)
+        return entry.crypto
+
+    # --- sealing -------------------------------------------------------------------------------
+
+    def seal_message(self, peer: str, row: OutboxEntry) -> bytes:
+        from talos_sdk.frames import Frame
+
+        entry = self._get(peer)
+        frame = Frame(
+            type=MSG_FRAME_TYPE,
+            sender=self._wallet.did,
+            recipient=peer,
+            sequence=row.seq,
+            timestamp_ms=row.ts_ms,
+            payload=row.msg_id + row.text.encode(),
+        )
+        self._dirty.add(peer)
+        return self._crypto(entry).seal(frame, sign=True)
+
+    def open_message(self, peer: str, body: bytes) -> Opened:
+        entry = self._get(peer)
+        frame, commitment = self._crypto(entry).open(body)
+        self._dirty.add(peer)
+        if frame.type != MSG_FRAME_TYPE:
+            raise ProtocolError(f"expected a message frame, got {frame.type!r}")
+        if frame.sender != peer or frame.recipient != self._wallet.did:
+            raise ProtocolError("message frame names other parties than this link")
+        if len(frame.payload) < 16:
+            raise MalformedFrameError("message frame too short for its id")
+        msg_id = frame.payload[:16]
+        try:
+            text = frame.payload[16:].decode()
+        except UnicodeDecodeError:
+            raise MalformedFrameError("message text is not UTF-8") from None
+        record = Record(
+            kind="msg",
+            record_id=msg_id,
+            sender=peer,
+            recipient=self._wallet.did,
+            commitment=commitment.to_bytes(),
+            signature=commitment.signature,
+            timestamp_ms=frame.timestamp_ms,
+        )
+        return Opened(msg_id, frame.sequence, frame.timestamp_ms, text, record)
+
+    def seal_app(self, peer: str, name: str, payload: bytes) -> bytes:
+        entry = self._get(peer)
+        raw = name.encode()
+        self._dirty.add(peer)
+        return entry.session.encrypt(bytes((len(raw),)) + raw + payload, _APP_AD)
+
+    def open_app(self, peer: str, body: bytes) -> tuple[str, bytes]:
+        plain = self._get(peer).session.decrypt(body, _APP_AD)
+        self._dirty.add(peer)
+        if not plain or len(plain) < 1 + plain[0]:
+            raise MalformedFrameError("app frame too short for its channel name")
+        n = plain[0]
+        try:
+            name = plain[1 : 1 + n].decode()
+        except UnicodeDecodeError:
+            raise MalformedFrameError("app channel name is not UTF-8") from None
+        return name, plain[1 + n :]

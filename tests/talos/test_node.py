@@ -1,0 +1,224 @@
+"""Two real nodes in one event loop over 127.0.0.1 (talos/node.py).
+
+Real LMDB in tmp dirs, real websockets on ephemeral ports; every test is
+bounded by ``asyncio.timeout`` and polls with deadlines instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from talos.node import ConnectTimeoutError, Node, NotConnectedError
+from talos_sdk.errors import DIDError, UsageError
+from talos_sdk.wallet import Wallet
+from tests.talos.nodes import addr, link, make_home, started, until
+
+# Durable messages need talos_sdk.frames (being written in parallel).
+needs_frames = pytest.mark.skipif(
+    importlib.util.find_spec("talos_sdk.frames") is None, reason="talos_sdk.frames not there yet"
+)
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> tuple[Node, Node]:
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    yield a, b  # type: ignore[misc]
+    await a.stop()
+    await b.stop()
+
+
+@needs_frames
+async def test_message_is_committed_then_acked(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    async with asyncio.timeout(20):
+        await link(a, b)
+        assert a.sessions.suite(b.did) == "x25519-mlkem768"
+        msg_id = await a.send_message(b.did, "hello B", wait=True)
+        (entry,) = b.inbox()
+        assert entry.to_json()["id"] == msg_id
+        assert (entry.sender, entry.text, entry.seq) == (a.did, "hello B", 1)
+        assert a.status()["queues"]["outbox"] == 0
+        # The receiver's audit record is sealed with A's signature over the commitment.
+        await until(lambda: b.log.find_record(bytes.fromhex(msg_id)) is not None, what="seal")
+        _, _, record = b.log.find_record(bytes.fromhex(msg_id))  # type: ignore[misc]
+        assert record.sender == a.did and record.recipient == b.did
+        assert b.log.quarantined() == []
+
+
+@needs_frames
+async def test_many_messages_pipelined_keep_order_exactly_once(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    async with asyncio.timeout(30):
+        await link(a, b)
+        ids = [await a.send_message(b.did, f"m{i}") for i in range(200)]
+        await a.send_message(b.did, "last", wait=True)
+        texts = [e.text for e in b.inbox(limit=10_000)]
+        assert texts == [f"m{i}" for i in range(200)] + ["last"]
+        assert [e.to_json()["id"] for e in b.inbox(limit=10_000)][:200] == ids
+        # Both directions at once.
+        await asyncio.gather(
+            *(b.send_message(a.did, f"r{i}") for i in range(20)),
+        )
+        await b.send_message(a.did, "done", wait=True)
+        assert [e.text for e in a.inbox()] == [f"r{i}" for i in range(20)] + ["done"]
+        assert b.metrics.counters.get("commits", 0) < 201  # group commit batched some
+
+
+@needs_frames
+async def test_offline_peer_gets_messages_when_it_comes_back(tmp_path: Path) -> None:
+    home_a, cfg_a = make_home(tmp_path, "a")
+    home_b, cfg_b = make_home(tmp_path, "b")
+    async with asyncio.timeout(30):
+        b = await started(home_b, cfg_b)
+        b_addr, b_did = addr(b), b.did
+        port = b.listen_url.rsplit(":", 1)[1]  # type: ignore[union-attr]
+        a = await started(home_a, cfg_a)
+        b.allow(a.did)
+        await a.add_peer(b_addr)
+        await link(a, b)
+        await b.stop()
+        await until(lambda: not a.is_connected(b_did), what="link down")
+        for i in range(5):
+            await a.send_message(b_did, f"while offline {i}")
+        assert a.status()["queues"]["outbox"] == 5
+        # B comes back on the same port (A keeps redialling with backoff).
+        b = await started(home_b, cfg_b.model_copy(update={"listen": f"127.0.0.1:{port}"}))
+        b.allow(a.did)
+        await until(lambda: len(b.inbox()) == 5, timeout=20, what="redelivery")
+        await until(lambda: a.status()["queues"]["outbox"] == 0, what="acks")
+        assert [e.text for e in b.inbox()] == [f"while offline {i}" for i in range(5)]
+        await a.stop()
+        await b.stop()
+
+
+@needs_frames
+async def test_clean_restart_resumes_sessions(tmp_path: Path) -> None:
+    home_a, cfg_a = make_home(tmp_path, "a")
+    home_b, cfg_b = make_home(tmp_path, "b", allow=())
+    async with asyncio.timeout(30):
+        a, b = await started(home_a, cfg_a), await started(home_b, cfg_b)
+        await link(a, b)
+        await a.send_message(b.did, "one", wait=True)
+        sid = {s["did"]: s["id"] for s in a.sessions.info()}[b.did]
+        b_port = b.listen_url.rsplit(":", 1)[1]  # type: ignore[union-attr]
+        a_did = a.did
+        await a.stop()
+        await b.stop()
+        b = await started(home_b, cfg_b.model_copy(update={"listen": f"127.0.0.1:{b_port}"}))
+        b.allow(a_did)
+        a = await started(home_a, cfg_a)
+        assert not a.unclean_start and not b.unclean_start
+        await a.wait_connected(b.did, 10)
+        await b.wait_connected(a.did, 10)
+        assert {s["did"]: s["id"] for s in a.sessions.info()}[b.did] == sid
+        await a.send_message(b.did, "two", wait=True)
+        assert [e.text for e in b.inbox()] == ["one", "two"]
+        await a.stop()
+        await b.stop()
+
+
+@needs_frames
+async def test_unclean_start_discards_sessions_and_rekeys(tmp_path: Path) -> None:
+    home_a, cfg_a = make_home(tmp_path, "a")
+    home_b, cfg_b = make_home(tmp_path, "b")
+    async with asyncio.timeout(30):
+        a, b = await started(home_a, cfg_a), await started(home_b, cfg_b)
+        await link(a, b)
+        await a.send_message(b.did, "before", wait=True)
+        old = {s["did"]: s["id"] for s in b.sessions.info()}[a.did]
+        b_port = b.listen_url.rsplit(":", 1)[1]  # type: ignore[union-attr]
+        a_did = a.did
+        await b.stop()
+        # What a crash leaves behind: the running marker is still in the store.
+        from talos.store import Store
+
+        with Store(home_b / "store") as store, store.write() as txn:
+            txn.put("meta", b"running", b"\0" * 8)
+        b = await started(home_b, cfg_b.model_copy(update={"listen": f"127.0.0.1:{b_port}"}))
+        b.allow(a_did)
+        assert b.unclean_start
+        await b.wait_connected(a_did, 10)
+        new = {s["did"]: s["id"] for s in b.sessions.info()}[a_did]
+        assert new != old
+        await a.send_message(b.did, "after", wait=True)
+        await b.send_message(a.did, "back", wait=True)
+        assert [e.text for e in b.inbox()] == ["before", "after"]
+        assert [e.text for e in a.inbox()] == ["back"]
+        await a.stop()
+        await b.stop()
+
+
+async def test_app_channels_are_ordered_and_link_changes_reported(
+    pair: tuple[Node, Node],
+) -> None:
+    a, b = pair
+    got: list[tuple[str, bytes]] = []
+    changes: list[tuple[str, bool]] = []
+    done = asyncio.Event()
+
+    async def handler(peer: str, payload: bytes) -> None:
+        got.append((peer, payload))
+        if len(got) == 100:
+            done.set()
+
+    b.register_app("echo", handler)
+    a.on_link_change(lambda did, up: changes.append((did, up)))
+    async with asyncio.timeout(20):
+        with pytest.raises(NotConnectedError):
+            await a.send_app(b.did, "echo", b"too early")
+        with pytest.raises(ConnectTimeoutError):
+            await a.wait_connected(b.did, 0.05)
+        await link(a, b)
+        assert a.is_connected(b.did) and changes == [(b.did, True)]
+        for i in range(100):
+            await a.send_app(b.did, "echo", i.to_bytes(4, "big"))
+        await done.wait()
+        assert got == [(a.did, i.to_bytes(4, "big")) for i in range(100)]
+        # An unknown channel costs the frame, not the link.
+        await a.send_app(b.did, "nobody", b"x")
+        await until(lambda: b.metrics.counters.get("frames_rejected", 0) == 1, what="reject")
+        assert a.is_connected(b.did)
+        await b.stop()
+        await until(lambda: (b.did, False) in changes, what="link down callback")
+        assert not a.is_connected(b.did)
+
+
+async def test_unknown_peer_is_refused(pair: tuple[Node, Node]) -> None:
+    a, b = pair  # B does not know A
+    async with asyncio.timeout(10):
+        await a.add_peer(addr(b))
+        await until(lambda: b.metrics.counters.get("links_refused", 0) >= 1, what="refusal")
+        assert not a.is_connected(b.did)
+        assert not b.is_connected(a.did)
+
+
+async def test_send_rejects_bad_input(pair: tuple[Node, Node]) -> None:
+    a, _ = pair
+    with pytest.raises(DIDError):
+        await a.send_message("did:key:nonsense", "x")
+    with pytest.raises(UsageError, match="itself"):
+        await a.send_message(a.did, "x")
+    with pytest.raises(UsageError, match="above"):
+        await a.send_message(Wallet.generate().did, "x" * (2 << 20))
+    with pytest.raises(UsageError, match="own DID"):
+        await a.add_peer(f"ws://127.0.0.1:1#{a.did}")
+    assert a.status()["queues"]["outbox"] == 0
+
+
+@needs_frames
+async def test_classical_suite_when_one_side_has_no_pq(tmp_path: Path) -> None:
+    a = await started(*make_home(tmp_path, "a", pq=False))
+    b = await started(*make_home(tmp_path, "b"))
+    try:
+        async with asyncio.timeout(10):
+            await link(a, b)
+            assert a.sessions.suite(b.did) == b.sessions.suite(a.did) == "x25519"
+            await b.send_message(a.did, "classic", wait=True)
+    finally:
+        await a.stop()
+        await b.stop()
