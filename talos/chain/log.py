@@ -31,9 +31,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from talos_sdk.merkle import inclusion_proof as merkle_inclusion_proof
-from talos_sdk.merkle import merkle_root
-
 from talos.chain.block import (
     GENESIS_PREV,
     Block,
@@ -45,6 +42,8 @@ from talos.chain.block import (
 )
 from talos.store import Store, Txn
 from talos_sdk.errors import MalformedFrameError, UsageError
+from talos_sdk.merkle import inclusion_proof as merkle_inclusion_proof
+from talos_sdk.merkle import merkle_root
 
 __all__ = [
     "BlockLog",

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from talos_sdk.merkle import merkle_root
 
 from talos.chain.block import Block, Record
 from talos.chain.log import BlockLog, block_key, record_key
 from talos.chain.verify import verify_chain
 from talos.store import Store
+from talos_sdk.merkle import merkle_root
 from tests.talos.chain import BOB, NODE, audit_record, make_record
 
 PER_BLOCK = 4
