@@ -1,0 +1,244 @@
+"""X3DH and its PQXDH-style hybrid (docs/PROTOCOL.md "X3DH"; Signal X3DH spec §3, PQXDH §3).
+
+Suites:
+
+* ``x25519``: SK = HKDF(salt = 32 zero bytes, IKM = F || DH1 || DH2 || DH3 [|| DH4],
+  info = ``Talos_X3DH_X25519_SHA256_v1``), F = 32 bytes of 0xFF.
+* ``x25519-mlkem768``: as above with the ML-KEM-768 shared secret appended after
+  DH4 and info = ``Talos_PQXDH_X25519_MLKEM768_SHA256_v1``; the KEM ciphertext
+  travels in the initial data.
+
+DH1 = DH(IK_A, SPK_B), DH2 = DH(EK_A, IK_B), DH3 = DH(EK_A, SPK_B), DH4 = DH(EK_A, OPK_B).
+AD = IK_A || IK_B || Ed25519_A || Ed25519_B (the X25519 identity keys as in Signal,
+then the Ed25519 keys behind both DIDs, so the session is bound to the DIDs).
+The initiator's X25519 identity key is tied to its DID by the identity binding
+signature in the initial data (:class:`talos_sdk.bundle.IdentityKey`).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+
+from talos_sdk.bundle import (
+    KEY_SIZE,
+    MLKEM768_CIPHERTEXT_SIZE,
+    SIGNATURE_SIZE,
+    SUITE_HYBRID,
+    SUITE_X25519,
+    SUITES,
+    ByteReader,
+    IdentityKey,
+    PrekeyBundle,
+    PrekeySecrets,
+    Rng,
+    binding_message,
+    x25519_dh,
+    x25519_keypair,
+)
+from talos_sdk.did import public_key_from_did
+from talos_sdk.errors import BundleError, DIDError, MalformedFrameError, SignatureError
+from talos_sdk.kdf import hkdf
+from talos_sdk.wallet import verify_with_public_key
+
+__all__ = [
+    "INFO_HYBRID",
+    "INFO_X25519",
+    "InitialData",
+    "X3DHResult",
+    "initiate",
+    "respond",
+]
+
+INFO_X25519 = b"Talos_X3DH_X25519_SHA256_v1"
+INFO_HYBRID = b"Talos_PQXDH_X25519_MLKEM768_SHA256_v1"
+_F = b"\xff" * 32
+_SUITE_CODES = {SUITE_X25519: 0, SUITE_HYBRID: 1}
+_SUITE_NAMES = {v: k for k, v in _SUITE_CODES.items()}
+_INFO = {SUITE_X25519: INFO_X25519, SUITE_HYBRID: INFO_HYBRID}
+_IDS = struct.Struct(">II")
+
+
+@dataclass(frozen=True, slots=True)
+class InitialData:
+    """What the initiator's first messages carry so the responder can run X3DH.
+
+    Layout: suite u8 | u16 len || DID | IK_A(32) | binding sig(64) | EK_A(32) |
+    SPK id u32 | OPK id u32 (0 = none) | [PQ prekey id u32 | KEM ciphertext(1088)].
+    """
+
+    suite: str
+    did: str
+    identity_dh: bytes
+    binding: bytes
+    ephemeral: bytes
+    spk_id: int
+    opk_id: int | None
+    pq_id: int | None = None
+    kem_ciphertext: bytes | None = field(default=None, repr=False)
+
+    def to_bytes(self) -> bytes:
+        did = self.did.encode()
+        out = [
+            bytes((_SUITE_CODES[self.suite],)),
+            struct.pack(">H", len(did)),
+            did,
+            self.identity_dh,
+            self.binding,
+            self.ephemeral,
+            _IDS.pack(self.spk_id, self.opk_id or 0),
+        ]
+        if self.suite == SUITE_HYBRID:
+            assert self.pq_id is not None and self.kem_ciphertext is not None
+            out += [struct.pack(">I", self.pq_id), self.kem_ciphertext]
+        return b"".join(out)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> InitialData:
+        r = ByteReader(data, "X3DH initial data")
+        suite = _SUITE_NAMES.get(r.u8())
+        if suite is None:
+            raise MalformedFrameError("X3DH initial data: unknown suite code")
+        did = r.text16()
+        ik, binding, ek = r.take(KEY_SIZE), r.take(SIGNATURE_SIZE), r.take(KEY_SIZE)
+        spk_id, opk_id = r.u32(), r.u32()
+        pq_id = ct = None
+        if suite == SUITE_HYBRID:
+            pq_id, ct = r.u32(), r.take(MLKEM768_CIPHERTEXT_SIZE)
+        r.end()
+        return cls(suite, did, ik, binding, ek, spk_id, opk_id or None, pq_id, ct)
+
+
+@dataclass(frozen=True, slots=True)
+class X3DHResult:
+    """The agreed secret plus what the Double Ratchet needs to start.
+
+    ``ratchet_dh`` is DH3 = DH(EK_A, SPK_B): the initiator's ephemeral key doubles
+    as its first ratchet key, so the first root-chain step reuses DH3 instead of a
+    fresh key pair and DH on each side (docs/PROTOCOL.md "Double Ratchet").
+    """
+
+    suite: str
+    shared_secret: bytes = field(repr=False)
+    associated_data: bytes
+    initial: InitialData
+    ratchet_dh: bytes = field(repr=False)
+    ephemeral_private: bytes | None = field(repr=False)
+    peer_did: str
+    peer_signing_key: bytes
+    peer_identity_dh: bytes
+    responder_spk: bytes
+
+
+def _kdf(suite: str, parts: list[bytes]) -> bytes:
+    return hkdf(_F + b"".join(parts), salt=b"", info=_INFO[suite], length=32)
+
+
+def initiate(
+    identity: IdentityKey,
+    bundle: PrekeyBundle,
+    *,
+    suite: str | None = None,
+    use_one_time: bool = True,
+    rng: Rng = os.urandom,
+) -> X3DHResult:
+    """Run the initiator's side against a peer bundle (verified here, once)."""
+    bundle.verify()
+    if suite is None:
+        suite = SUITE_HYBRID if SUITE_HYBRID in bundle.suites else SUITE_X25519
+    if suite not in SUITES:
+        raise BundleError(f"unknown suite {suite!r}; known: {list(SUITES)}")
+    if suite not in bundle.suites:
+        raise BundleError(f"peer bundle does not offer suite {suite!r} (offers {bundle.suites})")
+    ek_private, ek_public = x25519_keypair(rng)
+    dh3 = x25519_dh(ek_private, bundle.spk)
+    parts = [
+        x25519_dh(identity.private, bundle.spk),
+        x25519_dh(ek_private, bundle.identity_dh),
+        dh3,
+    ]
+    opk_id = None
+    if use_one_time and bundle.one_time:
+        opk_id, opk = bundle.one_time[0]
+        parts.append(x25519_dh(ek_private, opk))
+    pq_id = ct = None
+    if suite == SUITE_HYBRID:
+        assert bundle.pq_public is not None  # verify() checked it
+        shared, ct = bundle.pq_public.encapsulate()
+        parts.append(shared)
+        pq_id = bundle.pq_id
+    initial = InitialData(
+        suite,
+        identity.did,
+        identity.public,
+        identity.binding,
+        ek_public,
+        bundle.spk_id,
+        opk_id,
+        pq_id,
+        ct,
+    )
+    return X3DHResult(
+        suite=suite,
+        shared_secret=_kdf(suite, parts),
+        associated_data=identity.public
+        + bundle.identity_dh
+        + identity.signing_key
+        + bundle.signing_key,
+        initial=initial,
+        ratchet_dh=dh3,
+        ephemeral_private=ek_private,
+        peer_did=bundle.did,
+        peer_signing_key=bundle.signing_key,
+        peer_identity_dh=bundle.identity_dh,
+        responder_spk=bundle.spk,
+    )
+
+
+def respond(secrets: PrekeySecrets, initial: InitialData) -> X3DHResult:
+    """Run the responder's side. Does NOT consume the OPK: the caller does, once the
+    first message decrypts (so a forged initial message cannot burn a prekey)."""
+    if initial.suite not in secrets.suites:
+        raise BundleError(f"suite {initial.suite!r} is not offered by this bundle")
+    if initial.spk_id != secrets.spk_id:
+        raise BundleError(f"unknown signed prekey id {initial.spk_id}")
+    try:
+        signing_key = public_key_from_did(initial.did)
+    except DIDError as exc:
+        raise MalformedFrameError(f"X3DH initial data: {exc}") from None
+    if not verify_with_public_key(
+        signing_key, binding_message(signing_key, initial.identity_dh), initial.binding
+    ):
+        raise SignatureError(f"initiator identity key is not signed by {initial.did}")
+    dh3 = x25519_dh(secrets.spk_private, initial.ephemeral)
+    parts = [
+        x25519_dh(secrets.spk_private, initial.identity_dh),
+        x25519_dh(secrets.identity.private, initial.ephemeral),
+        dh3,
+    ]
+    if initial.opk_id is not None:
+        parts.append(x25519_dh(secrets.one_time_private(initial.opk_id), initial.ephemeral))
+    if initial.suite == SUITE_HYBRID:
+        pq = secrets.pq_private
+        if pq is None or initial.pq_id != secrets.pq_id or initial.kem_ciphertext is None:
+            raise BundleError(f"unknown ML-KEM prekey id {initial.pq_id}")
+        try:
+            parts.append(pq.decapsulate(initial.kem_ciphertext))
+        except ValueError:
+            raise MalformedFrameError("X3DH initial data: bad ML-KEM ciphertext") from None
+    return X3DHResult(
+        suite=initial.suite,
+        shared_secret=_kdf(initial.suite, parts),
+        associated_data=initial.identity_dh
+        + secrets.identity.public
+        + signing_key
+        + secrets.identity.signing_key,
+        initial=initial,
+        ratchet_dh=dh3,
+        ephemeral_private=None,
+        peer_did=initial.did,
+        peer_signing_key=signing_key,
+        peer_identity_dh=initial.identity_dh,
+        responder_spk=secrets.spk_public,
+    )

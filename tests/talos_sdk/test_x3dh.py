@@ -1,0 +1,121 @@
+"""X3DH and the ML-KEM-768 hybrid (talos_sdk/x3dh.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey, PrekeySecrets
+from talos_sdk.errors import BundleError, MalformedFrameError, SignatureError
+from talos_sdk.wallet import Wallet
+from talos_sdk.x3dh import InitialData, initiate, respond
+
+ALICE = Wallet.from_seed(b"\x01" * 32)
+BOB = Wallet.from_seed(b"\x02" * 32)
+
+
+@pytest.fixture(scope="module")
+def bob_secrets() -> PrekeySecrets:
+    return PrekeySecrets.generate(BOB, one_time=4, pq=True)
+
+
+@pytest.fixture(scope="module")
+def alice_ik() -> IdentityKey:
+    return IdentityKey.generate(ALICE)
+
+
+@pytest.mark.parametrize("suite", [SUITE_X25519, SUITE_HYBRID])
+@pytest.mark.parametrize("use_one_time", [True, False])
+def test_both_sides_agree(
+    bob_secrets: PrekeySecrets, alice_ik: IdentityKey, suite: str, use_one_time: bool
+) -> None:
+    a = initiate(alice_ik, bob_secrets.bundle(), suite=suite, use_one_time=use_one_time)
+    wire = a.initial.to_bytes()
+    b = respond(bob_secrets, InitialData.from_bytes(wire))
+    assert a.shared_secret == b.shared_secret and len(a.shared_secret) == 32
+    assert a.associated_data == b.associated_data
+    assert a.associated_data == (
+        alice_ik.public + bob_secrets.identity.public + ALICE.public_key + BOB.public_key
+    )
+    assert a.ratchet_dh == b.ratchet_dh
+    assert (a.initial.opk_id is not None) is use_one_time
+    assert (a.initial.kem_ciphertext is not None) is (suite == SUITE_HYBRID)
+    assert a.peer_did == BOB.did and b.peer_did == ALICE.did
+
+
+def test_suites_give_different_secrets(bob_secrets: PrekeySecrets, alice_ik: IdentityKey) -> None:
+    a = initiate(alice_ik, bob_secrets.bundle(), suite=SUITE_HYBRID)
+    classical = dataclasses.replace(a.initial, suite=SUITE_X25519, pq_id=None, kem_ciphertext=None)
+    assert respond(bob_secrets, classical).shared_secret != a.shared_secret
+
+
+def test_default_suite_prefers_hybrid(bob_secrets: PrekeySecrets, alice_ik: IdentityKey) -> None:
+    assert initiate(alice_ik, bob_secrets.bundle()).suite == SUITE_HYBRID
+    classical_only = PrekeySecrets.generate(BOB)
+    assert initiate(alice_ik, classical_only.bundle()).suite == SUITE_X25519
+
+
+def test_suite_errors(alice_ik: IdentityKey) -> None:
+    classical_only = PrekeySecrets.generate(BOB)
+    with pytest.raises(BundleError, match="does not offer suite 'x25519-mlkem768'"):
+        initiate(alice_ik, classical_only.bundle(), suite=SUITE_HYBRID)
+    with pytest.raises(BundleError, match="unknown suite 'rot13'"):
+        initiate(alice_ik, classical_only.bundle(), suite="rot13")
+    hybrid = PrekeySecrets.generate(BOB, pq=True)
+    a = initiate(alice_ik, hybrid.bundle(), suite=SUITE_HYBRID)
+    with pytest.raises(BundleError, match="not offered"):
+        respond(classical_only, a.initial)
+
+
+def test_forged_bundle_rejected_before_any_dh(
+    bob_secrets: PrekeySecrets, alice_ik: IdentityKey
+) -> None:
+    forged = dataclasses.replace(bob_secrets.bundle(), spk=alice_ik.public)
+    with pytest.raises(BundleError, match="signature"):
+        initiate(alice_ik, forged)
+
+
+def test_responder_errors(bob_secrets: PrekeySecrets, alice_ik: IdentityKey) -> None:
+    a = initiate(alice_ik, bob_secrets.bundle(), suite=SUITE_HYBRID)
+    with pytest.raises(BundleError, match="unknown signed prekey id 99"):
+        respond(bob_secrets, dataclasses.replace(a.initial, spk_id=99))
+    with pytest.raises(BundleError, match="unknown one-time prekey 77"):
+        respond(bob_secrets, dataclasses.replace(a.initial, opk_id=77))
+    with pytest.raises(BundleError, match="unknown ML-KEM prekey id 5"):
+        respond(bob_secrets, dataclasses.replace(a.initial, pq_id=5))
+    # Someone else's DID on Alice's X25519 key: the binding signature does not match.
+    with pytest.raises(SignatureError, match="not signed by"):
+        respond(bob_secrets, dataclasses.replace(a.initial, did=BOB.did))
+    with pytest.raises(MalformedFrameError, match="ML-KEM ciphertext"):
+        respond(bob_secrets, dataclasses.replace(a.initial, kem_ciphertext=b"\x00" * 10))
+    with pytest.raises(BundleError, match="low-order"):
+        respond(bob_secrets, dataclasses.replace(a.initial, ephemeral=bytes(32)))
+
+
+def test_tampered_kem_ciphertext_changes_secret(
+    bob_secrets: PrekeySecrets, alice_ik: IdentityKey
+) -> None:
+    # ML-KEM decapsulation rejects implicitly: a flipped bit yields another key, and the
+    # first message's AEAD then fails (see test_ratchet).
+    a = initiate(alice_ik, bob_secrets.bundle(), suite=SUITE_HYBRID)
+    assert a.initial.kem_ciphertext is not None
+    ct = bytearray(a.initial.kem_ciphertext)
+    ct[0] ^= 1
+    b = respond(bob_secrets, dataclasses.replace(a.initial, kem_ciphertext=bytes(ct)))
+    assert b.shared_secret != a.shared_secret
+
+
+def test_initial_data_round_trip_and_garbage(
+    bob_secrets: PrekeySecrets, alice_ik: IdentityKey
+) -> None:
+    for suite in (SUITE_X25519, SUITE_HYBRID):
+        init = initiate(alice_ik, bob_secrets.bundle(), suite=suite).initial
+        wire = init.to_bytes()
+        assert InitialData.from_bytes(wire) == init
+        for bad in (wire[:-1], wire + b"\x00", b"\x07" + wire[1:], b""):
+            with pytest.raises(MalformedFrameError):
+                InitialData.from_bytes(bad)
+    bad_did = dataclasses.replace(init, did="did:key:zNotBase58!").to_bytes()
+    with pytest.raises(MalformedFrameError, match="initial data"):
+        respond(bob_secrets, InitialData.from_bytes(bad_did))
