@@ -35,7 +35,7 @@ from talos.chain.block import (
     collect_block_defects,
 )
 from talos.store import Store
-from talos_sdk.errors import MalformedFrameError
+from talos_sdk.errors import MalformedFrameError, StorageError
 
 __all__ = ["Defect", "RecordIndexError", "VerifyReport", "verify_chain"]
 
@@ -175,6 +175,8 @@ def verify_chain(
     if isinstance(store, Store):
         jobs, index, defects, head = _read_jobs(store)
     else:
+        if not (Path(store) / "data.mdb").is_file():
+            raise StorageError(f"no Talos store at {store} (expected {Path(store) / 'data.mdb'})")
         with Store(Path(store)) as opened:
             jobs, index, defects, head = _read_jobs(opened)
 

@@ -12,6 +12,7 @@ from talos.chain.block import Block, Record
 from talos.chain.log import BlockLog, block_key, record_key
 from talos.chain.verify import verify_chain
 from talos.store import Store
+from talos_sdk.errors import StorageError
 from talos_sdk.merkle import merkle_root
 from tests.talos.chain import BOB, NODE, audit_record, make_record
 
@@ -52,6 +53,12 @@ def test_verify_by_path_opens_the_store_itself(
     report = verify_chain(tmp_path / "store", NODE.did)
     assert report.ok
     assert report.records == PER_BLOCK * BLOCKS
+
+
+def test_verify_by_missing_path_is_storage_error(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="no Talos store"):
+        verify_chain(tmp_path / "nowhere", NODE.did)
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_empty_log_is_ok(tmp_path: Path) -> None:
