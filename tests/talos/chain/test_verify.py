@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from talos.chain.block import Block, Record
 from talos.chain.log import BlockLog, block_key, record_key
-from talos.chain.verify import verify_chain
+from talos.chain.verify import Defect, verify_chain
 from talos.store import Store
 from talos_sdk.errors import StorageError
 from talos_sdk.merkle import merkle_root
@@ -209,3 +210,27 @@ def test_parallel_report_equals_serial(tmp_path: Path) -> None:
         serial.head_hash,
     )
     store.close()
+
+
+def test_parallel_with_threads_alive_uses_forkserver_and_agrees(
+    chain: tuple[Store, BlockLog],
+) -> None:
+    """A running node has helper threads: the pool must not fork them, and still agree."""
+    store, _ = chain
+    with store.write() as txn:
+        txn.delete("records", make_record(3).record_id)
+    release = threading.Event()
+    helper = threading.Thread(target=release.wait, args=(30,))
+    helper.start()
+    try:
+        parallel = verify_chain(store, NODE.did, workers=2, parallel_threshold=0)
+    finally:
+        release.set()
+        helper.join(timeout=30)
+    serial = verify_chain(store, NODE.did, workers=1)
+    assert parallel.workers == 2
+    assert (
+        parallel.defects
+        == serial.defects
+        == (Defect("record_index", 0, 3, "sealed record missing from the index"),)
+    )
