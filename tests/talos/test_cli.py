@@ -1,0 +1,154 @@
+"""``talosd`` as a user runs it: real subprocesses, real sockets on 127.0.0.1 (talos/cli.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from talos.client import ApiClient, ApiError
+from tests.talos.daemons import Daemon, fast_config, talosd, wait_for
+
+needs_frames = pytest.mark.skipif(
+    importlib.util.find_spec("talos_sdk.frames") is None, reason="talos_sdk.frames not there yet"
+)
+
+
+def init(tmp_path: Path, name: str) -> tuple[Path, str]:
+    home = tmp_path / name
+    res = talosd("init", "--home", str(home))
+    assert res.returncode == 0, res.stderr
+    fast_config(home)
+    return home, res.stdout.strip()
+
+
+def test_init_creates_private_files_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    home, did = init(tmp_path, "a")
+    assert did.startswith("did:key:z6Mk")
+    for name in ("identity.key", "api.token"):
+        assert stat.S_IMODE((home / name).stat().st_mode) == 0o600
+    again = talosd("init", "--home", str(home))
+    assert again.returncode == 1
+    assert "refusing to overwrite" in again.stderr
+    assert "Traceback" not in again.stderr
+    res = talosd("id", "--home", str(home), "--json")
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    assert info["did"] == did
+    assert len(bytes.fromhex(info["x25519"])) == 32
+    assert talosd("id", "--home", str(home)).stdout.strip() == did
+
+
+def test_commands_on_a_missing_home_fail_clearly(tmp_path: Path) -> None:
+    res = talosd("id", "--home", str(tmp_path / "nope"))
+    assert res.returncode == 1
+    assert "talosd init" in res.stderr and "Traceback" not in res.stderr
+    home, _ = init(tmp_path, "a")
+    res = talosd("status", "--home", str(home))
+    assert res.returncode == 1 and "no node is running" in res.stderr
+    res = talosd("peers", "add", "ws://127.0.0.1:1", "--home", str(home))
+    assert res.returncode == 1 and "needs the peer's DID" in res.stderr
+    res = talosd("run", "--home", str(home), "--listen", "nonsense")
+    assert res.returncode == 1 and "HOST:PORT" in res.stderr
+
+
+def test_run_api_and_clean_shutdown(tmp_path: Path) -> None:
+    home, did = init(tmp_path, "a")
+    other = talosd("init", "--home", str(tmp_path / "b")).stdout.strip()
+    d = Daemon(home, "--listen", "127.0.0.1:0")
+    try:
+        assert d.line.startswith("listening on ws://127.0.0.1:")
+        assert d.did == did
+        node_json = json.loads((home / "node.json").read_text())
+        assert node_json["listen"] == d.listen and node_json["api"].startswith("http://127.0.0.1:")
+        # The token guards every route but /healthz.
+        with pytest.raises(ApiError) as exc:
+            ApiClient(node_json["api"], "wrong").call("GET", "/v1/status")
+        assert exc.value.status == 401
+        assert ApiClient(node_json["api"], "").call("GET", "/healthz")["ok"] is True
+        res = talosd("peers", "add", f"ws://127.0.0.1:9#{other}", "--home", str(home))
+        assert res.returncode == 0, res.stderr
+        listed = talosd("peers", "list", "--json", "--home", str(home))
+        assert json.loads(listed.stdout)[0]["did"] == other
+        status = json.loads(talosd("status", "--home", str(home)).stdout)
+        assert status["did"] == did and status["queues"]["outbox"] == 0
+        assert "talos_peers_connected 0" in d.api.call("GET", "/metrics")
+    finally:
+        assert d.stop() == 0
+    assert not (home / "node.json").exists()
+    # Stopped: offline commands read the store directly.
+    res = talosd("peers", "list", "--home", str(home))
+    assert other in res.stdout
+    res = talosd("chain", "verify", "--home", str(home))
+    assert res.returncode == 0, res.stderr
+
+
+@needs_frames
+def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
+    home_a, did_a = init(tmp_path, "a")
+    home_b, did_b = init(tmp_path, "b")
+    b = Daemon(home_b, "--listen", "127.0.0.1:0", "--allow", did_a)
+    a = Daemon(home_a, "--listen", "127.0.0.1:0", "--peer", b.addr)
+    try:
+        res = talosd("send", "--home", str(home_a), "--wait", did_b, "hello from A")
+        assert res.returncode == 0, res.stderr
+        msg_id = res.stdout.strip()
+        inbox = json.loads(talosd("inbox", "--home", str(home_b), "--json").stdout)
+        assert len(inbox) == 1
+        assert inbox[0]["id"] == msg_id
+        assert inbox[0]["from"] == did_a and inbox[0]["text"] == "hello from A"
+        assert set(inbox[0]) == {"id", "from", "text", "ts"}
+        status = json.loads(talosd("status", "--home", str(home_a)).stdout)
+        assert status["sessions"][0]["suite"] == "x25519-mlkem768"
+        wait_for(lambda: b.api.call("GET", "/v1/chain/heads")["height"] >= 0, what="a block")
+        res = talosd("chain", "proof", msg_id, "--home", str(home_b))
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["size"] >= 1
+        res = talosd("chain", "verify", "--home", str(home_b))
+        assert res.returncode == 0 and "chain ok" in res.stdout
+    finally:
+        a.stop()
+        b.stop()
+    res = talosd("chain", "verify", "--home", str(home_b))
+    assert res.returncode == 0, res.stderr
+
+
+@needs_frames
+@pytest.mark.parametrize("victim", ["receiver", "sender"])
+def test_kill_9_mid_stream_loses_nothing_acknowledged(tmp_path: Path, victim: str) -> None:
+    home_a, did_a = init(tmp_path, "a")
+    home_b, did_b = init(tmp_path, "b")
+    b = Daemon(home_b, "--listen", "127.0.0.1:0", "--allow", did_a)
+    b_listen = b.listen.removeprefix("ws://")
+    a = Daemon(home_a, "--listen", "127.0.0.1:0", "--peer", b.addr)
+    sent: list[str] = []
+    try:
+        for i in range(150):
+            sent.append(a.api.call("POST", "/v1/send", {"to": did_b, "text": f"m{i}"})["id"])
+            if i == 100:
+                (b if victim == "receiver" else a).kill()
+                break
+        if victim == "receiver":
+            b = Daemon(home_b, "--listen", b_listen, "--allow", did_a)
+        else:
+            a = Daemon(home_a, "--listen", "127.0.0.1:0")
+        for i in range(101, 150):
+            sent.append(a.api.call("POST", "/v1/send", {"to": did_b, "text": f"m{i}"})["id"])
+        wait_for(
+            lambda: a.api.call("GET", "/v1/status")["queues"]["outbox"] == 0,
+            timeout=60,
+            what="every message acknowledged",
+        )
+        ids = [m["id"] for m in b.api.call("GET", "/v1/inbox")["messages"]]
+        # Exactly once, in order: every queued message was acknowledged after B's commit.
+        assert ids == sent
+    finally:
+        a.stop()
+        b.stop()
+    res = talosd("chain", "verify", "--home", str(home_b))
+    assert res.returncode == 0, res.stdout + res.stderr
+    inbox = json.loads(talosd("inbox", "--json", "--home", str(home_b)).stdout)
+    assert [m["id"] for m in inbox] == sent
