@@ -1,0 +1,582 @@
+"""The Double Ratchet :class:`Session` (docs/PROTOCOL.md "Double Ratchet"; Signal DR spec §3).
+
+* KDF_RK(rk, dh) = HKDF-SHA256(salt=rk, ikm=dh, info="Talos_DR_Root_v1", 64) -> rk', ck.
+* KDF_CK(ck): mk = HMAC-SHA256(ck, 0x01), ck' = HMAC-SHA256(ck, 0x02).
+* Message keys: key(32) || nonce(12) = HKDF-Expand(mk, "Talos_DR_MessageKeys_v1", 44)
+  (mk is already a uniform PRF output, so it is used as the PRK, RFC 5869 §3.3);
+  ChaCha20-Poly1305 with AD = X3DH AD || header bytes || caller AD.
+* Header (41 bytes): type u8 (1 = normal, 2 = carries X3DH initial data) | ratchet
+  public key(32) | PN u32 | N u32; type 2 adds u16 length || initial data.
+* Lazy DH ratchet (docs/adr/0002-lazy-dh-ratchet.md): a new peer ratchet key always
+  yields a new receiving chain at once; our own new key pair and sending chain are
+  made when we next send, and only once ``ratchet_every`` messages went out on the
+  current sending chain. ``ratchet_every=1`` gives Signal's key schedule exactly.
+
+Decryption is computed on locals and committed only after the AEAD verifies, so a
+forged, replayed or truncated message leaves the session exactly as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from talos_sdk.bundle import (
+    SUITE_HYBRID,
+    SUITE_X25519,
+    SUITES,
+    ByteReader,
+    IdentityKey,
+    PrekeyBundle,
+    PrekeySecrets,
+    Rng,
+    x25519_dh,
+    x25519_keypair,
+)
+from talos_sdk.errors import (
+    BundleError,
+    DecryptionError,
+    EncodingError,
+    MalformedFrameError,
+    UsageError,
+)
+from talos_sdk.kdf import hkdf, hmac_sha256_chain, hmac_sha256_pair
+from talos_sdk.wallet import Wallet
+from talos_sdk.x3dh import InitialData, X3DHResult
+from talos_sdk.x3dh import initiate as x3dh_initiate
+from talos_sdk.x3dh import respond as x3dh_respond
+
+__all__ = [
+    "HEADER_SIZE",
+    "MAX_SKIP",
+    "MAX_SKIPPED_KEYS",
+    "PeerIdentity",
+    "Session",
+]
+
+MAX_SKIP = 1000
+MAX_SKIPPED_KEYS = 2000
+HEADER_SIZE = 41
+TAG_SIZE = 16
+_MAX_N = 0xFFFFFFFF
+_TYPE_NORMAL = 1
+_TYPE_INITIAL = 2
+_HEADER = struct.Struct(">B32sII")
+_ROOT_INFO = b"Talos_DR_Root_v1"
+_MSG_INFO = b"Talos_DR_MessageKeys_v1"
+_MSG_INFO_1 = _MSG_INFO + b"\x01"
+_MSG_INFO_2 = _MSG_INFO + b"\x02"
+_STATE_MAGIC = b"TDRS\x01"
+_U32 = struct.Struct(">I")
+_SKIPPED = struct.Struct(">32sI32s")
+_CK_MSG = b"\x01"
+_CK_NEXT = b"\x02"
+
+
+def _kdf_rk(rk: bytes, dh_out: bytes) -> tuple[bytes, bytes]:
+    out = hkdf(dh_out, salt=rk, info=_ROOT_INFO, length=64)
+    return out[:32], out[32:]
+
+
+def _seal(mk: bytes, plaintext: bytes, aad: bytes) -> bytes:
+    key, nonce = hmac_sha256_chain(mk, _MSG_INFO_1, _MSG_INFO_2)
+    return ChaCha20Poly1305(key).encrypt(nonce[:12], plaintext, aad)
+
+
+def _open(mk: bytes, ciphertext: bytes, aad: bytes) -> bytes:
+    key, nonce = hmac_sha256_chain(mk, _MSG_INFO_1, _MSG_INFO_2)
+    nonce = nonce[:12]
+    try:
+        return ChaCha20Poly1305(key).decrypt(nonce, ciphertext, aad)
+    except InvalidTag:
+        raise DecryptionError() from None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerIdentity:
+    """Who the session talks to: DID, its Ed25519 key, and its X25519 identity key."""
+
+    did: str
+    signing_key: bytes
+    identity_dh: bytes
+
+
+class Session:
+    """One Double Ratchet session with one peer. Not thread-safe; persist with
+    :meth:`to_bytes` / :meth:`to_dict` after every call that changed it."""
+
+    __slots__ = (
+        "_ad",
+        "_ckr",
+        "_cks",
+        "_dhr",
+        "_dhs_priv",
+        "_dhs_pub",
+        "_first_dh",
+        "_initial",
+        "_nr",
+        "_ns",
+        "_pending",
+        "_pn",
+        "_rk",
+        "_rng",
+        "_skipped",
+        "local_did",
+        "peer_identity",
+        "ratchet_every",
+        "suite",
+    )
+
+    def __init__(
+        self,
+        *,
+        suite: str,
+        local_did: str,
+        peer_identity: PeerIdentity,
+        ad: bytes,
+        rk: bytes,
+        dhs: tuple[bytes, bytes],
+        dhr: bytes | None,
+        cks: bytes | None,
+        ckr: bytes | None = None,
+        ns: int = 0,
+        nr: int = 0,
+        pn: int = 0,
+        pending: bool = False,
+        initial: bytes = b"",
+        skipped: Mapping[tuple[bytes, int], bytes] | None = None,
+        ratchet_every: int = 1,
+        rng: Rng = os.urandom,
+    ) -> None:
+        if suite not in SUITES:
+            raise UsageError(f"unknown suite {suite!r}")
+        if not isinstance(ratchet_every, int) or ratchet_every < 1:
+            raise UsageError("ratchet_every must be an int >= 1")
+        self.suite = suite
+        self.local_did = local_did
+        self.peer_identity = peer_identity
+        self.ratchet_every = ratchet_every
+        self._ad = ad
+        self._rk = rk
+        self._dhs_priv, self._dhs_pub = dhs
+        self._dhr = dhr
+        self._cks = cks
+        self._ckr = ckr
+        self._ns, self._nr, self._pn = ns, nr, pn
+        self._pending = pending
+        self._initial = initial
+        self._skipped: dict[tuple[bytes, int], bytes] = dict(skipped or {})
+        self._rng = rng
+        self._first_dh: tuple[bytes, bytes] | None = None
+
+    # --- construction ------------------------------------------------------
+
+    @classmethod
+    def initiate(
+        cls,
+        wallet: Wallet,
+        identity: IdentityKey | PrekeySecrets | None,
+        peer_bundle: PrekeyBundle,
+        *,
+        suite: str | None = None,
+        ratchet_every: int = 1,
+        rng: Rng = os.urandom,
+    ) -> Session:
+        """Start a session with the owner of ``peer_bundle`` (verified here).
+
+        ``identity`` is our X25519 identity key (or the secrets holding it); ``None``
+        mints one for ``wallet``. The first messages carry the X3DH initial data
+        until the peer's first reply arrives.
+        """
+        ik = identity.identity if isinstance(identity, PrekeySecrets) else identity
+        if ik is None:
+            ik = IdentityKey.generate(wallet, rng)
+        if ik.did != wallet.did:
+            raise UsageError("identity key belongs to another wallet")
+        x = x3dh_initiate(ik, peer_bundle, suite=suite, rng=rng)
+        assert x.ephemeral_private is not None
+        rk, cks = _kdf_rk(x.shared_secret, x.ratchet_dh)
+        init = x.initial.to_bytes()
+        return cls(
+            suite=x.suite,
+            local_did=wallet.did,
+            peer_identity=PeerIdentity(x.peer_did, x.peer_signing_key, x.peer_identity_dh),
+            ad=x.associated_data,
+            rk=rk,
+            dhs=(x.ephemeral_private, x.initial.ephemeral),
+            dhr=x.responder_spk,
+            cks=cks,
+            initial=struct.pack(">H", len(init)) + init,
+            ratchet_every=ratchet_every,
+            rng=rng,
+        )
+
+    @classmethod
+    def respond(
+        cls,
+        wallet: Wallet,
+        prekey_secrets: PrekeySecrets,
+        first_message: bytes,
+        *,
+        ad: bytes = b"",
+        ratchet_every: int = 1,
+        rng: Rng = os.urandom,
+    ) -> tuple[Session, bytes]:
+        """Accept an initiator's first message: X3DH, then decrypt it.
+
+        The one-time prekey is consumed only once the message decrypts. Raises
+        MalformedFrameError (not an initial message), BundleError (unknown prekey,
+        reused OPK, suite not offered), SignatureError (identity binding) or
+        DecryptionError.
+        """
+        if prekey_secrets.did != wallet.did:
+            raise UsageError("prekey secrets belong to another wallet")
+        initial = _parse_initial(first_message)
+        x = x3dh_respond(prekey_secrets, initial)
+        session = cls._from_responder(wallet.did, x, ratchet_every=ratchet_every, rng=rng)
+        plaintext = session.decrypt(first_message, ad)
+        if initial.opk_id is not None:
+            prekey_secrets.consume_one_time(initial.opk_id)
+        return session, plaintext
+
+    @classmethod
+    def _from_responder(
+        cls, local_did: str, x: X3DHResult, *, ratchet_every: int, rng: Rng
+    ) -> Session:
+        session = cls(
+            suite=x.suite,
+            local_did=local_did,
+            peer_identity=PeerIdentity(x.peer_did, x.peer_signing_key, x.peer_identity_dh),
+            ad=x.associated_data,
+            rk=x.shared_secret,
+            dhs=(b"", x.responder_spk),
+            dhr=None,
+            cks=None,
+            ratchet_every=ratchet_every,
+            rng=rng,
+        )
+        # The responder's first ratchet step is DH(SPK, EK) = DH3, already computed.
+        session._first_dh = (x.initial.ephemeral, x.ratchet_dh)
+        return session
+
+    @classmethod
+    def create_pair(
+        cls, suite: str = SUITE_X25519, *, ratchet_every: int = 1, rng: Rng = os.urandom
+    ) -> tuple[Session, Session]:
+        """Two connected sessions between FRESH identities, through the real X3DH path."""
+        if suite not in SUITES:
+            raise BundleError(f"unknown suite {suite!r}; known: {list(SUITES)}")
+        alice_wallet, bob_wallet = Wallet.generate(rng), Wallet.generate(rng)
+        bob_secrets = PrekeySecrets.generate(bob_wallet, pq=suite == SUITE_HYBRID, rng=rng)
+        alice = cls.initiate(
+            alice_wallet,
+            None,
+            bob_secrets.bundle(),
+            suite=suite,
+            ratchet_every=ratchet_every,
+            rng=rng,
+        )
+        bob, _ = cls.respond(
+            bob_wallet, bob_secrets, alice.encrypt(b""), ratchet_every=ratchet_every, rng=rng
+        )
+        return alice, bob
+
+    # --- messages ----------------------------------------------------------
+
+    @property
+    def peer_did(self) -> str:
+        return self.peer_identity.did
+
+    @property
+    def associated_data(self) -> bytes:
+        """The X3DH AD every message is bound to."""
+        return self._ad
+
+    def _ratchet_send(self) -> None:
+        assert self._dhr is not None
+        private, public = x25519_keypair(self._rng)
+        self._rk, self._cks = _kdf_rk(self._rk, x25519_dh(private, self._dhr))
+        self._pn, self._ns = self._ns, 0
+        self._dhs_priv, self._dhs_pub = private, public
+        self._pending = False
+
+    def encrypt(self, plaintext: bytes, ad: bytes = b"") -> bytes:
+        """Seal ``plaintext`` as the next message (DR spec §3.4 RatchetEncrypt)."""
+        if self._pending and (self._cks is None or self._ns >= self.ratchet_every):
+            self._ratchet_send()
+        ck = self._cks
+        if ck is None:
+            raise UsageError("this session cannot send before it has received a message")
+        n = self._ns
+        if n >= _MAX_N:
+            raise UsageError("sending chain exhausted")
+        initial = self._initial
+        header = (
+            _HEADER.pack(_TYPE_INITIAL if initial else _TYPE_NORMAL, self._dhs_pub, self._pn, n)
+            + initial
+        )
+        mk, self._cks = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
+        self._ns = n + 1
+        return header + _seal(mk, plaintext, self._ad + header + ad)
+
+    def decrypt(self, message: bytes, ad: bytes = b"") -> bytes:
+        """Open a message (DR spec §3.5 RatchetDecrypt, with MAX_SKIP and the lazy ratchet).
+
+        Any failure is one opaque :class:`DecryptionError` and changes nothing.
+        """
+        if not isinstance(message, bytes) or len(message) < HEADER_SIZE + TAG_SIZE:
+            raise DecryptionError()
+        kind, dh, pn, n = _HEADER.unpack_from(message)
+        if kind == _TYPE_NORMAL:
+            end = HEADER_SIZE
+        elif kind == _TYPE_INITIAL:
+            end = HEADER_SIZE + 2 + int.from_bytes(message[HEADER_SIZE : HEADER_SIZE + 2], "big")
+            if len(message) < end + TAG_SIZE:
+                raise DecryptionError()
+        else:
+            raise DecryptionError()
+        aad = self._ad + message[:end] + ad
+        body = message[end:]
+
+        mk = self._skipped.get((dh, n))
+        if mk is not None:
+            plaintext = _open(mk, body, aad)
+            del self._skipped[(dh, n)]
+            self._initial = b""
+            return plaintext
+
+        new_skipped: list[tuple[tuple[bytes, int], bytes]] = []
+        if dh == self._dhr:
+            if n < self._nr or n - self._nr > MAX_SKIP:
+                raise DecryptionError()
+            assert self._ckr is not None
+            ck = self._ckr
+            for i in range(self._nr, n):
+                mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
+                new_skipped.append(((dh, i), mk))
+            mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
+            plaintext = _open(mk, body, aad)
+            self._ckr = ck
+            self._nr = n + 1
+        else:
+            # A new peer ratchet key: finish the old receiving chain up to PN, then
+            # step the root chain once (the receiving half of DHRatchet).
+            if n > MAX_SKIP:
+                raise DecryptionError()
+            if self._ckr is not None and self._dhr is not None:
+                if pn - self._nr > MAX_SKIP:
+                    raise DecryptionError()
+                ck = self._ckr
+                for i in range(self._nr, pn):
+                    mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
+                    new_skipped.append(((self._dhr, i), mk))
+            if self._first_dh is not None and self._first_dh[0] == dh:
+                dh_out = self._first_dh[1]
+            else:
+                if not self._dhs_priv:
+                    raise DecryptionError()
+                try:
+                    dh_out = x25519_dh(self._dhs_priv, dh)
+                except BundleError:
+                    raise DecryptionError() from None
+            rk, ck = _kdf_rk(self._rk, dh_out)
+            for i in range(n):
+                mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
+                new_skipped.append(((dh, i), mk))
+            mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
+            plaintext = _open(mk, body, aad)
+            if self._first_dh is not None:
+                # The SPK's private half is not needed for sending: drop the DH cache.
+                self._first_dh = None
+            self._rk, self._dhr = rk, dh
+            self._ckr = ck
+            self._nr = n + 1
+            self._pending = True
+        if new_skipped:
+            skipped = self._skipped
+            skipped.update(new_skipped)
+            while len(skipped) > MAX_SKIPPED_KEYS:
+                del skipped[next(iter(skipped))]
+        self._initial = b""  # the peer has the session: stop resending X3DH data
+        return plaintext
+
+    # --- persistence -------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "suite": self.suite,
+            "local_did": self.local_did,
+            "peer_did": self.peer_identity.did,
+            "peer_signing_key": self.peer_identity.signing_key,
+            "peer_identity_dh": self.peer_identity.identity_dh,
+            "ad": self._ad,
+            "rk": self._rk,
+            "dhs_priv": self._dhs_priv,
+            "dhs_pub": self._dhs_pub,
+            "dhr": self._dhr,
+            "cks": self._cks,
+            "ckr": self._ckr,
+            "ns": self._ns,
+            "nr": self._nr,
+            "pn": self._pn,
+            "pending": self._pending,
+            "initial": self._initial,
+            "ratchet_every": self.ratchet_every,
+            "first_dh": b"".join(self._first_dh) if self._first_dh else None,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe state (bytes as hex). Secret: store it like a key."""
+        d = {k: v.hex() if isinstance(v, bytes) else v for k, v in self._state().items()}
+        d["version"] = 1
+        d["skipped"] = [[dh.hex(), n, mk.hex()] for (dh, n), mk in self._skipped.items()]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, rng: Rng = os.urandom) -> Session:
+        """Inverse of :meth:`to_dict`; malformed input raises EncodingError."""
+        try:
+            if d["version"] != 1:
+                raise EncodingError("session state: unknown version")
+
+            def b(key: str) -> bytes | None:
+                v = d[key]
+                return None if v is None else bytes.fromhex(v)
+
+            skipped = {(bytes.fromhex(h), int(n)): bytes.fromhex(m) for h, n, m in d["skipped"]}
+            return cls._build(
+                {k: b(k) for k in _BYTES_FIELDS}
+                | {k: d[k] for k in ("suite", "local_did", "peer_did")}
+                | {k: int(d[k]) for k in ("ns", "nr", "pn", "ratchet_every")}
+                | {"pending": bool(d["pending"])},
+                skipped,
+                rng,
+            )
+        except EncodingError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, UsageError) as exc:
+            raise EncodingError(f"session state: malformed ({exc!r})") from None
+
+    @classmethod
+    def _build(
+        cls, s: dict[str, Any], skipped: dict[tuple[bytes, int], bytes], rng: Rng
+    ) -> Session:
+        session = cls(
+            suite=s["suite"],
+            local_did=s["local_did"],
+            peer_identity=PeerIdentity(s["peer_did"], s["peer_signing_key"], s["peer_identity_dh"]),
+            ad=s["ad"],
+            rk=s["rk"],
+            dhs=(s["dhs_priv"], s["dhs_pub"]),
+            dhr=s["dhr"],
+            cks=s["cks"],
+            ckr=s["ckr"],
+            ns=s["ns"],
+            nr=s["nr"],
+            pn=s["pn"],
+            pending=s["pending"],
+            initial=s["initial"],
+            skipped=skipped,
+            ratchet_every=s["ratchet_every"],
+            rng=rng,
+        )
+        first = s["first_dh"]
+        if first is not None:
+            if len(first) != 64:
+                raise EncodingError("session state: bad first_dh")
+            session._first_dh = (first[:32], first[32:])
+        for key in ("rk", "dhs_pub", "peer_signing_key", "peer_identity_dh"):
+            if len(s[key]) != 32:
+                raise EncodingError(f"session state: {key} must be 32 bytes")
+        return session
+
+    def to_bytes(self) -> bytes:
+        """Compact binary state: magic ``TDRS\\x01``, then each field length-prefixed."""
+        s = self._state()
+        out = [_STATE_MAGIC]
+        for k in _TEXT_FIELDS:
+            raw = s[k].encode()
+            out.append(struct.pack(">H", len(raw)) + raw)
+        for k in _BYTES_FIELDS:
+            v = s[k]
+            out.append(b"\xff\xff" if v is None else struct.pack(">H", len(v)) + v)
+        out.append(
+            struct.pack(">IIII?", s["ns"], s["nr"], s["pn"], s["ratchet_every"], s["pending"])
+        )
+        out.append(_U32.pack(len(self._skipped)))
+        out += [_SKIPPED.pack(dh, n, mk) for (dh, n), mk in self._skipped.items()]
+        return b"".join(out)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, rng: Rng = os.urandom) -> Session:
+        """Inverse of :meth:`to_bytes`; garbage raises EncodingError."""
+        try:
+            r = ByteReader(data, "session state")
+            if r.take(len(_STATE_MAGIC)) != _STATE_MAGIC:
+                raise EncodingError("session state: bad magic")
+            s: dict[str, Any] = {k: r.text16() for k in _TEXT_FIELDS}
+            for k in _BYTES_FIELDS:
+                n = r.u16()
+                s[k] = None if n == 0xFFFF else r.take(n)
+            s["ns"], s["nr"], s["pn"], s["ratchet_every"], s["pending"] = struct.unpack(
+                ">IIII?", r.take(17)
+            )
+            skipped = {}
+            for _ in range(r.u32()):
+                dh, n, mk = _SKIPPED.unpack(r.take(_SKIPPED.size))
+                skipped[(dh, n)] = mk
+            r.end()
+            return cls._build(s, skipped, rng)
+        except (MalformedFrameError, UsageError, TypeError, struct.error) as exc:
+            if isinstance(exc, EncodingError):
+                raise
+            raise EncodingError(f"session state: {exc}") from None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Session):
+            return NotImplemented
+        return self.to_bytes() == other.to_bytes()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"Session(suite={self.suite!r}, local={self.local_did!r}, peer={self.peer_did!r}, "
+            f"ns={self._ns}, nr={self._nr}, skipped={len(self._skipped)})"
+        )
+
+
+_TEXT_FIELDS = ("suite", "local_did", "peer_did")
+_BYTES_FIELDS = (
+    "peer_signing_key",
+    "peer_identity_dh",
+    "ad",
+    "rk",
+    "dhs_priv",
+    "dhs_pub",
+    "dhr",
+    "cks",
+    "ckr",
+    "initial",
+    "first_dh",
+)
+
+
+def _parse_initial(message: bytes) -> InitialData:
+    if not isinstance(message, bytes) or not message:
+        raise MalformedFrameError("first message: empty or not bytes")
+    if message[0] != _TYPE_INITIAL:
+        raise MalformedFrameError("first message does not carry X3DH initial data")
+    if len(message) < HEADER_SIZE + 2 + TAG_SIZE:
+        raise MalformedFrameError("first message: too short")
+    length = int.from_bytes(message[HEADER_SIZE : HEADER_SIZE + 2], "big")
+    data = message[HEADER_SIZE + 2 : HEADER_SIZE + 2 + length]
+    if len(data) != length:
+        raise MalformedFrameError("first message: initial data truncated")
+    return InitialData.from_bytes(data)

@@ -1,0 +1,302 @@
+"""Double Ratchet sessions (talos_sdk/ratchet.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, PrekeySecrets
+from talos_sdk.errors import BundleError, DecryptionError, EncodingError, MalformedFrameError
+from talos_sdk.ratchet import MAX_SKIP, MAX_SKIPPED_KEYS, Session
+from talos_sdk.wallet import Wallet
+
+ALICE = Wallet.from_seed(b"\x0a" * 32)
+BOB = Wallet.from_seed(b"\x0b" * 32)
+
+
+def converse(a: Session, b: Session, rounds: int = 3, per_round: int = 2) -> None:
+    for r in range(rounds):
+        for sender, receiver in ((a, b), (b, a)):
+            for i in range(per_round):
+                text = f"{r}/{i} from {sender.local_did[-6:]}".encode()
+                assert receiver.decrypt(sender.encrypt(text)) == text
+
+
+@pytest.mark.parametrize("suite", [SUITE_X25519, SUITE_HYBRID])
+def test_create_pair_talks_both_ways(suite: str) -> None:
+    a, b = Session.create_pair(suite)
+    assert a.suite == b.suite == suite
+    assert a.peer_did == b.local_did and b.peer_did == a.local_did
+    assert a.associated_data == b.associated_data
+    assert b.decrypt(a.encrypt(b"hello", ad=b"ctx"), ad=b"ctx") == b"hello"
+    assert a.decrypt(b.encrypt(b"")) == b""
+    converse(a, b)
+
+
+def test_create_pair_unknown_suite() -> None:
+    with pytest.raises(BundleError, match="unknown suite 'x25519-kyber'"):
+        Session.create_pair("x25519-kyber")
+
+
+def test_initiate_respond_consumes_opk_once() -> None:
+    secrets = PrekeySecrets.generate(BOB, one_time=2)
+    alice = Session.initiate(ALICE, None, secrets.bundle(), suite=SUITE_X25519)
+    first = alice.encrypt(b"hi bob")
+    bob, plaintext = Session.respond(BOB, secrets, first)
+    assert plaintext == b"hi bob"
+    assert bob.peer_identity.did == ALICE.did
+    assert bob.peer_identity.signing_key == ALICE.public_key
+    assert secrets.one_time_ids == [2]
+    with pytest.raises(BundleError, match="already used"):
+        Session.respond(BOB, secrets, first)
+    converse(alice, bob)
+
+
+def test_failed_first_message_keeps_the_opk() -> None:
+    secrets = PrekeySecrets.generate(BOB, one_time=1, pq=True)
+    alice = Session.initiate(ALICE, None, secrets.bundle(), suite=SUITE_HYBRID)
+    first = bytearray(alice.encrypt(b"hi"))
+    first[-1] ^= 1
+    with pytest.raises(DecryptionError):
+        Session.respond(BOB, secrets, bytes(first))
+    assert secrets.one_time_ids == [1]
+    first[-1] ^= 1
+    assert Session.respond(BOB, secrets, bytes(first))[1] == b"hi"
+
+
+def test_respond_needs_initial_message() -> None:
+    secrets = PrekeySecrets.generate(BOB)
+    _, b = Session.create_pair()
+    normal = b.encrypt(b"x")
+    with pytest.raises(MalformedFrameError, match="does not carry X3DH initial data"):
+        Session.respond(BOB, secrets, normal)
+    with pytest.raises(MalformedFrameError, match="too short"):
+        Session.respond(BOB, secrets, b"\x02" + bytes(20))
+    alice = Session.initiate(ALICE, None, secrets.bundle())
+    first = alice.encrypt(b"x")
+    with pytest.raises(MalformedFrameError, match="truncated"):
+        Session.respond(BOB, secrets, first[:60])
+
+
+def test_initial_data_sent_until_first_reply() -> None:
+    secrets = PrekeySecrets.generate(BOB)
+    alice = Session.initiate(ALICE, None, secrets.bundle())
+    m1, m2 = alice.encrypt(b"1"), alice.encrypt(b"2")
+    assert m1[0] == m2[0] == 2
+    # The second message alone can start the session (the first was lost)...
+    bob, text = Session.respond(BOB, secrets, m2)
+    assert text == b"2"
+    assert bob.decrypt(m1) == b"1"  # ...and the first still opens later
+    assert alice.encrypt(b"3")[0] == 2
+    alice.decrypt(bob.encrypt(b"reply"))
+    assert alice.encrypt(b"4")[0] == 1
+
+
+def snapshot(s: Session) -> bytes:
+    return s.to_bytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_order_drops_and_duplicates(data: st.DataObject) -> None:
+    a, b = Session.create_pair()
+    for r in range(data.draw(st.integers(1, 5), label="rounds")):
+        sender, receiver = (a, b) if r % 2 == 0 else (b, a)
+        msgs = [
+            (f"{r}:{i}".encode(), sender.encrypt(f"{r}:{i}".encode()))
+            for i in range(data.draw(st.integers(1, 6), label="count"))
+        ]
+        order = data.draw(st.permutations(msgs), label="order")
+        keep = data.draw(st.lists(st.booleans(), min_size=len(order), max_size=len(order)))
+        delivered = []
+        for (text, wire), kept in zip(order, keep, strict=True):
+            if kept:
+                assert receiver.decrypt(wire) == text
+                delivered.append(wire)
+        for wire in delivered:
+            before = snapshot(receiver)
+            with pytest.raises(DecryptionError):
+                receiver.decrypt(wire)
+            assert snapshot(receiver) == before
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    position=st.integers(min_value=0),
+    bit=st.integers(0, 7),
+    cut=st.integers(0, 80),
+    kind=st.sampled_from(["flip", "truncate", "ad"]),
+)
+def test_tampering_leaves_state_untouched(position: int, bit: int, cut: int, kind: str) -> None:
+    a, b = TAMPER_PAIR
+    wire = a.encrypt(b"attack at dawn")
+    if kind == "flip":
+        bad = bytearray(wire)
+        bad[position % len(bad)] ^= 1 << bit
+        args: tuple[bytes, bytes] = (bytes(bad), b"")
+    elif kind == "truncate":
+        args = (wire[: max(0, len(wire) - 1 - cut)], b"")
+    else:
+        args = (wire, b"other context")
+    before = snapshot(b)
+    with pytest.raises(DecryptionError):
+        b.decrypt(*args)
+    assert snapshot(b) == before
+    assert b.decrypt(wire) == b"attack at dawn"  # the genuine message still opens
+
+
+TAMPER_PAIR = Session.create_pair()
+
+
+def test_header_fields_are_authenticated() -> None:
+    a, b = Session.create_pair()
+    b.decrypt(a.encrypt(b"warm up"))
+    a.decrypt(b.encrypt(b"reply"))
+    wire = bytearray(a.encrypt(b"x"))
+    for offset in (0, 1, 33, 37, 40):  # type, ratchet key, PN, N
+        bad = bytearray(wire)
+        bad[offset] ^= 0x04
+        with pytest.raises(DecryptionError):
+            b.decrypt(bytes(bad))
+
+
+def test_beyond_max_skip_rejected() -> None:
+    a, b = Session.create_pair()
+    msgs = [a.encrypt(b"%d" % i) for i in range(MAX_SKIP + 2)]
+    before = snapshot(b)
+    with pytest.raises(DecryptionError):
+        b.decrypt(msgs[MAX_SKIP + 1])
+    assert snapshot(b) == before
+    assert b.decrypt(msgs[MAX_SKIP]) == b"%d" % MAX_SKIP  # exactly MAX_SKIP skipped is fine
+    assert b.decrypt(msgs[3]) == b"3"
+
+
+def test_skipped_keys_bounded_oldest_evicted() -> None:
+    a, b = Session.create_pair()
+    oldest = None
+    for epoch in range(3):
+        sender, receiver = (a, b) if epoch % 2 == 0 else (b, a)
+        msgs = [sender.encrypt(b"m") for _ in range(MAX_SKIP)]
+        if epoch == 0:
+            oldest = msgs[0]
+        receiver.decrypt(msgs[-1])
+        if epoch == 1:
+            b.decrypt(a.encrypt(b"keep b current"))
+    msgs = [a.encrypt(b"n") for _ in range(300)]
+    b.decrypt(msgs[-1])
+    assert len(b.to_dict()["skipped"]) == MAX_SKIPPED_KEYS
+    assert oldest is not None
+    with pytest.raises(DecryptionError):
+        b.decrypt(oldest)  # evicted
+    assert b.decrypt(msgs[0]) == b"n"
+
+
+def test_message_for_another_session() -> None:
+    a1, b1 = Session.create_pair()
+    _, b2 = Session.create_pair()
+    wire = a1.encrypt(b"secret")
+    with pytest.raises(DecryptionError):
+        b2.decrypt(wire)
+    with pytest.raises(DecryptionError):
+        a1.decrypt(wire)  # its own message
+    assert b1.decrypt(wire) == b"secret"
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x01" * 56, b"\x03" + bytes(80), "text"])
+def test_decrypt_garbage(garbage: bytes) -> None:
+    _, b = Session.create_pair()
+    with pytest.raises(DecryptionError):
+        b.decrypt(garbage)
+
+
+def test_persistence_round_trip_mid_conversation() -> None:
+    a, b = Session.create_pair(SUITE_HYBRID, ratchet_every=2)
+    msgs = [a.encrypt(b"%d" % i) for i in range(5)]
+    b.decrypt(msgs[4])
+    a.decrypt(b.encrypt(b"r"))
+    for s in (a, b):
+        via_json = Session.from_dict(json.loads(json.dumps(s.to_dict())))
+        via_bytes = Session.from_bytes(s.to_bytes())
+        assert via_json == s and via_bytes == s
+        assert via_json.to_dict() == s.to_dict()
+        assert via_bytes.ratchet_every == 2
+    b2 = Session.from_bytes(b.to_bytes())
+    assert b2.decrypt(msgs[1]) == b"1"  # skipped keys survived the restart
+    assert a.decrypt(b2.encrypt(b"after restart")) == b"after restart"
+
+
+@pytest.mark.parametrize(
+    "garbage", [b"", b"TDRS\x01", b"XXXX\x01" + bytes(50), b"TDRS\x01\x00\x07x25519"]
+)
+def test_from_bytes_garbage(garbage: bytes) -> None:
+    with pytest.raises(EncodingError):
+        Session.from_bytes(garbage)
+
+
+def test_from_bytes_truncated_and_bad_dict() -> None:
+    a, _ = Session.create_pair()
+    raw = a.to_bytes()
+    for cut in (1, 10, len(raw) // 2):
+        with pytest.raises(EncodingError):
+            Session.from_bytes(raw[:-cut])
+    d = a.to_dict()
+    for key, value in (("version", 9), ("rk", "zz"), ("suite", "rot13"), ("rk", "00")):
+        with pytest.raises(EncodingError):
+            Session.from_dict(d | {key: value})
+    with pytest.raises(EncodingError):
+        Session.from_dict({"version": 1})
+
+
+# --- lazy DH ratchet (docs/adr/0002-lazy-dh-ratchet.md) --------------------
+
+
+def ratchet_keys(messages: list[bytes]) -> set[bytes]:
+    return {m[1:33] for m in messages}
+
+
+@pytest.mark.parametrize(("every_a", "every_b"), [(1, 1), (1, 4), (4, 1), (3, 5)])
+def test_lazy_ratchet_interoperates(every_a: int, every_b: int) -> None:
+    a, b = Session.create_pair(ratchet_every=every_a)
+    b.ratchet_every = every_b  # receivers need no change: only the sender's choice differs
+    for r in range(15):
+        for sender, receiver, count in ((a, b, r % 3 + 1), (b, a, (r + 1) % 2 + 1)):
+            for i in range(count):
+                text = b"%d.%d" % (r, i)
+                assert receiver.decrypt(sender.encrypt(text)) == text
+            # Every root step one side took, the other mirrored on receipt: the root
+            # chains agree whenever all sent messages have been delivered.
+            assert a.to_dict()["rk"] == b.to_dict()["rk"]
+
+
+def test_lazy_ratchet_reduces_key_pairs() -> None:
+    counts = {}
+    for every in (1, 4):
+        a, b = Session.create_pair(ratchet_every=every)
+        sent: list[bytes] = []
+        for _ in range(40):  # strict ping-pong: the worst case for DH cost
+            wire = a.encrypt(b"ping")
+            sent.append(wire)
+            b.decrypt(wire)
+            a.decrypt(b.encrypt(b"pong"))
+        counts[every] = len(ratchet_keys(sent))
+    assert counts[1] == 40  # Signal: a new ratchet key on every turn
+    # One new key once 4 messages went out on a chain. create_pair already sent one
+    # message on the first chain, so it carries 3 pings, then 9 full chains and 1 more.
+    assert counts[4] == 11
+
+
+def test_lazy_sessions_still_heal_after_out_of_order() -> None:
+    a, b = Session.create_pair(ratchet_every=3)
+    early = [a.encrypt(b"e%d" % i) for i in range(4)]
+    b.decrypt(early[3])
+    late = [b.encrypt(b"l%d" % i) for i in range(5)]
+    for wire in reversed(late):
+        a.decrypt(wire)
+    more = [a.encrypt(b"m%d" % i) for i in range(4)]
+    assert [
+        b.decrypt(w) for w in (more[2], early[0], more[0], early[2], more[3], more[1], early[1])
+    ] == [b"m2", b"e0", b"m0", b"e2", b"m3", b"m1", b"e1"]
+    assert a.to_dict()["rk"] == b.to_dict()["rk"]
