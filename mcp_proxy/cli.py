@@ -1,0 +1,158 @@
+"""``talos-proxy``: expose a stdio MCP tool to peers (serve) or use a remote one (connect).
+
+::
+
+    talos-proxy id --home DIR
+    talos-proxy serve --home DIR --listen HOST:PORT --allow DID [--allow DID ...]
+                      [--tools NAME[,NAME...]] [--policy FILE] [--audit strict|group]
+                      [--audit-plaintext] -- CMD [ARGS...]
+    talos-proxy connect --home DIR --peer ws://HOST:PORT#DID [--server NAME] [--http HOST:PORT]
+
+Logs go to stderr only: on ``connect`` stdout is the MCP stdio channel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from mcp_proxy.audit import AuditMode, Auditor, BlockLogSink
+from mcp_proxy.client import TunnelClient, serve_stdio
+from mcp_proxy.nodehost import http_token, make_node, node_did
+from mcp_proxy.policy import Policy, load_policy_file
+from mcp_proxy.server import TunnelServer
+from mcp_proxy.transport import NodeTransport
+from talos_sdk.errors import TalosError
+
+__all__ = ["main"]
+
+log = logging.getLogger("mcp_proxy")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="talos-proxy", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p_id = sub.add_parser("id", help="print the DID of a home (created if new)")
+    p_id.add_argument("--home", type=Path, required=True)
+
+    p_serve = sub.add_parser("serve", help="expose a stdio MCP server to authorised peers")
+    p_serve.add_argument("--home", type=Path, required=True)
+    p_serve.add_argument("--listen", required=True, help="HOST:PORT for peer links")
+    p_serve.add_argument("--allow", action="append", default=[], metavar="DID")
+    p_serve.add_argument("--tools", help="comma-separated tool allow list for every caller")
+    p_serve.add_argument("--policy", type=Path, help="TOML policy file (servers, per-DID tools)")
+    p_serve.add_argument("--audit", choices=["group", "strict"], default="group")
+    p_serve.add_argument("--audit-plaintext", action="store_true", help="keep args/results")
+    p_serve.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+
+    p_conn = sub.add_parser("connect", help="be the MCP server an agent launches")
+    p_conn.add_argument("--home", type=Path, required=True)
+    p_conn.add_argument("--peer", required=True, help="ws://HOST:PORT#DID of the serve side")
+    p_conn.add_argument("--server", default="", help="server name when the peer offers several")
+    p_conn.add_argument("--http", metavar="HOST:PORT", help="serve Streamable HTTP, not stdio")
+    p_conn.add_argument("--link-wait", type=float, default=15.0, help="seconds to wait for a link")
+    return parser
+
+
+async def _until_signalled() -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    tools = None if args.tools is None else [t for t in args.tools.split(",") if t]
+    policy_file = load_policy_file(args.policy) if args.policy is not None else None
+    policy = Policy.build(allow=args.allow, tools=tools, command=command, policy_file=policy_file)
+    node = make_node(args.home, listen=args.listen)
+    # Default deny at the link: a DID the policy does not name never gets a session.
+    node.authorizer = policy.is_peer_allowed
+    server = TunnelServer(NodeTransport(node), policy)
+    await node.start()
+    auditor = Auditor(
+        BlockLogSink(node.log, node.did),
+        mode=AuditMode(args.audit),
+        plaintext=args.audit_plaintext,
+    )
+    await auditor.start()
+    server.auditor = auditor
+    print(f"talos-proxy: did {node.did}", file=sys.stderr)
+    print(f"talos-proxy: serving on {node.listen_url}#{node.did}", file=sys.stderr, flush=True)
+    try:
+        await _until_signalled()
+    finally:
+        await server.stop()
+        await auditor.stop()
+        await node.stop()
+
+
+async def _connect(args: argparse.Namespace) -> None:
+    from talos.config import parse_peer_addr
+
+    peer = parse_peer_addr(args.peer)
+    node = make_node(args.home, listen=None)
+    client = TunnelClient(NodeTransport(node), peer.did, args.server, link_wait=args.link_wait)
+    await node.start()
+    print(f"talos-proxy: did {node.did}", file=sys.stderr, flush=True)
+    await node.connect(str(peer))
+    try:
+        if args.http:
+            from mcp_proxy.http_front import HttpFront
+
+            front = HttpFront(client, http_token(args.home), args.http)
+            await front.start()
+            print(f"talos-proxy: Streamable HTTP on {front.url}", file=sys.stderr, flush=True)
+            try:
+                await _until_signalled()
+            finally:
+                await front.stop()
+        else:
+            stdio = asyncio.create_task(serve_stdio(client))
+            signalled = asyncio.create_task(_until_signalled())
+            await asyncio.wait({stdio, signalled}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (stdio, signalled):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    finally:
+        await client.close()
+        await node.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.cmd == "id":
+            print(node_did(args.home))
+        elif args.cmd == "serve":
+            asyncio.run(_serve(args))
+        else:
+            asyncio.run(_connect(args))
+    except TalosError as exc:
+        print(f"talos-proxy: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
