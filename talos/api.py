@@ -212,6 +212,7 @@ def build_app(node: Node, token: str) -> web.Application:
         return _json(node.log.inclusion_proof(rid))
 
     app.add_routes(routes)
+    __import__("talos.transfer.cli").transfer.cli.register_routes(app, node)
     return app
 
 
