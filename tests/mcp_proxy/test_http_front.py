@@ -1,4 +1,4 @@
-"""Streamable HTTP front with the real mcp SDK client over a loopback tunnel to everything_server."""
+"""Streamable HTTP front, real mcp SDK client, loopback tunnel to the everything_server tool."""
 
 from __future__ import annotations
 
