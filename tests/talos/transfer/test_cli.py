@@ -1,0 +1,95 @@
+"""End-to-end: two real `talosd run` processes on 127.0.0.1, files moved with the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "talos.cli"]
+
+
+def _run(*args: str, timeout: float = 30) -> str:
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _node_info(home: Path) -> dict[str, str]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if (home / "node.json").exists():
+            return dict(json.loads((home / "node.json").read_text()))
+        time.sleep(0.05)
+    raise TimeoutError(f"node on {home} did not start")
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path) -> Iterator[tuple[Path, Path, str, str]]:
+    a, b = tmp_path / "a", tmp_path / "b"
+    did_a = _run("init", "--home", str(a))
+    did_b = _run("init", "--home", str(b))
+    procs = [
+        subprocess.Popen(
+            [*CLI, "run", "--home", str(b), "--listen", "127.0.0.1:0", "--allow", did_a],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    try:
+        listen = _node_info(b)["listen"]
+        procs.append(
+            subprocess.Popen(
+                [*CLI, "run", "--home", str(a), "--listen", "127.0.0.1:0", "--peer",
+                 f"{listen}#{did_b}"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+        _node_info(a)
+        yield a, b, did_a, did_b
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=20)
+
+
+def _wait_state(home: Path, tid: str, state: str) -> dict[str, object]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for row in json.loads(_run("files", "--home", str(home), "--json")):
+            if row["tid"] == tid and row["state"] == state:
+                return dict(row)
+        time.sleep(0.05)
+    raise TimeoutError(f"{tid} never reached {state}")
+
+
+def test_send_file_pending_accept_and_list(
+    tmp_path: Path, two_nodes: tuple[Path, Path, str, str]
+) -> None:
+    a, b, did_a, did_b = two_nodes
+    src = tmp_path / "payload.bin"
+    src.write_bytes(os.urandom(3 * (1 << 20) + 11))
+    deadline = time.monotonic() + 20
+    while True:  # the link comes up asynchronously after start
+        status = _run("status", "--home", str(a))
+        if did_b in status or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    tid = _run("send-file", "--home", str(a), did_b, str(src))
+    pending = _wait_state(b, tid, "pending")
+    assert pending["from"] == did_a
+    assert not (b / "files" / "payload.bin").exists()
+    _run("files", "--home", str(b), "accept", tid)
+    row = _wait_state(b, tid, "complete")
+    assert Path(str(row["path"])) == b / "files" / "payload.bin"
+    assert (b / "files" / "payload.bin").read_bytes() == src.read_bytes()
+    assert row["size"] == src.stat().st_size
+    assert _wait_state(a, tid, "complete")["to"] == did_b
