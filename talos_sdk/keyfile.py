@@ -14,6 +14,9 @@ passphrase, the seed is sealed with ChaCha20-Poly1305 (RFC 8439), and the AEAD's
 associated data is the RFC 8785 canonical JSON of every field except
 ``ciphertext``, so no header field (DID, KDF cost, suite) can be altered unnoticed.
 The DID is stored in clear so a node can say who it is without the passphrase.
+Suite ``ed25519-mldsa65`` (:class:`~talos_sdk.wallet.HybridWallet`) stores the same
+32-byte seed (the ML-DSA-65 key is derived from it) plus a clear ``key_id`` field,
+the hybrid key fingerprint, checked against the key after loading.
 
 :func:`encode_key_file` / :func:`decode_key_file` are pure (bytes <-> wallet);
 :func:`write_private_file` / :func:`read_private_file` do the file I/O.
@@ -36,7 +39,8 @@ from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from talos_sdk.canonical import canonical_json_bytes
 from talos_sdk.errors import KeyFileError, UsageError, WrongPassphraseError
-from talos_sdk.wallet import Wallet
+from talos_sdk.hybrid import SUITE_ED25519, SUITE_HYBRID
+from talos_sdk.wallet import HybridWallet, Wallet
 
 __all__ = [
     "DEFAULT_SCRYPT_N",
@@ -59,7 +63,7 @@ _MAX_FILE = 64 * 1024
 _MIN_N, _MAX_N = 2**10, 2**20
 _MAX_SCRYPT_MEMORY = 256 * 1024 * 1024
 
-_SUITES: dict[str, type[Wallet]] = {"ed25519": Wallet}
+_SUITES: dict[str, type[Wallet]] = {SUITE_ED25519: Wallet, SUITE_HYBRID: HybridWallet}
 
 
 def register_suite(name: str, cls: type[Wallet]) -> None:
@@ -120,6 +124,7 @@ def encode_key_file(
         "version": VERSION,
         "suite": wallet.suite,
         "did": wallet.did,
+        **wallet.key_file_header(),
     }
     if passphrase is None:
         doc = {**header, "secret": _b64(wallet.private_bytes())}
@@ -184,6 +189,11 @@ def decode_key_file(data: bytes, passphrase: str | bytes | None = None) -> Walle
         raise KeyFileError(f"key file secret is invalid: {exc}") from None
     if wallet.did != doc["did"]:
         raise KeyFileError("key file DID does not match its key (file corrupted or edited)")
+    for name, value in wallet.key_file_header().items():
+        if doc.get(name) != value:
+            raise KeyFileError(
+                f"key file {name!r} does not match its key (file corrupted or edited)"
+            )
     return wallet
 
 

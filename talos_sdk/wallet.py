@@ -7,10 +7,16 @@ to :meth:`Wallet.sign` is one libsodium call and a slice.
 
 Key files (persistence) live in :mod:`talos_sdk.keyfile`; ``save``/``load`` here
 are thin wrappers so the common case stays one call.
+
+Suite ``ed25519-mldsa65`` (issue 8, :class:`HybridWallet`) adds an ML-DSA-65 key
+derived from the same seed (:mod:`talos_sdk.hybrid`). :meth:`Wallet.sign` stays
+plain Ed25519 for per-message frames; :meth:`Wallet.sign_auth` is the hybrid
+signature where the suite is hybrid (bundles, link proofs, block and log heads).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +27,17 @@ from nacl.exceptions import BadSignatureError
 
 from talos_sdk.did import did_from_public_key, public_key_from_did
 from talos_sdk.errors import UsageError
+from talos_sdk.hybrid import SUITE_ED25519, SUITE_HYBRID, HybridPublicKey, HybridSigner
 
-__all__ = ["SEED_SIZE", "SIGNATURE_SIZE", "Wallet", "verify", "verify_with_public_key"]
+__all__ = [
+    "SEED_SIZE",
+    "SIGNATURE_SIZE",
+    "HybridWallet",
+    "Wallet",
+    "verify",
+    "verify_auth",
+    "verify_with_public_key",
+]
 
 SEED_SIZE = 32
 SIGNATURE_SIZE = 64
@@ -33,12 +48,13 @@ Rng = Callable[[int], bytes]
 class Wallet:
     """An Ed25519 identity. Build with :meth:`generate`, :meth:`from_seed` or :meth:`load`.
 
-    ``suite`` names the signature scheme; a hybrid Ed25519 + ML-DSA suite (issue 8)
-    is meant to subclass this and override ``suite``, ``sign`` and ``verify``.
+    ``suite`` names the signature scheme used by :meth:`sign_auth`; pass
+    ``suite="ed25519-mldsa65"`` to :meth:`generate` / :meth:`from_seed` for a
+    :class:`HybridWallet`.
     """
 
     __slots__ = ("_did", "_public_key", "_secret_key", "_seed")
-    suite: ClassVar[str] = "ed25519"
+    suite: ClassVar[str] = SUITE_ED25519
 
     def __init__(self, seed: bytes) -> None:
         if not isinstance(seed, bytes | bytearray | memoryview):
@@ -53,14 +69,21 @@ class Wallet:
         self._did = did_from_public_key(public_key)
 
     @classmethod
-    def generate(cls, rng: Rng = os.urandom) -> Wallet:
-        """A fresh identity from ``rng`` (the OS CSPRNG unless a test hands one in)."""
-        return cls(rng(SEED_SIZE))
+    def generate(cls, rng: Rng = os.urandom, *, suite: str | None = None) -> Wallet:
+        """A fresh identity from ``rng`` (the OS CSPRNG unless a test hands one in).
+
+        ``suite`` picks the wallet class (``ed25519`` or ``ed25519-mldsa65``);
+        None means this class's own suite.
+        """
+        return _suite_class(cls, suite)(rng(SEED_SIZE))
 
     @classmethod
-    def from_seed(cls, seed: bytes) -> Wallet:
-        """The identity for a 32-byte Ed25519 seed (RFC 8032 private key); deterministic."""
-        return cls(seed)
+    def from_seed(cls, seed: bytes, *, suite: str | None = None) -> Wallet:
+        """The identity for a 32-byte Ed25519 seed (RFC 8032 private key); deterministic.
+
+        The same seed gives the same DID in every suite.
+        """
+        return _suite_class(cls, suite)(seed)
 
     @property
     def seed(self) -> bytes:
@@ -96,6 +119,35 @@ class Wallet:
         """True iff ``signature`` is this identity's valid signature of ``data``."""
         return verify_with_public_key(self._public_key, data, signature)
 
+    @property
+    def mldsa_public_key(self) -> bytes | None:
+        """The raw ML-DSA-65 public key (1952 B) of a hybrid wallet; None when classical."""
+        return None
+
+    @property
+    def hybrid_public_key(self) -> HybridPublicKey | None:
+        """Both public keys, bound (a :class:`HybridPublicKey`); None when classical."""
+        return None
+
+    def sign_hybrid(self, data: bytes) -> bytes:
+        """The 3373-byte Ed25519 + ML-DSA-65 signature; only a hybrid wallet has one."""
+        raise UsageError(
+            f"wallet suite {self.suite!r} has no ML-DSA-65 key; sign_hybrid needs {SUITE_HYBRID!r}"
+        )
+
+    def sign_auth(self, data: bytes) -> bytes:
+        """Sign something that authenticates the identity (bundle, link proof, head):
+        hybrid for a hybrid wallet, plain Ed25519 otherwise."""
+        return self.sign(data)
+
+    def verify_auth(self, data: bytes, signature: bytes) -> bool:
+        """Check a :meth:`sign_auth` signature of this identity."""
+        return self.verify(data, signature)
+
+    def key_file_header(self) -> dict[str, str]:
+        """Extra clear-text key-file fields that the loader checks against the key."""
+        return {}
+
     def save(
         self,
         path: str | os.PathLike[str],
@@ -126,6 +178,62 @@ class Wallet:
         raise TypeError("Wallet objects hold private keys and cannot be pickled")
 
 
+class HybridWallet(Wallet):
+    """Suite ``ed25519-mldsa65``: the Ed25519 identity plus an ML-DSA-65 key from the same seed.
+
+    The DID is the Ed25519 did:key; :meth:`sign` / :meth:`verify` stay Ed25519;
+    :meth:`sign_auth` / :meth:`verify_auth` are hybrid (docs/PROTOCOL.md
+    "Hybrid signatures").
+    """
+
+    __slots__ = ("_signer",)
+    suite: ClassVar[str] = SUITE_HYBRID
+
+    def __init__(self, seed: bytes) -> None:
+        super().__init__(seed)
+        self._signer = HybridSigner(self._seed)
+
+    @property
+    def mldsa_public_key(self) -> bytes:
+        """The raw 1952-byte ML-DSA-65 public key (FIPS 204)."""
+        return self._signer.public_key.mldsa65
+
+    @property
+    def hybrid_public_key(self) -> HybridPublicKey:
+        """Both public keys, bound; ``.fingerprint`` is what peers pin."""
+        return self._signer.public_key
+
+    def sign_hybrid(self, data: bytes) -> bytes:
+        """The 3373-byte hybrid signature of ``data`` (:mod:`talos_sdk.hybrid`)."""
+        return self._signer.sign(data)
+
+    def sign_auth(self, data: bytes) -> bytes:
+        """Hybrid: this identity authenticates with both keys."""
+        return self._signer.sign(data)
+
+    def verify_auth(self, data: bytes, signature: bytes) -> bool:
+        """True iff both halves of the hybrid ``signature`` verify for ``data``."""
+        return self._signer.public_key.verify(data, signature)
+
+    def key_file_header(self) -> dict[str, str]:
+        """The hybrid key id, so a key file shows it and a mismatched derivation is caught."""
+        return {"key_id": self._signer.public_key.fingerprint}
+
+
+_WALLET_SUITES: dict[str, type[Wallet]] = {SUITE_ED25519: Wallet, SUITE_HYBRID: HybridWallet}
+
+
+def _suite_class(cls: type[Wallet], suite: str | None) -> type[Wallet]:
+    if suite is None:
+        return cls
+    found = _WALLET_SUITES.get(suite) if isinstance(suite, str) else None
+    if found is None:
+        raise UsageError(
+            f"unknown wallet suite {suite!r}; expected one of {sorted(_WALLET_SUITES)}"
+        )
+    return found
+
+
 def verify_with_public_key(public_key: bytes, data: bytes, signature: bytes) -> bool:
     """True iff ``signature`` is a valid Ed25519 signature of ``data`` under ``public_key``."""
     if len(signature) != SIGNATURE_SIZE:
@@ -146,3 +254,22 @@ def verify(did: str, data: bytes, signature: bytes) -> bool:
     a malformed DID raises :class:`~talos_sdk.errors.DIDError`.
     """
     return verify_with_public_key(public_key_from_did(did), data, signature)
+
+
+@functools.lru_cache(maxsize=256)
+def _hybrid_key(did: str, mldsa_public_key: bytes) -> HybridPublicKey:
+    return HybridPublicKey(public_key_from_did(did), mldsa_public_key)
+
+
+def verify_auth(did: str, mldsa_public_key: bytes | None, data: bytes, signature: bytes) -> bool:
+    """Check a :meth:`Wallet.sign_auth` signature by ``did``.
+
+    With ``mldsa_public_key`` (the peer's pinned ML-DSA-65 key) only a hybrid
+    signature valid in both halves passes; with None only a classical Ed25519
+    one. Choosing which applies is :func:`talos_sdk.hybrid.decide_peer_pin`'s job.
+    """
+    if mldsa_public_key is None:
+        return verify(did, data, signature)
+    if not isinstance(mldsa_public_key, bytes | bytearray | memoryview):
+        raise UsageError("ML-DSA-65 public key must be bytes or None")
+    return _hybrid_key(did, bytes(mldsa_public_key)).verify(data, signature)
