@@ -1,4 +1,4 @@
-"""A lean newline-delimited JSON-RPC 2.0 client for throughput benches (DESIGN.md "Notes from measuring").
+"""A lean newline-delimited JSON-RPC 2.0 client for throughput benches (DESIGN.md, "Notes").
 
 The official MCP SDK client tops out near 2,000 requests/s by itself, so the
 tunnel benches drive servers with this instead: one reader task matches
@@ -57,6 +57,7 @@ class LeanClient:
         self.notifications: list[dict[str, Any]] = []
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._next_id = 0
+        self._answering: set[asyncio.Task[None]] = set()
         self._reader_task = asyncio.create_task(self._read())
 
     @classmethod
@@ -150,7 +151,9 @@ class LeanClient:
                     continue
                 if "method" in msg:
                     if "id" in msg:
-                        asyncio.create_task(self._answer(msg))
+                        task = asyncio.create_task(self._answer(msg))
+                        self._answering.add(task)
+                        task.add_done_callback(self._answering.discard)
                     else:
                         self.notifications.append(msg)
                     continue
