@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +167,33 @@ def test_malformed_inner(plaintext: bytes) -> None:
     a, b = crypto_pair()
     with pytest.raises(MalformedFrameError):
         b.open(a.session.encrypt(plaintext, FRAME_AD))
+
+
+def test_signed_frame_vector() -> None:
+    """tests/vectors/frames/signed-frame.json, made by make_session_vectors.py."""
+    from tests.talos_sdk.test_ratchet import vector_sessions
+
+    v = json.loads(
+        (Path(__file__).parents[1] / "vectors" / "frames" / "signed-frame.json").read_text()
+    )
+    assert v["source"] and v["note"]
+    alice, bob, _ = vector_sessions(1)
+    fv = v["frame"]
+    f = Frame(
+        fv["type"],
+        fv["sender"],
+        fv["recipient"],
+        fv["sequence"],
+        fv["timestamp"],
+        bytes.fromhex(fv["payload"]),
+    )
+    seed = hashlib.sha256(b"talos-vector:alice-seed").digest()
+    alice_w = Wallet.from_seed(seed)
+    bob_w = Wallet.from_seed(hashlib.sha256(b"talos-vector:bob-seed").digest())
+    assert RatchetFrameCrypto(alice_w, alice).seal(f).hex() == v["wire"]
+    opened, c = RatchetFrameCrypto(bob_w, bob).open(bytes.fromhex(v["wire"]))
+    assert opened == f
+    assert c.signed_bytes().hex() == v["commitment_bytes"]
+    assert c.digest().hex() == v["commitment_digest"]
+    assert c.signature.hex() == v["signature"]
+    assert verify_commitment(c, alice_w.did)

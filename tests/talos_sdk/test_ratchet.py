@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.hmac import HMAC
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, PrekeySecrets
+from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey, PrekeySecrets
 from talos_sdk.errors import BundleError, DecryptionError, EncodingError, MalformedFrameError
 from talos_sdk.ratchet import MAX_SKIP, MAX_SKIPPED_KEYS, Session
 from talos_sdk.wallet import Wallet
@@ -300,3 +307,76 @@ def test_lazy_sessions_still_heal_after_out_of_order() -> None:
         b.decrypt(w) for w in (more[2], early[0], more[0], early[2], more[3], more[1], early[1])
     ] == [b"m2", b"e0", b"m0", b"e2", b"m3", b"m1", b"e1"]
     assert a.to_dict()["rk"] == b.to_dict()["rk"]
+
+
+# --- known-answer vectors (tests/vectors/ratchet, made by make_session_vectors.py) ---
+
+VECTORS = Path(__file__).parents[1] / "vectors"
+
+
+def vector_sessions(ratchet_every: int) -> tuple[Session, Session, bytes]:
+    def rng(labels: list[str]) -> Callable[[int], bytes]:
+        it = iter(labels)
+        return lambda n: _key(next(it))
+
+    def _key(label: str) -> bytes:
+        return hashlib.sha256(b"talos-vector:" + label.encode()).digest()
+
+    alice_w = Wallet.from_seed(_key("alice-seed"))
+    bob_w = Wallet.from_seed(_key("bob-seed"))
+    ik = IdentityKey.generate(alice_w, rng(["alice-ik"]))
+    secrets = PrekeySecrets.generate(bob_w, one_time=1, rng=rng(["bob-ik", "bob-spk", "bob-opk-1"]))
+    alice = Session.initiate(
+        alice_w,
+        ik,
+        secrets.bundle(),
+        suite=SUITE_X25519,
+        ratchet_every=ratchet_every,
+        rng=rng(["alice-ek"] + [f"alice-ratchet-{i}" for i in range(8)]),
+    )
+    first = alice.encrypt(b"first")
+    bob, text = Session.respond(
+        bob_w,
+        secrets,
+        first,
+        ratchet_every=ratchet_every,
+        rng=rng([f"bob-ratchet-{i}" for i in range(8)]),
+    )
+    assert text == b"first"
+    return alice, bob, first
+
+
+@pytest.mark.parametrize("name", ["conversation.json", "conversation-lazy.json"])
+def test_ratchet_vectors(name: str) -> None:
+    v = json.loads((VECTORS / "ratchet" / name).read_text())
+    assert v["source"] and v["note"]
+    alice, bob, first = vector_sessions(v["ratchet_every"])
+    assert first.hex() == v["first"]
+    sides = {"alice": (alice, bob), "bob": (bob, alice)}
+    for m in v["messages"]:
+        tx, rx = sides[m["from"]]
+        ad = m["ad"].encode()
+        # Same keys, same script: the same bytes, and the recorded bytes open.
+        assert tx.encrypt(m["plaintext"].encode(), ad).hex() == m["wire"]
+        assert rx.decrypt(bytes.fromhex(m["wire"]), ad) == m["plaintext"].encode()
+    assert alice.to_dict()["rk"] == bob.to_dict()["rk"] == v["final_root_key"]
+
+
+def test_first_message_matches_the_documented_formulas() -> None:
+    """Open the vector's first message with cryptography's HKDF, HMAC and AEAD only."""
+    x = json.loads((VECTORS / "x3dh" / "x25519.json").read_text())
+    first = bytes.fromhex(
+        json.loads((VECTORS / "ratchet" / "conversation.json").read_text())["first"]
+    )
+    sk, dh3 = bytes.fromhex(x["shared_secret"]), bytes.fromhex(x["ratchet_dh"])
+    root = HKDF(hashes.SHA256(), 64, salt=sk, info=b"Talos_DR_Root_v1").derive(dh3)
+    chain_key = root[32:]
+    mac = HMAC(chain_key, hashes.SHA256())
+    mac.update(b"\x01")
+    mk = mac.finalize()
+    okm = HKDFExpand(hashes.SHA256(), 44, info=b"Talos_DR_MessageKeys_v1").derive(mk)
+    header_len = 41 + 2 + int.from_bytes(first[41:43], "big")
+    assert first[0] == 2 and first[33:41] == bytes(8)  # PN = 0, N = 0
+    aad = bytes.fromhex(x["associated_data"]) + first[:header_len]
+    plain = ChaCha20Poly1305(okm[:32]).decrypt(okm[32:44], first[header_len:], aad)
+    assert plain == b"first"

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.mlkem import MLKEM768PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey, PrekeySecrets
+from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey, PrekeyBundle, PrekeySecrets
 from talos_sdk.errors import BundleError, MalformedFrameError, SignatureError
 from talos_sdk.wallet import Wallet
-from talos_sdk.x3dh import InitialData, initiate, respond
+from talos_sdk.x3dh import INFO_HYBRID, INFO_X25519, InitialData, initiate, respond
 
 ALICE = Wallet.from_seed(b"\x01" * 32)
 BOB = Wallet.from_seed(b"\x02" * 32)
@@ -119,3 +127,84 @@ def test_initial_data_round_trip_and_garbage(
     bad_did = dataclasses.replace(init, did="did:key:zNotBase58!").to_bytes()
     with pytest.raises(MalformedFrameError, match="initial data"):
         respond(bob_secrets, InitialData.from_bytes(bad_did))
+
+
+# --- known-answer vectors (tests/vectors/x3dh, made by make_session_vectors.py) ---
+
+VECTORS = Path(__file__).parents[1] / "vectors" / "x3dh"
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((VECTORS / name).read_text())  # type: ignore[no-any-return]
+
+
+def rng_from(keys: dict[str, str], labels: list[str]) -> Callable[[int], bytes]:
+    it = iter(labels)
+    return lambda n: bytes.fromhex(keys[next(it)])
+
+
+def independent_sk(v: dict[str, Any], kem_secret: bytes = b"") -> bytes:
+    """The Signal-spec formula computed with OpenSSL X25519 and cryptography's HKDF."""
+    k = {
+        name: X25519PrivateKey.from_private_bytes(bytes.fromhex(h))
+        for name, h in v["keys"].items()
+        if len(h) == 64
+    }
+
+    def pub(name: str) -> X25519PublicKey:
+        return k[name].public_key()
+
+    dhs = [
+        k["alice-ik"].exchange(pub("bob-spk")),
+        k["alice-ek"].exchange(pub("bob-ik")),
+        k["alice-ek"].exchange(pub("bob-spk")),
+        k["alice-ek"].exchange(pub("bob-opk-1")),
+    ]
+    info = INFO_HYBRID if kem_secret else INFO_X25519
+    return HKDF(hashes.SHA256(), 32, salt=bytes(32), info=info).derive(
+        b"\xff" * 32 + b"".join(dhs) + kem_secret
+    )
+
+
+def test_x25519_vector_both_sides() -> None:
+    v = load("x25519.json")
+    assert v["source"] and v["note"]
+    keys = v["keys"]
+    alice = Wallet.from_seed(bytes.fromhex(keys["alice-seed"]))
+    bob = Wallet.from_seed(bytes.fromhex(keys["bob-seed"]))
+    assert (alice.did, bob.did) == (v["alice_did"], v["bob_did"])
+    ik = IdentityKey.generate(alice, rng_from(keys, ["alice-ik"]))
+    secrets = PrekeySecrets.generate(
+        bob, one_time=1, rng=rng_from(keys, ["bob-ik", "bob-spk", "bob-opk-1"])
+    )
+    assert secrets.bundle().to_bytes().hex() == v["bundle"]
+    a = initiate(
+        ik, PrekeyBundle.from_bytes(bytes.fromhex(v["bundle"])), rng=rng_from(keys, ["alice-ek"])
+    )
+    assert a.initial.to_bytes().hex() == v["initial_data"]
+    b = respond(secrets, InitialData.from_bytes(bytes.fromhex(v["initial_data"])))
+    for r in (a, b):
+        assert r.shared_secret.hex() == v["shared_secret"]
+        assert r.associated_data.hex() == v["associated_data"]
+        assert r.ratchet_dh.hex() == v["ratchet_dh"]
+    assert independent_sk(v).hex() == v["shared_secret"]
+
+
+def test_hybrid_vector_responder_side() -> None:
+    v = load("x25519-mlkem768.json")
+    keys = v["keys"]
+    bob = Wallet.from_seed(bytes.fromhex(keys["bob-seed"]))
+    secrets = PrekeySecrets.generate(
+        bob,
+        one_time=1,
+        pq=True,
+        rng=rng_from(keys, ["bob-ik", "bob-spk", "bob-pq-seed", "bob-opk-1"]),
+    )
+    assert secrets.bundle().to_bytes().hex() == v["bundle"]
+    initial = InitialData.from_bytes(bytes.fromhex(v["initial_data"]))
+    b = respond(secrets, initial)
+    assert b.shared_secret.hex() == v["shared_secret"]
+    assert b.associated_data.hex() == v["associated_data"]
+    pq = MLKEM768PrivateKey.from_seed_bytes(bytes.fromhex(keys["bob-pq-seed"]))
+    assert initial.kem_ciphertext is not None
+    assert independent_sk(v, pq.decapsulate(initial.kem_ciphertext)).hex() == v["shared_secret"]
