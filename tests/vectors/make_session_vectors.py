@@ -72,7 +72,13 @@ def x3dh_vector(suite: str) -> dict[str, Any]:
         "suite": suite,
         "keys": {
             label: key(label, size).hex()
-            for label, size in [("alice-seed", 32), ("bob-seed", 32), ("alice-ik", 32), *bob_labels(pq, 1), ("alice-ek", 32)]
+            for label, size in [
+                ("alice-seed", 32),
+                ("bob-seed", 32),
+                ("alice-ik", 32),
+                *bob_labels(pq, 1),
+                ("alice-ek", 32),
+            ]
         },
         "alice_did": alice.did,
         "bob_did": bob.did,
