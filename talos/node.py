@@ -482,13 +482,26 @@ class Node:
                     return
                 else:
                     raise ProtocolError(f"unexpected {type(frame).__name__} after handshake")
-            except (ProtocolError, DecryptionError, SignatureError) as exc:
+            except (ProtocolError, DecryptionError, SignatureError, UsageError) as exc:
                 # Bad input costs the frame, never the node or the link.
                 self.metrics.inc("frames_rejected")
                 event(
                     _log,
                     "frame_rejected",
                     level=logging.WARNING,
+                    peer=peer.did,
+                    kind=type(exc).__name__,
+                    error=str(exc),
+                )
+            except (ConnectionClosed, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                # A bug here must not take the link down with it; say so loudly.
+                self.metrics.inc("frames_failed")
+                event(
+                    _log,
+                    "frame_handling_failed",
+                    level=logging.ERROR,
                     peer=peer.did,
                     kind=type(exc).__name__,
                     error=str(exc),

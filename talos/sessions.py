@@ -47,7 +47,7 @@ _SECRETS_KEY = b"secrets"
 _APP_AD = b"talos/app/v1"
 _SID_LEN = 16
 _U16 = struct.Struct(">H")
-MSG_FRAME_TYPE = "msg"
+MSG_FRAME_TYPE = 1  # talos_sdk.frames Frame.type of a durable text message
 
 
 class UnknownSessionError(ProtocolError):
@@ -258,7 +258,7 @@ class SessionManager:
             sender=self._wallet.did,
             recipient=peer,
             sequence=row.seq,
-            timestamp_ms=row.ts_ms,
+            timestamp=row.ts_ms,
             payload=row.msg_id + row.text.encode(),
         )
         self._dirty.add(peer)
@@ -269,7 +269,7 @@ class SessionManager:
         frame, commitment = self._crypto(entry).open(body)
         self._dirty.add(peer)
         if frame.type != MSG_FRAME_TYPE:
-            raise ProtocolError(f"expected a message frame, got {frame.type!r}")
+            raise ProtocolError(f"expected a message frame, got type {frame.type}")
         if frame.sender != peer or frame.recipient != self._wallet.did:
             raise ProtocolError("message frame names other parties than this link")
         if len(frame.payload) < 16:
@@ -284,11 +284,11 @@ class SessionManager:
             record_id=msg_id,
             sender=peer,
             recipient=self._wallet.did,
-            commitment=commitment.to_bytes(),
+            commitment=commitment.signed_bytes(),
             signature=commitment.signature,
-            timestamp_ms=frame.timestamp_ms,
+            timestamp_ms=frame.timestamp,
         )
-        return Opened(msg_id, frame.sequence, frame.timestamp_ms, text, record)
+        return Opened(msg_id, frame.sequence, frame.timestamp, text, record)
 
     def seal_app(self, peer: str, name: str, payload: bytes) -> bytes:
         entry = self._get(peer)

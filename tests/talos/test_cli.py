@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import stat
 from pathlib import Path
@@ -11,10 +10,6 @@ import pytest
 
 from talos.client import ApiClient, ApiError
 from tests.talos.daemons import Daemon, fast_config, talosd, wait_for
-
-needs_frames = pytest.mark.skipif(
-    importlib.util.find_spec("talos_sdk.frames") is None, reason="talos_sdk.frames not there yet"
-)
 
 
 def init(tmp_path: Path, name: str) -> tuple[Path, str]:
@@ -86,7 +81,6 @@ def test_run_api_and_clean_shutdown(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
 
 
-@needs_frames
 def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
     home_a, did_a = init(tmp_path, "a")
     home_b, did_b = init(tmp_path, "b")
@@ -116,7 +110,6 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
 
 
-@needs_frames
 @pytest.mark.parametrize("victim", ["receiver", "sender"])
 def test_kill_9_mid_stream_loses_nothing_acknowledged(tmp_path: Path, victim: str) -> None:
     home_a, did_a = init(tmp_path, "a")

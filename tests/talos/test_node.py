@@ -7,7 +7,7 @@ bounded by ``asyncio.timeout`` and polls with deadlines instead of sleeping.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -17,22 +17,16 @@ from talos_sdk.errors import DIDError, UsageError
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import addr, link, make_home, started, until
 
-# Durable messages need talos_sdk.frames (being written in parallel).
-needs_frames = pytest.mark.skipif(
-    importlib.util.find_spec("talos_sdk.frames") is None, reason="talos_sdk.frames not there yet"
-)
-
 
 @pytest.fixture
-async def pair(tmp_path: Path) -> tuple[Node, Node]:
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[Node, Node]]:
     a = await started(*make_home(tmp_path, "a"))
     b = await started(*make_home(tmp_path, "b"))
-    yield a, b  # type: ignore[misc]
+    yield a, b
     await a.stop()
     await b.stop()
 
 
-@needs_frames
 async def test_message_is_committed_then_acked(pair: tuple[Node, Node]) -> None:
     a, b = pair
     async with asyncio.timeout(20):
@@ -42,7 +36,7 @@ async def test_message_is_committed_then_acked(pair: tuple[Node, Node]) -> None:
         (entry,) = b.inbox()
         assert entry.to_json()["id"] == msg_id
         assert (entry.sender, entry.text, entry.seq) == (a.did, "hello B", 1)
-        assert a.status()["queues"]["outbox"] == 0
+        await until(lambda: a.status()["queues"]["outbox"] == 0, what="outbox drained")
         # The receiver's audit record is sealed with A's signature over the commitment.
         await until(lambda: b.log.find_record(bytes.fromhex(msg_id)) is not None, what="seal")
         _, _, record = b.log.find_record(bytes.fromhex(msg_id))  # type: ignore[misc]
@@ -50,7 +44,6 @@ async def test_message_is_committed_then_acked(pair: tuple[Node, Node]) -> None:
         assert b.log.quarantined() == []
 
 
-@needs_frames
 async def test_many_messages_pipelined_keep_order_exactly_once(pair: tuple[Node, Node]) -> None:
     a, b = pair
     async with asyncio.timeout(30):
@@ -69,7 +62,6 @@ async def test_many_messages_pipelined_keep_order_exactly_once(pair: tuple[Node,
         assert b.metrics.counters.get("commits", 0) < 201  # group commit batched some
 
 
-@needs_frames
 async def test_offline_peer_gets_messages_when_it_comes_back(tmp_path: Path) -> None:
     home_a, cfg_a = make_home(tmp_path, "a")
     home_b, cfg_b = make_home(tmp_path, "b")
@@ -96,7 +88,6 @@ async def test_offline_peer_gets_messages_when_it_comes_back(tmp_path: Path) -> 
         await b.stop()
 
 
-@needs_frames
 async def test_clean_restart_resumes_sessions(tmp_path: Path) -> None:
     home_a, cfg_a = make_home(tmp_path, "a")
     home_b, cfg_b = make_home(tmp_path, "b", allow=())
@@ -122,7 +113,6 @@ async def test_clean_restart_resumes_sessions(tmp_path: Path) -> None:
         await b.stop()
 
 
-@needs_frames
 async def test_unclean_start_discards_sessions_and_rekeys(tmp_path: Path) -> None:
     home_a, cfg_a = make_home(tmp_path, "a")
     home_b, cfg_b = make_home(tmp_path, "b")
@@ -210,7 +200,6 @@ async def test_send_rejects_bad_input(pair: tuple[Node, Node]) -> None:
     assert a.status()["queues"]["outbox"] == 0
 
 
-@needs_frames
 async def test_classical_suite_when_one_side_has_no_pq(tmp_path: Path) -> None:
     a = await started(*make_home(tmp_path, "a", pq=False))
     b = await started(*make_home(tmp_path, "b"))

@@ -1,0 +1,183 @@
+"""A hostile but authenticated peer against a real node: every bad frame is dropped,
+counted and logged; the node and its other links keep working (DESIGN.md "done")."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from talos.link import wire
+from talos.link.peer import Link, LinkSettings, dial_link
+from talos.node import Node
+from talos.sessions import SessionManager
+from talos.store import Store
+from talos_sdk.wallet import Wallet
+from tests.talos.nodes import link, make_home, started, until
+
+
+@dataclass
+class Rogue:
+    """A peer speaking the link protocol by hand, with a real SessionManager."""
+
+    wallet: Wallet
+    store: Store
+    sessions: SessionManager
+    link: Link | None = None
+
+    async def connect(self, node: Node) -> Link:
+        link = await dial_link(
+            node.listen_url or "", node.did, self.wallet, lambda d: True, LinkSettings()
+        )
+        self.link = link
+        return link
+
+    async def establish(self, node: Node) -> None:
+        """Run session setup the way a node does."""
+        link = self.link
+        assert link is not None
+        await link.send(wire.encode(self.sessions.offer(node.did)))
+        while not self.sessions.has(node.did):
+            frame = wire.decode(await link.recv())
+            if isinstance(frame, wire.SessionOffer):
+                init = self.sessions.on_offer(node.did, frame, link.suites)
+                if init is not None:
+                    await link.send(wire.encode(init))
+            elif isinstance(frame, wire.SessionInit):
+                await link.send(wire.encode(self.sessions.on_init(node.did, frame)))
+        await until(lambda: node.is_connected(self.wallet.did), what="node side ready")
+
+
+@pytest.fixture
+async def victim(tmp_path: Path) -> AsyncIterator[Node]:
+    node = await started(*make_home(tmp_path, "victim", max_frame=4096))
+    yield node
+    await node.stop()
+
+
+@pytest.fixture
+def rogue(tmp_path: Path, victim: Node) -> Iterator[Rogue]:
+    wallet = Wallet.generate()
+    store = Store(tmp_path / "rogue-store", map_size=1 << 22)
+    sessions = SessionManager(store, wallet, pq=False, one_time=1, ratchet_every=64)
+    with store.write() as txn:
+        sessions.load(txn, discard=False)
+    victim.allow(wallet.did)
+    yield Rogue(wallet, store, sessions)
+    store.close()
+
+
+def rejected(node: Node) -> int:
+    return node.metrics.counters.get("frames_rejected", 0)
+
+
+def _rejected_is(node: Node, n: int) -> bool:
+    return rejected(node) == n
+
+
+async def test_garbage_frames_are_dropped_and_the_link_survives(victim: Node, rogue: Rogue) -> None:
+    got: list[bytes] = []
+    victim.register_app("t", lambda did, payload: got.append(payload))
+    async with asyncio.timeout(20):
+        link = await rogue.connect(victim)
+        await rogue.establish(victim)
+        bad = [
+            b"\xffunknown type",
+            b"\x21\x00",  # truncated ACK
+            b"\x20\x00\x00\x00\x00\x00\x00\x00\x01" + b"not a sealed frame",  # MSG, bad crypto
+            b"\x30" + b"\x00" * 80,  # APP that does not decrypt
+            wire.encode(wire.Hello(rogue.wallet.did, b"n" * 32, ())),  # handshake frame, late
+            wire.encode(wire.Ack(99)),  # ack for something never sent
+        ]
+        for i, data in enumerate(bad, 1):
+            await link.send(data)
+            await until(functools.partial(_rejected_is, victim, i), what=f"rejection {i}")
+        # A genuine frame still goes through on the same link ...
+        good = rogue.sessions.seal_app(victim.did, "t", b"still here")
+        await link.send(b"\x30" + good)
+        await until(lambda: got == [b"still here"], what="good frame")
+        # ... and replaying it is refused by the ratchet.
+        await link.send(b"\x30" + good)
+        await until(lambda: rejected(victim) == len(bad) + 1, what="replay rejected")
+        assert got == [b"still here"]
+        assert link.open
+
+
+async def test_frames_without_a_session_are_refused(victim: Node, rogue: Rogue) -> None:
+    async with asyncio.timeout(20):
+        link = await rogue.connect(victim)
+        # No SESSION_OFFER sent: the node holds no session with us yet.
+        await link.send(b"\x30" + b"\x01" * 64)
+        await until(lambda: rejected(victim) == 1, what="rejection")
+        assert not victim.is_connected(rogue.wallet.did)
+
+
+async def test_oversize_frame_closes_only_that_link(victim: Node, rogue: Rogue) -> None:
+    async with asyncio.timeout(20):
+        link = await rogue.connect(victim)
+        await rogue.establish(victim)
+        await link.send(b"\x30" + b"x" * 10_000)  # above max_frame=4096
+        with pytest.raises(ConnectionClosed):
+            while True:  # frames the node sent before closing are still queued
+                await link.recv()
+        assert link.ws.close_code == 1009  # RFC 6455: message too big
+        await until(lambda: not victim.is_connected(rogue.wallet.did), what="link dropped")
+        # The node keeps serving: the same peer reconnects and resumes its session.
+        await rogue.connect(victim)
+        await rogue.establish(victim)
+
+
+async def test_peer_vanishing_mid_message(victim: Node, rogue: Rogue, tmp_path: Path) -> None:
+    async with asyncio.timeout(20):
+        link = await rogue.connect(victim)
+        await rogue.establish(victim)
+        # Half a WebSocket frame (header announces 200 bytes, 3 arrive), then TCP reset.
+        link.ws.transport.write(b"\x82\x7e\x00\xc8abc")
+        link.ws.transport.abort()
+        await until(lambda: not victim.is_connected(rogue.wallet.did), what="cleanup")
+        # Other peers are unaffected.
+        other = await started(*make_home(tmp_path, "other"))
+        try:
+            await link_pair(other, victim)
+        finally:
+            await other.stop()
+
+
+async def link_pair(a: Node, b: Node) -> None:
+    await link(a, b)
+    assert a.is_connected(b.did) and b.is_connected(a.did)
+
+
+def wallet_below(did: str) -> Wallet:
+    """A fresh wallet whose DID sorts before ``did`` (so it is the X3DH initiator)."""
+    while True:
+        w = Wallet.generate()
+        if w.did < did:
+            return w
+
+
+async def test_session_init_for_another_did_is_refused(victim: Node, tmp_path: Path) -> None:
+    """X3DH initial data must come from the link peer itself, not a third identity."""
+    me, third = wallet_below(victim.did), wallet_below(victim.did)
+    victim.allow(me.did)
+    async with asyncio.timeout(20):
+        link = await dial_link(
+            victim.listen_url or "", victim.did, me, lambda d: True, LinkSettings()
+        )
+        with Store(tmp_path / "third", map_size=1 << 22) as store:
+            other = SessionManager(store, third, pq=False, one_time=0, ratchet_every=1)
+            with store.write() as txn:
+                other.load(txn, discard=False)
+            offer = wire.decode(await link.recv())
+            assert isinstance(offer, wire.SessionOffer)
+            init = other.on_offer(victim.did, offer, ("x25519",))  # genuine, but from `third`
+        assert init is not None
+        await link.send(wire.encode(init))
+        await until(lambda: rejected(victim) == 1, what="rejection")
+        assert not victim.is_connected(me.did)
+        assert victim.sessions.has(me.did) is False
