@@ -34,7 +34,7 @@ from nacl.bindings import crypto_sign, crypto_sign_open, crypto_sign_seed_keypai
 from nacl.exceptions import BadSignatureError
 
 from talos_sdk.did import did_from_public_key
-from talos_sdk.errors import HandshakeError, UsageError
+from talos_sdk.errors import HandshakeError, SignatureError, UsageError
 from talos_sdk.kdf import hkdf
 
 __all__ = [
@@ -157,24 +157,37 @@ class HybridPublicKey:
 
     def verify(self, data: bytes, signature: bytes) -> bool:
         """True iff ``signature`` is a hybrid signature of ``data`` valid in *both* halves."""
+        return self._failure(data, signature) is None
+
+    def require_valid(self, data: bytes, signature: bytes) -> None:
+        """Like :meth:`verify` but raise :class:`SignatureError` saying which check failed.
+
+        Signatures are public, so naming the failed half leaks nothing.
+        """
+        failure = self._failure(data, signature)
+        if failure is not None:
+            raise SignatureError(f"hybrid signature by {self._did} rejected: {failure}")
+
+    def _failure(self, data: bytes, signature: bytes) -> str | None:
         if not isinstance(data, bytes | bytearray | memoryview) or not isinstance(
             signature, bytes | bytearray | memoryview
         ):
             raise UsageError("data and signature must be bytes")
         if len(signature) != HYBRID_SIGNATURE_SIZE:
-            return False
+            kind = " (a classical Ed25519 signature)" if len(signature) == 64 else ""
+            return f"length {len(signature)}{kind}, expected {HYBRID_SIGNATURE_SIZE}"
         bound = self.key_id + data
         sig_ed = bytes(signature[:ED25519_SIGNATURE_SIZE])
         # Ed25519 first: it is the cheaper check, so garbage is rejected early.
         try:
             crypto_sign_open(sig_ed + ED25519_PREFIX + bound, self.ed25519)
         except BadSignatureError:
-            return False
+            return "Ed25519 half does not verify"
         try:
             self._mldsa.verify(bytes(signature[ED25519_SIGNATURE_SIZE:]), bound, MLDSA65_CONTEXT)
         except InvalidSignature:
-            return False
-        return True
+            return "ML-DSA-65 half does not verify"
+        return None
 
     def __repr__(self) -> str:
         return f"HybridPublicKey(did={self._did!r}, fingerprint={self.fingerprint!r})"
