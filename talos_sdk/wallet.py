@@ -20,7 +20,7 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Self, TypeVar
 
 from nacl.bindings import crypto_sign, crypto_sign_open, crypto_sign_seed_keypair
 from nacl.exceptions import BadSignatureError
@@ -69,7 +69,7 @@ class Wallet:
         self._did = did_from_public_key(public_key)
 
     @classmethod
-    def generate(cls, rng: Rng = os.urandom, *, suite: str | None = None) -> Wallet:
+    def generate(cls, rng: Rng = os.urandom, *, suite: str | None = None) -> Self:
         """A fresh identity from ``rng`` (the OS CSPRNG unless a test hands one in).
 
         ``suite`` picks the wallet class (``ed25519`` or ``ed25519-mldsa65``);
@@ -78,7 +78,7 @@ class Wallet:
         return _suite_class(cls, suite)(rng(SEED_SIZE))
 
     @classmethod
-    def from_seed(cls, seed: bytes, *, suite: str | None = None) -> Wallet:
+    def from_seed(cls, seed: bytes, *, suite: str | None = None) -> Self:
         """The identity for a 32-byte Ed25519 seed (RFC 8032 private key); deterministic.
 
         The same seed gives the same DID in every suite.
@@ -220,10 +220,12 @@ class HybridWallet(Wallet):
         return {"key_id": self._signer.public_key.fingerprint}
 
 
+_W = TypeVar("_W", bound=Wallet)
+
 _WALLET_SUITES: dict[str, type[Wallet]] = {SUITE_ED25519: Wallet, SUITE_HYBRID: HybridWallet}
 
 
-def _suite_class(cls: type[Wallet], suite: str | None) -> type[Wallet]:
+def _suite_class(cls: type[_W], suite: str | None) -> type[_W]:
     if suite is None:
         return cls
     found = _WALLET_SUITES.get(suite) if isinstance(suite, str) else None
@@ -231,6 +233,8 @@ def _suite_class(cls: type[Wallet], suite: str | None) -> type[Wallet]:
         raise UsageError(
             f"unknown wallet suite {suite!r}; expected one of {sorted(_WALLET_SUITES)}"
         )
+    if not issubclass(found, cls):
+        raise UsageError(f"{cls.__name__} cannot build a wallet of suite {suite!r}")
     return found
 
 

@@ -341,6 +341,8 @@ def test_other_bad_inputs() -> None:
         Wallet.generate(suite="ed448")
     with pytest.raises(UsageError, match="unknown wallet suite 'mldsa65'"):
         Wallet.from_seed(A.seed, suite="mldsa65")
+    with pytest.raises(UsageError, match="HybridWallet cannot build a wallet of suite 'ed25519'"):
+        HybridWallet.from_seed(A.seed, suite=SUITE_ED25519)
     with pytest.raises(UsageError, match="ML-DSA-65 public key must be bytes or None"):
         verify_auth(A.did, "key", MSG, SIG)  # type: ignore[arg-type]
 
