@@ -157,3 +157,34 @@ def test_quantiles() -> None:
     p50, p99 = quantiles([i / 1000 for i in range(1, 101)])
     assert p50 == pytest.approx(0.0505) and p99 == pytest.approx(0.09901)
     assert quantiles([0.25]) == (0.25, 0.25)
+
+
+def test_run_all_plots_latency_samples_and_checks_latency_targets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import _common
+
+    results = tmp_path / "results"
+    monkeypatch.setattr(_common, "RESULTS_DIR", results)
+    samples = [0.0004 + i * 1e-6 for i in range(200)]
+    p50, _ = quantiles(samples)
+    metrics = {
+        "e2e.latency.p50": _m("e2e.latency.p50", p50),
+        "store.sync_commit": _m("store.sync_commit", 0.0001),
+        "ws.roundtrip.p50": _m("ws.roundtrip.p50", 0.0001),
+    }
+    _common.write_results("bench_fake", False, metrics, [], {"A -> B": samples})
+    out = tmp_path / "out" / "BENCHMARKS.md"
+    proc = _run(
+        [str(BENCH / "run_all.py"), "--no-run", "--only", "bench_fake", "--output", str(out)],
+        results,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    png = tmp_path / "out" / "img" / "bench_fake_latency.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = out.read_text()
+    assert "![bench_fake_latency](img/bench_fake_latency.png)" in text
+    # p50 ~0.5 ms is under 1 ms but above 2 x (0.1 + 0.1) ms: the report says miss.
+    e2e_row = next(line for line in text.splitlines() if line.startswith("| end-to-end"))
+    assert "**miss**" in e2e_row and "2.50× floor" in e2e_row
