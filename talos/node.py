@@ -270,7 +270,10 @@ class Node:
             await self._write(self._final_flush)
         except StorageError as exc:
             event(_log, "final_flush_failed", level=logging.ERROR, error=str(exc))
-        await asyncio.to_thread(self.log.seal)
+        try:
+            await asyncio.to_thread(self.log.seal)
+        except StorageError as exc:
+            event(_log, "final_seal_failed", level=logging.ERROR, error=str(exc))
         assert self._writer is not None
         self._writer.shutdown(wait=True)
         self.store.close()

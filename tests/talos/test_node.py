@@ -211,3 +211,29 @@ async def test_classical_suite_when_one_side_has_no_pq(tmp_path: Path) -> None:
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_full_disk_refuses_to_ack_and_loses_nothing(tmp_path: Path) -> None:
+    home_a, cfg_a = make_home(tmp_path, "a")
+    home_b, cfg_b = make_home(tmp_path, "b", map_size=1 << 20)
+    async with asyncio.timeout(30):
+        a, b = await started(home_a, cfg_a), await started(home_b, cfg_b)
+        await link(a, b)
+        await a.send_message(b.did, "small", wait=True)
+        big = "x" * 300_000
+        ids = [await a.send_message(b.did, f"{i}{big}") for i in range(4)]
+        await until(lambda: b.metrics.counters.get("commit_failures", 0) >= 1, what="map full")
+        assert a.status()["queues"]["outbox"] >= 1  # not acknowledged, still queued at A
+        assert b.is_connected(a.did)  # the node keeps running and linked
+        b_port = b.listen_url.rsplit(":", 1)[1]  # type: ignore[union-attr]
+        a_did = a.did
+        await b.stop()
+        # More room: everything arrives exactly once, in order, after the stored rows.
+        bigger = cfg_b.model_copy(update={"map_size": 64 << 20, "listen": f"127.0.0.1:{b_port}"})
+        b = await started(home_b, bigger)
+        b.allow(a_did)
+        await until(lambda: a.status()["queues"]["outbox"] == 0, timeout=20, what="redelivery")
+        got = [e.to_json()["id"] for e in b.inbox()]
+        assert got[1:] == ids and b.inbox()[0].text == "small"
+        await a.stop()
+        await b.stop()

@@ -1,0 +1,150 @@
+"""Session setup over the link and session persistence (talos/sessions.py), without sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from talos.link import wire
+from talos.pipeline import OutboxEntry
+from talos.sessions import SessionManager, UnknownSessionError, load_secrets
+from talos.store import Store
+from talos_sdk.errors import BundleError, DecryptionError, MalformedFrameError, ProtocolError
+from talos_sdk.wallet import Wallet
+
+
+class Side:
+    def __init__(self, root: Path, name: str, wallet: Wallet, pq: bool = True) -> None:
+        self.wallet = wallet
+        self.store = Store(root / name, map_size=1 << 22)
+        self.pq = pq
+        self.sm = self.fresh()
+
+    def fresh(self, discard: bool = False) -> SessionManager:
+        sm = SessionManager(self.store, self.wallet, pq=self.pq, one_time=2, ratchet_every=4)
+        with self.store.write() as txn:
+            sm.load(txn, discard=discard)
+        return sm
+
+    def save(self) -> None:
+        with self.store.write() as txn:
+            self.sm.persist(txn, self.sm.snapshot_all())
+
+
+@pytest.fixture
+def sides(tmp_path: Path) -> Iterator[tuple[Side, Side]]:
+    w1, w2 = Wallet.generate(), Wallet.generate()
+    lo, hi = sorted((w1, w2), key=lambda w: w.did)
+    a, b = Side(tmp_path, "a", lo), Side(tmp_path, "b", hi)  # a initiates (smaller DID)
+    yield a, b
+    a.store.close()
+    b.store.close()
+
+
+def setup(a: Side, b: Side, suites: tuple[str, ...] = ("x25519-mlkem768", "x25519")) -> None:
+    offer_a, offer_b = a.sm.offer(b.wallet.did), b.sm.offer(a.wallet.did)
+    assert b.sm.on_offer(a.wallet.did, offer_a, suites) is None  # b waits
+    init = a.sm.on_offer(b.wallet.did, offer_b, suites)
+    assert init is not None
+    ack = b.sm.on_init(a.wallet.did, init)
+    a.sm.on_ack(b.wallet.did, ack)
+
+
+def row(seq: int, text: str) -> OutboxEntry:
+    return OutboxEntry("unused", seq, bytes([seq]) * 16, 1000 + seq, text)
+
+
+def test_setup_then_messages_and_app_frames(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    setup(a, b)
+    assert a.sm.suite(b.wallet.did) == b.sm.suite(a.wallet.did) == "x25519-mlkem768"
+    assert a.sm.info()[0]["id"] == b.sm.info()[0]["id"]
+    for i in range(1, 10):
+        opened = b.sm.open_message(a.wallet.did, a.sm.seal_message(b.wallet.did, row(i, f"t{i}")))
+        assert (opened.seq, opened.text, opened.ts_ms) == (i, f"t{i}", 1000 + i)
+        assert opened.record.sender == a.wallet.did
+        assert a.wallet.verify(opened.record.commitment, opened.record.signature)
+    body = b.sm.seal_app(a.wallet.did, "mcp", b"payload")
+    assert a.sm.open_app(b.wallet.did, body) == ("mcp", b"payload")
+    with pytest.raises(DecryptionError):
+        a.sm.open_app(b.wallet.did, body)  # replay
+
+
+def test_classical_suite_when_not_offered(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    setup(a, b, suites=("x25519",))
+    assert a.sm.suite(b.wallet.did) == "x25519"
+
+
+def test_persisted_sessions_resume_with_the_same_id(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    setup(a, b)
+    a.save()
+    b.save()
+    a.sm, b.sm = a.fresh(), b.fresh()
+    offer_a, offer_b = a.sm.offer(b.wallet.did), b.sm.offer(a.wallet.did)
+    assert offer_a.session_id == offer_b.session_id != b""
+    assert a.sm.on_offer(b.wallet.did, offer_b, ("x25519",)) is None
+    assert b.sm.on_offer(a.wallet.did, offer_a, ("x25519",)) is None
+    msg = a.sm.seal_message(b.wallet.did, row(1, "after restart"))
+    assert b.sm.open_message(a.wallet.did, msg).text == "after restart"
+
+
+def test_discard_after_crash_forces_a_new_session(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    setup(a, b)
+    old = b.sm.info()[0]["id"]
+    a.save()
+    b.save()
+    b.sm = b.fresh(discard=True)
+    assert not b.sm.has(a.wallet.did)
+    setup(a, b)
+    assert b.sm.info()[0]["id"] != old
+    msg = a.sm.seal_message(b.wallet.did, row(1, "rekeyed"))
+    assert b.sm.open_message(a.wallet.did, msg).text == "rekeyed"
+
+
+def test_prekeys_survive_and_one_time_keys_are_replenished(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    with b.store.read() as txn:
+        stored = load_secrets(txn)
+    assert stored is not None and stored.identity.public == b.sm.secrets.identity.public
+    first = b.sm.secrets.one_time_ids
+    for _ in range(3):
+        a.sm.drop(b.wallet.did)  # force a new X3DH each round, each consuming an OPK
+        setup(a, b)
+    b.sm.offer(a.wallet.did)
+    now = b.sm.secrets.one_time_ids
+    assert now and not set(now) & set(first)
+
+
+def test_bad_setup_frames(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    offer_b = b.sm.offer(a.wallet.did)
+    with pytest.raises(MalformedFrameError):
+        a.sm.on_offer(b.wallet.did, wire.SessionOffer(b"junk", b""), ("x25519",))
+    with pytest.raises(BundleError, match="another DID"):
+        a.sm.on_offer(Wallet.generate().did, offer_b, ("x25519",))
+    init = a.sm.on_offer(b.wallet.did, offer_b, ("x25519",))
+    assert init is not None
+    with pytest.raises(MalformedFrameError, match="session id"):
+        b.sm.on_init(a.wallet.did, wire.SessionInit(b"x" * 16, init.payload))
+    with pytest.raises(ProtocolError, match="must respond"):
+        a.sm.on_init(b.wallet.did, init)
+    with pytest.raises(UnknownSessionError):
+        b.sm.open_app(Wallet.generate().did, b"x" * 64)
+    b.sm.on_init(a.wallet.did, init)
+    with pytest.raises(DecryptionError):
+        b.sm.open_message(a.wallet.did, b"\x01" * 80)
+
+
+def test_app_and_message_frames_cannot_be_swapped(sides: tuple[Side, Side]) -> None:
+    """Different associated data: an app frame never opens as a message (and back)."""
+    a, b = sides
+    setup(a, b)
+    with pytest.raises(DecryptionError):
+        b.sm.open_message(a.wallet.did, a.sm.seal_app(b.wallet.did, "x", b""))
+    with pytest.raises(DecryptionError):
+        b.sm.open_app(a.wallet.did, a.sm.seal_message(b.wallet.did, row(1, "m")))
