@@ -1,0 +1,121 @@
+"""The control API against real nodes on 127.0.0.1 (talos/api.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from talos.node import Node
+from talos_sdk.wallet import Wallet
+from tests.talos.nodes import link, make_home, started, until
+
+
+@pytest.fixture
+async def nodes(tmp_path: Path) -> AsyncIterator[tuple[Node, Node, aiohttp.ClientSession]]:
+    a = await started(*make_home(tmp_path, "a", api=True))
+    b = await started(*make_home(tmp_path, "b", api=True))
+    headers = {"Authorization": f"Bearer {a.home.api_token()}"}
+    async with aiohttp.ClientSession(base_url=a.api_url, headers=headers) as http:
+        yield a, b, http
+    await a.stop()
+    await b.stop()
+
+
+async def call(http: aiohttp.ClientSession, method: str, path: str, **kw: Any) -> tuple[int, Any]:
+    async with http.request(method, path, **kw) as resp:
+        if resp.content_type == "application/json":
+            return resp.status, await resp.json()
+        return resp.status, await resp.text()
+
+
+async def test_token_is_required(nodes: tuple[Node, Node, aiohttp.ClientSession]) -> None:
+    a, _, _ = nodes
+    async with asyncio.timeout(10), aiohttp.ClientSession(base_url=a.api_url) as anon:
+        assert (await call(anon, "GET", "/healthz"))[0] == 200
+        for path in ("/v1/status", "/metrics", "/v1/inbox"):
+            status, body = await call(anon, "GET", path)
+            assert status == 401 and "token" in body["error"]
+        bad = {"Authorization": "Bearer nope"}
+        assert (await call(anon, "GET", "/v1/id", headers=bad))[0] == 401
+
+
+async def test_routes_end_to_end(
+    nodes: tuple[Node, Node, aiohttp.ClientSession], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b, http = nodes
+    caplog.set_level(logging.DEBUG, logger="talos")
+    async with asyncio.timeout(20):
+        status, ident = await call(http, "GET", "/v1/id")
+        assert status == 200 and ident["did"] == a.did and len(ident["x25519"]) == 64
+        await link(b, a)  # B dials A: A learns B through --allow only
+        status, peers = await call(http, "GET", "/v1/peers")
+        assert status == 200
+        # A's view of B arrives through the status route.
+        status, st = await call(http, "GET", "/v1/status")
+        assert st["links"][0]["did"] == b.did and st["links"][0]["ready"]
+        assert st["sessions"][0]["suite"] == "x25519-mlkem768"
+        secret = "the plaintext that must never be logged"
+        async with b_http(b) as bh:
+            waiter = asyncio.create_task(call(http, "GET", "/v1/inbox?after=0&wait=10"))
+            status, sent = await call(
+                bh, "POST", "/v1/send", json={"to": a.did, "text": secret, "wait": True}
+            )
+            assert status == 200 and sent["acked"] is True
+        status, inbox = await waiter
+        assert status == 200
+        assert inbox["messages"] == [
+            {"id": sent["id"], "from": b.did, "text": secret, "ts": inbox["messages"][0]["ts"]}
+        ]
+        status, empty = await call(http, "GET", f"/v1/inbox?after={inbox['next']}")
+        assert empty["messages"] == [] and empty["next"] == inbox["next"]
+        await until(lambda: a.log.height >= 0, what="sealed block")
+        status, heads = await call(http, "GET", "/v1/chain/heads")
+        assert status == 200 and heads["height"] >= 0
+        status, proof = await call(http, "GET", f"/v1/chain/proof/{sent['id']}")
+        assert status == 200 and proof["size"] >= 1
+        status, report = await call(http, "GET", "/v1/chain/verify")
+        assert status == 200 and report["ok"] and report["records"] >= 1
+        status, shown = await call(http, "GET", "/v1/chain/show")
+        assert shown["blocks"][0]["height"] == 0
+        status, metrics = await call(http, "GET", "/metrics")
+        assert "talos_messages_in 1" in metrics and "talos_peers_connected 1" in metrics
+    assert all(secret not in r.getMessage() + repr(r.__dict__) for r in caplog.records)
+
+
+def b_http(b: Node) -> aiohttp.ClientSession:
+    headers = {"Authorization": f"Bearer {b.home.api_token()}"}
+    return aiohttp.ClientSession(base_url=b.api_url, headers=headers)
+
+
+async def test_bad_requests_get_clear_errors(
+    nodes: tuple[Node, Node, aiohttp.ClientSession],
+) -> None:
+    _, _, http = nodes
+    async with asyncio.timeout(10):
+        cases = [
+            ("POST", "/v1/send", {"data": b"{not json"}, 400, "bad request body"),
+            ("POST", "/v1/send", {"json": {"to": "x"}}, 400, "bad request body"),
+            ("POST", "/v1/send", {"json": {"to": "did:key:zzz", "text": "t"}}, 400, "did"),
+            ("POST", "/v1/peers", {"json": {"addr": "ws://h:1"}}, 400, "DID"),
+            ("GET", "/v1/inbox?after=x", {}, 400, "integer"),
+            ("GET", "/v1/chain/proof/zz", {}, 400, "hex"),
+            ("GET", "/v1/chain/proof/" + "00" * 16, {}, 404, "no sealed record"),
+        ]
+        for method, path, kw, want, text in cases:
+            status, body = await call(http, method, path, **kw)
+            assert status == want, (path, body)
+            assert text.lower() in body["error"].lower(), (path, body)
+        # A wait that cannot be satisfied times out with 504, and the message stays queued.
+        status, body = await call(
+            http,
+            "POST",
+            "/v1/send",
+            json={"to": Wallet.generate().did, "text": "t", "wait": True, "timeout": 0.2},
+        )
+        assert status == 504
