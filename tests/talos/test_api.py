@@ -55,7 +55,7 @@ async def test_routes_end_to_end(
         assert status == 200 and ident["did"] == a.did and len(ident["x25519"]) == 64
         await link(b, a)  # B dials A: A learns B through --allow only
         status, peers = await call(http, "GET", "/v1/peers")
-        assert status == 200
+        assert status == 200 and peers["peers"] == []  # B is allowed, not a dialled peer
         # A's view of B arrives through the status route.
         status, st = await call(http, "GET", "/v1/status")
         assert st["links"][0]["did"] == b.did and st["links"][0]["ready"]
@@ -98,7 +98,7 @@ async def test_bad_requests_get_clear_errors(
 ) -> None:
     _, _, http = nodes
     async with asyncio.timeout(10):
-        cases = [
+        cases: list[tuple[str, str, dict[str, Any], int, str]] = [
             ("POST", "/v1/send", {"data": b"{not json"}, 400, "bad request body"),
             ("POST", "/v1/send", {"json": {"to": "x"}}, 400, "bad request body"),
             ("POST", "/v1/send", {"json": {"to": "did:key:zzz", "text": "t"}}, 400, "did"),
