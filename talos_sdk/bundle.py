@@ -314,12 +314,13 @@ class PrekeySecrets:
         one_time: Mapping[int, bytes],
         used: Iterable[int] = (),
         next_opk: int | None = None,
+        spk_public: bytes | None = None,
     ) -> None:
         self.identity = identity
         self.suites = suites
         self.spk_id = spk_id
         self.spk_private = spk_private
-        self.spk_public = crypto_scalarmult_base(spk_private)
+        self.spk_public = spk_public or crypto_scalarmult_base(spk_private)
         self.pq_id = pq_id
         self.pq_seed = pq_seed
         # Parsed once: ML-KEM key expansion from the seed is the costly part.
@@ -350,7 +351,7 @@ class PrekeySecrets:
             identity = IdentityKey.generate(wallet, rng)
         elif identity.did != wallet.did:
             raise UsageError("identity key belongs to another wallet")
-        spk_private, _ = x25519_keypair(rng)
+        spk_private, spk_public = x25519_keypair(rng)
         pq_seed = rng(MLKEM_SEED_SIZE) if pq else None
         opks = {i: rng(KEY_SIZE) for i in range(1, one_time + 1)}
         secrets = cls(
@@ -362,6 +363,7 @@ class PrekeySecrets:
             pq_seed=pq_seed,
             signature=b"",
             one_time=opks,
+            spk_public=spk_public,
         )
         secrets.signature = wallet.sign(_BUNDLE_DOMAIN + secrets.bundle().signed_body())
         secrets._bundle = None
