@@ -14,12 +14,31 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from talos_sdk.errors import *  # noqa: F403
+from talos_sdk.errors import (
+    BundleError,
+    ChainError,
+    DecryptionError,
+    DIDError,
+    EncodingError,
+    HandshakeError,
+    KeyFileError,
+    MalformedFrameError,
+    OversizeError,
+    ProtocolError,
+    SignatureError,
+    StorageError,
+    StorageFullError,
+    TalosError,
+    UsageError,
+    WrongPassphraseError,
+)
 from talos_sdk.errors import __all__ as _error_names
 
 _LAZY: dict[str, str] = {
     "Wallet": "talos_sdk.wallet",
+    "HybridWallet": "talos_sdk.wallet",
     "verify": "talos_sdk.wallet",
+    "verify_auth": "talos_sdk.wallet",
     "did_from_public_key": "talos_sdk.did",
     "public_key_from_did": "talos_sdk.did",
     "canonical_json_bytes": "talos_sdk.canonical",
@@ -29,21 +48,73 @@ _LAZY: dict[str, str] = {
     "RatchetFrameCrypto": "talos_sdk.frames",
     "Frame": "talos_sdk.frames",
     "Commitment": "talos_sdk.frames",
+    "StreamSealer": "talos_sdk.aead",
+    "StreamOpener": "talos_sdk.aead",
+    "MerkleAccumulator": "talos_sdk.merkle",
     "merkle_root": "talos_sdk.merkle",
     "inclusion_proof": "talos_sdk.merkle",
     "verify_inclusion": "talos_sdk.merkle",
+    "consistency_proof": "talos_sdk.merkle",
+    "verify_consistency": "talos_sdk.merkle",
 }
 
-__all__ = [*_error_names, *_LAZY]
+__all__ = [  # noqa: RUF022 - grouped: errors first, then the lazily imported API
+    "BundleError",
+    "ChainError",
+    "DIDError",
+    "DecryptionError",
+    "EncodingError",
+    "HandshakeError",
+    "KeyFileError",
+    "MalformedFrameError",
+    "OversizeError",
+    "ProtocolError",
+    "SignatureError",
+    "StorageError",
+    "StorageFullError",
+    "TalosError",
+    "UsageError",
+    "WrongPassphraseError",
+    "Commitment",
+    "Frame",
+    "HybridWallet",
+    "MerkleAccumulator",
+    "PrekeyBundle",
+    "PrekeySecrets",
+    "RatchetFrameCrypto",
+    "Session",
+    "StreamOpener",
+    "StreamSealer",
+    "Wallet",
+    "canonical_json_bytes",
+    "consistency_proof",
+    "did_from_public_key",
+    "inclusion_proof",
+    "merkle_root",
+    "public_key_from_did",
+    "verify",
+    "verify_auth",
+    "verify_consistency",
+    "verify_inclusion",
+]
+assert set(__all__) == set(_error_names) | set(_LAZY)
 
 if TYPE_CHECKING:
+    from talos_sdk.aead import StreamOpener, StreamSealer
     from talos_sdk.bundle import PrekeyBundle, PrekeySecrets
     from talos_sdk.canonical import canonical_json_bytes
     from talos_sdk.did import did_from_public_key, public_key_from_did
     from talos_sdk.frames import Commitment, Frame, RatchetFrameCrypto
-    from talos_sdk.merkle import inclusion_proof, merkle_root, verify_inclusion
+    from talos_sdk.merkle import (
+        MerkleAccumulator,
+        consistency_proof,
+        inclusion_proof,
+        merkle_root,
+        verify_consistency,
+        verify_inclusion,
+    )
     from talos_sdk.ratchet import Session
-    from talos_sdk.wallet import Wallet, verify
+    from talos_sdk.wallet import HybridWallet, Wallet, verify, verify_auth
 
 
 def __getattr__(name: str) -> Any:
