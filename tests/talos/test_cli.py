@@ -145,3 +145,58 @@ def test_kill_9_mid_stream_loses_nothing_acknowledged(tmp_path: Path, victim: st
     assert res.returncode == 0, res.stdout + res.stderr
     inbox = json.loads(talosd("inbox", "--json", "--home", str(home_b)).stdout)
     assert [m["id"] for m in inbox] == sent
+
+
+def test_inbox_follow_streams_new_messages(tmp_path: Path) -> None:
+    import select
+    import subprocess
+
+    from tests.talos.daemons import ENV, TALOSD
+
+    home_a, did_a = init(tmp_path, "a")
+    home_b, did_b = init(tmp_path, "b")
+    b = Daemon(home_b, "--listen", "127.0.0.1:0", "--allow", did_a)
+    a = Daemon(home_a, "--listen", "127.0.0.1:0", "--peer", b.addr)
+    follow = subprocess.Popen(
+        [*TALOSD, "inbox", "--follow", "--json", "--home", str(home_b)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    try:
+        a.api.call("POST", "/v1/send", {"to": did_b, "text": "streamed", "wait": True})
+        assert follow.stdout is not None
+        ready, _, _ = select.select([follow.stdout], [], [], 20)  # bounded wait
+        assert ready, "inbox --follow printed nothing"
+        line = follow.stdout.readline()
+        assert json.loads(line)["text"] == "streamed"
+    finally:
+        follow.kill()
+        follow.wait(10)
+        if follow.stdout is not None:
+            follow.stdout.close()
+        a.stop()
+        b.stop()
+
+
+def test_chain_verify_reports_where_a_defect_is(tmp_path: Path) -> None:
+    home_a, did_a = init(tmp_path, "a")
+    home_b, did_b = init(tmp_path, "b")
+    b = Daemon(home_b, "--listen", "127.0.0.1:0", "--allow", did_a)
+    a = Daemon(home_a, "--listen", "127.0.0.1:0", "--peer", b.addr)
+    try:
+        for i in range(3):
+            a.api.call("POST", "/v1/send", {"to": did_b, "text": f"m{i}", "wait": True})
+        wait_for(lambda: b.api.call("GET", "/v1/chain/heads")["height"] >= 0, what="a block")
+    finally:
+        a.stop()
+        b.stop()
+    from talos.store import Store
+
+    with Store(home_b / "store") as store, store.write() as txn:
+        key, value = next(iter(txn.items("block_records")))
+        txn.put("block_records", key, value[:-1] + bytes([value[-1] ^ 1]))
+    res = talosd("chain", "verify", "--home", str(home_b))
+    assert res.returncode == 1
+    assert "DEFECT" in res.stderr and "block 0" in res.stderr
+    assert "Traceback" not in res.stderr

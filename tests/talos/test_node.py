@@ -237,3 +237,24 @@ async def test_full_disk_refuses_to_ack_and_loses_nothing(tmp_path: Path) -> Non
         assert got[1:] == ids and b.inbox()[0].text == "small"
         await a.stop()
         await b.stop()
+
+
+async def test_both_sides_dialling_keep_exactly_one_link(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    async with asyncio.timeout(20):
+        await asyncio.gather(a.add_peer(addr(b)), b.add_peer(addr(a)))
+        await a.wait_connected(b.did, 10)
+        await b.wait_connected(a.did, 10)
+        for i in range(20):
+            await a.send_message(b.did, f"a{i}")
+            await b.send_message(a.did, f"b{i}")
+        await a.send_message(b.did, "end", wait=True)
+        await b.send_message(a.did, "end", wait=True)
+        assert [e.text for e in b.inbox()] == [f"a{i}" for i in range(20)] + ["end"]
+        assert [e.text for e in a.inbox()] == [f"b{i}" for i in range(20)] + ["end"]
+        # Both sides agree on the surviving link: the one dialled by the smaller DID.
+        dialer = min(a.did, b.did)
+        la, lb = a._peers[b.did].link, b._peers[a.did].link
+        assert la is not None and lb is not None
+        assert (la.role.name == "INITIATOR") == (a.did == dialer)
+        assert (lb.role.name == "INITIATOR") == (b.did == dialer)
