@@ -143,11 +143,22 @@ class Suite:
         self.floor(key, label, fn, per_call=per_call)
 
     def record(
-        self, key: str, label: str, value: float, unit: str, *, raw: str | None = None
+        self,
+        key: str,
+        label: str,
+        value: float,
+        unit: str,
+        *,
+        raw: str | None = None,
+        row: bool = True,
     ) -> None:
-        """Store a figure measured outside pyperf (latency quantiles, MB/s, RSS)."""
+        """Store a figure measured outside pyperf (latency quantiles, MB/s, RSS).
+
+        ``row=False`` keeps a floor that is only shown as the raw side of another row.
+        """
         self.metrics[key] = Metric(key, label, value, unit)
-        self.rows.append(Row(ours=key, raw=raw))
+        if row:
+            self.rows.append(Row(ours=key, raw=raw))
 
     def record_samples(self, key: str, samples: Sequence[float]) -> None:
         """Keep a latency distribution (seconds) for run_all.py's plots."""

@@ -1,0 +1,173 @@
+"""Durable message latency A -> B between two real nodes (issue 6; DESIGN.md "Performance targets").
+
+Node B is a real ``talosd run`` subprocess, node A runs in this process, so the
+two nodes use both cores as in a deployment. A times ``send_message(wait=True)``
+(sender commit, ratchet seal, link frame, receiver commit + fsync, ack) one at
+a time for p50 / p99, then with many messages in flight for throughput.
+
+The floor is measured in the same run: one durable LMDB commit (raw ``lmdb``,
+same flags as talos/store.py: commit then ``env.sync(True)``) and one plain
+``websockets`` round trip between this process and an echo child process, with
+a payload the size of a sealed message frame. Target: p50 <= 1 ms and
+<= 2 x (sync commit + websocket round trip).
+
+    python bench/bench_e2e.py [--fast] [--count N] [--in-flight K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Suite, quantiles
+from _procs import PYTHON, TALOSD, child
+
+# A short chat-sized message; the sealed frame on the wire is ~FRAME_BYTES.
+TEXT = "x" * 100
+FRAME_BYTES = 400
+WS_ECHO_FLAG = "--ws-echo"
+
+
+async def ws_echo_server() -> None:
+    """Child process: echo every websocket message back; print the port, run until killed."""
+    from websockets.asyncio.server import ServerConnection, serve
+
+    async def echo(ws: ServerConnection) -> None:
+        async for msg in ws:
+            await ws.send(msg)
+
+    async with serve(echo, "127.0.0.1", 0, compression=None) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        print(f"echo on {port}", flush=True)
+        await asyncio.Future()
+
+
+async def ws_round_trips(port: int, count: int) -> list[float]:
+    """Round trips of a FRAME_BYTES binary message to the echo child."""
+    from websockets.asyncio.client import connect
+
+    payload = b"\x00" * FRAME_BYTES
+    samples = []
+    async with connect(f"ws://127.0.0.1:{port}", compression=None) as ws:
+        for _ in range(max(count // 10, 5)):  # warm-up
+            await ws.send(payload)
+            await ws.recv()
+        for _ in range(count):
+            start = time.perf_counter()
+            await ws.send(payload)
+            await ws.recv()
+            samples.append(time.perf_counter() - start)
+    return samples
+
+
+def sync_commits(folder: Path, count: int) -> list[float]:
+    """One record per durable commit, flags as in talos/store.py (NOSYNC + explicit fsync)."""
+    import lmdb
+
+    env = lmdb.open(str(folder), map_size=64 << 20, sync=False, metasync=False)
+    samples = []
+    try:
+        for i in range(count):
+            start = time.perf_counter()
+            with env.begin(write=True) as txn:
+                txn.put(i.to_bytes(8, "big"), b"v" * 200)
+            env.sync(True)
+            samples.append(time.perf_counter() - start)
+    finally:
+        env.close()
+    return samples
+
+
+async def node_latency(
+    root: Path, count: int, burst: int, in_flight: int
+) -> tuple[list[float], float]:
+    """Sequential ``send_message(wait=True)`` latencies and the in-flight throughput."""
+    from talos.config import NodeConfig
+    from talos.node import Node, init_home
+
+    config = NodeConfig(api=False)
+    a_home, b_home = root / "a", root / "b"
+    did_a = init_home(a_home, config).did
+    init_home(b_home, config)
+    argv = [*TALOSD, "run", "--home", str(b_home), "--listen", "127.0.0.1:0", "--allow", did_a]
+    async with child(argv, "talosd run (B)") as b:
+        m = await b.wait_line(r"listening on (\S+) did=(\S+)")
+        did_b = m.group(2)
+        node = Node(a_home, config)
+        await node.start()
+        try:
+            await node.add_peer(f"{m.group(1)}#{did_b}")
+            await node.wait_connected(did_b, 30)
+            for _ in range(max(count // 10, 5)):  # warm-up: session, caches, page faults
+                await node.send_message(did_b, TEXT, wait=True)
+            samples = []
+            for _ in range(count):
+                start = time.perf_counter()
+                await node.send_message(did_b, TEXT, wait=True)
+                samples.append(time.perf_counter() - start)
+            window = asyncio.Semaphore(in_flight)
+
+            async def one() -> None:
+                async with window:
+                    await node.send_message(did_b, TEXT, wait=True)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(burst)))
+            rate = burst / (time.perf_counter() - start)
+        finally:
+            await node.stop()
+    return samples, rate
+
+
+async def measure(suite: Suite, count: int, burst: int, in_flight: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="talos-bench-e2e-") as tmp:
+        root = Path(tmp)
+        commits = sync_commits(root / "lmdb", count)
+        async with child([PYTHON, __file__, WS_ECHO_FLAG], "websocket echo") as echo:
+            port = int((await echo.wait_line(r"echo on (\d+)")).group(1))
+            ws = await ws_round_trips(port, count)
+        latencies, rate = await node_latency(root, count, burst, in_flight)
+
+    commit = statistics.median(commits)
+    ws50, ws99 = quantiles(ws)
+    p50, p99 = quantiles(latencies)
+    suite.record("e2e.sync_commit", "raw lmdb durable commit, 1 record (median)", commit, "s")
+    suite.record("ws.roundtrip.p50", f"websocket round trip {FRAME_BYTES} B, p50", ws50, "s")
+    suite.record("ws.roundtrip.p99", f"websocket round trip {FRAME_BYTES} B, p99", ws99, "s")
+    floor = commit + ws50
+    suite.record("e2e.floor", "sync commit + websocket round trip", floor, "s", row=False)
+    suite.record(
+        "e2e.latency.p50", "A -> B durable message, wait for ack, p50", p50, "s", raw="e2e.floor"
+    )
+    suite.record("e2e.latency.p99", "A -> B durable message, wait for ack, p99", p99, "s")
+    suite.record("e2e.throughput", f"A -> B durable messages, {in_flight} in flight", rate, "ops/s")
+    suite.record_samples("A -> B durable message", latencies)
+    suite.record_samples("websocket round trip", ws)
+    suite.record_samples("lmdb sync commit", commits)
+
+
+def main() -> None:
+    if WS_ECHO_FLAG in sys.argv:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(ws_echo_server())
+        return
+    suite = Suite.create(__file__, pyperf_runner=False)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=20 if suite.fast else 2000)
+    parser.add_argument("--burst", type=int, default=50 if suite.fast else 5000)
+    parser.add_argument("--in-flight", type=int, default=64)
+    args = parser.parse_args()
+    asyncio.run(measure(suite, args.count, args.burst, args.in_flight))
+    suite.finish()
+
+
+if __name__ == "__main__":
+    main()
