@@ -93,6 +93,32 @@ class StreamSealer(_StreamBase):
         self._done = final
         return header + sealed
 
+    def seal_into(
+        self, chunk: bytes | memoryview, buf: bytearray | memoryview, final: bool = False
+    ) -> int:
+        """Like :meth:`seal`, written into ``buf`` (at least ``len(chunk) + 25`` bytes,
+        reused across chunks to avoid a fresh allocation per chunk); returns the length."""
+        if self._done:
+            raise UsageError("stream already finished")
+        counter = self._counter
+        if counter >= _MAX_COUNTER:
+            raise UsageError("stream counter exhausted")
+        total = len(chunk) + CHUNK_HEADER_SIZE + TAG_SIZE
+        if len(buf) < total:
+            raise UsageError(f"buffer of {len(buf)} bytes is smaller than {total}")
+        header = _HEADER.pack(counter, _FINAL if final else 0)
+        view = memoryview(buf)
+        view[:CHUNK_HEADER_SIZE] = header
+        self._aead.encrypt_into(
+            self._prefix + header[:8],
+            chunk,
+            self._stream_id + header,
+            view[CHUNK_HEADER_SIZE:total],
+        )
+        self._counter = counter + 1
+        self._done = final
+        return total
+
 
 class StreamOpener(_StreamBase):
     """Opens chunks sealed by the matching :class:`StreamSealer`, strictly in order."""
@@ -116,3 +142,31 @@ class StreamOpener(_StreamBase):
         self._counter = counter + 1
         self._done = bool(flags & _FINAL)
         return plain
+
+    def open_into(self, sealed: bytes | memoryview, buf: bytearray | memoryview) -> int:
+        """Like :meth:`open`, writing the plaintext into ``buf``; returns its length.
+
+        On failure :class:`DecryptionError` is raised, the stream position is
+        unchanged and the contents of ``buf`` are unspecified.
+        """
+        size = len(sealed) - CHUNK_HEADER_SIZE - TAG_SIZE
+        if self._done or size < 0:
+            raise DecryptionError()
+        if len(buf) < size:
+            raise UsageError(f"buffer of {len(buf)} bytes is smaller than {size}")
+        header = bytes(sealed[:CHUNK_HEADER_SIZE])
+        counter, flags = _HEADER.unpack(header)
+        if counter != self._counter or flags & ~_FINAL:
+            raise DecryptionError()
+        try:
+            self._aead.decrypt_into(
+                self._prefix + header[:8],
+                memoryview(sealed)[CHUNK_HEADER_SIZE:],
+                self._stream_id + header,
+                memoryview(buf)[:size],
+            )
+        except InvalidTag:
+            raise DecryptionError() from None
+        self._counter = counter + 1
+        self._done = bool(flags & _FINAL)
+        return size

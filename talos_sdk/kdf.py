@@ -34,6 +34,8 @@ _new_sha256: Callable[[bytes], Any] = _sha256
 _IPAD = bytes.maketrans(bytes(range(256)), bytes(b ^ 0x36 for b in range(256)))
 _OPAD = bytes.maketrans(bytes(range(256)), bytes(b ^ 0x5C for b in range(256)))
 _PAD32 = bytes(32)
+_IPAD_TAIL = b"\x36" * 32
+_OPAD_TAIL = b"\x5c" * 32
 
 HASH_LEN = 32
 _ZERO_SALT = bytes(HASH_LEN)
@@ -76,6 +78,45 @@ def hmac_sha256_chain(key: bytes, msg1: bytes, msg2: bytes) -> tuple[bytes, byte
     inner.update(t1 + msg2)
     outer.update(inner.digest())
     return t1, outer.digest()
+
+
+def ratchet_message_keys(
+    ck: bytes,
+    info1: bytes,
+    info2: bytes,
+    _sha: Callable[[bytes], Any] = _new_sha256,
+    _ip: bytes = _IPAD,
+    _op: bytes = _OPAD,
+    _it: bytes = _IPAD_TAIL,
+    _ot: bytes = _OPAD_TAIL,
+) -> tuple[bytes, bytes, bytes]:
+    """One Double Ratchet symmetric step on a 32-byte chain key (Signal DR §5.2):
+
+    ``mk = HMAC(ck, 0x01)``, ``ck' = HMAC(ck, 0x02)``, then ``key ‖ nonce`` =
+    HKDF-Expand(mk, info, 44) with ``info1 = info ‖ 0x01``, ``info2 = info ‖ 0x02``.
+    Returns ``(key (32), nonce (12), ck')``. This is the per-message hot path: one
+    function, shared key schedules, no OpenSSL object setup.
+    """
+    inner = _sha(ck.translate(_ip) + _it)
+    outer = _sha(ck.translate(_op) + _ot)
+    i1 = inner.copy()
+    i1.update(b"\x01")
+    o1 = outer.copy()
+    o1.update(i1.digest())
+    mk: bytes = o1.digest()
+    inner.update(b"\x02")
+    outer.update(inner.digest())
+    next_ck: bytes = outer.digest()
+    inner = _sha(mk.translate(_ip) + _it)
+    outer = _sha(mk.translate(_op) + _ot)
+    i1 = inner.copy()
+    i1.update(info1)
+    o1 = outer.copy()
+    o1.update(i1.digest())
+    key: bytes = o1.digest()
+    inner.update(key + info2)
+    outer.update(inner.digest())
+    return key, outer.digest()[:12], next_ck
 
 
 def hkdf_extract(salt: bytes, ikm: bytes) -> bytes:

@@ -46,7 +46,7 @@ from talos_sdk.errors import (
     MalformedFrameError,
     UsageError,
 )
-from talos_sdk.kdf import hkdf, hmac_sha256_chain, hmac_sha256_pair
+from talos_sdk.kdf import hkdf, hmac_sha256_chain, hmac_sha256_pair, ratchet_message_keys
 from talos_sdk.wallet import Wallet
 from talos_sdk.x3dh import InitialData, X3DHResult
 from talos_sdk.x3dh import initiate as x3dh_initiate
@@ -84,14 +84,12 @@ def _kdf_rk(rk: bytes, dh_out: bytes) -> tuple[bytes, bytes]:
     return out[:32], out[32:]
 
 
-def _seal(mk: bytes, plaintext: bytes, aad: bytes) -> bytes:
-    key, nonce = hmac_sha256_chain(mk, _MSG_INFO_1, _MSG_INFO_2)
-    return ChaCha20Poly1305(key).encrypt(nonce[:12], plaintext, aad)
-
-
 def _open(mk: bytes, ciphertext: bytes, aad: bytes) -> bytes:
     key, nonce = hmac_sha256_chain(mk, _MSG_INFO_1, _MSG_INFO_2)
-    nonce = nonce[:12]
+    return _open_with(key, nonce[:12], ciphertext, aad)
+
+
+def _open_with(key: bytes, nonce: bytes, ciphertext: bytes, aad: bytes) -> bytes:
     try:
         return ChaCha20Poly1305(key).decrypt(nonce, ciphertext, aad)
     except InvalidTag:
@@ -321,9 +319,11 @@ class Session:
             _HEADER.pack(_TYPE_INITIAL if initial else _TYPE_NORMAL, self._dhs_pub, self._pn, n)
             + initial
         )
-        mk, self._cks = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
+        key, nonce, next_ck = ratchet_message_keys(ck, _MSG_INFO_1, _MSG_INFO_2)
+        sealed = ChaCha20Poly1305(key).encrypt(nonce, plaintext, self._ad + header + ad)
+        self._cks = next_ck
         self._ns = n + 1
-        return header + _seal(mk, plaintext, self._ad + header + ad)
+        return header + sealed
 
     def decrypt(self, message: bytes, ad: bytes = b"") -> bytes:
         """Open a message (DR spec §3.5 RatchetDecrypt, with MAX_SKIP and the lazy ratchet).
@@ -360,8 +360,8 @@ class Session:
             for i in range(self._nr, n):
                 mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
                 new_skipped.append(((dh, i), mk))
-            mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
-            plaintext = _open(mk, body, aad)
+            key, nonce, ck = ratchet_message_keys(ck, _MSG_INFO_1, _MSG_INFO_2)
+            plaintext = _open_with(key, nonce, body, aad)
             self._ckr = ck
             self._nr = n + 1
         else:
@@ -389,8 +389,8 @@ class Session:
             for i in range(n):
                 mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
                 new_skipped.append(((dh, i), mk))
-            mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
-            plaintext = _open(mk, body, aad)
+            key, nonce, ck = ratchet_message_keys(ck, _MSG_INFO_1, _MSG_INFO_2)
+            plaintext = _open_with(key, nonce, body, aad)
             if self._first_dh is not None:
                 # The SPK's private half is not needed for sending: drop the DH cache.
                 self._first_dh = None

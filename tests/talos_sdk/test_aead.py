@@ -103,3 +103,36 @@ def test_bad_arguments() -> None:
         StreamOpener(KEY, "s")  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="at least 16"):
         derive_stream_key(b"tiny", b"x")
+
+
+@given(chunks=st.lists(st.binary(max_size=200), min_size=1, max_size=10))
+def test_into_variants_match_and_interoperate(chunks: list[bytes]) -> None:
+    sealer, opener = pair()
+    ref_sealer = StreamSealer(KEY, b"s1")
+    out = bytearray(256)
+    plain = bytearray(256)
+    for i, chunk in enumerate(chunks):
+        final = i == len(chunks) - 1
+        n = sealer.seal_into(chunk, out, final=final)
+        assert bytes(out[:n]) == ref_sealer.seal(chunk, final=final)
+        m = opener.open_into(memoryview(out)[:n], plain)
+        assert bytes(plain[:m]) == chunk
+    assert opener.finished
+
+
+def test_into_errors_leave_position() -> None:
+    sealer, opener = pair()
+    with pytest.raises(UsageError, match="smaller than"):
+        sealer.seal_into(b"x" * 10, bytearray(20))
+    assert sealer.counter == 0
+    sealed = bytearray(sealer.seal(b"x" * 10))
+    with pytest.raises(UsageError, match="smaller than"):
+        opener.open_into(bytes(sealed), bytearray(5))
+    sealed[-1] ^= 1
+    with pytest.raises(DecryptionError):
+        opener.open_into(bytes(sealed), bytearray(10))
+    with pytest.raises(DecryptionError):
+        opener.open_into(b"short", bytearray(10))
+    assert opener.counter == 0
+    sealed[-1] ^= 1
+    assert opener.open_into(bytes(sealed), bytearray(10)) == 10

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import hmac
+
 import pytest
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 from hypothesis import given
 from hypothesis import strategies as st
 
-from talos_sdk.kdf import hkdf, hkdf_expand, hkdf_extract
+from talos_sdk.kdf import (
+    hkdf,
+    hkdf_expand,
+    hkdf_extract,
+    hmac_sha256_chain,
+    hmac_sha256_pair,
+    ratchet_message_keys,
+)
 
 # RFC 5869 Appendix A, test cases 1 and 3 (SHA-256).
 RFC5869 = [
@@ -55,3 +64,27 @@ def test_matches_cryptography_hkdf(ikm: bytes, salt: bytes, info: bytes, length:
 def test_expand_rejects_bad_length(length: int) -> None:
     with pytest.raises(ValueError, match="output length"):
         hkdf_expand(bytes(32), b"", length)
+
+
+@given(
+    key=st.binary(min_size=32, max_size=32), m1=st.binary(max_size=64), m2=st.binary(max_size=64)
+)
+def test_shared_schedule_helpers_match_hmac(key: bytes, m1: bytes, m2: bytes) -> None:
+    def h(k: bytes, m: bytes) -> bytes:
+        return hmac.digest(k, m, "sha256")
+
+    assert hmac_sha256_pair(key, m1, m2) == (h(key, m1), h(key, m2))
+    t1 = h(key, m1)
+    assert hmac_sha256_chain(key, m1, m2) == (t1, h(key, t1 + m2))
+
+
+@given(ck=st.binary(min_size=32, max_size=32))
+def test_ratchet_message_keys_is_kdf_ck_then_hkdf_expand(ck: bytes) -> None:
+    info = b"Talos_DR_MessageKeys_v1"
+    mk = hmac.digest(ck, b"\x01", "sha256")
+    okm = HKDFExpand(hashes.SHA256(), 44, info=info).derive(mk)
+    assert ratchet_message_keys(ck, info + b"\x01", info + b"\x02") == (
+        okm[:32],
+        okm[32:],
+        hmac.digest(ck, b"\x02", "sha256"),
+    )
