@@ -16,7 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey, PrekeySecrets
-from talos_sdk.errors import BundleError, DecryptionError, EncodingError, MalformedFrameError
+from talos_sdk.errors import (
+    BundleError,
+    DecryptionError,
+    EncodingError,
+    MalformedFrameError,
+    UsageError,
+)
 from talos_sdk.ratchet import MAX_SKIP, MAX_SKIPPED_KEYS, Session
 from talos_sdk.wallet import Wallet
 
@@ -380,3 +386,18 @@ def test_first_message_matches_the_documented_formulas() -> None:
     aad = bytes.fromhex(x["associated_data"]) + first[:header_len]
     plain = ChaCha20Poly1305(okm[:32]).decrypt(okm[32:44], first[header_len:], aad)
     assert plain == b"first"
+
+
+def test_constructor_usage_errors() -> None:
+    secrets = PrekeySecrets.generate(BOB)
+    alice_secrets = PrekeySecrets.generate(ALICE)
+    # An initiator may use the identity key held in its own prekey secrets.
+    alice = Session.initiate(ALICE, alice_secrets, secrets.bundle())
+    bob, _ = Session.respond(BOB, secrets, alice.encrypt(b"x"))
+    assert bob.peer_identity.identity_dh == alice_secrets.identity.public
+    with pytest.raises(UsageError, match="another wallet"):
+        Session.initiate(BOB, alice_secrets, secrets.bundle())
+    with pytest.raises(UsageError, match="another wallet"):
+        Session.respond(ALICE, secrets, alice.encrypt(b"y"))
+    with pytest.raises(UsageError, match="ratchet_every"):
+        Session.create_pair(ratchet_every=0)
