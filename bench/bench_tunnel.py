@@ -1,0 +1,206 @@
+"""MCP through the Talos tunnel vs the same server on raw stdio (issue 6; DESIGN.md targets).
+
+``talos-proxy serve`` and ``talos-proxy connect`` run as real subprocesses on
+127.0.0.1; the tool is bench/mcp_ping_server.py, a minimal stdio MCP server, so
+the tool never is the bottleneck. Each figure is measured against the SAME
+server spawned directly on stdio in the same run:
+
+* ping round trip p50 / p99 with the lean JSON-RPC client (bench/lean_jsonrpc.py)
+  and with the official MCP SDK client (``stdio_client`` + ``ClientSession.send_ping``);
+  added latency = tunnel - raw (targets: p50 <= +0.6 ms, p99 <= +2 ms, lean client);
+* lean requests/s sequential (>= 1,000 /s) and with 64 in flight (>= 8,000 /s);
+* the same sequential figures with ``serve --audit strict`` (one durable
+  audit commit per call, DESIGN.md "Notes"): shown, not a target.
+
+    python bench/bench_tunnel.py [--fast] [--count N] [--burst M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import REPO_ROOT, Suite, quantiles
+from _procs import ENV, PROXY, PYTHON, child, run_quiet
+from lean_jsonrpc import LeanClient
+
+PING_SERVER = [PYTHON, str(Path(__file__).resolve().parent / "mcp_ping_server.py")]
+# Proxy logs at WARNING so stderr chatter does not cost time inside the measurement.
+QUIET = ["--log-level", "WARNING"]
+IN_FLIGHT = 64
+SETUP_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class LeanRun:
+    """What the lean client measured against one stdio command."""
+
+    pings: list[float]
+    sequential: float  # requests/s, one at a time
+    in_flight: float  # requests/s, IN_FLIGHT outstanding
+
+
+async def lean_run(argv: Sequence[str], count: int, burst: int) -> LeanRun:
+    """Ping ``argv`` (an MCP stdio server) one at a time, then IN_FLIGHT at a time."""
+    client = await LeanClient.spawn(list(argv), env=ENV)
+    try:
+        await asyncio.wait_for(client.initialize(), SETUP_TIMEOUT)
+        for _ in range(max(count // 10, 5)):  # warm-up: link, session, tool process
+            await client.request("ping")
+        pings = []
+        for _ in range(count):
+            start = time.perf_counter()
+            await client.request("ping")
+            pings.append(time.perf_counter() - start)
+        sequential = count / sum(pings)
+        start = time.perf_counter()
+        await client.pipelined("ping", (None for _ in range(burst)), IN_FLIGHT)
+        in_flight = burst / (time.perf_counter() - start)
+    finally:
+        await client.close()
+    return LeanRun(pings, sequential, in_flight)
+
+
+async def sdk_pings(argv: Sequence[str], count: int) -> list[float]:
+    """Ping round trips with the official MCP SDK client over stdio."""
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    params = StdioServerParameters(
+        command=argv[0], args=list(argv[1:]), env=dict(ENV), cwd=str(REPO_ROOT)
+    )
+    samples = []
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await asyncio.wait_for(session.initialize(), SETUP_TIMEOUT)
+        for _ in range(max(count // 10, 5)):
+            await session.send_ping()
+        for _ in range(count):
+            start = time.perf_counter()
+            await session.send_ping()
+            samples.append(time.perf_counter() - start)
+    return samples
+
+
+@contextlib.asynccontextmanager
+async def tunnel(root: Path, name: str, *serve_args: str) -> AsyncIterator[list[str]]:
+    """A running ``talos-proxy serve`` over the ping server; yields the connect command."""
+    c_home, s_home = root / f"{name}-connect", root / f"{name}-serve"
+    did_c = await run_quiet([*PROXY, "id", "--home", str(c_home)])
+    argv = [*PROXY, *QUIET, "serve", "--home", str(s_home), "--listen", "127.0.0.1:0"]
+    argv += ["--allow", did_c, *serve_args, "--", *PING_SERVER]
+    async with child(argv, f"talos-proxy serve ({name})") as serve:
+        address = (await serve.wait_line(r"serving on (ws://\S+)")).group(1)
+        yield [*PROXY, *QUIET, "connect", "--home", str(c_home), "--peer", address]
+
+
+async def measure(suite: Suite, count: int, burst: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="talos-bench-tunnel-") as tmp:
+        root = Path(tmp)
+        raw = await lean_run(PING_SERVER, count, burst)
+        raw_sdk = await sdk_pings(PING_SERVER, count)
+        async with tunnel(root, "group") as connect:
+            ours = await lean_run(connect, count, burst)
+            ours_sdk = await sdk_pings(connect, count)
+        async with tunnel(root, "strict", "--audit", "strict") as connect:
+            strict = await lean_run(connect, count, burst)
+
+    raw50, raw99 = quantiles(raw.pings)
+    p50, p99 = quantiles(ours.pings)
+    s50, _ = quantiles(strict.pings)
+    sdk_raw50, sdk_raw99 = quantiles(raw_sdk)
+    sdk50, sdk99 = quantiles(ours_sdk)
+    rec = suite.record
+    rec("tunnel.ping.raw.p50", "lean ping, raw stdio, p50", raw50, "s", row=False)
+    rec("tunnel.ping.p50", "lean ping through tunnel, p50", p50, "s", raw="tunnel.ping.raw.p50")
+    rec("tunnel.ping.raw.p99", "lean ping, raw stdio, p99", raw99, "s", row=False)
+    rec("tunnel.ping.p99", "lean ping through tunnel, p99", p99, "s", raw="tunnel.ping.raw.p99")
+    rec("tunnel.ping.added.p50", "tunnel added round trip, p50", p50 - raw50, "s")
+    rec("tunnel.ping.added.p99", "tunnel added round trip, p99", p99 - raw99, "s")
+    rec("tunnel.sdk.ping.raw.p50", "MCP SDK ping, raw stdio, p50", sdk_raw50, "s", row=False)
+    rec(
+        "tunnel.sdk.ping.p50",
+        "MCP SDK ping through tunnel, p50",
+        sdk50,
+        "s",
+        raw="tunnel.sdk.ping.raw.p50",
+    )
+    rec("tunnel.sdk.ping.raw.p99", "MCP SDK ping, raw stdio, p99", sdk_raw99, "s", row=False)
+    rec(
+        "tunnel.sdk.ping.p99",
+        "MCP SDK ping through tunnel, p99",
+        sdk99,
+        "s",
+        raw="tunnel.sdk.ping.raw.p99",
+    )
+    rec("tunnel.sdk.ping.added.p50", "MCP SDK added round trip, p50", sdk50 - sdk_raw50, "s")
+    rec(
+        "tunnel.lean.sequential.raw",
+        "lean, raw stdio, sequential",
+        raw.sequential,
+        "ops/s",
+        row=False,
+    )
+    rec(
+        "tunnel.lean.sequential",
+        "lean through tunnel, sequential",
+        ours.sequential,
+        "ops/s",
+        raw="tunnel.lean.sequential.raw",
+    )
+    rec(
+        "tunnel.lean.inflight64.raw",
+        f"lean, raw stdio, {IN_FLIGHT} in flight",
+        raw.in_flight,
+        "ops/s",
+        row=False,
+    )
+    rec(
+        "tunnel.lean.inflight64",
+        f"lean through tunnel, {IN_FLIGHT} in flight",
+        ours.in_flight,
+        "ops/s",
+        raw="tunnel.lean.inflight64.raw",
+    )
+    rec("tunnel.strict.ping.p50", "lean ping, --audit strict, p50", s50, "s")
+    rec(
+        "tunnel.strict.sequential",
+        "lean, --audit strict, sequential",
+        strict.sequential,
+        "ops/s",
+        raw="tunnel.lean.sequential",
+    )
+    rec(
+        "tunnel.strict.inflight64",
+        f"lean, --audit strict, {IN_FLIGHT} in flight",
+        strict.in_flight,
+        "ops/s",
+        raw="tunnel.lean.inflight64",
+    )
+    suite.record_samples("lean ping, raw stdio", raw.pings)
+    suite.record_samples("lean ping, tunnel", ours.pings)
+    suite.record_samples("lean ping, tunnel --audit strict", strict.pings)
+    suite.record_samples("MCP SDK ping, raw stdio", raw_sdk)
+    suite.record_samples("MCP SDK ping, tunnel", ours_sdk)
+
+
+def main() -> None:
+    suite = Suite.create(__file__, pyperf_runner=False)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=50 if suite.fast else 2000)
+    parser.add_argument("--burst", type=int, default=500 if suite.fast else 20000)
+    args = parser.parse_args()
+    asyncio.run(measure(suite, args.count, args.burst))
+    suite.finish()
+
+
+if __name__ == "__main__":
+    main()
