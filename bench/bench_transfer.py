@@ -1,0 +1,191 @@
+"""Encrypted file transfer between two ``talosd run`` processes vs a plain websocket copy.
+
+Issue 6; DESIGN.md "Performance targets" (file transfer row). Both nodes are
+real subprocesses on 127.0.0.1: A sends, B auto-accepts (``transfer.json``).
+The clock runs from ``POST /v1/files`` (what ``talosd send-file`` does: the
+sender hashes the file first) to the sender seeing ``complete`` (B verified the
+SHA-256); polling the control API directly keeps CLI start-up out of the figure.
+Peak RSS of each node is its ``VmHWM`` read before it stops.
+
+The floor, same run, same bytes: an unencrypted ``websockets`` copy from this
+process to a child process that writes the file and fsyncs it at the end,
+1 MiB messages, compression off. Targets: >= 1.0 x that copy, >= 400 MB/s,
+peak RSS < 200 MB per node.
+
+    python bench/bench_transfer.py [--fast] [--size BYTES]   (default 1 GiB; --fast 4 MiB)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Suite
+from _procs import PYTHON, TALOSD, child, peak_rss
+
+WS_SINK_FLAG = "--ws-sink"
+CHUNK = 1 << 20
+FINAL = frozenset({"complete", "failed", "rejected", "cancelled"})
+TRANSFER_TIMEOUT = 1800.0
+POLL = 0.005
+
+
+def make_payload(path: Path, size: int) -> None:
+    """``size`` incompressible bytes (an 8 MiB random block, repeated)."""
+    block = os.urandom(min(size, 8 << 20))
+    with path.open("wb") as fh:
+        left = size
+        while left:
+            n = min(left, len(block))
+            fh.write(block[:n])
+            left -= n
+
+
+async def ws_sink(target: Path) -> None:
+    """Child process: write every binary message to ``target``; on "done", fsync and reply."""
+    from websockets.asyncio.server import ServerConnection, serve
+
+    async def receive(ws: ServerConnection) -> None:
+        with target.open("wb") as fh:
+            async for msg in ws:
+                if isinstance(msg, str):  # the end marker
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                    await ws.send(str(fh.tell()))
+                    return
+                fh.write(msg)
+
+    async with serve(receive, "127.0.0.1", 0, compression=None, max_size=2 * CHUNK) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        print(f"sink on {port}", flush=True)
+        await asyncio.Future()
+
+
+async def plain_ws_copy(source: Path, root: Path) -> float:
+    """Seconds to copy ``source`` over a plain websocket into a child process."""
+    from websockets.asyncio.client import connect
+
+    argv = [PYTHON, __file__, WS_SINK_FLAG, str(root / "plain-copy.bin")]
+    async with child(argv, "websocket sink") as sink:
+        port = int((await sink.wait_line(r"sink on (\d+)")).group(1))
+        async with connect(f"ws://127.0.0.1:{port}", compression=None) as ws:
+            start = time.perf_counter()
+            with source.open("rb") as fh:
+                while chunk := fh.read(CHUNK):
+                    await ws.send(chunk)
+            await ws.send("done")
+            copied = int(await ws.recv())
+            elapsed = time.perf_counter() - start
+    if copied != source.stat().st_size:
+        raise RuntimeError(f"plain copy wrote {copied} bytes of {source.stat().st_size}")
+    return elapsed
+
+
+def _api(home: Path) -> Any:
+    from talos.client import ApiClient
+    from talos.config import Home
+
+    return ApiClient.for_home(Home(home))
+
+
+async def _until(cond: Any, what: str, timeout: float = 60.0) -> Any:
+    """Poll a blocking API call off the event loop (children's pipes keep draining)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await asyncio.to_thread(cond)
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        await asyncio.sleep(POLL)
+
+
+async def talos_transfer(source: Path, root: Path) -> tuple[float, int, int]:
+    """Seconds for A -> B of ``source`` and the peak RSS (bytes) of sender and receiver."""
+    from talos.node import init_home
+
+    a_home, b_home = root / "a", root / "b"
+    did_a = init_home(a_home).did
+    did_b = init_home(b_home).did
+    (b_home / "transfer.json").write_text(json.dumps({"auto_accept": [did_a]}))
+    b_argv = [*TALOSD, "run", "--home", str(b_home), "--listen", "127.0.0.1:0", "--allow", did_a]
+    async with child(b_argv, "talosd run (B)") as b:
+        listen = (await b.wait_line(r"listening on (\S+) did=")).group(1)
+        a_argv = [*TALOSD, "run", "--home", str(a_home), "--peer", f"{listen}#{did_b}"]
+        async with child(a_argv, "talosd run (A)") as a:
+            await a.wait_line(r"did=")
+            api = _api(a_home)
+
+            def linked() -> bool:
+                links = api.call("GET", "/v1/status")["links"]
+                return any(x["did"] == did_b and x["ready"] for x in links)
+
+            await _until(linked, "the A -> B link")
+            start = time.perf_counter()
+            body = {"did": did_b, "path": str(source)}
+            tid = (await asyncio.to_thread(api.call, "POST", "/v1/files", body))["id"]
+
+            def finished() -> dict[str, Any] | None:
+                info: dict[str, Any] = api.call("GET", f"/v1/files/{tid}")
+                return info if info["state"] in FINAL else None
+
+            info = await _until(finished, "the transfer", TRANSFER_TIMEOUT)
+            elapsed = time.perf_counter() - start
+            if info["state"] != "complete":
+                raise RuntimeError(f"transfer ended {info['state']}: {info.get('error')}")
+            rss_a, rss_b = peak_rss(a.pid), peak_rss(b.pid)
+    received = b_home / "files" / source.name
+    if received.stat().st_size != source.stat().st_size:
+        raise RuntimeError(f"{received} has {received.stat().st_size} bytes")
+    return elapsed, rss_a, rss_b
+
+
+async def measure(suite: Suite, size: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="talos-bench-transfer-") as tmp:
+        root = Path(tmp)
+        source = root / "payload.bin"
+        make_payload(source, size)
+        plain = await plain_ws_copy(source, root)
+        (root / "plain-copy.bin").unlink()  # keep the disk footprint at two copies
+        ours, rss_a, rss_b = await talos_transfer(source, root)
+    mib = f"{size / (1 << 20):g} MiB"
+    suite.record("transfer.plain_ws", f"plain websocket copy {mib}", size / plain, "B/s", row=False)
+    suite.record(
+        "transfer.encrypted",
+        f"talos send-file {mib}, encrypted",
+        size / ours,
+        "B/s",
+        raw="transfer.plain_ws",
+    )
+    suite.record("transfer.peak_rss", "peak RSS, larger of the two nodes", max(rss_a, rss_b), "B")
+    suite.record("transfer.peak_rss.sender", "peak RSS, sending node", rss_a, "B")
+    suite.record("transfer.peak_rss.receiver", "peak RSS, receiving node", rss_b, "B")
+
+
+def main() -> None:
+    if WS_SINK_FLAG in sys.argv:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(ws_sink(Path(sys.argv[sys.argv.index(WS_SINK_FLAG) + 1])))
+        return
+    suite = Suite.create(__file__, pyperf_runner=False)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=(4 << 20) if suite.fast else (1 << 30))
+    args = parser.parse_args()
+    if args.size <= 0:
+        parser.error("--size must be positive")
+    asyncio.run(measure(suite, args.size))
+    suite.finish()
+
+
+if __name__ == "__main__":
+    main()
