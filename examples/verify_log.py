@@ -99,9 +99,8 @@ def main() -> None:
         print(talosd("chain", "verify", "--home", str(bob)).stdout.strip())
         proof = json.loads(talosd("chain", "proof", "--home", str(bob), ids[1]).stdout)
         print(f"proof for message {ids[1][:12]}…: block {proof['height']}, leaf {proof['index']}")
-        print(
-            f"talos.chain.verify_inclusion_proof(proof, bob) -> {verify_inclusion_proof(proof, did_b)}"
-        )
+        ok = verify_inclusion_proof(proof, did_b)
+        print(f"talos.chain.verify_inclusion_proof(proof, bob) -> {ok}")
         check_by_hand(proof, did_b)
 
         forged = dict(proof, index=(proof["index"] + 1) % proof["size"])
