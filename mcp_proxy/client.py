@@ -45,9 +45,11 @@ Deliver = Callable[[bytes], None]
 class ClientSession:
     """One agent-side MCP session carried by the tunnel."""
 
-    def __init__(self, client: TunnelClient, sid: int, deliver: Deliver) -> None:
+    def __init__(self, client: TunnelClient, deliver: Deliver) -> None:
         self.client = client
-        self.sid = sid
+        # A fresh tunnel session id per attach: late frames of an earlier attach
+        # (a stale ERROR, replies of a dead tool) then match nothing and are ignored.
+        self.sid = 0
         self.deliver = deliver
         self.attached = False
         self.closed = False
@@ -90,6 +92,7 @@ class ClientSession:
     def attach(self, *, replay: bool = True) -> None:
         """Open the remote session (again), replaying the agent's handshake if it had one."""
         sender = self.client.sender
+        self.client.rebind(self)
         sender.control(FrameKind.OPEN, self.sid, self.client.server_name.encode())
         self.attached = True
         if replay and self._init_line is not None and self._init_id is not None:
@@ -128,7 +131,7 @@ class ClientSession:
         if self.attached and self.client.link_up:
             self.client.sender.control(FrameKind.CLOSE, self.sid)
         self.attached = False
-        self.client.sessions.pop(self.sid, None)
+        self.client.forget(self)
 
 
 class TunnelClient:
@@ -147,7 +150,8 @@ class TunnelClient:
         self.server_name = server_name
         self.link_wait = link_wait
         self.sender = FrameSender(transport, server_did)
-        self.sessions: dict[int, ClientSession] = {}
+        self.sessions: set[ClientSession] = set()
+        self._by_sid: dict[int, ClientSession] = {}
         self._next_sid = 1
         self._up = asyncio.Event()
         if transport.is_up(server_did):
@@ -163,10 +167,20 @@ class TunnelClient:
         return f"tunnel link to {self.server_did} is down"
 
     def open_session(self, deliver: Deliver) -> ClientSession:
-        sid = self._next_sid
-        self._next_sid += 1
-        session = self.sessions[sid] = ClientSession(self, sid, deliver)
+        session = ClientSession(self, deliver)
+        self.sessions.add(session)
         return session
+
+    def rebind(self, session: ClientSession) -> None:
+        """Give ``session`` a new tunnel session id (on every attach)."""
+        self._by_sid.pop(session.sid, None)
+        session.sid = self._next_sid
+        self._next_sid = self._next_sid % 0xFFFFFFFF + 1
+        self._by_sid[session.sid] = session
+
+    def forget(self, session: ClientSession) -> None:
+        self.sessions.discard(session)
+        self._by_sid.pop(session.sid, None)
 
     async def wait_link(self) -> bool:
         if self._up.is_set():
@@ -176,7 +190,7 @@ class TunnelClient:
         return self._up.is_set()
 
     async def close(self) -> None:
-        for session in list(self.sessions.values()):
+        for session in list(self.sessions):
             session.close()
         await self.sender.flush()
         await self.sender.close()
@@ -190,7 +204,7 @@ class TunnelClient:
         except ProtocolError as exc:
             log.warning("bad tunnel frame from %s: %s", peer, exc)
             return
-        session = self.sessions.get(frame.session)
+        session = self._by_sid.get(frame.session)
         if session is None:
             return
         if frame.kind is FrameKind.MESSAGES:
@@ -207,7 +221,7 @@ class TunnelClient:
         if up:
             log.info("tunnel link to %s is up", peer)
             self._up.set()
-            for session in self.sessions.values():
+            for session in list(self.sessions):
                 # Reopen at once so the tool can talk first (list_changed, logging).
                 if not session.attached and session._init_line is not None:
                     session.attach()
@@ -215,7 +229,7 @@ class TunnelClient:
         log.warning("tunnel link to %s is down", peer)
         self._up.clear()
         self.sender.discard()
-        for session in self.sessions.values():
+        for session in list(self.sessions):
             session.detach(LINK_DOWN, f"tunnel link to {peer} lost")
 
 

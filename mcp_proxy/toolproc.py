@@ -199,9 +199,11 @@ class ToolProcess:
             return
         self.exit_code = code
         log.info("%s: exited with code %d", self.label, code)
+        # Exit first: the session is reported failed before its pending calls are
+        # answered, so a caller that retries at once never races the failure notice.
+        self._on_exit(code)
         self._fail_pending()
         self._exited.set()
-        self._on_exit(code)
 
     def _fail_pending(self) -> None:
         message = f"tool process exited (code {self.exit_code})"
