@@ -118,14 +118,17 @@ def main() -> None:
             print(talosd("files", "--home", str(bob), "accept", offer["tid"]))
 
             last = -1
-            while sender.poll() is None:
-                rows = api_a.call("GET", f"/v1/files/{offer['tid']}")
+            while last < 100:
+                running = sender.poll() is None
+                row = api_a.call("GET", f"/v1/files/{offer['tid']}")
                 # "transferred" counts bytes on the wire (framing included): cap it.
-                done = min(rows["transferred"], rows["size"])
-                pct = 100 * done // max(rows["size"], 1)
+                done = min(row["transferred"], row["size"])
+                pct = 100 * done // max(row["size"], 1)
                 if pct != last:
-                    print(f"  progress {done:>9} / {rows['size']} B ({pct}%)")
+                    print(f"  progress {done:>9} / {row['size']} B ({pct}%)")
                     last = pct
+                if not running:
+                    break
                 time.sleep(0.05)
             out, err = sender.communicate(timeout=TIMEOUT)
             if sender.returncode != 0:

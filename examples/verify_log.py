@@ -103,8 +103,11 @@ def main() -> None:
         print(f"talos.chain.verify_inclusion_proof(proof, bob) -> {ok}")
         check_by_hand(proof, did_b)
 
-        forged = dict(proof, index=(proof["index"] + 1) % proof["size"])
-        print(f"same proof claiming another position -> {verify_inclusion_proof(forged, did_b)}")
+        other = json.loads(talosd("chain", "proof", "--home", str(bob), ids[0]).stdout)
+        forged = dict(proof, leaf=other["leaf"])  # another message's record, same path
+        print(
+            f"the proof with another record swapped in -> {verify_inclusion_proof(forged, did_b)}"
+        )
         print(f"checked against alice's DID instead -> {verify_inclusion_proof(proof, did_a)}")
 
         # Tamper with one stored record in a copy of bob's (stopped) home.
