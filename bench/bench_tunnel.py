@@ -195,7 +195,7 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
 def main() -> None:
     suite = Suite.create(__file__, pyperf_runner=False)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=50 if suite.fast else 2000)
+    parser.add_argument("--count", type=int, default=200 if suite.fast else 2000)
     parser.add_argument("--burst", type=int, default=500 if suite.fast else 20000)
     args = parser.parse_args()
     asyncio.run(measure(suite, args.count, args.burst))
