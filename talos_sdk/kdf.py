@@ -20,6 +20,7 @@ __all__ = [
     "hmac_sha256",
     "hmac_sha256_chain",
     "hmac_sha256_pair",
+    "kdf_ck",
 ]
 
 try:  # CPython's built-in SHA-256: no OpenSSL EVP fetch per object, ~3x cheaper to create
@@ -80,22 +81,19 @@ def hmac_sha256_chain(key: bytes, msg1: bytes, msg2: bytes) -> tuple[bytes, byte
     return t1, outer.digest()
 
 
-def ratchet_message_keys(
+def kdf_ck(
     ck: bytes,
-    info1: bytes,
-    info2: bytes,
     _sha: Callable[[bytes], Any] = _new_sha256,
     _ip: bytes = _IPAD,
     _op: bytes = _OPAD,
     _it: bytes = _IPAD_TAIL,
     _ot: bytes = _OPAD_TAIL,
-) -> tuple[bytes, bytes, bytes]:
-    """One Double Ratchet symmetric step on a 32-byte chain key (Signal DR §5.2):
+) -> tuple[bytes, bytes]:
+    """Double Ratchet KDF_CK on a 32-byte chain key (Signal DR §5.2): returns
+    ``(mk, ck')`` = ``(HMAC(ck, 0x01), HMAC(ck, 0x02))``.
 
-    ``mk = HMAC(ck, 0x01)``, ``ck' = HMAC(ck, 0x02)``, then ``key ‖ nonce`` =
-    HKDF-Expand(mk, info, 44) with ``info1 = info ‖ 0x01``, ``info2 = info ‖ 0x02``.
-    Returns ``(key (32), nonce (12), ck')``. This is the per-message hot path: one
-    function, shared key schedules, no OpenSSL object setup.
+    The per-message hot path: both HMACs share one key schedule (the padded-key
+    states are hashed once and copied) and the constants are bound as locals.
     """
     inner = _sha(ck.translate(_ip) + _it)
     outer = _sha(ck.translate(_op) + _ot)
@@ -103,20 +101,9 @@ def ratchet_message_keys(
     i1.update(b"\x01")
     o1 = outer.copy()
     o1.update(i1.digest())
-    mk: bytes = o1.digest()
     inner.update(b"\x02")
     outer.update(inner.digest())
-    next_ck: bytes = outer.digest()
-    inner = _sha(mk.translate(_ip) + _it)
-    outer = _sha(mk.translate(_op) + _ot)
-    i1 = inner.copy()
-    i1.update(info1)
-    o1 = outer.copy()
-    o1.update(i1.digest())
-    key: bytes = o1.digest()
-    inner.update(key + info2)
-    outer.update(inner.digest())
-    return key, outer.digest()[:12], next_ck
+    return o1.digest(), outer.digest()
 
 
 def hkdf_extract(salt: bytes, ikm: bytes) -> bytes:

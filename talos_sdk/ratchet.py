@@ -2,9 +2,10 @@
 
 * KDF_RK(rk, dh) = HKDF-SHA256(salt=rk, ikm=dh, info="Talos_DR_Root_v1", 64) -> rk', ck.
 * KDF_CK(ck): mk = HMAC-SHA256(ck, 0x01), ck' = HMAC-SHA256(ck, 0x02).
-* Message keys: key(32) || nonce(12) = HKDF-Expand(mk, "Talos_DR_MessageKeys_v1", 44)
-  (mk is already a uniform PRF output, so it is used as the PRK, RFC 5869 §3.3);
-  ChaCha20-Poly1305 with AD = X3DH AD || header bytes || caller AD.
+* Message encryption (docs/adr/0006-message-key-as-aead-key.md): ChaCha20-Poly1305
+  keyed with mk itself, nonce = 8 zero bytes || N u32, AD = X3DH AD || header bytes ||
+  caller AD. mk is a uniform PRF output used for exactly one message, one of the
+  nonce options Signal DR §5.2 lists for an AEAD ENCRYPT.
 * Header (41 bytes): type u8 (1 = normal, 2 = carries X3DH initial data) | ratchet
   public key(32) | PN u32 | N u32; type 2 adds u16 length || initial data.
 * Lazy DH ratchet (docs/adr/0002-lazy-dh-ratchet.md): a new peer ratchet key always
@@ -46,7 +47,7 @@ from talos_sdk.errors import (
     MalformedFrameError,
     UsageError,
 )
-from talos_sdk.kdf import hkdf, hmac_sha256_chain, hmac_sha256_pair, ratchet_message_keys
+from talos_sdk.kdf import hkdf, kdf_ck
 from talos_sdk.wallet import Wallet
 from talos_sdk.x3dh import InitialData, X3DHResult
 from talos_sdk.x3dh import initiate as x3dh_initiate
@@ -69,14 +70,10 @@ _TYPE_NORMAL = 1
 _TYPE_INITIAL = 2
 _HEADER = struct.Struct(">B32sII")
 _ROOT_INFO = b"Talos_DR_Root_v1"
-_MSG_INFO = b"Talos_DR_MessageKeys_v1"
-_MSG_INFO_1 = _MSG_INFO + b"\x01"
-_MSG_INFO_2 = _MSG_INFO + b"\x02"
+_NONCE = struct.Struct(">8xI")
 _STATE_MAGIC = b"TDRS\x01"
 _U32 = struct.Struct(">I")
 _SKIPPED = struct.Struct(">32sI32s")
-_CK_MSG = b"\x01"
-_CK_NEXT = b"\x02"
 
 
 def _kdf_rk(rk: bytes, dh_out: bytes) -> tuple[bytes, bytes]:
@@ -84,14 +81,9 @@ def _kdf_rk(rk: bytes, dh_out: bytes) -> tuple[bytes, bytes]:
     return out[:32], out[32:]
 
 
-def _open(mk: bytes, ciphertext: bytes, aad: bytes) -> bytes:
-    key, nonce = hmac_sha256_chain(mk, _MSG_INFO_1, _MSG_INFO_2)
-    return _open_with(key, nonce[:12], ciphertext, aad)
-
-
-def _open_with(key: bytes, nonce: bytes, ciphertext: bytes, aad: bytes) -> bytes:
+def _open(mk: bytes, n: int, ciphertext: bytes, aad: bytes) -> bytes:
     try:
-        return ChaCha20Poly1305(key).decrypt(nonce, ciphertext, aad)
+        return ChaCha20Poly1305(mk).decrypt(_NONCE.pack(n), ciphertext, aad)
     except InvalidTag:
         raise DecryptionError() from None
 
@@ -319,8 +311,8 @@ class Session:
             _HEADER.pack(_TYPE_INITIAL if initial else _TYPE_NORMAL, self._dhs_pub, self._pn, n)
             + initial
         )
-        key, nonce, next_ck = ratchet_message_keys(ck, _MSG_INFO_1, _MSG_INFO_2)
-        sealed = ChaCha20Poly1305(key).encrypt(nonce, plaintext, self._ad + header + ad)
+        mk, next_ck = kdf_ck(ck)
+        sealed = ChaCha20Poly1305(mk).encrypt(_NONCE.pack(n), plaintext, self._ad + header + ad)
         self._cks = next_ck
         self._ns = n + 1
         return header + sealed
@@ -346,7 +338,7 @@ class Session:
 
         mk = self._skipped.get((dh, n))
         if mk is not None:
-            plaintext = _open(mk, body, aad)
+            plaintext = _open(mk, n, body, aad)
             del self._skipped[(dh, n)]
             self._initial = b""
             return plaintext
@@ -358,10 +350,10 @@ class Session:
             assert self._ckr is not None
             ck = self._ckr
             for i in range(self._nr, n):
-                mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
+                mk, ck = kdf_ck(ck)
                 new_skipped.append(((dh, i), mk))
-            key, nonce, ck = ratchet_message_keys(ck, _MSG_INFO_1, _MSG_INFO_2)
-            plaintext = _open_with(key, nonce, body, aad)
+            mk, ck = kdf_ck(ck)
+            plaintext = _open(mk, n, body, aad)
             self._ckr = ck
             self._nr = n + 1
         else:
@@ -374,7 +366,7 @@ class Session:
                     raise DecryptionError()
                 ck = self._ckr
                 for i in range(self._nr, pn):
-                    mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
+                    mk, ck = kdf_ck(ck)
                     new_skipped.append(((self._dhr, i), mk))
             if self._first_dh is not None and self._first_dh[0] == dh:
                 dh_out = self._first_dh[1]
@@ -387,10 +379,10 @@ class Session:
                     raise DecryptionError() from None
             rk, ck = _kdf_rk(self._rk, dh_out)
             for i in range(n):
-                mk, ck = hmac_sha256_pair(ck, _CK_MSG, _CK_NEXT)
+                mk, ck = kdf_ck(ck)
                 new_skipped.append(((dh, i), mk))
-            key, nonce, ck = ratchet_message_keys(ck, _MSG_INFO_1, _MSG_INFO_2)
-            plaintext = _open_with(key, nonce, body, aad)
+            mk, ck = kdf_ck(ck)
+            plaintext = _open(mk, n, body, aad)
             if self._first_dh is not None:
                 # The SPK's private half is not needed for sending: drop the DH cache.
                 self._first_dh = None

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.hmac import HMAC
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -380,12 +381,32 @@ def test_first_message_matches_the_documented_formulas() -> None:
     mac = HMAC(chain_key, hashes.SHA256())
     mac.update(b"\x01")
     mk = mac.finalize()
-    okm = HKDFExpand(hashes.SHA256(), 44, info=b"Talos_DR_MessageKeys_v1").derive(mk)
     header_len = 41 + 2 + int.from_bytes(first[41:43], "big")
     assert first[0] == 2 and first[33:41] == bytes(8)  # PN = 0, N = 0
     aad = bytes.fromhex(x["associated_data"]) + first[:header_len]
-    plain = ChaCha20Poly1305(okm[:32]).decrypt(okm[32:44], first[header_len:], aad)
+    # ADR 0006: mk is the AEAD key, nonce = 8 zero bytes || N (here 0).
+    plain = ChaCha20Poly1305(mk).decrypt(bytes(12), first[header_len:], aad)
     assert plain == b"first"
+
+    # The third message on that chain (N = 2, caller AD "ctx"): the nonce carries N.
+    conv = json.loads((VECTORS / "ratchet" / "conversation.json").read_text())
+    third = bytes.fromhex(conv["messages"][1]["wire"])
+    ck = chain_key
+    for _ in range(2):
+        mac = HMAC(ck, hashes.SHA256())
+        mac.update(b"\x02")
+        ck = mac.finalize()
+    mac = HMAC(ck, hashes.SHA256())
+    mac.update(b"\x01")
+    mk2 = mac.finalize()
+    header_len = 41 + 2 + int.from_bytes(third[41:43], "big")
+    assert third[37:41] == (2).to_bytes(4, "big")
+    aad = bytes.fromhex(x["associated_data"]) + third[:header_len] + b"ctx"
+    nonce = bytes(8) + (2).to_bytes(4, "big")
+    plain = ChaCha20Poly1305(mk2).decrypt(nonce, third[header_len:], aad)
+    assert plain == conv["messages"][1]["plaintext"].encode()
+    with pytest.raises(InvalidTag):  # the same key under N = 0's nonce does not open it
+        ChaCha20Poly1305(mk2).decrypt(bytes(12), third[header_len:], aad)
 
 
 def test_constructor_usage_errors() -> None:
