@@ -10,9 +10,17 @@
 # identity it expects.
 set -eu
 role=$1; name=$2; shift 2
-home=/home/talos/node
-dir=/directory
-port=7400
+# Overridable so tests can run this script outside a container (on 127.0.0.1).
+home=${TALOS_NODE_HOME:-/home/talos/node}
+dir=${TALOS_DIRECTORY:-/directory}
+bind=${TALOS_BIND:-0.0.0.0}
+port=${TALOS_PORT:-7400}
+api_port=${TALOS_API_PORT:-7401}
+
+case "$role" in
+  node|tool) ;;
+  *) echo "unknown role: $role (expected node or tool)" >&2; exit 2 ;;
+esac
 
 if [ ! -f "$home/identity.key" ]; then
   if [ "$role" = tool ]; then talos-proxy id --home "$home" >/dev/null; else talosd init --home "$home" >/dev/null; fi
@@ -33,14 +41,26 @@ case "$role" in
   node)
     args=""
     for peer in "$@"; do args="$args --peer ws://$peer:$port#$(wait_did "$peer")"; done
+    # The control API stays on loopback (the node refuses anything else); a fixed
+    # port lets the compose healthcheck reach /healthz. `talosd run` has no flag
+    # for it, so it goes into the home's config.json (NodeConfig.api_port).
+    python - "$home/config.json" "$api_port" <<'PY'
+import json, sys
+path, port = sys.argv[1], int(sys.argv[2])
+with open(path) as f:
+    config = json.load(f)
+config["api_port"] = port
+with open(path, "w") as f:
+    json.dump(config, f, indent=2)
+PY
     # shellcheck disable=SC2086
-    exec talosd run --home "$home" --listen "0.0.0.0:$port" --api 127.0.0.1:7401 $args
+    exec talosd run --home "$home" --listen "$bind:$port" $args
     ;;
   tool)
     args=""
     for peer in "$@"; do args="$args --allow $(wait_did "$peer")"; done
     # shellcheck disable=SC2086
-    exec talos-proxy serve --home "$home" --listen "0.0.0.0:$port" $args -- python -m mcp_server_time
+    exec talos-proxy serve --home "$home" --listen "$bind:$port" $args -- python -m mcp_server_time
     ;;
   *)
     echo "unknown role: $role" >&2; exit 2
