@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from talos_sdk.base58 import b58decode, b58encode
+from talos_sdk.base58 import ALPHABET, b58decode, b58encode
 from talos_sdk.errors import EncodingError
 
 # Examples from draft-msporny-base58-03 section 5 and the Bitcoin reference tests.
@@ -52,3 +52,28 @@ def test_wrong_types() -> None:
         b58decode(b"abc")  # type: ignore[arg-type]
     with pytest.raises(EncodingError, match="must be bytes"):
         b58encode("abc")  # type: ignore[arg-type]
+
+
+def _reference_encode(data: bytes) -> str:
+    """Textbook base58 (one digit per division), to check the table-driven encoder."""
+    n = int.from_bytes(data, "big")
+    out = ""
+    while n:
+        n, rem = divmod(n, 58)
+        out = ALPHABET[rem] + out
+    return "1" * (len(data) - len(data.lstrip(b"\x00"))) + out
+
+
+@given(st.integers(0, 4), st.binary(max_size=60))
+def test_matches_the_textbook_algorithm(zeros: int, data: bytes) -> None:
+    raw = bytes(zeros) + data
+    assert b58encode(raw) == _reference_encode(raw)
+    assert b58decode(_reference_encode(raw)) == raw
+
+
+@pytest.mark.parametrize(
+    ("bad", "where"), [("z0", "'0' at position 1"), ("abé1", "'é' at position 2")]
+)
+def test_bad_character_position(bad: str, where: str) -> None:
+    with pytest.raises(EncodingError, match=where):
+        b58decode(bad)
