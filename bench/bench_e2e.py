@@ -5,10 +5,11 @@ two nodes use both cores as in a deployment. A times ``send_message(wait=True)``
 (sender commit, ratchet seal, link frame, receiver commit + fsync, ack) one at
 a time for p50 / p99, then with many messages in flight for throughput.
 
-The floor is measured in the same run: one durable LMDB commit (raw ``lmdb``,
-same flags as talos/store.py: commit then ``env.sync(True)``) and one plain
-``websockets`` round trip between this process and an echo child process, with
-a payload the size of a sealed message frame. Target: p50 <= 1 ms and
+The floor is measured in the same run, one sample of each after every message
+(the disk is shared, so its cost drifts): one durable LMDB commit (raw
+``lmdb``, same flags as talos/store.py: commit then ``env.sync(True)``) and one
+plain ``websockets`` round trip between this process and an echo child
+process, with a payload the size of a sealed message frame. Target: p50 <= 1 ms and
 <= 2 x (sync commit + websocket round trip).
 
     python bench/bench_e2e.py [--fast] [--count N] [--in-flight K]
@@ -23,7 +24,9 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -50,46 +53,52 @@ async def ws_echo_server() -> None:
         await asyncio.Future()
 
 
-async def ws_round_trips(port: int, count: int) -> list[float]:
-    """Round trips of a FRAME_BYTES binary message to the echo child."""
-    from websockets.asyncio.client import connect
+class Floor:
+    """The two raw costs under every ack, sampled between messages so they see the same disk.
 
-    payload = b"\x00" * FRAME_BYTES
-    samples = []
-    async with connect(f"ws://127.0.0.1:{port}", compression=None) as ws:
-        for _ in range(max(count // 10, 5)):  # warm-up
-            await ws.send(payload)
-            await ws.recv()
-        for _ in range(count):
-            start = time.perf_counter()
-            await ws.send(payload)
-            await ws.recv()
-            samples.append(time.perf_counter() - start)
-    return samples
+    The disk here is shared: an fsync costs 0.1 ms one second and 4 ms the next,
+    so a floor measured before or after the messages would not be comparable.
+    """
+
+    def __init__(self, folder: Path, ws: Any) -> None:
+        import lmdb
+
+        # Same flags as talos/store.py: MDB_NOSYNC, then one explicit env.sync per commit.
+        self.env = lmdb.open(str(folder), map_size=64 << 20, sync=False, metasync=False)
+        self.ws = ws
+        self.payload = b"\x00" * FRAME_BYTES
+        self.commits: list[float] = []
+        self.round_trips: list[float] = []
+
+    def commit(self) -> None:
+        n = len(self.commits)
+        start = time.perf_counter()
+        with self.env.begin(write=True) as txn:
+            txn.put(n.to_bytes(8, "big"), b"v" * 200)
+        self.env.sync(True)
+        self.commits.append(time.perf_counter() - start)
+
+    async def round_trip(self) -> None:
+        start = time.perf_counter()
+        await self.ws.send(self.payload)
+        await self.ws.recv()
+        self.round_trips.append(time.perf_counter() - start)
 
 
-def sync_commits(folder: Path, count: int) -> list[float]:
-    """One record per durable commit, flags as in talos/store.py (NOSYNC + explicit fsync)."""
-    import lmdb
-
-    env = lmdb.open(str(folder), map_size=64 << 20, sync=False, metasync=False)
-    samples = []
-    try:
-        for i in range(count):
-            start = time.perf_counter()
-            with env.begin(write=True) as txn:
-                txn.put(i.to_bytes(8, "big"), b"v" * 200)
-            env.sync(True)
-            samples.append(time.perf_counter() - start)
-    finally:
-        env.close()
-    return samples
+@dataclass(frozen=True, slots=True)
+class Measured:
+    latencies: list[float]
+    commits: list[float]
+    round_trips: list[float]
+    rate: float
 
 
 async def node_latency(
-    root: Path, count: int, burst: int, in_flight: int
-) -> tuple[list[float], float]:
-    """Sequential ``send_message(wait=True)`` latencies and the in-flight throughput."""
+    root: Path, echo_port: int, count: int, burst: int, in_flight: int
+) -> Measured:
+    """Sequential ``send_message(wait=True)`` latencies (floor sampled in between), then a burst."""
+    from websockets.asyncio.client import connect
+
     from talos.config import NodeConfig
     from talos.node import Node, init_home
 
@@ -98,9 +107,13 @@ async def node_latency(
     did_a = init_home(a_home, config).did
     init_home(b_home, config)
     argv = [*TALOSD, "run", "--home", str(b_home), "--listen", "127.0.0.1:0", "--allow", did_a]
-    async with child(argv, "talosd run (B)") as b:
+    async with (
+        child(argv, "talosd run (B)") as b,
+        connect(f"ws://127.0.0.1:{echo_port}", compression=None) as ws,
+    ):
         m = await b.wait_line(r"listening on (\S+) did=(\S+)")
         did_b = m.group(2)
+        floor = Floor(root / "lmdb", ws)
         node = Node(a_home, config)
         await node.start()
         try:
@@ -108,11 +121,15 @@ async def node_latency(
             await node.wait_connected(did_b, 30)
             for _ in range(max(count // 10, 5)):  # warm-up: session, caches, page faults
                 await node.send_message(did_b, TEXT, wait=True)
-            samples = []
+                await floor.round_trip()
+            floor.round_trips.clear()
+            latencies = []
             for _ in range(count):
                 start = time.perf_counter()
                 await node.send_message(did_b, TEXT, wait=True)
-                samples.append(time.perf_counter() - start)
+                latencies.append(time.perf_counter() - start)
+                floor.commit()
+                await floor.round_trip()
             window = asyncio.Semaphore(in_flight)
 
             async def one() -> None:
@@ -124,21 +141,19 @@ async def node_latency(
             rate = burst / (time.perf_counter() - start)
         finally:
             await node.stop()
-    return samples, rate
+            floor.env.close()
+    return Measured(latencies, floor.commits, floor.round_trips, rate)
 
 
 async def measure(suite: Suite, count: int, burst: int, in_flight: int) -> None:
     with tempfile.TemporaryDirectory(prefix="talos-bench-e2e-") as tmp:
-        root = Path(tmp)
-        commits = sync_commits(root / "lmdb", count)
         async with child([PYTHON, __file__, WS_ECHO_FLAG], "websocket echo") as echo:
             port = int((await echo.wait_line(r"echo on (\d+)")).group(1))
-            ws = await ws_round_trips(port, count)
-        latencies, rate = await node_latency(root, count, burst, in_flight)
+            got = await node_latency(Path(tmp), port, count, burst, in_flight)
 
-    commit = statistics.median(commits)
-    ws50, ws99 = quantiles(ws)
-    p50, p99 = quantiles(latencies)
+    commit = statistics.median(got.commits)
+    ws50, ws99 = quantiles(got.round_trips)
+    p50, p99 = quantiles(got.latencies)
     suite.record("e2e.sync_commit", "raw lmdb durable commit, 1 record (median)", commit, "s")
     suite.record("ws.roundtrip.p50", f"websocket round trip {FRAME_BYTES} B, p50", ws50, "s")
     suite.record("ws.roundtrip.p99", f"websocket round trip {FRAME_BYTES} B, p99", ws99, "s")
@@ -148,10 +163,12 @@ async def measure(suite: Suite, count: int, burst: int, in_flight: int) -> None:
         "e2e.latency.p50", "A -> B durable message, wait for ack, p50", p50, "s", raw="e2e.floor"
     )
     suite.record("e2e.latency.p99", "A -> B durable message, wait for ack, p99", p99, "s")
-    suite.record("e2e.throughput", f"A -> B durable messages, {in_flight} in flight", rate, "ops/s")
-    suite.record_samples("A -> B durable message", latencies)
-    suite.record_samples("websocket round trip", ws)
-    suite.record_samples("lmdb sync commit", commits)
+    suite.record(
+        "e2e.throughput", f"A -> B durable messages, {in_flight} in flight", got.rate, "ops/s"
+    )
+    suite.record_samples("A -> B durable message", got.latencies)
+    suite.record_samples("websocket round trip", got.round_trips)
+    suite.record_samples("lmdb sync commit", got.commits)
 
 
 def main() -> None:
