@@ -245,7 +245,10 @@ async def start_api(node: Node, host: str, port: int) -> tuple[web.AppRunner, st
     """Serve the API; returns the runner (``await runner.cleanup()`` to stop) and its URL."""
     if host not in ("127.0.0.1", "::1", "localhost"):
         raise UsageError("the control API listens on loopback only")
-    runner = web.AppRunner(build_app(node, node.home.api_token()), access_log=None)
+    # Long-polls are woken by node.stop(); never let shutdown hang on a stuck client.
+    runner = web.AppRunner(
+        build_app(node, node.home.api_token()), access_log=None, shutdown_timeout=2.0
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

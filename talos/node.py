@@ -248,6 +248,7 @@ class Node:
         if not self.started or self._stopping:
             return
         self._stopping = True
+        self._inbox_event.set()  # wake long-polls so the API can close promptly
         if self._api is not None:
             await self._api.cleanup()
         for task in self._dialers.values():
@@ -765,7 +766,7 @@ class Node:
             signal = self._inbox_event
             entries = self.inbox(after)
             left = deadline - time.monotonic()
-            if entries or left <= 0:
+            if entries or left <= 0 or self._stopping:
                 return entries
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):

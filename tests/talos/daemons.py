@@ -66,12 +66,13 @@ class Daemon:
             t.start()
         try:
             self.line = self._lines.get(timeout=timeout)
-        except queue.Empty:
+            self.listen = self.line.split()[2]
+            self.did = self.line.split("did=")[1].strip()
+            self.api = ApiClient.for_home(Home(home))
+        except Exception as exc:
             self.kill()
-            raise AssertionError(f"talosd run did not get ready: {''.join(self.stderr)}") from None
-        self.listen = self.line.split()[2]
-        self.did = self.line.split("did=")[1].strip()
-        self.api = ApiClient.for_home(Home(home))
+            err = "".join(self.stderr)
+            raise AssertionError(f"talosd run did not get ready ({exc!r}): {err}") from None
 
     def _pump(self, stream: Any, is_stdout: bool) -> None:
         for line in stream:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import select
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from talos.client import ApiClient, ApiError
-from tests.talos.daemons import Daemon, fast_config, talosd, wait_for
+from talos.store import Store
+from tests.talos.daemons import ENV, TALOSD, Daemon, fast_config, talosd, wait_for
 
 
 def init(tmp_path: Path, name: str) -> tuple[Path, str]:
@@ -86,6 +89,12 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
     home_b, did_b = init(tmp_path, "b")
     b = Daemon(home_b, "--listen", "127.0.0.1:0", "--allow", did_a)
     a = Daemon(home_a, "--listen", "127.0.0.1:0", "--peer", b.addr)
+    follow = subprocess.Popen(
+        [*TALOSD, "inbox", "--follow", "--json", "--home", str(home_b)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     try:
         res = talosd("send", "--home", str(home_a), "--wait", did_b, "hello from A")
         assert res.returncode == 0, res.stderr
@@ -103,11 +112,28 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
         assert json.loads(res.stdout)["size"] >= 1
         res = talosd("chain", "verify", "--home", str(home_b))
         assert res.returncode == 0 and "chain ok" in res.stdout
+        # inbox --follow streamed the message as one JSON line.
+        assert follow.stdout is not None
+        ready, _, _ = select.select([follow.stdout], [], [], 20)  # bounded wait
+        assert ready, "inbox --follow printed nothing"
+        assert json.loads(follow.stdout.readline())["id"] == msg_id
     finally:
+        follow.kill()
+        follow.wait(10)
+        if follow.stdout is not None:
+            follow.stdout.close()
         a.stop()
         b.stop()
     res = talosd("chain", "verify", "--home", str(home_b))
     assert res.returncode == 0, res.stderr
+    # Tamper with one sealed record on the stopped node: verify says where and exits 1.
+    with Store(home_b / "store") as store, store.write() as txn:
+        key, value = next(iter(txn.items("block_records")))
+        txn.put("block_records", key, value[:-1] + bytes([value[-1] ^ 1]))
+    res = talosd("chain", "verify", "--home", str(home_b))
+    assert res.returncode == 1
+    assert "DEFECT" in res.stderr and "block 0" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 @pytest.mark.parametrize("victim", ["receiver", "sender"])
@@ -145,58 +171,3 @@ def test_kill_9_mid_stream_loses_nothing_acknowledged(tmp_path: Path, victim: st
     assert res.returncode == 0, res.stdout + res.stderr
     inbox = json.loads(talosd("inbox", "--json", "--home", str(home_b)).stdout)
     assert [m["id"] for m in inbox] == sent
-
-
-def test_inbox_follow_streams_new_messages(tmp_path: Path) -> None:
-    import select
-    import subprocess
-
-    from tests.talos.daemons import ENV, TALOSD
-
-    home_a, did_a = init(tmp_path, "a")
-    home_b, did_b = init(tmp_path, "b")
-    b = Daemon(home_b, "--listen", "127.0.0.1:0", "--allow", did_a)
-    a = Daemon(home_a, "--listen", "127.0.0.1:0", "--peer", b.addr)
-    follow = subprocess.Popen(
-        [*TALOSD, "inbox", "--follow", "--json", "--home", str(home_b)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=ENV,
-    )
-    try:
-        a.api.call("POST", "/v1/send", {"to": did_b, "text": "streamed", "wait": True})
-        assert follow.stdout is not None
-        ready, _, _ = select.select([follow.stdout], [], [], 20)  # bounded wait
-        assert ready, "inbox --follow printed nothing"
-        line = follow.stdout.readline()
-        assert json.loads(line)["text"] == "streamed"
-    finally:
-        follow.kill()
-        follow.wait(10)
-        if follow.stdout is not None:
-            follow.stdout.close()
-        a.stop()
-        b.stop()
-
-
-def test_chain_verify_reports_where_a_defect_is(tmp_path: Path) -> None:
-    home_a, did_a = init(tmp_path, "a")
-    home_b, did_b = init(tmp_path, "b")
-    b = Daemon(home_b, "--listen", "127.0.0.1:0", "--allow", did_a)
-    a = Daemon(home_a, "--listen", "127.0.0.1:0", "--peer", b.addr)
-    try:
-        for i in range(3):
-            a.api.call("POST", "/v1/send", {"to": did_b, "text": f"m{i}", "wait": True})
-        wait_for(lambda: b.api.call("GET", "/v1/chain/heads")["height"] >= 0, what="a block")
-    finally:
-        a.stop()
-        b.stop()
-    from talos.store import Store
-
-    with Store(home_b / "store") as store, store.write() as txn:
-        key, value = next(iter(txn.items("block_records")))
-        txn.put("block_records", key, value[:-1] + bytes([value[-1] ^ 1]))
-    res = talosd("chain", "verify", "--home", str(home_b))
-    assert res.returncode == 1
-    assert "DEFECT" in res.stderr and "block 0" in res.stderr
-    assert "Traceback" not in res.stderr
