@@ -17,6 +17,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.mlkem import (
@@ -140,6 +141,35 @@ def _var16(data: bytes) -> bytes:
     return _U16.pack(len(data)) + data
 
 
+def _bundle_body(
+    did: str,
+    suites: tuple[str, ...],
+    identity_dh: bytes,
+    spk_id: int,
+    spk: bytes,
+    pq_id: int | None,
+    pq_key: bytes | None,
+) -> bytes:
+    out = [bytes((_VERSION,)), _var16(did.encode()), bytes((len(suites),))]
+    out += [bytes((len(s),)) + s.encode() for s in suites]
+    out += [identity_dh, _U32.pack(spk_id), spk]
+    if pq_key is None or pq_id is None:
+        out.append(b"\x00")
+    else:
+        out += [b"\x01", _U32.pack(pq_id), pq_key]
+    return b"".join(out)
+
+
+@lru_cache(maxsize=64)
+def _mlkem_public(raw: bytes) -> MLKEM768PublicKey:
+    # Parsing checks the key (~20 us); a node re-reads the same few bundles, and a
+    # bundle rebuilt from its own secrets after an OPK is consumed re-uses the key.
+    try:
+        return MLKEM768PublicKey.from_public_bytes(raw)
+    except ValueError:
+        raise MalformedFrameError("bundle: ML-KEM-768 public key is invalid") from None
+
+
 def _did_key(did: str, what: str) -> bytes:
     try:
         return public_key_from_did(did)
@@ -204,25 +234,21 @@ class PrekeyBundle:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "signing_key", _did_key(self.did, "bundle DID"))
-        pq = None
-        if self.pq_key is not None:
-            try:
-                pq = MLKEM768PublicKey.from_public_bytes(self.pq_key)
-            except ValueError:
-                raise MalformedFrameError("bundle: ML-KEM-768 public key is invalid") from None
+        pq = None if self.pq_key is None else _mlkem_public(bytes(self.pq_key))
         object.__setattr__(self, "_pq_public", pq)
         object.__setattr__(self, "_verified", [False])
 
     def signed_body(self) -> bytes:
         """The binary encoding the signature covers (without the domain prefix)."""
-        out = [bytes((_VERSION,)), _var16(self.did.encode()), bytes((len(self.suites),))]
-        out += [bytes((len(s),)) + s.encode() for s in self.suites]
-        out += [self.identity_dh, _U32.pack(self.spk_id), self.spk]
-        if self.pq_key is None or self.pq_id is None:
-            out.append(b"\x00")
-        else:
-            out += [b"\x01", _U32.pack(self.pq_id), self.pq_key]
-        return b"".join(out)
+        return _bundle_body(
+            self.did,
+            self.suites,
+            self.identity_dh,
+            self.spk_id,
+            self.spk,
+            self.pq_id,
+            self.pq_key,
+        )
 
     def verify(self) -> PrekeyBundle:
         """Check the signature and suites once (cached); return self or raise BundleError."""
@@ -290,6 +316,7 @@ class PrekeySecrets:
         "_next_opk",
         "_one_time",
         "_pq",
+        "_pq_public",
         "_used",
         "identity",
         "pq_id",
@@ -325,6 +352,7 @@ class PrekeySecrets:
         self.pq_seed = pq_seed
         # Parsed once: ML-KEM key expansion from the seed is the costly part.
         self._pq = MLKEM768PrivateKey.from_seed_bytes(pq_seed) if pq_seed is not None else None
+        self._pq_public = self._pq.public_key().public_bytes_raw() if self._pq else None
         self.signature = signature
         self._one_time: dict[int, tuple[bytes, bytes]] = {
             i: (k, crypto_scalarmult_base(k)) for i, k in one_time.items()
@@ -365,8 +393,18 @@ class PrekeySecrets:
             one_time=opks,
             spk_public=spk_public,
         )
-        secrets.signature = wallet.sign(_BUNDLE_DOMAIN + secrets.bundle().signed_body())
-        secrets._bundle = None
+        secrets.signature = wallet.sign(
+            _BUNDLE_DOMAIN
+            + _bundle_body(
+                secrets.did,
+                secrets.suites,
+                identity.public,
+                spk_id,
+                spk_public,
+                secrets.pq_id,
+                secrets._pq_public,
+            )
+        )
         return secrets
 
     @property
@@ -392,7 +430,6 @@ class PrekeySecrets:
     def bundle(self) -> PrekeyBundle:
         """The public bundle with the OPKs not yet consumed (cached until they change)."""
         if self._bundle is None:
-            pq_key = self._pq.public_key().public_bytes_raw() if self._pq is not None else None
             opks = tuple((i, pub) for i, (_, pub) in sorted(self._one_time.items()))
             b = PrekeyBundle(
                 self.did,
@@ -401,7 +438,7 @@ class PrekeySecrets:
                 self.spk_id,
                 self.spk_public,
                 self.pq_id,
-                pq_key,
+                self._pq_public,
                 self.signature,
                 opks,
             )
