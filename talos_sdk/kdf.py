@@ -39,6 +39,7 @@ _IPAD_TAIL = b"\x36" * 32
 _OPAD_TAIL = b"\x5c" * 32
 
 HASH_LEN = 32
+_BLOCK = 64  # SHA-256 block size
 _ZERO_SALT = bytes(HASH_LEN)
 
 
@@ -106,23 +107,40 @@ def kdf_ck(
     return o1.digest(), outer.digest()
 
 
+def _hmac_states(key: bytes) -> tuple[Any, Any]:
+    """RFC 2104 inner and outer hash states after the padded key, ready to copy."""
+    if len(key) > _BLOCK:
+        key = _new_sha256(key).digest()
+    block = key + bytes(_BLOCK - len(key))
+    return _new_sha256(block.translate(_IPAD)), _new_sha256(block.translate(_OPAD))
+
+
 def hkdf_extract(salt: bytes, ikm: bytes) -> bytes:
     """HKDF-Extract (RFC 5869 §2.2); an empty salt means HashLen zero bytes."""
-    return hmac.digest(salt or _ZERO_SALT, ikm, "sha256")
+    inner, outer = _hmac_states(salt or _ZERO_SALT)
+    inner.update(ikm)
+    outer.update(inner.digest())
+    prk: bytes = outer.digest()
+    return prk
 
 
 def hkdf_expand(prk: bytes, info: bytes, length: int) -> bytes:
-    """HKDF-Expand (RFC 5869 §2.3) to ``length`` bytes (at most 255 * 32)."""
+    """HKDF-Expand (RFC 5869 §2.3) to ``length`` bytes (at most 255 * 32).
+
+    One key schedule for all blocks (copied per block): session setup runs
+    several of these, so OpenSSL's per-call HMAC setup was a visible cost.
+    """
     if not 0 < length <= 255 * HASH_LEN:
         raise ValueError(f"HKDF-SHA256 output length must be 1..{255 * HASH_LEN}")
-    block = hmac.digest(prk, info + b"\x01", "sha256")
-    if length <= HASH_LEN:
-        return block[:length]
-    out = [block]
-    counter = 1
-    while counter * HASH_LEN < length:
-        counter += 1
-        block = hmac.digest(prk, block + info + bytes((counter,)), "sha256")
+    inner, outer = _hmac_states(prk)
+    out = []
+    block = b""
+    for counter in range(1, -(-length // HASH_LEN) + 1):
+        i = inner.copy()
+        i.update(block + info + bytes((counter,)))
+        o = outer.copy()
+        o.update(i.digest())
+        block = o.digest()
         out.append(block)
     return b"".join(out)[:length]
 

@@ -50,8 +50,8 @@ def test_rfc5869_vectors(ikm: str, salt: str, info: str, length: int, prk: str, 
 
 
 @given(
-    ikm=st.binary(min_size=1, max_size=80),
-    salt=st.binary(max_size=40),
+    ikm=st.binary(min_size=1, max_size=200),
+    salt=st.binary(max_size=150),  # past the 64-byte block: long HMAC keys are hashed first
     info=st.binary(max_size=40),
     length=st.integers(1, 200),
 )
@@ -81,3 +81,10 @@ def test_shared_schedule_helpers_match_hmac(key: bytes, m1: bytes, m2: bytes) ->
 @given(ck=st.binary(min_size=32, max_size=32))
 def test_kdf_ck_is_the_two_chain_hmacs(ck: bytes) -> None:
     assert kdf_ck(ck) == (hmac.digest(ck, b"\x01", "sha256"), hmac.digest(ck, b"\x02", "sha256"))
+
+
+@pytest.mark.parametrize("salt_len", [0, 32, 63, 64, 65, 200])
+def test_extract_matches_hmac_for_every_key_length(salt_len: int) -> None:
+    salt, ikm = bytes(range(salt_len)), b"input keying material"
+    expected = hmac.digest(salt or bytes(32), ikm, "sha256")
+    assert hkdf_extract(salt, ikm) == expected
