@@ -3,19 +3,24 @@
 Every child runs in its own session (process group), so stopping it also stops
 whatever it spawned (``talos-proxy serve`` starts the tool process); a bench
 that fails half way still leaves nothing behind because :func:`child` stops the
-group in a ``finally``. Everything listens on 127.0.0.1 with port 0.
+group in a ``finally``, :func:`run` turns SIGTERM into that same clean exit,
+and each child gets SIGTERM from the kernel if the bench dies even by SIGKILL
+(``PR_SET_PDEATHSIG``: its own session puts it out of reach of a group kill).
+Everything listens on 127.0.0.1 with port 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 from _common import REPO_ROOT
 
@@ -30,6 +35,23 @@ ENV = {
 }
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 20.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """In the forked child: have the kernel SIGTERM us when the bench process ends."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _terminated(signum: int, frame: object) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run`` where SIGTERM (run_all's timeout, a CI kill) still runs every finally."""
+    signal.signal(signal.SIGTERM, _terminated)
+    asyncio.run(main)
 
 
 class Child:
@@ -106,6 +128,7 @@ async def child(
         env=ENV,
         cwd=REPO_ROOT,
         start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
     c = Child(proc, name)
     try:

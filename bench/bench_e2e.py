@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Suite, quantiles
-from _procs import PYTHON, TALOSD, child
+from _procs import PYTHON, TALOSD, child, run
 
 # A short chat-sized message; the sealed frame on the wire is ~FRAME_BYTES.
 TEXT = "x" * 100
@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=50 if suite.fast else 5000)
     parser.add_argument("--in-flight", type=int, default=64)
     args = parser.parse_args()
-    asyncio.run(measure(suite, args.count, args.burst, args.in_flight))
+    run(measure(suite, args.count, args.burst, args.in_flight))
     suite.finish()
 
 

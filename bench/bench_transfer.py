@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Suite
-from _procs import PYTHON, TALOSD, child, peak_rss
+from _procs import PYTHON, TALOSD, child, peak_rss, run
 
 WS_SINK_FLAG = "--ws-sink"
 CHUNK = 1 << 20
@@ -183,7 +183,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.size <= 0:
         parser.error("--size must be positive")
-    asyncio.run(measure(suite, args.size))
+    run(measure(suite, args.size))
     suite.finish()
 
 

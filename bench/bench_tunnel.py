@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO_ROOT, Suite, quantiles
-from _procs import ENV, PROXY, PYTHON, child, run_quiet
+from _procs import ENV, PROXY, PYTHON, child, run, run_quiet
 from lean_jsonrpc import LeanClient
 
 PING_SERVER = [PYTHON, str(Path(__file__).resolve().parent / "mcp_ping_server.py")]
@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=200 if suite.fast else 2000)
     parser.add_argument("--burst", type=int, default=500 if suite.fast else 20000)
     args = parser.parse_args()
-    asyncio.run(measure(suite, args.count, args.burst))
+    run(measure(suite, args.count, args.burst))
     suite.finish()
 
 
