@@ -143,6 +143,8 @@ class Node:
         self._tasks: list[asyncio.Task[Any]] = []
         self._link_tasks: set[asyncio.Task[Any]] = set()
         self._incoming: list[_Incoming] = []
+        self._outgoing: list[_Outgoing] = []
+        self._outgoing_event = asyncio.Event()
         self._incoming_event = asyncio.Event()
         self._inbox_event = asyncio.Event()
         self._server: Server | None = None
@@ -176,6 +178,7 @@ class Node:
         self._tasks += [
             asyncio.create_task(run_sealer(self.log), name="talos-sealer"),
             asyncio.create_task(self._commit_loop(), name="talos-committer"),
+            asyncio.create_task(self._outbox_loop(), name="talos-outbox"),
             asyncio.create_task(self._flush_loop(), name="talos-session-flush"),
             asyncio.create_task(self._retry_loop(), name="talos-retry"),
         ]
@@ -267,6 +270,9 @@ class Node:
         await asyncio.gather(
             *self._tasks, *self._dialers.values(), *self._link_tasks, return_exceptions=True
         )
+        for *_, fut in self._outgoing:
+            if not fut.done():
+                fut.set_exception(UsageError("the node stopped before the message was queued"))
         try:
             await self._write(self._final_flush)
         except StorageError as exc:
@@ -639,6 +645,8 @@ class Node:
 
         With ``wait`` return only once the peer acknowledged its commit.
         """
+        if not self.started or self._stopping:
+            raise UsageError("the node is not running")
         if did == self.did:
             raise UsageError("cannot send a message to this node itself")
         if not isinstance(text, str):
@@ -650,7 +658,10 @@ class Node:
         public_key_from_did(did)  # a clear DIDError for a malformed recipient
         msg_id = os.urandom(pl.MSG_ID_LEN)
         ts_ms = int(self._clock() * 1000)
-        seq = await self._write(lambda txn: pl.enqueue(txn, did, msg_id, ts_ms, text))
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._outgoing.append((did, msg_id, ts_ms, text, fut))
+        self._outgoing_event.set()
+        seq = await fut
         self.metrics.inc("messages_out")
         peer = self._peer(did)
         waiter = peer.tx.wait_for(seq) if wait else None
@@ -658,6 +669,25 @@ class Node:
         if waiter is not None:
             await waiter
         return msg_id.hex()
+
+    async def _outbox_loop(self) -> None:
+        """Group commit of the outbox: concurrent sends share one fsync."""
+        while True:
+            await self._outgoing_event.wait()
+            self._outgoing_event.clear()
+            batch, self._outgoing = self._outgoing, []
+            if not batch:
+                continue
+            try:
+                seqs = await self._write(functools.partial(_enqueue_batch, batch=batch))
+            except StorageError as exc:
+                for *_, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            for (*_, fut), seq in zip(batch, seqs, strict=True):
+                if not fut.done():
+                    fut.set_result(seq)
 
     def _kick(self, peer: _Peer) -> None:
         peer.dirty = True
@@ -807,6 +837,13 @@ class Node:
             },
             "chain_height": self.log.height,
         }
+
+
+_Outgoing = tuple[str, bytes, int, str, "asyncio.Future[int]"]
+
+
+def _enqueue_batch(txn: Txn, batch: list[_Outgoing]) -> list[int]:
+    return [pl.enqueue(txn, did, msg_id, ts, text) for did, msg_id, ts, text, _ in batch]
 
 
 def iter_inbox(txn: Txn, after: int = 0) -> Iterable[pl.InboxEntry]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from talos.link.peer import Link
 from talos.node import ConnectTimeoutError, Node, NotConnectedError
 from talos_sdk.errors import DIDError, UsageError
 from talos_sdk.wallet import Wallet
@@ -252,9 +253,31 @@ async def test_both_sides_dialling_keep_exactly_one_link(pair: tuple[Node, Node]
         await b.send_message(a.did, "end", wait=True)
         assert [e.text for e in b.inbox()] == [f"a{i}" for i in range(20)] + ["end"]
         assert [e.text for e in a.inbox()] == [f"b{i}" for i in range(20)] + ["end"]
-        # Both sides agree on the surviving link: the one dialled by the smaller DID.
-        dialer = min(a.did, b.did)
+        # Both sides hold the same single WebSocket (when both links came up, the
+        # one dialled by the smaller DID survived on both sides).
         la, lb = a._peers[b.did].link, b._peers[a.did].link
         assert la is not None and lb is not None
-        assert (la.role.name == "INITIATOR") == (a.did == dialer)
-        assert (lb.role.name == "INITIATOR") == (b.did == dialer)
+        assert la.role != lb.role
+        assert la.ws.local_address == lb.ws.remote_address
+
+
+async def test_duplicate_link_rule_is_the_same_on_both_sides(pair: tuple[Node, Node]) -> None:
+    """Pure decision: same dialler -> newer wins; otherwise the smaller DID's dial wins."""
+    from types import SimpleNamespace
+
+    from talos.link.handshake import Role
+
+    a, b = pair
+
+    def fake(peer: str, role: Role) -> Link:
+        return SimpleNamespace(peer_did=peer, role=role)  # type: ignore[return-value]
+
+    # On A: link dialled by A (INITIATOR) vs link dialled by B (RESPONDER); mirrored on B.
+    a_dials_on_a, b_dials_on_a = fake(b.did, Role.INITIATOR), fake(b.did, Role.RESPONDER)
+    a_dials_on_b, b_dials_on_b = fake(a.did, Role.RESPONDER), fake(a.did, Role.INITIATOR)
+    a_wins = a.did < b.did
+    assert a._prefer(a_dials_on_a, b_dials_on_a) is a_wins
+    assert b._prefer(a_dials_on_b, b_dials_on_b) is a_wins
+    assert a._prefer(b_dials_on_a, a_dials_on_a) is not a_wins
+    assert b._prefer(b_dials_on_b, a_dials_on_b) is not a_wins
+    assert a._prefer(a_dials_on_a, fake(b.did, Role.INITIATOR)) is True
