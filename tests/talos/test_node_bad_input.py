@@ -181,3 +181,43 @@ async def test_session_init_for_another_did_is_refused(victim: Node, tmp_path: P
         await until(lambda: rejected(victim) == 1, what="rejection")
         assert not victim.is_connected(me.did)
         assert victim.sessions.has(me.did) is False
+
+
+async def test_replayed_message_and_forged_signature(victim: Node, rogue: Rogue) -> None:
+    import struct
+
+    from talos.pipeline import OutboxEntry
+    from talos_sdk.frames import FRAME_AD
+
+    me = rogue.wallet.did
+    async with asyncio.timeout(20):
+        link = await rogue.connect(victim)
+        await rogue.establish(victim)
+        body = rogue.sessions.seal_message(victim.did, OutboxEntry(me, 1, b"1" * 16, 5, "once"))
+        await link.send(wire.encode(wire.Msg(1, body)))
+        await until(lambda: len(victim.inbox()) == 1, what="delivery")
+        await link.send(wire.encode(wire.Msg(1, body)))  # byte-for-byte replay
+        await until(lambda: rejected(victim) == 1, what="replay rejected")
+        # A frame whose commitment signature is garbage: the AEAD says it is from `me`,
+        # so it is delivered, but its audit record is quarantined, never sealed.
+        session = rogue.sessions._get(victim.did).session
+        sender, recipient = me.encode(), victim.did.encode()
+        inner = b"".join(
+            (
+                struct.pack(">BBHQQ", 1, 1, 1, 2, 6),
+                struct.pack(">H", len(sender)),
+                sender,
+                struct.pack(">H", len(recipient)),
+                recipient,
+                b"\x00" * 64,  # not a signature by `me`
+                b"2" * 16 + b"forged signature",
+            )
+        )
+        await link.send(wire.encode(wire.Msg(2, session.encrypt(inner, FRAME_AD))))
+        await until(lambda: len(victim.inbox()) == 2, what="second delivery")
+        await asyncio.to_thread(victim.log.seal)
+        (q,) = victim.log.quarantined()
+        assert "signature does not verify" in q.reason
+        assert victim.log.find_record(b"1" * 16) is not None
+        assert victim.log.find_record(b"2" * 16) is None
+        assert [e.text for e in victim.inbox()] == ["once", "forged signature"]
