@@ -374,8 +374,11 @@ class Node:
                 link = await dial_link(
                     addr.url, addr.did, self.wallet, self.authorizer, self.settings
                 )
-            except (ConnectionError, HandshakeError) as exc:
-                event(_log, "dial_failed", level=logging.DEBUG, peer=addr.did, error=str(exc))
+            except Exception as exc:  # any failure to dial is retried, never fatal
+                level = logging.DEBUG
+                if not isinstance(exc, ConnectionError | HandshakeError | OSError):
+                    level = logging.ERROR
+                event(_log, "dial_failed", level=level, peer=addr.did, error=repr(exc))
                 # Exponential backoff with full jitter, capped (AWS architecture blog).
                 await asyncio.sleep(random.uniform(0.5, 1.0) * delay)
                 delay = min(delay * 2, self.config.reconnect_max)

@@ -85,6 +85,7 @@ async def test_routes_end_to_end(
         assert shown["blocks"][0]["height"] == 0
         status, metrics = await call(http, "GET", "/metrics")
         assert "talos_messages_in 1" in metrics and "talos_peers_connected 1" in metrics
+    assert caplog.records, "expected node logs to inspect"
     assert all(secret not in r.getMessage() + repr(r.__dict__) for r in caplog.records)
 
 

@@ -30,6 +30,12 @@ def test_json_lines() -> None:
 
 
 def test_event_goes_through_configured_handler(capsys: pytest.CaptureFixture[str]) -> None:
-    configure("kv")
-    event(logging.getLogger("talos.test"), "hello", peer="x")
-    assert "event=hello peer=x" in capsys.readouterr().err
+    root = logging.getLogger("talos")
+    saved = (root.handlers[:], root.propagate, root.level)
+    try:
+        configure("kv")
+        event(logging.getLogger("talos.test"), "hello", peer="x")
+        assert "event=hello peer=x" in capsys.readouterr().err
+    finally:  # other tests rely on propagation to pytest's caplog
+        root.handlers[:], root.propagate = saved[0], saved[1]
+        root.setLevel(saved[2])
