@@ -41,7 +41,7 @@ from talos.chain.log import BlockLog, run_sealer
 from talos.config import Home, NodeConfig, PeerAddr, parse_listen, parse_peer_addr
 from talos.link import wire
 from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_PROTOCOL, CLOSE_SHUTDOWN, Role
-from talos.link.peer import Link, LinkSettings, accept_link, dial_link
+from talos.link.peer import Link, LinkSettings, PeerRefused, accept_link, dial_link
 from talos.logging import event
 from talos.metrics import Metrics
 from talos.sessions import Opened, SessionManager
@@ -375,8 +375,10 @@ class Node:
                     addr.url, addr.did, self.wallet, self.authorizer, self.settings
                 )
             except Exception as exc:  # any failure to dial is retried, never fatal
-                level = logging.DEBUG
-                if not isinstance(exc, ConnectionError | HandshakeError | OSError):
+                level = logging.DEBUG  # an unreachable peer is normal; a refusal is not
+                if isinstance(exc, PeerRefused):
+                    level = logging.WARNING
+                elif not isinstance(exc, ConnectionError | HandshakeError | OSError):
                     level = logging.ERROR
                 event(_log, "dial_failed", level=level, peer=addr.did, error=repr(exc))
                 # Exponential backoff with full jitter, capped (AWS architecture blog).

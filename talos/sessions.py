@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from talos.chain.block import Record
 from talos.link import wire
@@ -35,11 +35,9 @@ from talos.pipeline import OutboxEntry
 from talos.store import Txn
 from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, PrekeyBundle, PrekeySecrets
 from talos_sdk.errors import BundleError, MalformedFrameError, ProtocolError, UsageError
+from talos_sdk.frames import Frame, RatchetFrameCrypto
 from talos_sdk.ratchet import Session
 from talos_sdk.wallet import Wallet
-
-if TYPE_CHECKING:
-    from talos_sdk.frames import RatchetFrameCrypto
 
 __all__ = ["Opened", "SessionManager", "UnknownSessionError", "load_secrets"]
 
@@ -242,16 +240,12 @@ class SessionManager:
 
     def _crypto(self, entry: _Entry) -> RatchetFrameCrypto:
         if entry.crypto is None:
-            from talos_sdk.frames import RatchetFrameCrypto
-
             entry.crypto = RatchetFrameCrypto(self._wallet, entry.session)
         return entry.crypto
 
     # --- sealing -------------------------------------------------------------------------------
 
     def seal_message(self, peer: str, row: OutboxEntry) -> bytes:
-        from talos_sdk.frames import Frame
-
         entry = self._get(peer)
         frame = Frame(
             type=MSG_FRAME_TYPE,
