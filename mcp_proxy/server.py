@@ -16,7 +16,9 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from mcp_proxy.audit import AuditMode, Auditor, AuditRecord, digest
 from mcp_proxy.jsonrpc import (
@@ -237,6 +239,7 @@ class TunnelServer:
         self._inbox: dict[str, asyncio.Queue[TunnelFrame | None]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self.started_processes = 0
+        self._closing: set[asyncio.Task[Any]] = set()
         transport.set_receiver(self._on_payload)
         transport.add_link_listener(self._on_link)
 
@@ -254,6 +257,7 @@ class TunnelServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._workers.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         await asyncio.gather(*(s.close() for s in self.sessions.values()))
         self.sessions.clear()
         for sender in self._senders.values():
@@ -302,7 +306,7 @@ class TunnelServer:
         if frame.kind is FrameKind.OPEN:
             old = self.sessions.pop(key, None)
             if old is not None:
-                await old.close()
+                self._close_later(old.close())
             await self._open(peer, frame.session, frame.messages[0].decode("utf-8", "replace"))
         elif frame.kind is FrameKind.MESSAGES:
             session = self.sessions.get(key)
@@ -316,7 +320,7 @@ class TunnelServer:
         else:
             session = self.sessions.pop(key, None)
             if session is not None:
-                await session.close()
+                self._close_later(session.close())
 
     async def _open(self, peer: str, sid: int, name: str) -> None:
         try:
@@ -352,6 +356,12 @@ class TunnelServer:
         self._workers.pop(peer, None)
         sender = self._senders.pop(peer, None)
         for s in doomed:
-            asyncio.get_running_loop().create_task(s.close())
+            self._close_later(s.close())
         if sender is not None:
-            asyncio.get_running_loop().create_task(sender.close())
+            self._close_later(sender.close())
+
+    def _close_later(self, closer: Coroutine[Any, Any, Any]) -> None:
+        """Run a close in its own task (``stop`` waits for it): a worker may be cancelled."""
+        task = asyncio.get_running_loop().create_task(closer)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
