@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import NoReturn
 
 from talos_sdk.bundle import ByteReader
 from talos_sdk.errors import (
@@ -131,6 +132,13 @@ def verify_commitment(commitment: Commitment, sender_did: str) -> bool:
         return False
 
 
+def _parties(sender: str, recipient: str) -> bytes:
+    """``u16 len || sender || u16 len || recipient``: the same bytes in the commitment
+    and in the sealed plaintext."""
+    s, r = sender.encode(), recipient.encode()
+    return struct.pack(">H", len(s)) + s + struct.pack(">H", len(r)) + r
+
+
 def _check_frame(frame: Frame, max_payload: int) -> None:
     if not 0 <= frame.type <= 0xFFFF:
         raise UsageError("frame type must fit in u16")
@@ -149,7 +157,16 @@ class RatchetFrameCrypto:
     checks the reverse and raises :class:`PartyMismatchError` otherwise.
     """
 
-    __slots__ = ("_local", "_max_payload", "_max_wire", "_peer", "session", "wallet")
+    __slots__ = (
+        "_inbound",
+        "_local",
+        "_max_payload",
+        "_max_wire",
+        "_outbound",
+        "_peer",
+        "session",
+        "wallet",
+    )
 
     def __init__(
         self, wallet: Wallet, session: Session, *, max_payload: int = DEFAULT_MAX_PAYLOAD
@@ -164,34 +181,28 @@ class RatchetFrameCrypto:
         self._peer = session.peer_did
         self._max_payload = max_payload
         self._max_wire = max_payload + _WIRE_OVERHEAD
+        # The two parties never change on a session: their encoded fields are built once.
+        self._outbound = _parties(self._local, self._peer)
+        self._inbound = _parties(self._peer, self._local)
 
     def seal(self, frame: Frame, sign: bool = True) -> bytes:
         """Encrypt ``frame`` (with its signed commitment unless ``sign=False``)."""
         _check_frame(frame, self._max_payload)
         if frame.sender != self._local or frame.recipient != self._peer:
             raise UsageError("frame must go from this wallet to this session's peer")
-        sender, recipient = frame.sender.encode(), frame.recipient.encode()
+        parties = self._outbound
         signature = b""
         if sign:
-            signature = self.wallet.sign(Commitment.for_frame(frame).signed_bytes())
-        inner = b"".join(
-            (
-                _INNER.pack(
-                    _VERSION,
-                    _SIGNED if sign else 0,
-                    frame.type,
-                    frame.sequence,
-                    frame.timestamp,
-                ),
-                struct.pack(">H", len(sender)),
-                sender,
-                struct.pack(">H", len(recipient)),
-                recipient,
-                signature,
-                frame.payload,
+            signature = self.wallet.sign(
+                COMMITMENT_DOMAIN
+                + _FIXED.pack(frame.type, frame.sequence, frame.timestamp)
+                + parties
+                + hashlib.sha256(frame.payload).digest()
             )
+        head = _INNER.pack(
+            _VERSION, _SIGNED if sign else 0, frame.type, frame.sequence, frame.timestamp
         )
-        return self.session.encrypt(inner, FRAME_AD)
+        return self.session.encrypt(b"".join((head, parties, signature, frame.payload)), FRAME_AD)
 
     def open(self, wire: bytes) -> tuple[Frame, Commitment]:
         """Decrypt and parse; DecryptionError, MalformedFrameError, OversizeError or
@@ -199,24 +210,42 @@ class RatchetFrameCrypto:
         if len(wire) > self._max_wire:
             raise OversizeError(f"sealed frame of {len(wire)} bytes exceeds {self._max_wire}")
         inner = self.session.decrypt(wire, FRAME_AD)
-        r = ByteReader(inner, "frame")
-        version, flags, ftype, sequence, timestamp = _INNER.unpack(r.take(_INNER.size))
+        if len(inner) < _INNER.size:
+            raise MalformedFrameError("frame: truncated")
+        version, flags, ftype, sequence, timestamp = _INNER.unpack_from(inner)
         if version != _VERSION or flags & ~_SIGNED:
             raise MalformedFrameError("frame: unknown version or flags")
+        expected = self._inbound
+        if inner.startswith(expected, _INNER.size):
+            pos = _INNER.size + len(expected)
+        else:
+            self._refuse_parties(inner)
+        if flags & _SIGNED:
+            signature = inner[pos : pos + SIGNATURE_SIZE]
+            if len(signature) != SIGNATURE_SIZE:
+                raise MalformedFrameError("frame: truncated")
+            pos += SIGNATURE_SIZE
+        else:
+            signature = b""
+        payload = inner[pos:]
+        if len(payload) > self._max_payload:
+            raise OversizeError(f"payload of {len(payload)} bytes exceeds {self._max_payload}")
+        peer, local = self._peer, self._local
+        frame = Frame(ftype, peer, local, sequence, timestamp, payload)
+        digest = hashlib.sha256(payload).digest()
+        return frame, Commitment(ftype, peer, local, sequence, timestamp, digest, signature)
+
+    def _refuse_parties(self, inner: bytes) -> NoReturn:
+        """The party fields are not (peer, us): say precisely what is wrong with them."""
+        r = ByteReader(inner, "frame")
+        r.take(_INNER.size)
         sender, recipient = r.text16(), r.text16()
         if len(sender) > _MAX_DID or len(recipient) > _MAX_DID:
             raise MalformedFrameError("frame: DID field too long")
-        signature = r.take(SIGNATURE_SIZE) if flags & _SIGNED else b""
-        payload = r.rest()
-        if sender != self._peer or recipient != self._local:
-            raise PartyMismatchError(
-                f"frame from {sender[:80]!r} to {recipient[:80]!r} on the session "
-                f"between {self._peer!r} and {self._local!r}"
-            )
-        if len(payload) > self._max_payload:
-            raise OversizeError(f"payload of {len(payload)} bytes exceeds {self._max_payload}")
-        frame = Frame(ftype, sender, recipient, sequence, timestamp, payload)
-        return frame, Commitment.for_frame(frame, signature)
+        raise PartyMismatchError(
+            f"frame from {sender[:80]!r} to {recipient[:80]!r} on the session "
+            f"between {self._peer!r} and {self._local!r}"
+        )
 
     @staticmethod
     def verify_commitment(commitment: Commitment, sender_did: str) -> bool:

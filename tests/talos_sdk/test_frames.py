@@ -169,6 +169,35 @@ def test_malformed_inner(plaintext: bytes) -> None:
         b.open(a.session.encrypt(plaintext, FRAME_AD))
 
 
+@pytest.mark.parametrize(
+    ("plaintext", "message"),
+    [
+        (inner("did:key:z" + "a" * 300, BOB.did), "DID field too long"),
+        (inner(ALICE.did, BOB.did)[:-10], "truncated"),  # right parties, signature cut
+        (inner(ALICE.did, BOB.did, flags=0)[:-1], "truncated"),  # recipient cut short
+        (struct.pack(">BBHQQ", 1, 0, 1, 2, 3) + b"\x00\x02\xff\xfe\x00\x00", "UTF-8"),
+    ],
+)
+def test_malformed_inner_says_what(plaintext: bytes, message: str) -> None:
+    a, b = crypto_pair()
+    with pytest.raises(MalformedFrameError, match=message):
+        b.open(a.session.encrypt(plaintext, FRAME_AD))
+
+
+def test_party_fields_must_match_exactly() -> None:
+    a, b = crypto_pair()
+    # A sender DID that merely starts with the peer's DID is another party.
+    with pytest.raises(PartyMismatchError):
+        b.open(a.session.encrypt(inner(ALICE.did + "x", BOB.did), FRAME_AD))
+    # Our own frame reflected back to us: sender and recipient swapped.
+    with pytest.raises(PartyMismatchError):
+        b.open(a.session.encrypt(inner(BOB.did, ALICE.did), FRAME_AD))
+    # The same bytes with the roles right open, payload and all.
+    opened, c = b.open(a.session.encrypt(inner(ALICE.did, BOB.did, tail=b"pay"), FRAME_AD))
+    assert (opened.sender, opened.recipient, opened.payload) == (ALICE.did, BOB.did, b"pay")
+    assert c.signature == bytes(64) and c.payload_hash == hashlib.sha256(b"pay").digest()
+
+
 def test_signed_frame_vector() -> None:
     """tests/vectors/frames/signed-frame.json, made by make_session_vectors.py."""
     from tests.talos_sdk.test_ratchet import vector_sessions
