@@ -62,6 +62,8 @@ __all__ = ["ConnectTimeoutError", "Node", "NotConnectedError", "init_home"]
 _log = logging.getLogger("talos.node")
 _U64 = struct.Struct(">Q")
 _RUNNING = b"running"
+#: Consecutive undecryptable frames after which a session is re-keyed.
+_DESYNC_LIMIT = 16
 _T = TypeVar("_T")
 
 AppHandler = Callable[[str, bytes], Awaitable[None] | None]
@@ -116,6 +118,7 @@ class _Peer:
     dirty: bool = False
     last_progress: float = 0.0
     max_sent: int = 0
+    decrypt_failures: int = 0
     sent_at: dict[int, float] = field(default_factory=dict)
 
 
@@ -482,10 +485,12 @@ class Node:
                 frame = wire.decode(data, max_frame)
                 if isinstance(frame, wire.Msg):
                     self._on_msg(peer, frame)
+                    peer.decrypt_failures = 0
                 elif isinstance(frame, wire.Ack):
                     self._on_ack(peer, frame.seq)
                 elif isinstance(frame, wire.App):
                     await self._on_app(peer, frame)
+                    peer.decrypt_failures = 0
                 elif isinstance(frame, wire.SessionOffer):
                     await self._on_offer(peer, link, frame)
                 elif isinstance(frame, wire.SessionInit):
@@ -508,6 +513,11 @@ class Node:
                     kind=type(exc).__name__,
                     error=str(exc),
                 )
+                if isinstance(exc, DecryptionError):
+                    peer.decrypt_failures += 1
+                    if peer.decrypt_failures >= _DESYNC_LIMIT:
+                        await self._resync(peer, link)
+                        return
             except (ConnectionClosed, asyncio.CancelledError):
                 raise
             except Exception as exc:
@@ -521,6 +531,20 @@ class Node:
                     kind=type(exc).__name__,
                     error=str(exc),
                 )
+
+    async def _resync(self, peer: _Peer, link: Link) -> None:
+        """Sessions out of step (e.g. frames lost beyond MAX_SKIP): drop ours, relink.
+
+        With no session on our side the next SESSION_OFFER exchange re-runs X3DH;
+        unacknowledged messages are resent, so nothing durable is lost.
+        """
+        event(_log, "session_resync", level=logging.WARNING, peer=peer.did)
+        self.metrics.inc("session_resyncs")
+        peer.decrypt_failures = 0
+        self.sessions.drop(peer.did)
+        await self._write(lambda txn: self.sessions.persist_establish(txn, peer.did))
+        with contextlib.suppress(ConnectionClosed):
+            await link.close(CLOSE_PROTOCOL, "session out of sync; re-keying")
 
     async def _on_offer(self, peer: _Peer, link: Link, offer: wire.SessionOffer) -> None:
         init = self.sessions.on_offer(peer.did, offer, link.suites)

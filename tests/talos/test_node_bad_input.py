@@ -42,9 +42,11 @@ class Rogue:
         link = self.link
         assert link is not None
         await link.send(wire.encode(self.sessions.offer(node.did)))
-        while not self.sessions.has(node.did):
+        seen_offer = False
+        while not (seen_offer and self.sessions.has(node.did)):
             frame = wire.decode(await link.recv())
             if isinstance(frame, wire.SessionOffer):
+                seen_offer = True
                 init = self.sessions.on_offer(node.did, frame, link.suites)
                 if init is not None:
                     await link.send(wire.encode(init))
@@ -221,3 +223,29 @@ async def test_replayed_message_and_forged_signature(victim: Node, rogue: Rogue)
         assert victim.log.find_record(b"1" * 16) is not None
         assert victim.log.find_record(b"2" * 16) is None
         assert [e.text for e in victim.inbox()] == ["once", "forged signature"]
+
+
+async def test_sessions_out_of_step_are_rekeyed(victim: Node, rogue: Rogue) -> None:
+    from talos.link.handshake import CLOSE_PROTOCOL
+
+    me = rogue.wallet.did
+    async with asyncio.timeout(20):
+        link = await rogue.connect(victim)
+        await rogue.establish(victim)
+        old = victim.sessions.info()[0]["id"]
+        for _ in range(16):  # e.g. more frames lost than the ratchet may skip
+            await link.send(b"\x30" + b"\x07" * 80)
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await link.recv()
+        assert link.ws.close_code == CLOSE_PROTOCOL
+        assert victim.metrics.counters["session_resyncs"] == 1
+        assert not victim.sessions.has(me)
+        await rogue.connect(victim)
+        await rogue.establish(victim)
+        assert victim.sessions.info()[0]["id"] != old
+        got: list[bytes] = []
+        victim.register_app("t", lambda did, payload: got.append(payload))
+        assert rogue.link is not None
+        await rogue.link.send(b"\x30" + rogue.sessions.seal_app(victim.did, "t", b"in step"))
+        await until(lambda: got == [b"in step"], what="frame on the new session")
