@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+from collections import deque
 from collections.abc import Callable
 
 from mcp_proxy.jsonrpc import (
@@ -28,9 +29,11 @@ from mcp_proxy.jsonrpc import (
     JsonRpcError,
     Kind,
     RequestId,
+    Sniffed,
     error_reply,
     sniff,
 )
+from mcp_proxy.lines import LineSplitter
 from mcp_proxy.transport import FrameSender, TunnelTransport
 from mcp_proxy.tunnel_wire import FrameKind, decode_frame
 from talos_sdk.errors import ProtocolError
@@ -40,6 +43,7 @@ __all__ = ["ClientSession", "TunnelClient", "serve_stdio"]
 log = logging.getLogger(__name__)
 
 Deliver = Callable[[bytes], None]
+STDIO_LINE_LIMIT = 16 * 1024 * 1024
 
 
 class ClientSession:
@@ -59,13 +63,35 @@ class ClientSession:
         self._initialized_line: bytes | None = None
         self._swallow: set[RequestId] = set()
 
+    def try_forward(self, line: bytes) -> bool:
+        """Handle one line at once if the link is up (the hot path); False means use from_agent."""
+        if not self.client.link_up:
+            return False
+        msg = self._note(line)
+        if msg is not None:
+            self._forward(msg, line)
+        return True
+
     async def from_agent(self, line: bytes) -> None:
-        """Forward one line of the agent; answers locally what cannot be forwarded."""
+        """Forward one line of the agent, waiting for the link; answers locally what it must."""
+        msg = self._note(line)
+        if msg is None:
+            return
+        if not await self.client.wait_link():
+            if msg.kind is Kind.REQUEST:
+                assert msg.id is not None
+                self.pending.pop(msg.id, None)
+                self.deliver(error_reply(msg.id, LINK_DOWN, self.client.down_message()))
+            return
+        self._forward(msg, line)
+
+    def _note(self, line: bytes) -> Sniffed | None:
+        """Check the line and remember what a reconnect or a link loss needs; None if answered."""
         try:
             msg = sniff(line)
         except JsonRpcError as exc:
             self.deliver(error_reply(exc.request_id, exc.code, str(exc)))
-            return
+            return None
         if msg.kind is Kind.REQUEST:
             assert msg.id is not None and msg.method is not None
             if msg.method == "initialize":
@@ -79,12 +105,9 @@ class ClientSession:
                 cancelled = msg.params.get("requestId")
                 if isinstance(cancelled, int | str):
                     self.pending.pop(cancelled, None)
-        if not await self.client.wait_link():
-            if msg.kind is Kind.REQUEST:
-                assert msg.id is not None
-                self.pending.pop(msg.id, None)
-                self.deliver(error_reply(msg.id, LINK_DOWN, self.client.down_message()))
-            return
+        return msg
+
+    def _forward(self, msg: Sniffed, line: bytes) -> None:
         if not self.attached:
             self.attach(replay=msg.method != "initialize")
         self.client.sender.message(self.sid, line)
@@ -233,30 +256,79 @@ class TunnelClient:
             session.detach(LINK_DOWN, f"tunnel link to {peer} lost")
 
 
+class _StdinLines(asyncio.Protocol):
+    """Agent lines from stdin, handled inside ``data_received`` while the link is up."""
+
+    def __init__(self, session: ClientSession) -> None:
+        self.session = session
+        self.splitter = LineSplitter(self._on_line, self._on_overflow, STDIO_LINE_LIMIT)
+        self.backlog: deque[bytes] = deque()
+        self.done = asyncio.Event()
+        self.transport: asyncio.ReadTransport | None = None
+        self._slow: asyncio.Task[None] | None = None
+        self._eof = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.ReadTransport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.splitter.feed(data)
+
+    def eof_received(self) -> bool:
+        self.splitter.eof()
+        self._finish_when_drained()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._finish_when_drained()
+
+    def _on_line(self, line: bytes) -> None:
+        line = line.strip()
+        if not line:
+            return
+        if not self.backlog and self.session.try_forward(line):
+            return
+        # Link down: keep order behind the first waiting line, and stop reading meanwhile.
+        self.backlog.append(line)
+        if self.transport is not None and len(self.backlog) > 1024:
+            self.transport.pause_reading()
+        if self._slow is None or self._slow.done():
+            self._slow = asyncio.get_running_loop().create_task(self._drain())
+
+    def _on_overflow(self) -> None:
+        self.session.deliver(error_reply(None, INTERNAL_ERROR, "message too large"))
+
+    async def _drain(self) -> None:
+        while self.backlog:
+            await self.session.from_agent(self.backlog.popleft())
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+        if self._eof:
+            self.done.set()
+
+    def _finish_when_drained(self) -> None:
+        if self.backlog:
+            self._eof = True
+        else:
+            self.done.set()
+
+
 async def serve_stdio(client: TunnelClient) -> None:
     """Run one MCP session over this process's stdin/stdout until stdin closes."""
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=16 * 1024 * 1024)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin.buffer)
     out_transport, _ = await loop.connect_write_pipe(asyncio.Protocol, sys.stdout.buffer)
 
     def deliver(line: bytes) -> None:
         out_transport.write(line + b"\n")
 
     session = client.open_session(deliver)
+    lines = _StdinLines(session)
+    in_transport, _ = await loop.connect_read_pipe(lambda: lines, sys.stdin.buffer)
     try:
-        while True:
-            try:
-                line = await reader.readline()
-            except ValueError:
-                deliver(error_reply(None, INTERNAL_ERROR, "message too large"))
-                continue
-            if not line:
-                break
-            line = line.strip()
-            if line:
-                await session.from_agent(line)
+        await lines.done.wait()
     finally:
+        in_transport.close()
         session.close()
         await client.close()
         out_transport.close()

@@ -81,3 +81,19 @@ async def test_server_requests_are_answered_by_the_handler() -> None:
             assert result["structuredContent"]["result"] == "lean"
         finally:
             await client.close()
+
+
+async def test_fast_server_tool() -> None:
+    async with asyncio.timeout(30):
+        client = await lean.LeanClient.spawn([sys.executable, "-m", "tests.tools.fast_server"])
+        try:
+            assert (await client.initialize())["serverInfo"]["name"] == "fast"
+            assert [t["name"] for t in (await client.request("tools/list"))["tools"]] == ["echo"]
+            params = [{"name": "echo", "arguments": {"text": str(i)}} for i in range(100)]
+            results = await client.pipelined("tools/call", params, in_flight=16)
+            assert [r["content"][0]["text"] for r in results] == [str(i) for i in range(100)]
+            with pytest.raises(lean.LeanError) as info:
+                await client.request("resources/list")
+            assert info.value.code == -32601
+        finally:
+            await client.close()
