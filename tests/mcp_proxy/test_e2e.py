@@ -294,3 +294,62 @@ async def test_streamable_http_through_real_nodes(tmp_path: Path) -> None:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+async def test_policy_file_named_servers_and_strict_audit_in_the_block_log(tmp_path: Path) -> None:
+    from talos.chain.log import BlockLog
+    from talos.config import Home
+    from talos.store import Store
+    from talos_sdk.wallet import Wallet
+
+    client_did = did_of(tmp_path / "c")
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        f"""
+[servers.time]
+command = "{sys.executable}"
+args = ["-m", "mcp_server_time", "--local-timezone", "UTC"]
+
+[servers.everything]
+command = "{sys.executable}"
+args = ["-m", "tests.tools.everything_server"]
+
+[peers."{client_did}"]
+servers = ["time"]
+tools = ["get_current_time"]
+"""
+    )
+    serve_home = tmp_path / "s"
+    args = ["--policy", str(policy), "--audit", "strict"]
+    async with asyncio.timeout(TIMEOUT):
+        serve = await start_serve(serve_home, "127.0.0.1:0", args, [])
+        try:
+            async with sdk_client(tmp_path / "c", serve.address, "--server", "time") as client:
+                names = [t.name for t in (await client.list_tools()).tools]
+                assert names == ["get_current_time"]
+                result = await client.call_tool("get_current_time", {"timezone": "UTC"})
+                assert orjson.loads(text(result))["timezone"] == "UTC"
+                with pytest.raises(MCPError) as denied:
+                    await client.call_tool("convert_time", {})
+                assert denied.value.code == TOOL_DENIED
+        finally:
+            assert await serve.stop() == 0
+    # The serve node sealed its log on exit: every call is an "mcp" record, no plaintext.
+    home = Home(serve_home)
+    store = Store(home.store_dir)
+    try:
+        log = BlockLog(store, Wallet.load(home.identity))
+        records = [
+            r for h in range(log.height + 1) for r in log.block_records(h) if r.kind == "mcp"
+        ]
+        audited = [orjson.loads(r.commitment) for r in records]
+    finally:
+        store.close()
+    assert all(r.recipient == client_did and r.extra == b"" for r in records)
+    calls = {(a["method"], a["tool"], a["outcome"]) for a in audited}
+    assert ("tools/call", "get_current_time", "ok") in calls
+    assert ("tools/call", "convert_time", "denied") in calls
+    assert ("tools/list", None, "ok") in calls
+    assert all(a["server"] == "time" for a in audited)
+    ok_call = next(a for a in audited if a["tool"] == "get_current_time")
+    assert len(ok_call["params_sha256"]) == 64 and len(ok_call["result_sha256"]) == 64
