@@ -212,7 +212,9 @@ def build_app(node: Node, token: str) -> web.Application:
         return _json(node.log.inclusion_proof(rid))
 
     app.add_routes(routes)
-    __import__("talos.transfer.cli").transfer.cli.register_routes(app, node)
+    from talos.transfer.cli import register_routes  # file transfer owns /v1/files
+
+    register_routes(app, node)
     return app
 
 

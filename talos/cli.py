@@ -301,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("id", help="record (message) id, hex")
     cp.add_argument("--home", default=argparse.SUPPRESS)
     sp.set_defaults(fn=cmd_chain, json=False)
-    __import__("talos.transfer.cli").transfer.cli.register_cli(sub, add)
+    from talos.transfer.cli import register_cli  # send-file / files
+
+    register_cli(sub, add)
     return p
 
 
