@@ -176,6 +176,8 @@ class Node:
         try:
             await self._open_state()
         except BaseException:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
             self.store.close()
             raise
         self._tasks += [
@@ -190,19 +192,25 @@ class Node:
         )
         self.metrics.gauge("outbox_depth", self._outbox_depth)
         self.metrics.gauge("log_pending_records", lambda: self.log.pending_count)
+        self.started = True  # from here on, stop() can undo a failed start
+        try:
+            await self._start_network()
+        except BaseException:
+            await self.stop()
+            raise
+        event(
+            _log, "node_started", did=self.did, listen=self.listen_url, unclean=self.unclean_start
+        )
+
+    async def _start_network(self) -> None:
         if self.config.listen:
             host, port = parse_listen(self.config.listen)
-            self._server = await serve(
-                self._on_accept,
-                host,
-                port,
-                compression=None,
-                max_size=self.settings.ws_max_size,
-                ping_interval=self.config.ping_interval,
-                ping_timeout=self.config.ping_interval,
-                close_timeout=2,
-                max_queue=256,
-            )
+            try:
+                self._server = await self._serve(host, port)
+            except OSError as exc:
+                raise UsageError(
+                    f"cannot listen on {self.config.listen}: {exc.strerror or exc}"
+                ) from None
             sock = next(iter(self._server.sockets))
             real_host, real_port = sock.getsockname()[:2]
             self.listen_url = f"ws://{real_host}:{real_port}"
@@ -220,9 +228,18 @@ class Node:
         self.home.write_node_info(
             {"pid": os.getpid(), "did": self.did, "listen": self.listen_url, "api": self.api_url}
         )
-        self.started = True
-        event(
-            _log, "node_started", did=self.did, listen=self.listen_url, unclean=self.unclean_start
+
+    async def _serve(self, host: str, port: int) -> Server:
+        return await serve(
+            self._on_accept,
+            host,
+            port,
+            compression=None,
+            max_size=self.settings.ws_max_size,
+            ping_interval=self.config.ping_interval,
+            ping_timeout=self.config.ping_interval,
+            close_timeout=2,
+            max_queue=256,
         )
 
     async def _open_state(self) -> None:

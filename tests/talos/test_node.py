@@ -281,3 +281,19 @@ async def test_duplicate_link_rule_is_the_same_on_both_sides(pair: tuple[Node, N
     assert a._prefer(b_dials_on_a, a_dials_on_a) is not a_wins
     assert b._prefer(b_dials_on_b, a_dials_on_b) is not a_wins
     assert a._prefer(a_dials_on_a, fake(b.did, Role.INITIATOR)) is True
+
+
+async def test_failed_start_is_clear_and_leaves_the_home_usable(
+    pair: tuple[Node, Node], tmp_path: Path
+) -> None:
+    a, _ = pair
+    port = a.listen_url.rsplit(":", 1)[1]  # type: ignore[union-attr]
+    home, cfg = make_home(tmp_path, "c", listen=f"127.0.0.1:{port}")
+    async with asyncio.timeout(10):
+        c = Node(home, cfg)
+        with pytest.raises(UsageError, match="cannot listen"):
+            await c.start()
+        assert not c.started
+        c = await started(home, cfg.model_copy(update={"listen": "127.0.0.1:0"}))
+        assert not c.unclean_start  # the failed start cleaned up after itself
+        await c.stop()
