@@ -297,3 +297,24 @@ async def test_failed_start_is_clear_and_leaves_the_home_usable(
         c = await started(home, cfg.model_copy(update={"listen": "127.0.0.1:0"}))
         assert not c.unclean_start  # the failed start cleaned up after itself
         await c.stop()
+
+
+async def test_offline_send_is_delivered_on_the_next_run(tmp_path: Path) -> None:
+    from talos.config import Home
+    from talos.node import offline_add_peer, offline_inbox, offline_peers, offline_send
+
+    home_a, cfg_a = make_home(tmp_path, "a")
+    home_b, cfg_b = make_home(tmp_path, "b")
+    async with asyncio.timeout(20):
+        b = await started(home_b, cfg_b)
+        a_did = Wallet.load(home_a / "identity.key").did
+        b.allow(a_did)
+        offline_add_peer(Home(home_a), addr(b))
+        assert offline_peers(Home(home_a))[0]["did"] == b.did
+        msg_id = offline_send(Home(home_a), b.did, "queued while stopped")
+        a = await started(home_a, cfg_a)  # dials B from its peers table
+        await until(lambda: len(b.inbox()) == 1, what="delivery")
+        assert b.inbox()[0].to_json()["id"] == msg_id
+        await a.stop()
+        await b.stop()
+        assert [m["text"] for m in offline_inbox(Home(home_b))] == ["queued while stopped"]
