@@ -218,3 +218,28 @@ async def test_progress_and_sampling_forwarded(pair: Pair) -> None:
             )
         )
         assert text_of(await fut) == "from the model"
+
+
+async def test_cancellation_is_forwarded_and_audited() -> None:
+    sink = MemorySink()
+    auditor = Auditor(sink)
+    await auditor.start()
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=EVERYTHING), auditor=auditor)
+    agent = Agent(pair.client)
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            await agent.initialize()
+            rid, _fut = agent.start_request("tools/call")
+            await agent.send_raw(
+                b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":'
+                b'{"name":"slow","arguments":{"steps":100,"delay":0.05}}}' % rid
+            )
+            await agent.notify("notifications/cancelled", {"requestId": rid, "reason": "user"})
+            assert rid not in agent.session.pending
+            # The tool keeps serving the session after the cancelled call.
+            assert text_of(await agent.call("echo", text="after")) == "after"
+            await auditor.stop()
+    finally:
+        await pair.close()
+    cancelled = [r for r in sink.records if r.request_id == rid]
+    assert [(r.tool, r.outcome) for r in cancelled] == [("slow", "cancelled")]
