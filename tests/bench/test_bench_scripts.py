@@ -170,7 +170,7 @@ def test_run_all_plots_latency_samples_and_checks_latency_targets(
     p50, _ = quantiles(samples)
     metrics = {
         "e2e.latency.p50": _m("e2e.latency.p50", p50),
-        "store.sync_commit": _m("store.sync_commit", 0.0001),
+        "e2e.sync_commit": _m("e2e.sync_commit", 0.0001),
         "ws.roundtrip.p50": _m("ws.roundtrip.p50", 0.0001),
     }
     _common.write_results("bench_fake", False, metrics, [], {"A -> B": samples})
