@@ -17,7 +17,6 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.mlkem import (
@@ -160,14 +159,28 @@ def _bundle_body(
     return b"".join(out)
 
 
-@lru_cache(maxsize=64)
+# Parsed ML-KEM-768 public keys by their bytes (immutable objects, bounded, oldest
+# evicted): parsing checks the key (~20 us); a node re-reads the same few bundles
+# and rebuilds its own after every consumed OPK, whose key it already holds parsed.
+_MLKEM_PUBLIC: dict[bytes, MLKEM768PublicKey] = {}
+_MLKEM_PUBLIC_MAX = 64
+
+
+def _remember_mlkem(raw: bytes, key: MLKEM768PublicKey) -> None:
+    if len(_MLKEM_PUBLIC) >= _MLKEM_PUBLIC_MAX:
+        del _MLKEM_PUBLIC[next(iter(_MLKEM_PUBLIC))]
+    _MLKEM_PUBLIC[raw] = key
+
+
 def _mlkem_public(raw: bytes) -> MLKEM768PublicKey:
-    # Parsing checks the key (~20 us); a node re-reads the same few bundles, and a
-    # bundle rebuilt from its own secrets after an OPK is consumed re-uses the key.
-    try:
-        return MLKEM768PublicKey.from_public_bytes(raw)
-    except ValueError:
-        raise MalformedFrameError("bundle: ML-KEM-768 public key is invalid") from None
+    key = _MLKEM_PUBLIC.get(raw)
+    if key is None:
+        try:
+            key = MLKEM768PublicKey.from_public_bytes(raw)
+        except ValueError:
+            raise MalformedFrameError("bundle: ML-KEM-768 public key is invalid") from None
+        _remember_mlkem(raw, key)
+    return key
 
 
 def _did_key(did: str, what: str) -> bytes:
@@ -352,7 +365,11 @@ class PrekeySecrets:
         self.pq_seed = pq_seed
         # Parsed once: ML-KEM key expansion from the seed is the costly part.
         self._pq = MLKEM768PrivateKey.from_seed_bytes(pq_seed) if pq_seed is not None else None
-        self._pq_public = self._pq.public_key().public_bytes_raw() if self._pq else None
+        self._pq_public: bytes | None = None
+        if self._pq is not None:
+            public = self._pq.public_key()
+            self._pq_public = public.public_bytes_raw()
+            _remember_mlkem(self._pq_public, public)
         self.signature = signature
         self._one_time: dict[int, tuple[bytes, bytes]] = {
             i: (k, crypto_scalarmult_base(k)) for i, k in one_time.items()

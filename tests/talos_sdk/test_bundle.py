@@ -162,6 +162,25 @@ def test_bundle_bad_did_and_kem_key(hybrid_secrets: PrekeySecrets) -> None:
         dataclasses.replace(b, pq_key=b"\x00" * 10)
 
 
+def test_parsed_kem_keys_are_cached_within_a_bound(wallet: Wallet) -> None:
+    from talos_sdk import bundle as bundle_module
+
+    with pytest.raises(MalformedFrameError, match="ML-KEM-768 public key is invalid"):
+        bundle_module._mlkem_public(b"\xff" * 1184)  # coefficients >= q: refused, not cached
+    assert b"\xff" * 1184 not in bundle_module._MLKEM_PUBLIC
+    made = [
+        PrekeySecrets.generate(wallet, pq=True) for _ in range(bundle_module._MLKEM_PUBLIC_MAX + 6)
+    ]
+    assert len(bundle_module._MLKEM_PUBLIC) <= bundle_module._MLKEM_PUBLIC_MAX
+    for secrets in made[-3:]:
+        parsed = PrekeyBundle.from_bytes(secrets.bundle().to_bytes()).pq_public
+        assert parsed is not None
+        assert parsed.public_bytes_raw() == secrets.bundle().pq_key
+    # An evicted key is parsed again, to the same bytes.
+    oldest = made[0].bundle()
+    assert oldest.pq_public is not None and oldest.pq_public.public_bytes_raw() == oldest.pq_key
+
+
 def test_low_order_point_is_rejected() -> None:
     private, _ = x25519_keypair()
     with pytest.raises(BundleError, match="low-order"):
