@@ -60,6 +60,9 @@ class NodeConfig(BaseModel):
     reconnect_max: float = Field(default=10.0, gt=0)
     retry_interval: float = Field(default=3.0, gt=0)
     session_flush_interval: float = Field(default=1.0, gt=0)
+    head_interval: float = Field(
+        default=5.0, gt=0, description="seconds between signed-head announcements to peers"
+    )
     log_format: Literal["kv", "json"] = "kv"
 
 

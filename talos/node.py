@@ -1,4 +1,4 @@
-"""The running node (docs/ARCHITECTURE.md "Node contract"; DESIGN.md layer 2).
+r"""The running node (docs/ARCHITECTURE.md "Node contract"; DESIGN.md layer 2).
 
 Asyncio glue only: protocol rules live in pure modules (link frames, handshake,
 pipeline rules, sessions over the SDK). One event loop owns the links, the
@@ -9,9 +9,13 @@ arriving while it runs — which is what makes group commit happen under load.
 Message path (DESIGN.md "Storage": nothing is acknowledged before it is
 committed)::
 
-    send_message -> outbox (durable) -> seal (signed commitment) -> MSG frame
+    send_message -> seq (epoch, n) in memory -> seal (signed commitment) -> MSG frame
+                 \-> outbox (durable, group-committed, overlapping the transmission)
     MSG -> open -> batch -> one durable txn (inbox + log record + delivered seq
-           + session state) -> ACK (cumulative) -> sender drops outbox rows
+           + session state) -> ACK (cumulative) -> sender drops outbox rows and
+           logs its own records of the acked messages
+
+Why transmitting before the outbox commit is safe: docs/adr/0007-epoch-sequence-numbers.md.
 
 Crash safety of ratchet state is described in docs/adr/0001-session-persistence.md.
 """
@@ -22,6 +26,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import json
 import logging
 import os
 import random
@@ -37,14 +42,16 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from talos import pipeline as pl
+from talos.chain.block import Record
 from talos.chain.log import BlockLog, run_sealer
 from talos.config import Home, NodeConfig, PeerAddr, parse_listen, parse_peer_addr
+from talos.link import heads as hd
 from talos.link import wire
 from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_PROTOCOL, CLOSE_SHUTDOWN, Role
 from talos.link.peer import Link, LinkSettings, PeerRefused, accept_link, dial_link
 from talos.logging import event
 from talos.metrics import Metrics
-from talos.sessions import Opened, SessionManager
+from talos.sessions import Opened, SessionManager, UnknownSessionError
 from talos.store import Store, Txn
 from talos_sdk.errors import (
     DecryptionError,
@@ -120,6 +127,12 @@ class _Peer:
     max_sent: int = 0
     decrypt_failures: int = 0
     sent_at: dict[int, float] = field(default_factory=dict)
+    last_assigned: int = 0
+    #: Rows with a seq whose outbox commit has not finished (sendable already).
+    fresh: list[pl.OutboxEntry] = field(default_factory=list)
+    #: Our own audit records of sent, unacknowledged messages, by seq.
+    records: dict[int, Record] = field(default_factory=dict)
+    head_sent: int = -1
 
 
 class Node:
@@ -146,7 +159,8 @@ class Node:
         self._tasks: list[asyncio.Task[Any]] = []
         self._link_tasks: set[asyncio.Task[Any]] = set()
         self._incoming: list[_Incoming] = []
-        self._outgoing: list[_Outgoing] = []
+        self._outgoing: list[tuple[pl.OutboxEntry, asyncio.Future[None]]] = []
+        self._epoch = 0
         self._outgoing_event = asyncio.Event()
         self._incoming_event = asyncio.Event()
         self._inbox_event = asyncio.Event()
@@ -186,6 +200,7 @@ class Node:
             asyncio.create_task(self._outbox_loop(), name="talos-outbox"),
             asyncio.create_task(self._flush_loop(), name="talos-session-flush"),
             asyncio.create_task(self._retry_loop(), name="talos-retry"),
+            asyncio.create_task(self._heads_loop(), name="talos-heads"),
         ]
         self.metrics.gauge(
             "peers_connected", lambda: sum(p.ready.is_set() for p in self._peers.values())
@@ -262,9 +277,14 @@ class Node:
         )
         # ADR 0001: after an unclean stop no ratchet state may be reused.
         await self._write(lambda txn: self.sessions.load(txn, discard=self.unclean_start))
-        await self._write(lambda txn: txn.put("meta", _RUNNING, _U64.pack(os.getpid())))
+        self._epoch = await self._write(self._mark_running)
         if self.unclean_start:
             event(_log, "unclean_shutdown_detected", level=logging.WARNING, action="sessions reset")
+
+    def _mark_running(self, txn: Txn) -> int:
+        """One durable txn at start: the running marker and a new boot epoch (ADR 0007)."""
+        txn.put("meta", _RUNNING, _U64.pack(os.getpid()))
+        return pl.bump_epoch(txn)
 
     async def stop(self) -> None:
         """Clean shutdown: close links, flush sessions, seal the log, clear the running marker."""
@@ -290,7 +310,7 @@ class Node:
         await asyncio.gather(
             *self._tasks, *self._dialers.values(), *self._link_tasks, return_exceptions=True
         )
-        for *_, fut in self._outgoing:
+        for _, fut in self._outgoing:
             if not fut.done():
                 fut.set_exception(UsageError("the node stopped before the message was queued"))
         try:
@@ -369,8 +389,9 @@ class Node:
                 first = next(pl.iter_outbox(txn, did), None)
                 assigned = pl.get_u64(txn, "meta", pl.meta_out(did))
                 delivered = pl.get_u64(txn, "meta", pl.meta_in(did))
-            acked = first.seq - 1 if first is not None else assigned
+            acked = first.prev if first is not None else assigned
             peer = _Peer(did, pl.SenderState(acked), pl.ReceiverState(delivered))
+            peer.last_assigned = assigned
             peer.down.set()
             self._peers[did] = peer
         return peer
@@ -479,6 +500,8 @@ class Node:
         event(_log, "session_ready", peer=peer.did, suite=self.sessions.suite(peer.did))
         self._notify_link(peer.did, True)
         self._kick(peer)
+        peer.head_sent = -1
+        self._send_head(peer)
 
     def _notify_link(self, did: str, up: bool) -> None:
         for cb in list(self._link_callbacks):
@@ -582,7 +605,7 @@ class Node:
         opened = self.sessions.open_message(peer.did, frame.body)
         if opened.seq != frame.seq:
             raise ProtocolError("MSG header sequence differs from the sealed one")
-        verdict = peer.rx.classify(opened.seq)
+        verdict = peer.rx.classify(opened.seq, opened.prev)
         if verdict == pl.Verdict.ACCEPT:
             self._incoming.append(_Incoming(peer.did, opened))
             self._incoming_event.set()
@@ -606,7 +629,10 @@ class Node:
             await link.send(data)
 
     def _on_ack(self, peer: _Peer, seq: int) -> None:
-        if seq > peer.max_sent:
+        # An ack from an earlier epoch may cover messages a crashed run of ours sent
+        # without committing them (ADR 0007); in this epoch we know what we sent.
+        # Epoch 0 is never assigned: boots and offline sends start at 1.
+        if seq > peer.max_sent and not 0 < pl.epoch_of(seq) < self._epoch:
             raise ProtocolError(f"ack {seq} for a message not sent yet")
         if not peer.tx.on_ack(seq):
             return
@@ -614,11 +640,21 @@ class Node:
         peer.last_progress = now
         for s in [s for s in peer.sent_at if s <= seq]:
             self.metrics.ack_latency.observe(now - peer.sent_at.pop(s))
-        did = peer.did
-        self._spawn(self._write(lambda txn: pl.drop_acked(txn, did, seq), durable=False))
+        if peer.fresh and peer.fresh[0].seq <= seq:
+            peer.fresh = [r for r in peer.fresh if r.seq > seq]
+        records = [peer.records.pop(s) for s in sorted(s for s in peer.records if s <= seq)]
+        self._spawn(
+            self._write(
+                functools.partial(_ack_txn, log=self.log, did=peer.did, seq=seq, records=records),
+                durable=False,
+            )
+        )
 
     async def _on_app(self, peer: _Peer, frame: wire.App) -> None:
         name, payload = self.sessions.open_app(peer.did, frame.body)
+        if name == hd.HEAD_CHANNEL:
+            await self._on_head(peer, hd.decode_head(payload, peer.did))
+            return
         handler = self._apps.get(name)
         if handler is None:
             raise ProtocolError(f"no app channel named {name!r}")
@@ -702,19 +738,26 @@ class Node:
         from talos_sdk.did import public_key_from_did
 
         public_key_from_did(did)  # a clear DIDError for a malformed recipient
-        msg_id = os.urandom(pl.MSG_ID_LEN)
-        ts_ms = int(self._clock() * 1000)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._outgoing.append((did, msg_id, ts_ms, text, fut))
-        self._outgoing_event.set()
-        seq = await fut
-        self.metrics.inc("messages_out")
         peer = self._peer(did)
+        # ADR 0007: the number is unique across crashes, so the frame may leave
+        # before its outbox row is durable; the caller hears back only after.
+        prev = peer.last_assigned
+        seq = pl.next_seq(prev, self._epoch)
+        peer.last_assigned = seq
+        row = pl.OutboxEntry(
+            did, seq, os.urandom(pl.MSG_ID_LEN), int(self._clock() * 1000), text, prev
+        )
+        peer.fresh.append(row)
+        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._outgoing.append((row, committed))
+        self._outgoing_event.set()
         waiter = peer.tx.wait_for(seq) if wait else None
         self._kick(peer)
+        await committed
+        self.metrics.inc("messages_out")
         if waiter is not None:
             await waiter
-        return msg_id.hex()
+        return row.msg_id.hex()
 
     async def _outbox_loop(self) -> None:
         """Group commit of the outbox: concurrent sends share one fsync."""
@@ -724,16 +767,31 @@ class Node:
             batch, self._outgoing = self._outgoing, []
             if not batch:
                 continue
+            rows = [row for row, _ in batch]
             try:
-                seqs = await self._write(functools.partial(_enqueue_batch, batch=batch))
+                await self._write(functools.partial(self._enqueue_batch, rows=rows))
             except StorageError as exc:
-                for *_, fut in batch:
+                # The rows stay sendable: later numbers name them as prev. The
+                # caller gets the error and no id (ADR 0007, "failed commit").
+                for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
-            for (*_, fut), seq in zip(batch, seqs, strict=True):
+            for row, fut in batch:
+                peer = self._peers[row.peer]
+                if peer.fresh and peer.fresh[0].seq <= row.seq:
+                    peer.fresh = [r for r in peer.fresh if r.seq > row.seq]
                 if not fut.done():
-                    fut.set_result(seq)
+                    fut.set_result(None)
+
+    def _enqueue_batch(self, txn: Txn, rows: list[pl.OutboxEntry]) -> None:
+        """Writer thread: outbox rows, minus those the peer acked already (ack raced us)."""
+        for row in rows:
+            peer = self._peers.get(row.peer)
+            if peer is not None and row.seq <= peer.tx.acked:
+                pl.note_assigned(txn, row.peer, row.seq)
+            else:
+                pl.put_row(txn, row)
 
     def _kick(self, peer: _Peer) -> None:
         peer.dirty = True
@@ -749,16 +807,14 @@ class Node:
                 link = peer.link
                 if link is None:
                     return
-                with self.store.read() as txn:
-                    rows = list(_take(pl.iter_outbox(txn, peer.did, peer.tx.sent), 256))
-                if len(rows) == 256:
-                    peer.dirty = True
+                rows = self._unsent(peer)
                 for row in rows:
                     if peer.link is not link or not peer.ready.is_set():
                         return
                     if row.seq <= peer.tx.sent:
                         continue
-                    body = self.sessions.seal_message(peer.did, row)
+                    body, record = self.sessions.seal_message(peer.did, row)
+                    peer.records[row.seq] = record
                     if peer.tx.sent == peer.tx.acked:
                         peer.last_progress = time.monotonic()
                     peer.tx.sent = row.seq
@@ -769,6 +825,20 @@ class Node:
             pass
         finally:
             peer.pumping = False
+
+    def _unsent(self, peer: _Peer) -> list[pl.OutboxEntry]:
+        """Rows after ``tx.sent``: committed ones from LMDB, then those still committing."""
+        fresh = peer.fresh
+        sent = peer.tx.sent
+        if fresh and fresh[0].prev <= sent:
+            return [r for r in fresh if r.seq > sent]  # nothing committed is pending
+        with self.store.read() as txn:
+            rows = _take(pl.iter_outbox(txn, peer.did, sent), 256)
+        if len(rows) == 256:
+            peer.dirty = True
+            return rows
+        last = rows[-1].seq if rows else sent
+        return rows + [r for r in fresh if r.seq > last]
 
     async def _retry_loop(self) -> None:
         """Resend from the oldest unacked message when a link makes no progress."""
@@ -788,6 +858,65 @@ class Node:
                     self._kick(peer)
                 elif peer.ready.is_set() and peer.tx.sent == peer.tx.acked:
                     self._kick(peer)  # rows queued while the link was coming up
+
+    # --- signed heads ----------------------------------------------------------------------------
+
+    async def _heads_loop(self) -> None:
+        """Announce our head to every ready peer when the log has grown."""
+        while True:
+            await asyncio.sleep(self.config.head_interval)
+            for peer in list(self._peers.values()):
+                self._send_head(peer)
+
+    def _send_head(self, peer: _Peer) -> None:
+        head = self.log.heads()
+        if head is None or head.height <= peer.head_sent or not peer.ready.is_set():
+            return
+        peer.head_sent = head.height
+        payload = hd.encode_head(head.statement)
+        self._spawn(self._send_head_quiet(peer.did, payload))
+
+    async def _send_head_quiet(self, did: str, payload: bytes) -> None:
+        with contextlib.suppress(NotConnectedError, UnknownSessionError):
+            await self.send_app(did, hd.HEAD_CHANNEL, payload)
+
+    async def _on_head(self, peer: _Peer, presented: hd.PeerHead) -> None:
+        """Keep the peer's latest signed head; a conflicting one is an equivocation alert."""
+        did = peer.did
+        verdict = await self._write(functools.partial(_judge_head, did=did, presented=presented))
+        self.metrics.inc("heads_in")
+        if verdict is not None:
+            self.metrics.inc("head_equivocations")
+            event(
+                _log,
+                "head_equivocation",
+                level=logging.WARNING,
+                peer=did,
+                reason=verdict.reason,
+                kept_height=verdict.kept.height,
+                presented_height=verdict.presented.height,
+            )
+
+    def peer_heads(self) -> dict[str, dict[str, Any]]:
+        """The latest verified head statement kept for each peer."""
+        out: dict[str, dict[str, Any]] = {}
+        with self.store.read() as txn:
+            for key, value in txn.items("meta", b"head:"):
+                if not key.startswith(b"head:"):
+                    break
+                did = key[5:].decode()
+                head = hd.load_head(value, did)
+                if head is not None:
+                    out[did] = head.statement
+        return out
+
+    def equivocations(self) -> list[dict[str, Any]]:
+        """Every equivocation alert recorded, oldest first per peer."""
+        prefix = hd.equiv_prefix()
+        with self.store.read() as txn:
+            return [
+                json.loads(value) for key, value in _prefixed(txn.items("meta", prefix), prefix)
+            ]
 
     # --- application channels ------------------------------------------------------------------
 
@@ -882,14 +1011,35 @@ class Node:
                 "log_pending": self.log.pending_count,
             },
             "chain_height": self.log.height,
+            "equivocations": self.equivocations(),
         }
 
 
-_Outgoing = tuple[str, bytes, int, str, "asyncio.Future[int]"]
+def _judge_head(txn: Txn, did: str, presented: hd.PeerHead) -> hd.Equivocation | None:
+    """Writer thread: compare with the kept head, keep the better one, record a conflict."""
+    kept = hd.load_head(txn.get("meta", hd.head_key(did)), did)
+    keep, conflict = hd.judge(kept, presented)
+    if keep is not kept:
+        txn.put("meta", hd.head_key(did), hd.encode_head(keep.statement))
+    if conflict is not None:
+        prefix = hd.equiv_prefix(did)
+        n = sum(1 for _ in _prefixed(txn.items("meta", prefix), prefix))
+        txn.put("meta", hd.equiv_key(did, n), hd.encode_head(conflict.to_json()))
+    return conflict
 
 
-def _enqueue_batch(txn: Txn, batch: list[_Outgoing]) -> list[int]:
-    return [pl.enqueue(txn, did, msg_id, ts, text) for did, msg_id, ts, text, _ in batch]
+def _prefixed(items: Iterable[tuple[bytes, bytes]], prefix: bytes) -> Iterable[tuple[bytes, bytes]]:
+    for key, value in items:
+        if not key.startswith(prefix):
+            return
+        yield key, value
+
+
+def _ack_txn(txn: Txn, log: BlockLog, did: str, seq: int, records: list[Record]) -> None:
+    """Drop acked outbox rows and log our own records of them (DESIGN.md "block log")."""
+    pl.drop_acked(txn, did, seq)
+    for record in records:
+        log.append(record, txn)
 
 
 def iter_inbox(txn: Txn, after: int = 0) -> Iterable[pl.InboxEntry]:
@@ -949,7 +1099,9 @@ def offline_send(home: Home, did: str, text: str) -> str:
     public_key_from_did(did)
     msg_id = os.urandom(pl.MSG_ID_LEN)
     with _offline_store(home) as store, store.write(durable=True) as txn:
-        pl.enqueue(txn, did, msg_id, int(time.time() * 1000), text)
+        # A fresh epoch: the last run may have crashed with numbers on the wire (ADR 0007).
+        epoch = pl.bump_epoch(txn)
+        pl.enqueue(txn, did, msg_id, int(time.time() * 1000), text, epoch)
     return msg_id.hex()
 
 

@@ -3,11 +3,18 @@
 Pure bookkeeping plus the LMDB row layouts; the node (talos/node.py) does the
 I/O. The rules, per ordered pair of nodes:
 
-* the sender gives each message the next per-peer sequence number and commits
-  it to the ``outbox`` (durably) before it may leave the node;
-* the receiver accepts only ``delivered + 1``; a lower number is a duplicate
-  (dropped, re-acked), a higher one a gap (dropped, not acked: the sender
-  resends from its oldest unacknowledged message);
+* a sequence number is ``epoch << 32 | n``: ``epoch`` is the node's boot
+  counter, durably incremented once per start (and by every offline enqueue),
+  ``n`` counts per peer within the epoch. A number is never handed out twice,
+  even after a crash that lost the outbox commit of a message already on the
+  wire (docs/adr/0007-epoch-sequence-numbers.md);
+* each message also carries ``prev``, the sequence number assigned before it
+  to the same peer, sealed inside the frame. The receiver accepts a message iff
+  ``prev <= delivered < seq``; ``seq <= delivered`` is a duplicate (dropped,
+  re-acked), ``prev > delivered`` a gap (dropped, not acked: the sender resends
+  from its oldest unacknowledged message);
+* the sender may transmit a message while its outbox commit is in flight;
+  ``send`` still returns only once that commit is durable;
 * accepted messages are group-committed — inbox rows, block-log records,
   ``delivered`` and the session state in one durable transaction — and only
   then acknowledged with a cumulative :class:`~talos.link.wire.Ack`;
@@ -15,11 +22,13 @@ I/O. The rules, per ordered pair of nodes:
 
 Row layouts (big-endian)::
 
-    outbox  DID || 0x00 || seq u64      -> msg id (16) || ts_ms u64 || text (UTF-8)
+    outbox  DID || 0x00 || seq u64      -> msg id (16) || ts_ms u64 || prev u64
+                                           || text (UTF-8)
     inbox   n u64 (arrival order)       -> msg id (16) || ts_ms u64 || seq u64
                                            || len u16 || from DID || text (UTF-8)
     meta    b"out:" || DID              -> last assigned seq u64
     meta    b"in:" || DID               -> last delivered seq u64
+    meta    b"epoch"                    -> current boot epoch u64
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from talos.store import Txn
-from talos_sdk.errors import MalformedFrameError
+from talos_sdk.errors import MalformedFrameError, UsageError
 
 __all__ = [
     "InboxEntry",
@@ -39,18 +48,53 @@ __all__ = [
     "ReceiverState",
     "SenderState",
     "Verdict",
+    "bump_epoch",
     "decode_inbox",
     "decode_outbox",
     "encode_inbox",
     "encode_outbox",
+    "epoch_of",
     "iter_outbox",
+    "make_seq",
+    "next_seq",
     "outbox_key",
+    "put_row",
 ]
 
 _U64 = struct.Struct(">Q")
-_OUT = struct.Struct(">16sQ")
+_OUT = struct.Struct(">16sQQ")
 _IN = struct.Struct(">16sQQH")
 MSG_ID_LEN: Final = 16
+EPOCH_SHIFT: Final = 32
+MAX_N: Final = (1 << EPOCH_SHIFT) - 1
+_EPOCH_KEY: Final = b"epoch"
+
+
+def make_seq(epoch: int, n: int) -> int:
+    """The u64 sequence number of the ``n``-th message to a peer in boot ``epoch``."""
+    return (epoch << EPOCH_SHIFT) | n
+
+
+def epoch_of(seq: int) -> int:
+    return seq >> EPOCH_SHIFT
+
+
+def next_seq(last: int, epoch: int) -> int:
+    """The number after ``last`` (the peer's last assigned) in ``epoch``."""
+    if epoch_of(last) == epoch:
+        if last & MAX_N == MAX_N:
+            raise UsageError("2**32 - 1 messages to one peer in one run: restart the node")
+        return last + 1
+    if epoch_of(last) > epoch:
+        raise UsageError("boot epoch went backwards (store copied from another run?)")
+    return make_seq(epoch, 1)
+
+
+def bump_epoch(txn: Txn) -> int:
+    """Start a new boot epoch inside ``txn`` (commit it durably before using it)."""
+    epoch = get_u64(txn, "meta", _EPOCH_KEY) + 1
+    put_u64(txn, "meta", _EPOCH_KEY, epoch)
+    return epoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +106,11 @@ class OutboxEntry:
     msg_id: bytes
     ts_ms: int
     text: str
+    prev: int = -1  # the seq assigned before this one; -1 means ``seq - 1``
+
+    def __post_init__(self) -> None:
+        if self.prev < 0:
+            object.__setattr__(self, "prev", self.seq - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,15 +136,15 @@ def outbox_key(peer: str, seq: int) -> bytes:
     return outbox_prefix(peer) + _U64.pack(seq)
 
 
-def encode_outbox(msg_id: bytes, ts_ms: int, text: str) -> bytes:
-    return _OUT.pack(msg_id, ts_ms) + text.encode()
+def encode_outbox(msg_id: bytes, ts_ms: int, prev: int, text: str) -> bytes:
+    return _OUT.pack(msg_id, ts_ms, prev) + text.encode()
 
 
 def decode_outbox(key: bytes, value: bytes) -> OutboxEntry:
     # The seq is the last 8 bytes: it may itself contain 0x00 bytes.
-    msg_id, ts = _OUT.unpack_from(value)
+    msg_id, ts, prev = _OUT.unpack_from(value)
     return OutboxEntry(
-        key[:-9].decode(), _U64.unpack(key[-8:])[0], msg_id, ts, value[_OUT.size :].decode()
+        key[:-9].decode(), _U64.unpack(key[-8:])[0], msg_id, ts, value[_OUT.size :].decode(), prev
     )
 
 
@@ -140,12 +189,25 @@ def put_u64(txn: Txn, db: str, key: bytes, value: int) -> None:
     txn.put(db, key, _U64.pack(value))
 
 
-def enqueue(txn: Txn, peer: str, msg_id: bytes, ts_ms: int, text: str) -> int:
-    """Assign the next sequence number for ``peer`` and queue the message; returns the seq."""
-    seq = get_u64(txn, "meta", meta_out(peer)) + 1
-    txn.put("outbox", outbox_key(peer, seq), encode_outbox(msg_id, ts_ms, text))
-    put_u64(txn, "meta", meta_out(peer), seq)
+def enqueue(txn: Txn, peer: str, msg_id: bytes, ts_ms: int, text: str, epoch: int = 0) -> int:
+    """Assign the next sequence number for ``peer`` in ``epoch`` and queue the message."""
+    prev = get_u64(txn, "meta", meta_out(peer))
+    seq = next_seq(prev, epoch)
+    put_row(txn, OutboxEntry(peer, seq, msg_id, ts_ms, text, prev))
     return seq
+
+
+def put_row(txn: Txn, row: OutboxEntry) -> None:
+    """Write an outbox row whose seq the caller assigned, and remember it as the last."""
+    value = encode_outbox(row.msg_id, row.ts_ms, row.prev, row.text)
+    txn.put("outbox", outbox_key(row.peer, row.seq), value)
+    note_assigned(txn, row.peer, row.seq)
+
+
+def note_assigned(txn: Txn, peer: str, seq: int) -> None:
+    """Raise the peer's last assigned seq to ``seq`` (the next run's ``prev``)."""
+    if seq > get_u64(txn, "meta", meta_out(peer)):
+        put_u64(txn, "meta", meta_out(peer), seq)
 
 
 def drop_acked(txn: Txn, peer: str, upto: int) -> int:
@@ -175,10 +237,11 @@ class ReceiverState:
         if self.accepted < 0:
             self.accepted = self.delivered
 
-    def classify(self, seq: int) -> str:
+    def classify(self, seq: int, prev: int | None = None) -> str:
+        """``prev`` defaults to ``seq - 1`` (consecutive numbers within one epoch)."""
         if seq <= self.accepted:
             return Verdict.DUPLICATE
-        if seq == self.accepted + 1:
+        if (seq - 1 if prev is None else prev) <= self.accepted:
             self.accepted = seq
             return Verdict.ACCEPT
         return Verdict.GAP

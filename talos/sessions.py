@@ -16,7 +16,11 @@ message commit, flushes dirty sessions periodically without sync, and throws
 every session away after an unclean stop.
 
 Message frames are sealed with :class:`talos_sdk.frames.RatchetFrameCrypto`
-(signed commitment inside the ciphertext). App-channel frames are sealed with
+(signed commitment inside the ciphertext); their payload is
+``msg id (16) || prev seq u64 || text`` so the ``prev`` link the receiver
+orders by (talos/pipeline.py) is authenticated and committed to. Sealing also
+returns the sender's own audit record (same commitment bytes and signature the
+receiver logs; DESIGN.md "block log"). App-channel frames are sealed with
 the session alone, unsigned: the link is authenticated and the AEAD
 authenticates the sender, and a per-frame Ed25519 signature would cost more
 than the frame (DESIGN.md performance targets).
@@ -27,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from talos.chain.block import Record
 from talos.link import wire
@@ -45,6 +49,8 @@ _SECRETS_KEY = b"secrets"
 _APP_AD = b"talos/app/v1"
 _SID_LEN = 16
 _U16 = struct.Struct(">H")
+_U64 = struct.Struct(">Q")
+_MSG_HEAD = 16 + _U64.size
 MSG_FRAME_TYPE = 1  # talos_sdk.frames Frame.type of a durable text message
 
 
@@ -61,6 +67,7 @@ class Opened:
     ts_ms: int
     text: str
     record: Record
+    prev: int
 
 
 @dataclass(slots=True)
@@ -68,6 +75,27 @@ class _Entry:
     sid: bytes
     session: Session
     crypto: RatchetFrameCrypto | None = None
+
+
+class _KeepingSigner:
+    """The wallet as RatchetFrameCrypto sees it, keeping the last signature it made.
+
+    The frame sealer signs the commitment internally; the sender's audit record
+    needs exactly those bytes and that signature, and Ed25519 twice per
+    message would double the hot path's costliest step.
+    """
+
+    __slots__ = ("_wallet", "did", "last")
+
+    def __init__(self, wallet: Wallet) -> None:
+        self._wallet = wallet
+        self.did = wallet.did
+        self.last: tuple[bytes, bytes] = (b"", b"")
+
+    def sign(self, data: bytes) -> bytes:
+        sig = self._wallet.sign(data)
+        self.last = (data, sig)
+        return sig
 
 
 def _sid(initial_message: bytes) -> bytes:
@@ -94,6 +122,7 @@ class SessionManager:
         self._entries: dict[str, _Entry] = {}
         self._dirty: set[str] = set()
         self._secrets: PrekeySecrets | None = None
+        self._signer = _KeepingSigner(wallet)
 
     # --- persistence ---------------------------------------------------------------------------
 
@@ -240,12 +269,14 @@ class SessionManager:
 
     def _crypto(self, entry: _Entry) -> RatchetFrameCrypto:
         if entry.crypto is None:
-            entry.crypto = RatchetFrameCrypto(self._wallet, entry.session)
+            # Duck-typed: RatchetFrameCrypto only uses .did and .sign of its wallet.
+            entry.crypto = RatchetFrameCrypto(cast(Wallet, self._signer), entry.session)
         return entry.crypto
 
     # --- sealing -------------------------------------------------------------------------------
 
-    def seal_message(self, peer: str, row: OutboxEntry) -> bytes:
+    def seal_message(self, peer: str, row: OutboxEntry) -> tuple[bytes, Record]:
+        """The sealed MSG body and the sender's record of it (kind ``msg``)."""
         entry = self._get(peer)
         frame = Frame(
             type=MSG_FRAME_TYPE,
@@ -253,10 +284,21 @@ class SessionManager:
             recipient=peer,
             sequence=row.seq,
             timestamp=row.ts_ms,
-            payload=row.msg_id + row.text.encode(),
+            payload=row.msg_id + _U64.pack(row.prev) + row.text.encode(),
         )
         self._dirty.add(peer)
-        return self._crypto(entry).seal(frame, sign=True)
+        body = self._crypto(entry).seal(frame, sign=True)
+        commitment, signature = self._signer.last
+        record = Record(
+            kind="msg",
+            record_id=row.msg_id,
+            sender=self._wallet.did,
+            recipient=peer,
+            commitment=commitment,
+            signature=signature,
+            timestamp_ms=row.ts_ms,
+        )
+        return body, record
 
     def open_message(self, peer: str, body: bytes) -> Opened:
         entry = self._get(peer)
@@ -266,11 +308,14 @@ class SessionManager:
             raise ProtocolError(f"expected a message frame, got type {frame.type}")
         if frame.sender != peer or frame.recipient != self._wallet.did:
             raise ProtocolError("message frame names other parties than this link")
-        if len(frame.payload) < 16:
-            raise MalformedFrameError("message frame too short for its id")
+        if len(frame.payload) < _MSG_HEAD:
+            raise MalformedFrameError("message frame too short for its id and prev seq")
         msg_id = frame.payload[:16]
+        (prev,) = _U64.unpack_from(frame.payload, 16)
+        if prev >= frame.sequence:
+            raise ProtocolError("message prev seq is not below its own seq")
         try:
-            text = frame.payload[16:].decode()
+            text = frame.payload[_MSG_HEAD:].decode()
         except UnicodeDecodeError:
             raise MalformedFrameError("message text is not UTF-8") from None
         record = Record(
@@ -282,7 +327,7 @@ class SessionManager:
             signature=commitment.signature,
             timestamp_ms=frame.timestamp,
         )
-        return Opened(msg_id, frame.sequence, frame.timestamp, text, record)
+        return Opened(msg_id, frame.sequence, frame.timestamp, text, record, prev)
 
     def seal_app(self, peer: str, name: str, payload: bytes) -> bytes:
         entry = self._get(peer)

@@ -14,6 +14,7 @@ import pytest
 
 from talos.link.peer import Link
 from talos.node import ConnectTimeoutError, Node, NotConnectedError
+from talos.pipeline import make_seq
 from talos_sdk.errors import DIDError, UsageError
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import addr, link, make_home, started, until
@@ -36,7 +37,8 @@ async def test_message_is_committed_then_acked(pair: tuple[Node, Node]) -> None:
         msg_id = await a.send_message(b.did, "hello B", wait=True)
         (entry,) = b.inbox()
         assert entry.to_json()["id"] == msg_id
-        assert (entry.sender, entry.text, entry.seq) == (a.did, "hello B", 1)
+        # First message to B in A's first boot epoch (ADR 0007).
+        assert (entry.sender, entry.text, entry.seq) == (a.did, "hello B", make_seq(1, 1))
         await until(lambda: a.status()["queues"]["outbox"] == 0, what="outbox drained")
         # The receiver's audit record is sealed with A's signature over the commitment.
         await until(lambda: b.log.find_record(bytes.fromhex(msg_id)) is not None, what="seal")

@@ -195,7 +195,7 @@ async def test_replayed_message_and_forged_signature(victim: Node, rogue: Rogue)
     async with asyncio.timeout(20):
         link = await rogue.connect(victim)
         await rogue.establish(victim)
-        body = rogue.sessions.seal_message(victim.did, OutboxEntry(me, 1, b"1" * 16, 5, "once"))
+        body = rogue.sessions.seal_message(victim.did, OutboxEntry(me, 1, b"1" * 16, 5, "once"))[0]
         await link.send(wire.encode(wire.Msg(1, body)))
         await until(lambda: len(victim.inbox()) == 1, what="delivery")
         await link.send(wire.encode(wire.Msg(1, body)))  # byte-for-byte replay
@@ -212,7 +212,7 @@ async def test_replayed_message_and_forged_signature(victim: Node, rogue: Rogue)
                 struct.pack(">H", len(recipient)),
                 recipient,
                 b"\x00" * 64,  # not a signature by `me`
-                b"2" * 16 + b"forged signature",
+                b"2" * 16 + struct.pack(">Q", 1) + b"forged signature",
             )
         )
         await link.send(wire.encode(wire.Msg(2, session.encrypt(inner, FRAME_AD))))

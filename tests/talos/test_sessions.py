@@ -62,10 +62,21 @@ def test_setup_then_messages_and_app_frames(sides: tuple[Side, Side]) -> None:
     assert a.sm.suite(b.wallet.did) == b.sm.suite(a.wallet.did) == "x25519-mlkem768"
     assert a.sm.info()[0]["id"] == b.sm.info()[0]["id"]
     for i in range(1, 10):
-        opened = b.sm.open_message(a.wallet.did, a.sm.seal_message(b.wallet.did, row(i, f"t{i}")))
-        assert (opened.seq, opened.text, opened.ts_ms) == (i, f"t{i}", 1000 + i)
+        body, mine = a.sm.seal_message(b.wallet.did, row(i, f"t{i}"))
+        opened = b.sm.open_message(a.wallet.did, body)
+        assert (opened.seq, opened.prev, opened.text, opened.ts_ms) == (i, i - 1, f"t{i}", 1000 + i)
         assert opened.record.sender == a.wallet.did
         assert a.wallet.verify(opened.record.commitment, opened.record.signature)
+        # The sender's own record holds the very commitment and signature B logs.
+        assert (mine.commitment, mine.signature) == (
+            opened.record.commitment,
+            opened.record.signature,
+        )
+        assert (mine.sender, mine.recipient, mine.record_id) == (
+            a.wallet.did,
+            b.wallet.did,
+            opened.msg_id,
+        )
     body = b.sm.seal_app(a.wallet.did, "mcp", b"payload")
     assert a.sm.open_app(b.wallet.did, body) == ("mcp", b"payload")
     with pytest.raises(DecryptionError):
@@ -88,7 +99,7 @@ def test_persisted_sessions_resume_with_the_same_id(sides: tuple[Side, Side]) ->
     assert offer_a.session_id == offer_b.session_id != b""
     assert a.sm.on_offer(b.wallet.did, offer_b, ("x25519",)) is None
     assert b.sm.on_offer(a.wallet.did, offer_a, ("x25519",)) is None
-    msg = a.sm.seal_message(b.wallet.did, row(1, "after restart"))
+    msg = a.sm.seal_message(b.wallet.did, row(1, "after restart"))[0]
     assert b.sm.open_message(a.wallet.did, msg).text == "after restart"
 
 
@@ -102,7 +113,7 @@ def test_discard_after_crash_forces_a_new_session(sides: tuple[Side, Side]) -> N
     assert not b.sm.has(a.wallet.did)
     setup(a, b)
     assert b.sm.info()[0]["id"] != old
-    msg = a.sm.seal_message(b.wallet.did, row(1, "rekeyed"))
+    msg = a.sm.seal_message(b.wallet.did, row(1, "rekeyed"))[0]
     assert b.sm.open_message(a.wallet.did, msg).text == "rekeyed"
 
 
@@ -147,4 +158,4 @@ def test_app_and_message_frames_cannot_be_swapped(sides: tuple[Side, Side]) -> N
     with pytest.raises(DecryptionError):
         b.sm.open_message(a.wallet.did, a.sm.seal_app(b.wallet.did, "x", b""))
     with pytest.raises(DecryptionError):
-        b.sm.open_app(a.wallet.did, a.sm.seal_message(b.wallet.did, row(1, "m")))
+        b.sm.open_app(a.wallet.did, a.sm.seal_message(b.wallet.did, row(1, "m"))[0])

@@ -1,0 +1,123 @@
+"""Signed heads exchanged between linked nodes (DESIGN.md "block log": "Nodes may
+exchange signed heads so a node cannot quietly rewrite history").
+
+Pure and sans-I/O. A node sends its latest signed head statement
+(:func:`talos.chain.block.head_statement`) on the reserved app channel
+:data:`HEAD_CHANNEL` when a link comes up and whenever its log grows. The peer
+checks the signature and compares the statement with the latest head it kept
+for that node: a head at the same height with another hash, or below a height
+already seen, is an equivocation — the node rewrote or forked its history.
+
+Stored rows (``meta`` database, RFC 8785 JSON values)::
+
+    b"head:" || DID                 -> latest head statement seen from DID
+    b"equiv:" || DID || 0x00 || u64 -> {"kept": statement, "presented": statement, "reason": str}
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Final
+
+from talos.chain.block import verify_head_statement
+from talos_sdk.canonical import canonical_json_bytes
+from talos_sdk.errors import MalformedFrameError, ProtocolError
+
+__all__ = [
+    "HEAD_CHANNEL",
+    "Equivocation",
+    "PeerHead",
+    "decode_head",
+    "encode_head",
+    "equiv_key",
+    "equiv_prefix",
+    "head_key",
+    "judge",
+]
+
+HEAD_CHANNEL: Final = "talos.head"
+MAX_HEAD_BYTES: Final = 4096
+_U64 = struct.Struct(">Q")
+
+
+class ForgedHeadError(ProtocolError):
+    """A head statement whose signature or signer is not the link peer's."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHead:
+    """A verified head statement of one node."""
+
+    node: str
+    height: int
+    hash: str
+    statement: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Equivocation:
+    """Two signed heads of one node that cannot both belong to an append-only log."""
+
+    kept: PeerHead
+    presented: PeerHead
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node": self.kept.node,
+            "reason": self.reason,
+            "kept": self.kept.statement,
+            "presented": self.presented.statement,
+        }
+
+
+def encode_head(statement: dict[str, Any]) -> bytes:
+    return canonical_json_bytes(statement)
+
+
+def decode_head(payload: bytes, peer: str) -> PeerHead:
+    """Parse and verify a head statement sent by ``peer`` over its link."""
+    if len(payload) > MAX_HEAD_BYTES:
+        raise MalformedFrameError(f"head statement above {MAX_HEAD_BYTES} bytes")
+    try:
+        statement = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        raise MalformedFrameError("head statement is not JSON") from None
+    if not isinstance(statement, dict):
+        raise MalformedFrameError("head statement is not a JSON object")
+    if not verify_head_statement(statement, peer):
+        raise ForgedHeadError("head statement is not signed by the link peer")
+    return PeerHead(peer, int(statement["height"]), str(statement["hash"]), statement)
+
+
+def judge(kept: PeerHead | None, presented: PeerHead) -> tuple[PeerHead, Equivocation | None]:
+    """The head to keep after ``presented`` arrives, and the equivocation it proves if any."""
+    if kept is None or presented.height > kept.height:
+        return presented, None
+    if presented.height == kept.height:
+        if presented.hash == kept.hash:
+            return kept, None
+        return kept, Equivocation(kept, presented, "same height, different block hash")
+    return kept, Equivocation(kept, presented, "height below one already signed")
+
+
+def head_key(did: str) -> bytes:
+    return b"head:" + did.encode()
+
+
+def equiv_prefix(did: str = "") -> bytes:
+    return b"equiv:" + (did.encode() + b"\x00" if did else b"")
+
+
+def equiv_key(did: str, n: int) -> bytes:
+    return equiv_prefix(did) + _U64.pack(n)
+
+
+def load_head(raw: bytes | None, did: str) -> PeerHead | None:
+    """A stored head row back as :class:`PeerHead` (it was verified before it was stored)."""
+    if raw is None:
+        return None
+    statement = json.loads(raw)
+    return PeerHead(did, int(statement["height"]), str(statement["hash"]), statement)
