@@ -11,9 +11,17 @@ reached the right receiver. After that the stream carries::
     receiver -> sender:   ( u64 credit )*  then u64 BULK_VERIFIED / BULK_FAILED
 
 Credits are chunk indices: the sender may send chunk ``i`` only while
-``i < credit``, so a slow receiver slows the sender and neither side buffers
-more than ``window`` chunks. Sealing, opening, hashing and disk I/O run in a
-worker thread, overlapped with the socket I/O of the neighbouring chunk.
+``i < credit``, so a slow receiver slows the sender and neither side holds
+more than ``window`` chunks (the kernel's socket buffers are the queue).
+
+The handshake runs on the event loop with ``loop.sock_*`` calls on the raw
+socket (no stream read-ahead, so nothing of the data phase is swallowed).
+The data phase then runs in dedicated threads on the blocking socket: one
+thread per side does read+hash+seal+``sendall`` or ``recv_into``+open+hash+
+``pwrite`` into reused buffers (ChaCha20-Poly1305, SHA-256 and the syscalls
+release the GIL), so the loop is not woken per chunk and no page is freshly
+allocated per chunk; the kernel socket buffers overlap the two processes.
+Cancelling the awaiting task shuts the socket down, which wakes the thread.
 """
 
 from __future__ import annotations
@@ -22,9 +30,11 @@ import asyncio
 import contextlib
 import hmac
 import os
+import socket
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from talos.transfer.protocol import (
     BULK_CREDIT,
@@ -55,8 +65,20 @@ __all__ = [
 
 MAX_SEALED: Final = MAX_CHUNK + CHUNK_HEADER_SIZE + TAG_SIZE
 HANDSHAKE_TIMEOUT: Final = 10.0
-_STREAM_LIMIT: Final = 4 << 20
+#: A data-phase socket call that makes no progress this long ends the attempt.
+IDLE_TIMEOUT: Final = 60.0
+#: Socket buffers sized for a few sealed chunks in flight on a fast link.
+SOCKET_BUFFER: Final = 4 << 20
 _FINAL_FLAG_AT: Final = 8  # flags byte of the aead chunk header
+_T = TypeVar("_T")
+
+
+def _tune(sock: socket.socket) -> None:
+    # Credits are 8-byte writes: without NODELAY they can wait for a delayed ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,22 +86,36 @@ class BulkStream:
     """An authenticated bulk connection for one transfer attempt."""
 
     tid: bytes
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
+    sock: socket.socket
+
+    def abort(self) -> None:
+        """Shut the connection down (wakes any thread blocked on it)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     async def close(self) -> None:
-        """Close the TCP connection (errors on a dead socket are irrelevant here)."""
-        self.writer.close()
-        with contextlib.suppress(OSError, asyncio.CancelledError):
-            await self.writer.wait_closed()
+        """Shut down and close the socket (errors on a dead socket are irrelevant here)."""
+        self.abort()
+        self.sock.close()
 
 
 BulkHandler = Callable[[BulkStream], Awaitable[None]]
 
 
-def _tune(writer: asyncio.StreamWriter) -> None:
-    # Let one whole sealed chunk sit in the transport while the next is sealed.
-    writer.transport.set_write_buffer_limits(high=2 * MAX_SEALED, low=MAX_SEALED // 2)
+async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+        got += k
+    return bytes(buf)
+
+
+def _to_data_phase(sock: socket.socket) -> None:
+    sock.settimeout(IDLE_TIMEOUT)
 
 
 class BulkListener:
@@ -89,22 +125,36 @@ class BulkListener:
         self.host = host
         self._port = port
         self._expected: dict[bytes, tuple[bytes, BulkHandler]] = {}
-        self._server: asyncio.Server | None = None
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.refused = 0
 
     @property
     def port(self) -> int:
         """The bound port (after :meth:`start`)."""
-        if self._server is None:
+        if self._sock is None:
             raise UsageError("bulk listener not started")
-        return int(self._server.sockets[0].getsockname()[1])
+        return int(self._sock.getsockname()[1])
 
     async def start(self) -> None:
         """Bind and listen."""
-        self._server = await asyncio.start_server(
-            self._on_connect, self.host, self._port, limit=_STREAM_LIMIT
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            self.host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
+        family, _, _, _, address = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            _tune(sock)  # before listen(): accepted sockets inherit the window scale
+            sock.bind(address)
+            sock.listen(64)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._accepting = asyncio.create_task(self._accept_loop(sock))
 
     def expect(self, tid: bytes, token: bytes, handler: BulkHandler) -> None:
         """Accept one connection proving ``token`` for ``tid`` and hand it to ``handler``."""
@@ -116,52 +166,67 @@ class BulkListener:
         """Withdraw the token of ``tid`` (attempt over or replaced)."""
         self._expected.pop(tid, None)
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
+    async def _accept_loop(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(lsock)
+            except OSError:  # e.g. EMFILE: back off instead of spinning
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._on_connect(conn))
             self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _on_connect(self, conn: socket.socket) -> None:
         try:
-            stream = await asyncio.wait_for(self._authenticate(reader, writer), HANDSHAKE_TIMEOUT)
+            stream = await asyncio.wait_for(self._authenticate(conn), HANDSHAKE_TIMEOUT)
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ProtocolError):
             self.refused += 1
-            writer.close()
+            conn.close()
             return
-        finally:
-            if task is not None:
-                self._tasks.discard(task)
+        except asyncio.CancelledError:
+            conn.close()
+            raise
         token_handler = self._expected.pop(stream.tid, None)
         if token_handler is None:  # raced with forget()
             await stream.close()
             return
         await token_handler[1](stream)
 
-    async def _authenticate(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> BulkStream:
-        magic, tid, client_nonce = BULK_HELLO.unpack(await reader.readexactly(BULK_HELLO.size))
+    async def _authenticate(self, conn: socket.socket) -> BulkStream:
+        loop = asyncio.get_running_loop()
+        hello = await _recv_exact(loop, conn, BULK_HELLO.size)
+        magic, tid, client_nonce = BULK_HELLO.unpack(hello)
         entry = self._expected.get(tid)
         if magic != BULK_MAGIC or entry is None:
             raise HandshakeError("unknown bulk transfer")
         token = entry[0]
         server_nonce = os.urandom(NONCE_LEN)
         proof = bulk_server_proof(token, tid, client_nonce, server_nonce)
-        writer.write(BULK_REPLY.pack(server_nonce, proof))
-        (client_proof,) = BULK_PROOF.unpack(await reader.readexactly(BULK_PROOF.size))
+        await loop.sock_sendall(conn, BULK_REPLY.pack(server_nonce, proof))
+        (client_proof,) = BULK_PROOF.unpack(await _recv_exact(loop, conn, BULK_PROOF.size))
         expected = bulk_client_proof(token, tid, client_nonce, server_nonce)
         if not hmac.compare_digest(client_proof, expected):
             raise HandshakeError("bad bulk token proof")
-        _tune(writer)
-        return BulkStream(tid, reader, writer)
+        _to_data_phase(conn)
+        return BulkStream(tid, conn)
 
     async def close(self) -> None:
         """Stop listening; connections already handed to handlers are theirs to close."""
         self._expected.clear()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-        for task in list(self._tasks):
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def connect_bulk(
@@ -172,146 +237,219 @@ async def connect_bulk(
     :class:`HandshakeError` if the listener refuses or proves the wrong token;
     ``OSError`` / ``TimeoutError`` if it cannot be reached (caller falls back).
     """
+    loop = asyncio.get_running_loop()
 
     async def dial() -> BulkStream:
-        reader, writer = await asyncio.open_connection(host, port, limit=_STREAM_LIMIT)
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
+            sock.setblocking(False)
+            _tune(sock)
+            await loop.sock_connect(sock, address)
             client_nonce = os.urandom(NONCE_LEN)
-            writer.write(BULK_HELLO.pack(BULK_MAGIC, tid, client_nonce))
+            await loop.sock_sendall(sock, BULK_HELLO.pack(BULK_MAGIC, tid, client_nonce))
             try:
-                reply = await reader.readexactly(BULK_REPLY.size)
-            except asyncio.IncompleteReadError:
+                reply = await _recv_exact(loop, sock, BULK_REPLY.size)
+            except (asyncio.IncompleteReadError, ConnectionResetError):
                 raise HandshakeError("bulk listener refused the transfer") from None
             server_nonce, proof = BULK_REPLY.unpack(reply)
             if not hmac.compare_digest(
                 proof, bulk_server_proof(token, tid, client_nonce, server_nonce)
             ):
                 raise HandshakeError("bulk listener did not prove the transfer token")
-            writer.write(BULK_PROOF.pack(bulk_client_proof(token, tid, client_nonce, server_nonce)))
-            _tune(writer)
-            return BulkStream(tid, reader, writer)
+            client_proof = bulk_client_proof(token, tid, client_nonce, server_nonce)
+            await loop.sock_sendall(sock, BULK_PROOF.pack(client_proof))
+            _to_data_phase(sock)
+            return BulkStream(tid, sock)
         except BaseException:
-            writer.close()
+            sock.close()
             raise
 
     return await asyncio.wait_for(dial(), timeout)
 
 
+# --------------------------------------------------------------------------- data phase
+
+
+async def _in_thread(stream: BulkStream, fn: Callable[[], _T], name: str) -> _T:
+    """Run ``fn`` in a dedicated thread; cancelling aborts the stream and waits for it."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: _T | None, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def target() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        # Never leave a thread writing into a file the caller is about to close.
+        stream.abort()
+        with contextlib.suppress(BaseException):
+            await fut
+        raise
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("bulk stream closed mid-frame")
+        got += n
+
+
+class _Credits:
+    """Credit and verdict state of a sending stream, fed by a reader thread."""
+
+    def __init__(self, window: int) -> None:
+        self.cond = threading.Condition()
+        self.credit = window
+        self.verdict: bool | None = None
+        self.closed = False
+
+    def read(self, sock: socket.socket) -> None:
+        buf = bytearray(BULK_CREDIT.size)
+        try:
+            while True:
+                _recv_into(sock, memoryview(buf))
+                (value,) = BULK_CREDIT.unpack(buf)
+                with self.cond:
+                    if value in (BULK_VERIFIED, BULK_FAILED):
+                        self.verdict = value == BULK_VERIFIED
+                        return
+                    self.credit = max(self.credit, value)
+                    self.cond.notify_all()
+        except OSError:
+            pass
+        finally:
+            with self.cond:
+                self.closed = True
+                self.cond.notify_all()
+
+    def wait_for(self, index: int) -> bool:
+        """Until chunk ``index`` may be sent (True) or the stream ended (False)."""
+        with self.cond:
+            self.cond.wait_for(
+                lambda: index < self.credit or self.verdict is not None or self.closed,
+                IDLE_TIMEOUT,
+            )
+            return index < self.credit and self.verdict is None and not self.closed
+
+    def result(self) -> bool:
+        with self.cond:
+            self.cond.wait_for(lambda: self.verdict is not None or self.closed, IDLE_TIMEOUT)
+            if self.verdict is None:
+                raise ConnectionError("bulk stream closed before the verdict")
+            return self.verdict
+
+
 async def send_chunks(
     stream: BulkStream,
-    next_sealed: Callable[[], bytes],
+    fill: Callable[[memoryview], int],
+    sealed_max: int,
     window: int,
     on_sent: Callable[[int], None] | None = None,
 ) -> bool:
     """Send sealed chunks until the final one, honouring credits; True if the receiver verified.
 
-    ``next_sealed`` runs in a worker thread (read + seal), one chunk ahead of
-    the socket. Returns False if the receiver reported failure; raises
+    ``fill(buf)`` writes the next sealed chunk into ``buf`` (at least
+    ``sealed_max`` bytes, reused) and returns its length; it runs in the
+    sending thread. Returns False if the receiver reported failure; raises
     ``ConnectionError`` if the stream ends without a verdict.
     """
-    loop = asyncio.get_running_loop()
-    credit = window
-    verdict: asyncio.Future[bool] = loop.create_future()
-    more_credit = asyncio.Event()
+    if sealed_max > MAX_SEALED:
+        raise UsageError(f"sealed chunks of {sealed_max} bytes exceed {MAX_SEALED}")
+    credits = _Credits(window)
+    sock = stream.sock
+    reader = threading.Thread(target=credits.read, args=(sock,), name="bulk-credits", daemon=True)
 
-    async def read_credits() -> None:
-        nonlocal credit
-        try:
-            while True:
-                (value,) = BULK_CREDIT.unpack(await stream.reader.readexactly(BULK_CREDIT.size))
-                if value in (BULK_VERIFIED, BULK_FAILED):
-                    verdict.set_result(value == BULK_VERIFIED)
-                    return
-                credit = max(credit, value)
-                more_credit.set()
-        except (asyncio.IncompleteReadError, OSError):
-            if not verdict.done():
-                verdict.set_exception(ConnectionError("bulk stream closed before the verdict"))
-        finally:
-            more_credit.set()
-
-    credits_task = asyncio.create_task(read_credits())
-    job: asyncio.Future[bytes] | None = loop.run_in_executor(None, next_sealed)
-    index = 0
-    try:
-        while job is not None:
-            sealed = await job
-            final = bool(sealed[_FINAL_FLAG_AT] & 1)
-            job = None if final else loop.run_in_executor(None, next_sealed)
-            while index >= credit and not verdict.done():
-                more_credit.clear()
-                await more_credit.wait()
-            if verdict.done():
+    def run() -> bool:
+        buf = bytearray(BULK_FRAME.size + sealed_max)
+        view = memoryview(buf)
+        body = view[BULK_FRAME.size :]
+        index = 0
+        while True:
+            n = fill(body)
+            BULK_FRAME.pack_into(buf, 0, n)
+            if not credits.wait_for(index):
                 break
-            stream.writer.write(BULK_FRAME.pack(len(sealed)))
-            stream.writer.write(sealed)
-            await stream.writer.drain()
+            sock.sendall(view[: BULK_FRAME.size + n])
             index += 1
             if on_sent is not None:
-                on_sent(len(sealed))
-        return await verdict
+                on_sent(n)
+            if body[_FINAL_FLAG_AT] & 1:
+                break
+        return credits.result()
+
+    reader.start()
+    try:
+        return await _in_thread(stream, run, "bulk-send")
     finally:
-        if job is not None:  # never leave a worker reading a file we are about to close
-            with contextlib.suppress(Exception):
-                await job
-        credits_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await credits_task
+        stream.abort()  # ends the credit reader
+        await asyncio.to_thread(reader.join)
 
 
 async def receive_chunks(
     stream: BulkStream,
-    process: Callable[[bytes], bool],
+    process_into: Callable[[memoryview], bool],
     window: int,
-    after_chunk: Callable[[], Awaitable[None]] | None = None,
+    on_chunk: Callable[[], None] | None = None,
 ) -> None:
     """Receive sealed chunks up to the final one, granting credits as they are processed.
 
-    ``process`` (open + check + write) runs in a worker thread while the next
-    chunk is read from the socket; its errors (``DecryptionError``, protocol
-    errors, disk full) propagate. ``after_chunk`` runs on the loop after each
-    chunk, in order (checkpointing). Returns once the final chunk is written;
-    the caller then verifies and calls :func:`send_verdict`.
+    ``process_into`` (open + check + write) and ``on_chunk`` (a cheap,
+    thread-safe checkpoint trigger) run in the receiving thread; their errors
+    (``DecryptionError``, protocol errors, disk full) propagate. Returns once
+    the final chunk is processed; the caller then verifies and calls
+    :func:`send_verdict`.
     """
-    loop = asyncio.get_running_loop()
-    pending: asyncio.Future[bool] | None = None
-    processed = 0
-    granted = window
-    step = max(1, window // 4)
+    sock = stream.sock
 
-    async def settle() -> None:
-        nonlocal pending, processed, granted
-        assert pending is not None
-        job, pending = pending, None
-        await job
-        processed += 1
-        if after_chunk is not None:
-            await after_chunk()
-        if processed + window - granted >= step:
-            granted = processed + window
-            stream.writer.write(BULK_CREDIT.pack(granted))
-
-    try:
+    def run() -> None:
+        head = bytearray(BULK_FRAME.size)
+        buf = bytearray(MAX_SEALED)
+        view = memoryview(buf)
+        processed = 0
+        granted = window
+        step = max(1, window // 4)
         while True:
-            (length,) = BULK_FRAME.unpack(await stream.reader.readexactly(BULK_FRAME.size))
+            _recv_into(sock, memoryview(head))
+            (length,) = BULK_FRAME.unpack(head)
             if length > MAX_SEALED:
                 raise OversizeError(f"sealed chunk of {length} bytes exceeds {MAX_SEALED}")
-            body = await stream.reader.readexactly(length)
-            if pending is not None:
-                await settle()
-            pending = loop.run_in_executor(None, process, body)
-            # The flag is only a hint for when to stop reading; the AEAD authenticates it.
-            if length > _FINAL_FLAG_AT and body[_FINAL_FLAG_AT] & 1:
-                await settle()
+            _recv_into(sock, view[:length])
+            final = process_into(view[:length])
+            processed += 1
+            if on_chunk is not None:
+                on_chunk()
+            if final:
                 return
-    finally:
-        if pending is not None:
-            with contextlib.suppress(Exception):
-                await pending
+            if processed + window - granted >= step:
+                granted = processed + window
+                sock.sendall(BULK_CREDIT.pack(granted))
+
+    await _in_thread(stream, run, "bulk-receive")
 
 
 async def send_verdict(stream: BulkStream, verified: bool) -> None:
     """Tell the sender over the bulk stream whether the file verified."""
+    data = BULK_CREDIT.pack(BULK_VERIFIED if verified else BULK_FAILED)
     with contextlib.suppress(OSError):
-        stream.writer.write(BULK_CREDIT.pack(BULK_VERIFIED if verified else BULK_FAILED))
-        await stream.writer.drain()
+        await asyncio.to_thread(stream.sock.sendall, data)

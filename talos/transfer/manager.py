@@ -60,7 +60,7 @@ from talos.transfer.protocol import (
     safe_name,
 )
 from talos.transfer.receiver import IncomingAttempt, IncomingFile
-from talos.transfer.sender import OutgoingAttempt, hash_file
+from talos.transfer.sender import OutgoingAttempt, Signer, file_size
 from talos_sdk.errors import (
     DecryptionError,
     HandshakeError,
@@ -169,6 +169,9 @@ class _Incoming:
     attempt: IncomingAttempt
     queue: asyncio.Queue[bytes | None]
     task: asyncio.Task[None] | None = None
+    #: set by the receiving thread when it asks for a checkpoint, cleared when it is done
+    syncing: bool = False
+    sync_task: asyncio.Task[None] | None = None
 
 
 class TransferManager:
@@ -222,6 +225,7 @@ class TransferManager:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for inc in self._incoming.values():
+            await self._settle_checkpoint(inc)
             inc.file.close()
         self._incoming.clear()
 
@@ -300,21 +304,20 @@ class TransferManager:
         """
         path = Path(path).resolve()
         try:
-            size, digest = await asyncio.to_thread(hash_file, path)
+            # No hashing pass here: the digest is computed while the bytes stream.
+            size = await asyncio.to_thread(file_size, path)
         except OSError as exc:
             raise UsageError(f"cannot read {path}: {exc.strerror}") from None
         now = int(time.time() * 1000)
         tid = os.urandom(TID_LEN)
-        commitment = file_commitment(tid, digest, size, self.node.did, did)
         info = TransferInfo(
             tid=tid.hex(),
             direction="out",
             peer=did,
             name=path.name if name is None else name,
             size=size,
-            sha256=digest.hex(),
+            sha256="",  # known once the stream's commit chunk is sealed
             key=os.urandom(32).hex(),
-            signature=self.node.wallet.sign(commitment).hex(),
             path=str(path),
             created_ms=now,
         )
@@ -327,15 +330,7 @@ class TransferManager:
         info = self.get(tid)
         if is_final(info.state):
             return
-        offer = Offer(
-            tid,
-            info.size,
-            bytes.fromhex(info.sha256),
-            bytes.fromhex(info.key),
-            bytes.fromhex(info.signature),
-            info.name,
-        )
-        await self._send(info.peer, offer)
+        await self._send(info.peer, Offer(tid, info.size, bytes.fromhex(info.key), info.name))
 
     def _on_accept(self, peer: str, msg: Accept, info: TransferInfo) -> None:
         if info.direction != "out" or is_final(info.state):
@@ -382,11 +377,33 @@ class TransferManager:
 
         return on_sent
 
+    def _signer(self, info: TransferInfo) -> Signer:
+        """Sign the file commitment for the commit chunk, persisting it before it is sent.
+
+        Called from the sending thread; the digest and signature are saved on
+        the loop (the store's writer) and the thread waits for that, so a DONE
+        that arrives later, even after a restart, finds them recorded.
+        """
+        loop = asyncio.get_running_loop()
+        tid = bytes.fromhex(info.tid)
+
+        async def save(digest: bytes, signature: bytes) -> None:
+            current = self.get(tid)
+            self._save(replace(current, sha256=digest.hex(), signature=signature.hex()))
+
+        def sign(digest: bytes) -> bytes:
+            commitment = file_commitment(tid, digest, info.size, self.node.did, info.peer)
+            signature: bytes = self.node.wallet.sign(commitment)
+            asyncio.run_coroutine_threadsafe(save(digest, signature), loop).result()
+            return signature
+
+        return sign
+
     async def _send_bulk(self, info: TransferInfo, msg: Accept) -> bool:
         """True if the bulk path carried the attempt to a verdict; False to fall back."""
         out = OutgoingAttempt(
             Path(info.path), info.size, bytes.fromhex(info.key), msg.tid, msg.epoch, msg.offset,
-            BULK_CHUNK,
+            BULK_CHUNK, self._signer(info),
         )  # fmt: skip
         try:
             try:
@@ -396,7 +413,7 @@ class TransferManager:
                 return False
             try:
                 verified = await bulk.send_chunks(
-                    stream, out.next_sealed, msg.window, self._count(msg.tid)
+                    stream, out.seal_next_into, out.sealed_max, msg.window, self._count(msg.tid)
                 )
             finally:
                 await stream.close()
@@ -412,7 +429,7 @@ class TransferManager:
         self._credit[tid] = (msg.window, event)
         out = OutgoingAttempt(
             Path(info.path), info.size, bytes.fromhex(info.key), tid, msg.epoch, msg.offset,
-            FALLBACK_CHUNK,
+            FALLBACK_CHUNK, self._signer(info),
         )  # fmt: skip
         count = self._count(tid)
         try:
@@ -456,10 +473,6 @@ class TransferManager:
                 return  # a tid collision or another peer replaying it: ignore
             await self._answer_known(info)
             return
-        commitment = file_commitment(msg.tid, msg.sha256, msg.size, peer, self.node.did)
-        if not verify_signature(peer, commitment, msg.signature):
-            await self._send(peer, Reject(msg.tid, "offer signature does not verify"))
-            return
         name = safe_name(msg.name)
         now = int(time.time() * 1000)
         info = TransferInfo(
@@ -468,9 +481,8 @@ class TransferManager:
             peer=peer,
             name=name,
             size=msg.size,
-            sha256=msg.sha256.hex(),
+            sha256="",  # from the sender's commit chunk, once verified
             key=msg.key.hex(),
-            signature=msg.signature.hex(),
             created_ms=now,
         )
         reason = ""
@@ -554,17 +566,49 @@ class TransferManager:
             inc.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await inc.task
+        await self._settle_checkpoint(inc)
         inc.file.close()
 
-    async def _checkpoint(self, tid: bytes, inc: _Incoming, force: bool = False) -> None:
-        if not force and inc.file.written - inc.file.synced < self.config.checkpoint_bytes:
+    def _checkpoint_trigger(self, tid: bytes, inc: _Incoming) -> Callable[[], None]:
+        """Per-chunk hook (receiving thread or loop): start a checkpoint when one is due.
+
+        The checkpoint fsyncs in a worker thread while chunks keep arriving and
+        being written; the stream never waits for it (issue 5). Only the offset
+        written before that fsync started is recorded, after it completed.
+        """
+        loop = asyncio.get_running_loop()
+        every = self.config.checkpoint_bytes
+
+        def trigger() -> None:
+            if not inc.syncing and inc.file.written - inc.file.synced >= every:
+                inc.syncing = True
+                loop.call_soon_threadsafe(self._start_checkpoint, tid, inc)
+
+        return trigger
+
+    def _start_checkpoint(self, tid: bytes, inc: _Incoming) -> None:
+        inc.sync_task = asyncio.ensure_future(self._checkpoint(tid, inc))
+
+    async def _checkpoint(self, tid: bytes, inc: _Incoming) -> None:
+        try:
+            offset = await asyncio.to_thread(inc.file.sync)
+        except StorageError as exc:  # the next write reports it to the attempt
+            log.warning("transfer %s checkpoint failed: %s", tid.hex(), exc)
             return
-        offset = await asyncio.to_thread(inc.file.sync)
+        finally:
+            inc.syncing = False
         self.progress[tid] = offset
         if self._incoming.get(tid) is inc:
             self._save(replace(self.get(tid), offset=offset))
         if self.on_progress is not None:
             self.on_progress(tid, offset)
+
+    @staticmethod
+    async def _settle_checkpoint(inc: _Incoming) -> None:
+        """Wait for an in-flight checkpoint before the file is finished or closed."""
+        task = inc.sync_task
+        if task is not None and task is not asyncio.current_task():
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _receive_bulk(self, tid: bytes, inc: _Incoming, stream: bulk.BulkStream) -> None:
         if inc.task is not None:  # the bulk path won: no fallback chunks for this attempt
@@ -573,9 +617,9 @@ class TransferManager:
         try:
             await bulk.receive_chunks(
                 stream,
-                inc.attempt.process,
+                inc.attempt.process_into,
                 self.config.window,
-                lambda: self._checkpoint(tid, inc),
+                self._checkpoint_trigger(tid, inc),
             )
             verified = await self._finish(tid, inc)
             await bulk.send_verdict(stream, verified)
@@ -592,6 +636,7 @@ class TransferManager:
         granted = window
         processed = 0
         peer = self.get(tid).peer
+        trigger = self._checkpoint_trigger(tid, inc)
         try:
             while True:
                 sealed = await inc.queue.get()
@@ -599,7 +644,7 @@ class TransferManager:
                     return
                 final = await asyncio.to_thread(inc.attempt.process, sealed)
                 processed += 1
-                await self._checkpoint(tid, inc)
+                trigger()
                 if final:
                     await self._finish(tid, inc)
                     return
@@ -618,16 +663,30 @@ class TransferManager:
         inc.queue.put_nowait(msg.sealed)
 
     async def _finish(self, tid: bytes, inc: _Incoming) -> bool:
+        """Check the sender's commit (signature, then SHA-256) and make the file visible."""
+        await self._settle_checkpoint(inc)
         info = self.get(tid)
+        assert inc.attempt.commit is not None  # set with the final chunk
+        digest, signature = inc.attempt.commit
+        commitment = file_commitment(tid, digest, info.size, info.peer, self.node.did)
         try:
-            path = await asyncio.to_thread(inc.file.finish, bytes.fromhex(info.sha256), info.name)
+            if not verify_signature(info.peer, commitment, signature):
+                raise TransferProtocolError("the sender's commit signature does not verify")
+            path = await asyncio.to_thread(inc.file.finish, digest, info.name)
         except (TransferProtocolError, StorageError) as exc:
             await self._fail_in(info, str(exc))
             return False
         self._incoming.pop(tid, None)
         if self.listener is not None:
             self.listener.forget(tid)
-        info = self._move(info, Event.DONE, offset=info.size, path=str(path))
+        info = self._move(
+            info,
+            Event.DONE,
+            offset=info.size,
+            path=str(path),
+            sha256=digest.hex(),
+            signature=signature.hex(),
+        )
         self._record(info, sender=info.peer, recipient=self.node.did)
         await self._send(info.peer, Done(tid))
         return True
@@ -652,6 +711,7 @@ class TransferManager:
         if self.listener is not None:
             self.listener.forget(tid)
         if inc is not None:
+            await self._settle_checkpoint(inc)
             inc.file.discard()
         else:
             (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)

@@ -29,6 +29,7 @@ from talos_sdk.errors import MalformedFrameError, OversizeError, ProtocolError, 
 __all__ = [
     "APP_NAME",
     "BULK_CHUNK",
+    "COMMIT_LEN",
     "FALLBACK_CHUNK",
     "TID_LEN",
     "Accept",
@@ -46,7 +47,9 @@ __all__ = [
     "TransferState",
     "bulk_client_proof",
     "bulk_server_proof",
+    "decode_commit",
     "decode_message",
+    "encode_commit",
     "encode_message",
     "file_commitment",
     "next_state",
@@ -90,7 +93,7 @@ T_CHUNK: Final = 7
 T_CREDIT: Final = 8
 T_CANCEL: Final = 9
 
-_OFFER = struct.Struct(">B16sQ32s32s64sH")
+_OFFER = struct.Struct(">B16sQ32sH")
 _ACCEPT = struct.Struct(">B16sQIIH32sH")
 _TID = struct.Struct(">B16s")
 _TID_STR = struct.Struct(">B16sH")
@@ -100,13 +103,16 @@ _CREDIT = struct.Struct(">B16sIQ")
 
 @dataclass(frozen=True, slots=True)
 class Offer:
-    """Sender -> receiver: "may I send you this file?" (re-sent to ask where to resume)."""
+    """Sender -> receiver: "may I send you this file?" (re-sent to ask where to resume).
+
+    No digest: the sender hashes while it streams and commits to the SHA-256
+    in the stream's final chunk (:func:`encode_commit`), so no byte waits for
+    a hashing pass over the whole file.
+    """
 
     tid: bytes
     size: int
-    sha256: bytes
     key: bytes
-    signature: bytes  # sender's Ed25519 signature over file_commitment(...)
     name: str
 
 
@@ -209,13 +215,10 @@ def encode_message(msg: TransferMessage) -> bytes:
     """Binary form: a type byte, the 16-byte transfer id, fixed fields, a tail."""
     _check_tid(msg.tid)
     if isinstance(msg, Offer):
-        if len(msg.sha256) != 32 or len(msg.key) != KEY_LEN or len(msg.signature) != 64:
-            raise UsageError("offer needs a 32-byte sha256, a 32-byte key, a 64-byte signature")
+        if len(msg.key) != KEY_LEN:
+            raise UsageError("offer needs a 32-byte key")
         name = _text(msg.name, 1024)
-        head = _OFFER.pack(
-            T_OFFER, msg.tid, msg.size, msg.sha256, msg.key, msg.signature, len(name)
-        )
-        return head + name
+        return _OFFER.pack(T_OFFER, msg.tid, msg.size, msg.key, len(name)) + name
     if isinstance(msg, Accept):
         token = msg.token if msg.bulk_port else bytes(TOKEN_LEN)
         if len(token) != TOKEN_LEN:
@@ -262,9 +265,9 @@ def decode_message(data: bytes) -> TransferMessage:
     kind = data[0]
     try:
         if kind == T_OFFER:
-            _, tid, size, digest, key, sig, n = _OFFER.unpack_from(data)
+            _, tid, size, key, n = _OFFER.unpack_from(data)
             name = _utf8(_tail(data, _OFFER.size, n, "offer"), "name")
-            return Offer(tid, size, digest, key, sig, name)
+            return Offer(tid, size, key, name)
         if kind == T_ACCEPT:
             _, tid, off, epoch, window, port, token, n = _ACCEPT.unpack_from(data)
             host = _utf8(_tail(data, _ACCEPT.size, n, "accept"), "host")
@@ -295,15 +298,35 @@ def decode_message(data: bytes) -> TransferMessage:
 # --------------------------------------------------------------------------- chunk plan
 
 
+#: Plaintext of the final (commit) chunk: the whole-file SHA-256 || the sender's signature.
+COMMIT_LEN: Final = 32 + 64
+
+
+def encode_commit(sha256: bytes, signature: bytes) -> bytes:
+    """Plaintext of the commit chunk that ends every attempt's sealed stream."""
+    if len(sha256) != 32 or len(signature) != 64:
+        raise UsageError("commit needs a 32-byte sha256 and a 64-byte signature")
+    return sha256 + signature
+
+
+def decode_commit(plain: bytes | memoryview) -> tuple[bytes, bytes]:
+    """``(sha256, signature)`` from a commit chunk's plaintext."""
+    if len(plain) != COMMIT_LEN:
+        raise TransferProtocolError(f"commit chunk of {len(plain)} bytes, expected {COMMIT_LEN}")
+    raw = bytes(plain)
+    return raw[:32], raw[32:]
+
+
 @dataclass(slots=True)
 class ChunkPlan:
     """Receiver-side bookkeeping of one attempt: which sealed chunk may come next.
 
-    Chunk lengths are the sender's choice (bulk 1 MiB, fallback 256 KiB) but
-    every chunk must be non-empty unless the file is, no larger than
-    :data:`MAX_CHUNK`, and the ``final`` flag (authenticated by the AEAD) must
-    be set exactly on the chunk that reaches the announced size. A sender
-    that lies about the size therefore fails here, not on disk.
+    An attempt's stream is data chunks covering ``[offset, size)`` followed by
+    one *commit* chunk (sealed with the AEAD ``final`` flag) whose plaintext is
+    :func:`encode_commit`. Data chunk lengths are the sender's choice (bulk
+    1 MiB, fallback 256 KiB) but each is non-empty and at most
+    :data:`MAX_CHUNK`; the commit may only come once the data reached the
+    announced size. A sender that lies about the size fails here, not on disk.
     """
 
     size: int
@@ -312,26 +335,32 @@ class ChunkPlan:
     finished: bool = False
 
     def accept(self, length: int, final: bool) -> int:
-        """Check the next chunk; returns the file offset it is written at."""
+        """Check the next chunk; returns the file offset a data chunk is written at."""
         if self.finished:
             raise TransferProtocolError("chunk after the final chunk")
         if length > MAX_CHUNK:
             raise OversizeError(f"chunk of {length} bytes exceeds {MAX_CHUNK}")
-        end = self.offset + length
+        at = self.offset
+        self.index += 1
+        if final:
+            if at != self.size:
+                raise TransferProtocolError(
+                    f"stream ended at {at} bytes, the offer said {self.size}"
+                )
+            if length != COMMIT_LEN:
+                raise TransferProtocolError(
+                    f"commit chunk of {length} bytes, expected {COMMIT_LEN}"
+                )
+            self.finished = True
+            return at
+        end = at + length
         if end > self.size:
             raise TransferProtocolError(
                 f"sender sent more than the announced size ({end} > {self.size} bytes)"
             )
-        if final and end != self.size:
-            raise TransferProtocolError(f"stream ended at {end} bytes, the offer said {self.size}")
-        if not final and (length == 0 or end == self.size):
-            raise TransferProtocolError(
-                "a non-final chunk must be non-empty and end before the size"
-            )
-        at = self.offset
+        if length == 0:
+            raise TransferProtocolError("empty data chunk")
         self.offset = end
-        self.index += 1
-        self.finished = final
         return at
 
 

@@ -21,7 +21,14 @@ import os
 from pathlib import Path
 from typing import Final
 
-from talos.transfer.protocol import ChunkPlan, TransferProtocolError, numbered_name, stream_label
+from talos.transfer.protocol import (
+    MAX_CHUNK,
+    ChunkPlan,
+    TransferProtocolError,
+    decode_commit,
+    numbered_name,
+    stream_label,
+)
 from talos_sdk.aead import StreamOpener, derive_stream_key
 from talos_sdk.errors import StorageError, UsageError
 
@@ -90,7 +97,7 @@ class IncomingFile:
             self._hash.update(block)
             pos += len(block)
 
-    def write(self, offset: int, data: bytes) -> None:
+    def write(self, offset: int, data: bytes | memoryview) -> None:
         """Write the next bytes at ``offset`` (must equal :attr:`written`)."""
         if offset != self.written:
             raise UsageError(f"out-of-order write at {offset}, expected {self.written}")
@@ -106,13 +113,19 @@ class IncomingFile:
         self.written = offset
 
     def sync(self) -> int:
-        """fsync the data written so far; returns the offset that is now safe to record."""
+        """fsync the data written so far; returns the offset that is now safe to record.
+
+        May run in one thread while :meth:`write` continues in another (the
+        receive pipeline does not stop for a checkpoint): only the offset
+        written *before* the fsync started is claimed as durable.
+        """
+        target = self.written
         try:
-            os.fsync(self._fd)
+            os.fdatasync(self._fd)
         except OSError as exc:
             raise _no_space(exc, self.path) from exc
-        self.synced = self.written
-        return self.synced
+        self.synced = max(self.synced, target)
+        return target
 
     def finish(self, expected_sha256: bytes, name: str) -> Path:
         """Verify size and SHA-256, fsync, and make the file visible; returns its path."""
@@ -159,8 +172,10 @@ class IncomingFile:
 class IncomingAttempt:
     """One sending attempt (epoch) into an :class:`IncomingFile`: open, check, write.
 
-    :meth:`process` is the per-chunk work the bulk path and the app-channel
-    fallback share; it runs in a worker thread.
+    :meth:`process_into` is the per-chunk work the bulk path and the app-channel
+    fallback share; it runs in a worker thread and opens into one reused
+    plaintext buffer. After the final chunk :attr:`commit` holds the sender's
+    ``(sha256, signature)`` for :meth:`IncomingFile.finish` and the manager.
     """
 
     def __init__(self, file: IncomingFile, key: bytes, tid: bytes, epoch: int) -> None:
@@ -169,15 +184,27 @@ class IncomingAttempt:
         self.epoch = epoch
         self._opener = StreamOpener(derive_stream_key(key, label), label)
         self.plan = ChunkPlan(size=file.size, offset=file.written)
+        self._plain = bytearray(MAX_CHUNK)
+        self.commit: tuple[bytes, bytes] | None = None
 
-    def process(self, sealed: bytes) -> bool:
-        """Open one sealed chunk and write it; True when it was the final chunk.
+    def process_into(self, sealed: bytes | memoryview) -> bool:
+        """Open one sealed chunk and write it; True when it was the final (commit) chunk.
 
         Raises :class:`~talos_sdk.errors.DecryptionError` (tampered, reordered, replayed) or
         :class:`TransferProtocolError` (size lies) before anything is written.
         """
-        plain = self._opener.open(sealed)
+        if len(sealed) > len(self._plain) + 25:
+            raise TransferProtocolError(f"sealed chunk of {len(sealed)} bytes is too large")
+        n = self._opener.open_into(sealed, self._plain)
         final = self._opener.finished
-        at = self.plan.accept(len(plain), final)
-        self.file.write(at, plain)
+        view = memoryview(self._plain)[:n]
+        at = self.plan.accept(n, final)
+        if final:
+            self.commit = decode_commit(view)
+        else:
+            self.file.write(at, view)
         return final
+
+    def process(self, sealed: bytes) -> bool:
+        """Same as :meth:`process_into` (kept for the app-channel fallback's whole chunks)."""
+        return self.process_into(sealed)

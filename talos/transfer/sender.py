@@ -1,8 +1,19 @@
-"""Sending side of a file transfer: reading and sealing chunks (docs/PROTOCOL.md "File transfer").
+"""Sending side of a file transfer: reading, hashing and sealing chunks.
 
-Synchronous; the asyncio layer runs :meth:`OutgoingAttempt.next_sealed` in a
-worker thread so the next chunk is read and sealed while the previous one is
-on the socket. Memory stays at a couple of chunks whatever the file size.
+docs/PROTOCOL.md "File transfer". Synchronous; the asyncio layer runs
+:meth:`OutgoingAttempt.seal_next_into` in a worker thread. Each attempt reads
+``[offset, size)`` into one reused plaintext buffer (``preadv``), feeds the
+whole-file SHA-256 and seals into a caller buffer (``seal_into``), so no page
+is freshly allocated per chunk and memory stays at a couple of chunks whatever
+the file size. The stream ends with a commit chunk carrying the SHA-256 and
+the sender's signature over :func:`~talos.transfer.protocol.file_commitment`.
+
+The digest must cover the whole file. An attempt from offset 0 hashes the
+bytes it seals, in the same pass. A resumed attempt cannot (SHA-256 state
+cannot be rebuilt from a digest of the prefix), so a second thread hashes the
+whole file from its own descriptor concurrently with the stream; the commit
+waits for it. If the file changed between the two reads the receiver's
+hash check fails the transfer, which is the safe outcome.
 """
 
 from __future__ import annotations
@@ -10,24 +21,37 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from talos.transfer.protocol import TransferProtocolError, stream_label
-from talos_sdk.aead import StreamSealer, derive_stream_key
+from talos.transfer.protocol import COMMIT_LEN, TransferProtocolError, encode_commit, stream_label
+from talos_sdk.aead import CHUNK_HEADER_SIZE, TAG_SIZE, StreamSealer, derive_stream_key
 from talos_sdk.errors import UsageError
 
-__all__ = ["OutgoingAttempt", "SourceChangedError", "hash_file"]
+__all__ = ["OutgoingAttempt", "SourceChangedError", "file_size", "hash_file"]
 
 _HASH_BLOCK: Final = 4 << 20
+
+#: ``sign(sha256) -> signature`` over the file commitment; may persist the pair first.
+Signer = Callable[[bytes], bytes]
 
 
 class SourceChangedError(TransferProtocolError):
     """The file being sent changed size or content since it was offered."""
 
 
-def hash_file(path: Path) -> tuple[int, bytes]:
-    """Size and SHA-256 of a regular file, read in bounded blocks."""
+def file_size(path: Path) -> int:
+    """Size of a regular file (:class:`UsageError` for anything else)."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{path} is not a regular file")
+    return st.st_size
+
+
+def hash_file(path: Path, stop: threading.Event | None = None) -> tuple[int, bytes]:
+    """Size and SHA-256 of a regular file, read in bounded blocks (``stop`` aborts early)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -35,19 +59,60 @@ def hash_file(path: Path) -> tuple[int, bytes]:
             raise UsageError(f"{path} is not a regular file")
         digest = hashlib.sha256()
         size = 0
-        while block := os.read(fd, _HASH_BLOCK):
-            digest.update(block)
-            size += len(block)
+        block = bytearray(_HASH_BLOCK)
+        view = memoryview(block)
+        while not (stop is not None and stop.is_set()):
+            n = os.readv(fd, [block])
+            if not n:
+                break
+            digest.update(view[:n])
+            size += n
         return size, digest.digest()
     finally:
         os.close(fd)
+
+
+class _WholeFileHash:
+    """SHA-256 of the whole file computed in a background thread (resumed attempts)."""
+
+    def __init__(self, path: Path) -> None:
+        self._stop = threading.Event()
+        self._result: tuple[int, bytes] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(path,), daemon=True)
+        self._thread.start()
+
+    def _run(self, path: Path) -> None:
+        try:
+            self._result = hash_file(path, self._stop)
+        except BaseException as exc:  # handed to the thread that needs the digest
+            self._error = exc
+
+    def result(self) -> tuple[int, bytes]:
+        self._thread.join()
+        if self._error is not None:
+            raise SourceChangedError(f"cannot hash the source: {self._error}")
+        assert self._result is not None
+        return self._result
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class OutgoingAttempt:
     """Read ``[offset, size)`` of a file in chunks and seal them for one attempt (epoch)."""
 
     def __init__(
-        self, path: Path, size: int, key: bytes, tid: bytes, epoch: int, offset: int, chunk: int
+        self,
+        path: Path,
+        size: int,
+        key: bytes,
+        tid: bytes,
+        epoch: int,
+        offset: int,
+        chunk: int,
+        sign: Signer,
     ) -> None:
         if not 0 <= offset <= size or chunk <= 0:
             raise UsageError("bad offset or chunk size")
@@ -60,10 +125,20 @@ class OutgoingAttempt:
         self.size = size
         self.offset = offset
         self.chunk = chunk
+        self._sign = sign
+        self._plain = bytearray(chunk)
+        self._hash = hashlib.sha256() if offset == 0 else None
+        self._whole = None if offset == 0 else _WholeFileHash(path)
+        self.digest = b""
+
+    @property
+    def sealed_max(self) -> int:
+        """Smallest buffer :meth:`seal_next_into` accepts."""
+        return max(self.chunk, COMMIT_LEN) + CHUNK_HEADER_SIZE + TAG_SIZE
 
     @property
     def finished(self) -> bool:
-        """True once the final chunk was sealed."""
+        """True once the commit chunk was sealed."""
         return self._sealer.finished
 
     @property
@@ -71,17 +146,46 @@ class OutgoingAttempt:
         """Index (within this attempt) of the next chunk."""
         return self._sealer.counter
 
-    def next_sealed(self) -> bytes:
-        """Read and seal the next chunk (the last one carries the final flag)."""
+    def seal_next_into(self, buf: bytearray | memoryview) -> int:
+        """Read, hash and seal the next chunk into ``buf``; returns the sealed length.
+
+        Data chunks until ``size``, then the final commit chunk.
+        """
         want = min(self.chunk, self.size - self.offset)
-        data = os.pread(self._fd, want, self.offset) if want else b""
-        if len(data) != want:
-            raise SourceChangedError("source file shrank while it was being sent")
+        if want == 0:
+            return self._sealer.seal_into(self._commit(), buf, final=True)
+        view = memoryview(self._plain)[:want]
+        got = 0
+        while got < want:
+            n = os.preadv(self._fd, [view[got:]], self.offset + got)
+            if n == 0:
+                raise SourceChangedError("source file shrank while it was being sent")
+            got += n
+        if self._hash is not None:
+            self._hash.update(view)
         self.offset += want
-        return self._sealer.seal(data, final=self.offset == self.size)
+        return self._sealer.seal_into(view, buf)
+
+    def next_sealed(self) -> bytes:
+        """:meth:`seal_next_into` into a fresh buffer (the app-channel fallback's path)."""
+        buf = bytearray(self.sealed_max)
+        return bytes(memoryview(buf)[: self.seal_next_into(buf)])
+
+    def _commit(self) -> bytes:
+        if self._hash is not None:
+            digest = self._hash.digest()
+        else:
+            assert self._whole is not None
+            size, digest = self._whole.result()
+            if size != self.size:
+                raise SourceChangedError("source file changed size while it was being sent")
+        self.digest = digest
+        return encode_commit(digest, self._sign(digest))
 
     def close(self) -> None:
-        """Release the file descriptor."""
+        """Release the file descriptor and stop a background hash."""
+        if self._whole is not None:
+            self._whole.cancel()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

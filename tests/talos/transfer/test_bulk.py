@@ -29,6 +29,11 @@ KEY = os.urandom(32)
 TOKEN = os.urandom(32)
 
 
+def _sign(digest: bytes) -> bytes:
+    """Stand-in signer: the bulk path only carries the commit (the manager verifies it)."""
+    return b"\x05" * 64
+
+
 def _source(tmp_path: Path, size: int) -> tuple[Path, bytes]:
     data = os.urandom(size)
     path = tmp_path / "src.bin"
@@ -49,10 +54,10 @@ async def _serve_file(
     inc = IncomingFile(files, TID, size)
     att = IncomingAttempt(inc, KEY, TID, 0)
 
-    def process(sealed: bytes) -> bool:
+    def process(sealed: memoryview) -> bool:
         if process_hook is not None:
             process_hook()
-        return att.process(sealed)
+        return att.process_into(sealed)
 
     async def handler(stream: BulkStream) -> None:
         try:
@@ -73,10 +78,10 @@ async def _serve_file(
 
 
 async def _send(port: int, src: Path, size: int, window: int, chunk: int = BULK_CHUNK) -> bool:
-    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, chunk)
+    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, chunk, _sign)
     stream = await connect_bulk("127.0.0.1", port, TID, TOKEN)
     try:
-        return await send_chunks(stream, out.next_sealed, window)
+        return await send_chunks(stream, out.seal_next_into, out.sealed_max, window)
     finally:
         await stream.close()
         out.close()
@@ -201,7 +206,7 @@ async def test_slow_receiver_holds_the_sender_to_its_window(
             counts["processed"] += 1
 
     done = await _serve_file(listener, tmp_path / "files", size, digest, window, slow)
-    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, chunk)
+    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, chunk, _sign)
 
     def on_sent(_: int) -> None:
         with lock:
@@ -211,11 +216,11 @@ async def test_slow_receiver_holds_the_sender_to_its_window(
 
     async with asyncio.timeout(20):
         stream = await connect_bulk("127.0.0.1", listener.port, TID, TOKEN)
-        assert await send_chunks(stream, out.next_sealed, window, on_sent)
+        assert await send_chunks(stream, out.seal_next_into, out.sealed_max, window, on_sent)
         await stream.close()
         await done
     out.close()
-    assert counts["sent"] == 40
+    assert counts["sent"] == 40 + 1  # data chunks, then the commit chunk
     # at most `window` granted-but-unprocessed chunks, plus the one being processed
     assert counts["max_ahead"] <= window + 1
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from talos.transfer.manager import TransferConfig, TransferManager
-from talos.transfer.protocol import BULK_CHUNK, TransferState
+from talos.transfer.protocol import BULK_CHUNK, TransferState, encode_commit
 from talos.transfer.receiver import PARTIAL_DIR
+from talos.transfer.sender import OutgoingAttempt
 from talos_sdk.errors import UsageError
 from talos_sdk.wallet import Wallet
 
@@ -210,21 +211,39 @@ async def test_same_name_twice_never_overwrites(net: Net) -> None:
     assert p2.read_bytes() == second.read_bytes()
 
 
-async def test_wrong_total_hash_fails_with_nothing_visible(net: Net) -> None:
-    net.receiver.config = TransferConfig()  # nobody auto-accepted
+def _lying_commit(self: OutgoingAttempt) -> bytes:
+    """A sender that signs and commits to a SHA-256 other than the bytes it streamed."""
+    wrong = hashlib.sha256(b"not the file").digest()
+    return encode_commit(wrong, self._sign(wrong))
+
+
+async def test_wrong_total_hash_fails_with_nothing_visible(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(OutgoingAttempt, "_commit", _lying_commit)
     src, _ = _file(net.tmp, 3 * BULK_CHUNK)
     async with asyncio.timeout(LIMIT):
         tid = await net.sender.send_file(net.b.did, src)
-        while net.receiver.list() == [] or net.receiver.get(tid).state is not TransferState.PENDING:
-            await asyncio.sleep(0.005)
-        src.write_bytes(os.urandom(3 * BULK_CHUNK))  # same size, other bytes than offered
-        await net.receiver.accept(tid)
         inc = await net.receiver.wait(tid)
         out = await net.sender.wait(tid)
     assert inc.state is out.state is TransferState.FAILED
     assert "SHA-256" in inc.error and "SHA-256" in out.error
     assert _visible(net.receiver.files_dir) == []
     assert list((net.receiver.files_dir / PARTIAL_DIR).iterdir()) == []
+
+
+async def test_forged_commit_signature_fails(net: Net, monkeypatch: pytest.MonkeyPatch) -> None:
+    def forged(self: TransferManager, info: object) -> Callable[[bytes], bytes]:
+        return lambda digest: bytes(64)
+
+    monkeypatch.setattr(TransferManager, "_signer", forged)
+    src, _ = _file(net.tmp, 1000)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.FAILED
+    assert "signature does not verify" in inc.error
+    assert _visible(net.receiver.files_dir) == []
 
 
 async def test_source_changing_size_cancels(net: Net) -> None:

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from talos.transfer.protocol import (
+    COMMIT_LEN,
     Accept,
     Cancel,
     Chunk,
@@ -24,7 +25,9 @@ from talos.transfer.protocol import (
     TransferState,
     bulk_client_proof,
     bulk_server_proof,
+    decode_commit,
     decode_message,
+    encode_commit,
     encode_message,
     is_final,
     next_state,
@@ -36,8 +39,8 @@ from talos_sdk.errors import MalformedFrameError, OversizeError, UsageError
 TID = bytes(range(16))
 
 MESSAGES = [
-    Offer(TID, 123, b"\x01" * 32, b"\x02" * 32, b"\x03" * 64, "report ü.pdf"),
-    Offer(TID, 0, b"\x01" * 32, b"\x02" * 32, b"\x03" * 64, ""),
+    Offer(TID, 123, b"\x02" * 32, "report ü.pdf"),
+    Offer(TID, 0, b"\x02" * 32, ""),
     Accept(TID, 4096, 3, 8, 40123, b"\x07" * 32, "127.0.0.1"),
     Accept(TID, 0, 0, 8, 0, bytes(32), ""),
     Pending(TID),
@@ -77,7 +80,7 @@ def test_bad_messages() -> None:
     with pytest.raises(UsageError):
         encode_message(Done(b"short"))
     with pytest.raises(UsageError):
-        encode_message(Offer(TID, 1, b"x", b"\x02" * 32, b"\x03" * 64, "n"))
+        encode_message(Offer(TID, 1, b"x", "n"))
 
 
 @given(st.binary(max_size=200))
@@ -89,30 +92,33 @@ def test_decode_never_crashes(data: bytes) -> None:
 def test_chunk_plan_accepts_exact_stream() -> None:
     plan = ChunkPlan(size=10, offset=0)
     assert plan.accept(4, final=False) == 0
-    assert plan.accept(4, final=False) == 4
-    assert plan.accept(2, final=True) == 8
+    assert plan.accept(6, final=False) == 4
+    assert not plan.finished
+    assert plan.accept(COMMIT_LEN, final=True) == 10
     assert plan.finished
 
 
-def test_chunk_plan_empty_file_is_one_final_empty_chunk() -> None:
+def test_chunk_plan_empty_file_is_just_the_commit() -> None:
     plan = ChunkPlan(size=0, offset=0)
-    assert plan.accept(0, final=True) == 0
+    assert plan.accept(COMMIT_LEN, final=True) == 0
 
 
 def test_chunk_plan_resumes_at_offset() -> None:
     plan = ChunkPlan(size=10, offset=6)
-    assert plan.accept(4, final=True) == 6
+    assert plan.accept(4, final=False) == 6
+    assert plan.accept(COMMIT_LEN, final=True) == 10
 
 
 @pytest.mark.parametrize(
     ("chunks", "match"),
     [
-        ([(11, True)], "more than the announced size"),
+        ([(11, False)], "more than the announced size"),
         ([(4, False), (7, False)], "more than the announced size"),
-        ([(4, True)], "stream ended at 4"),
-        ([(10, False)], "non-final"),
-        ([(0, False)], "non-final"),
-        ([(10, True), (0, True)], "after the final"),
+        ([(4, False), (COMMIT_LEN, True)], "stream ended at 4"),
+        ([(10, False), (5, True)], "commit chunk of 5 bytes"),
+        ([(0, False)], "empty data chunk"),
+        ([(10, False), (COMMIT_LEN, True), (0, True)], "after the final"),
+        ([(10, False), (COMMIT_LEN, True), (1, False)], "after the final"),
     ],
 )
 def test_chunk_plan_rejects_lying_sender(chunks: list[tuple[int, bool]], match: str) -> None:
@@ -120,6 +126,15 @@ def test_chunk_plan_rejects_lying_sender(chunks: list[tuple[int, bool]], match: 
     with pytest.raises(TransferProtocolError, match=match):
         for length, final in chunks:
             plan.accept(length, final)
+
+
+def test_commit_round_trip_and_bad_lengths() -> None:
+    digest, sig = b"\x01" * 32, b"\x02" * 64
+    assert decode_commit(encode_commit(digest, sig)) == (digest, sig)
+    with pytest.raises(TransferProtocolError, match="commit chunk of 95 bytes"):
+        decode_commit(encode_commit(digest, sig)[:-1])
+    with pytest.raises(UsageError):
+        encode_commit(digest[:31], sig)
 
 
 def test_chunk_plan_rejects_oversize_chunk() -> None:

@@ -25,6 +25,12 @@ from talos_sdk.errors import DecryptionError, StorageError, UsageError
 
 TID = bytes(range(16))
 KEY = b"k" * 32
+SIG = b"\x05" * 64
+
+
+def _sign(digest: bytes) -> bytes:
+    """Stand-in signer: the file layer only carries the signature (the manager verifies it)."""
+    return SIG
 
 
 def _source(tmp_path: Path, size: int) -> tuple[Path, bytes]:
@@ -48,9 +54,10 @@ def test_round_trip_sizes(tmp_path: Path, size: int) -> None:
     src, digest = _source(tmp_path, size)
     files = tmp_path / "files"
     inc = IncomingFile(files, TID, size)
-    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, 4096)
+    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, 4096, _sign)
     att = IncomingAttempt(inc, KEY, TID, 0)
     _pump(out, att)
+    assert att.commit == (digest, SIG)  # hashed while sealing, carried by the commit chunk
     final = inc.finish(digest, "doc.bin")
     assert final == files / "doc.bin"
     assert final.read_bytes() == src.read_bytes()
@@ -63,7 +70,7 @@ def test_resume_from_committed_offset_with_new_epoch(tmp_path: Path) -> None:
     src, digest = _source(tmp_path, size)
     files = tmp_path / "files"
     inc = IncomingFile(files, TID, size)
-    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, 4096)
+    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, 4096, _sign)
     att = IncomingAttempt(inc, KEY, TID, 0)
     for _ in range(3):
         att.process(out.next_sealed())
@@ -74,16 +81,19 @@ def test_resume_from_committed_offset_with_new_epoch(tmp_path: Path) -> None:
 
     inc2 = IncomingFile(files, TID, size, committed=committed)
     assert inc2.written == 3 * 4096
-    out2 = OutgoingAttempt(src, size, KEY, TID, 1, committed, 4096)
+    out2 = OutgoingAttempt(src, size, KEY, TID, 1, committed, 4096, _sign)
     att2 = IncomingAttempt(inc2, KEY, TID, 1)
     _pump(out2, att2)
+    out2.close()
+    # the resumed sender hashed the whole file in the background for its commit
+    assert att2.commit == (digest, SIG)
     assert inc2.finish(digest, "r.bin").read_bytes() == src.read_bytes()
 
 
 def test_chunk_from_old_epoch_is_rejected(tmp_path: Path) -> None:
     src, _ = _source(tmp_path, 9000)
     inc = IncomingFile(tmp_path / "files", TID, 9000)
-    old = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096)
+    old = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096, _sign)
     att = IncomingAttempt(inc, KEY, TID, 1)
     with pytest.raises(DecryptionError):
         att.process(old.next_sealed())
@@ -93,7 +103,7 @@ def test_chunk_from_old_epoch_is_rejected(tmp_path: Path) -> None:
 def test_tampered_chunk_rejected_nothing_written(tmp_path: Path) -> None:
     src, _ = _source(tmp_path, 9000)
     inc = IncomingFile(tmp_path / "files", TID, 9000)
-    out = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096)
+    out = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096, _sign)
     att = IncomingAttempt(inc, KEY, TID, 0)
     sealed = bytearray(out.next_sealed())
     sealed[100] ^= 1
@@ -106,7 +116,7 @@ def test_truncated_stream_detected(tmp_path: Path) -> None:
     src, digest = _source(tmp_path, 9000)
     files = tmp_path / "files"
     inc = IncomingFile(files, TID, 9000)
-    out = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096)
+    out = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096, _sign)
     att = IncomingAttempt(inc, KEY, TID, 0)
     att.process(out.next_sealed())
     out.next_sealed()  # dropped in transit
@@ -123,7 +133,9 @@ def test_wrong_total_hash_leaves_nothing_visible(tmp_path: Path) -> None:
     src, _ = _source(tmp_path, 5000)
     files = tmp_path / "files"
     inc = IncomingFile(files, TID, 5000)
-    _pump(OutgoingAttempt(src, 5000, KEY, TID, 0, 0, 4096), IncomingAttempt(inc, KEY, TID, 0))
+    _pump(
+        OutgoingAttempt(src, 5000, KEY, TID, 0, 0, 4096, _sign), IncomingAttempt(inc, KEY, TID, 0)
+    )
     with pytest.raises(IntegrityError):
         inc.finish(b"\x00" * 32, "x.bin")
     inc.discard()
@@ -133,7 +145,7 @@ def test_wrong_total_hash_leaves_nothing_visible(tmp_path: Path) -> None:
 def test_sender_lying_about_size_more_bytes(tmp_path: Path) -> None:
     src, _ = _source(tmp_path, 9000)
     inc = IncomingFile(tmp_path / "files", TID, 5000)  # offer said 5000
-    out = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096)
+    out = OutgoingAttempt(src, 9000, KEY, TID, 0, 0, 4096, _sign)
     att = IncomingAttempt(inc, KEY, TID, 0)
     att.process(out.next_sealed())
     with pytest.raises(TransferProtocolError, match="more than the announced size"):
@@ -146,7 +158,7 @@ def test_sender_lying_about_size_fewer_bytes(tmp_path: Path) -> None:
     inc = IncomingFile(tmp_path / "files", TID, 5000)
     att = IncomingAttempt(inc, KEY, TID, 0)
     with pytest.raises(TransferProtocolError, match="stream ended at 3000"):
-        _pump(OutgoingAttempt(src, 3000, KEY, TID, 0, 0, 4096), att)
+        _pump(OutgoingAttempt(src, 3000, KEY, TID, 0, 0, 4096, _sign), att)
 
 
 def test_collision_picks_numbered_name_and_never_follows_symlink(tmp_path: Path) -> None:
@@ -158,7 +170,7 @@ def test_collision_picks_numbered_name_and_never_follows_symlink(tmp_path: Path)
     (files / "a (1).txt").symlink_to(outside)
     src, digest = _source(tmp_path, 10)
     inc = IncomingFile(files, TID, 10)
-    _pump(OutgoingAttempt(src, 10, KEY, TID, 0, 0, 4096), IncomingAttempt(inc, KEY, TID, 0))
+    _pump(OutgoingAttempt(src, 10, KEY, TID, 0, 0, 4096, _sign), IncomingAttempt(inc, KEY, TID, 0))
     assert inc.finish(digest, "a.txt") == files / "a (2).txt"
     assert (files / "a.txt").read_bytes() == b"mine"
     assert outside.read_bytes() == b"precious"
@@ -167,13 +179,13 @@ def test_collision_picks_numbered_name_and_never_follows_symlink(tmp_path: Path)
 def test_source_changed_size(tmp_path: Path) -> None:
     src, _ = _source(tmp_path, 100)
     with pytest.raises(SourceChangedError):
-        OutgoingAttempt(src, 99, KEY, TID, 0, 0, 4096)
+        OutgoingAttempt(src, 99, KEY, TID, 0, 0, 4096, _sign)
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
     src, _ = _source(tmp_path, 100)
     with pytest.raises(UsageError):
-        OutgoingAttempt(src, 100, KEY, TID, 0, 101, 4096)
+        OutgoingAttempt(src, 100, KEY, TID, 0, 101, 4096, _sign)
     with pytest.raises(UsageError):
         IncomingFile(tmp_path / "f", TID, 10, committed=11)
     with pytest.raises(UsageError):
@@ -209,7 +221,7 @@ def test_disk_full_is_a_clear_error(tmp_path: Path) -> None:
     files = tmp_path / "files"
     inc = IncomingFile(files, TID, size)
     att = IncomingAttempt(inc, KEY, TID, 0)
-    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, 16 * 1024)
+    out = OutgoingAttempt(src, size, KEY, TID, 0, 0, 16 * 1024, _sign)
     with file_size_limit(limit), pytest.raises(NoSpaceError, match="no space left"):
         _pump(out, att)
     inc.discard()
