@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from talos import pipeline as pl
 from talos.store import Store
-from talos_sdk.errors import MalformedFrameError
+from talos_sdk.errors import MalformedFrameError, UsageError
 
 A = "did:key:z6MkA"
 B = "did:key:z6MkB"
@@ -96,3 +97,54 @@ async def test_sender_acks_release_waiters_in_order() -> None:
     assert tx.on_ack(3)
     await asyncio.wait_for(w3, 1)
     assert tx.wait_for(2).done()
+
+
+# --- epochs and the prev link (docs/adr/0007-epoch-sequence-numbers.md) -------------------------
+
+
+def test_epoch_numbers_order_lexicographically_and_never_repeat(store: Store) -> None:
+    with store.write() as txn:
+        assert pl.bump_epoch(txn) == 1
+        first = pl.enqueue(txn, A, b"1" * 16, 1, "one", epoch=1)
+        assert pl.bump_epoch(txn) == 2
+        second = pl.enqueue(txn, A, b"2" * 16, 2, "two", epoch=2)
+    assert (first, second) == (pl.make_seq(1, 1), pl.make_seq(2, 1))
+    assert first < second and pl.epoch_of(second) == 2
+    with store.read() as txn:
+        rows = list(pl.iter_outbox(txn, A))
+    assert [(r.seq, r.prev) for r in rows] == [(first, 0), (second, first)]
+    assert pl.next_seq(second, 2) == second + 1
+
+
+def test_next_seq_refuses_a_backwards_epoch_and_overflow() -> None:
+    with pytest.raises(UsageError, match="went backwards"):
+        pl.next_seq(pl.make_seq(3, 7), 2)
+    with pytest.raises(UsageError, match="restart the node"):
+        pl.next_seq(pl.make_seq(3, pl.MAX_N), 3)
+
+
+def test_new_epoch_accepted_only_when_its_prev_is_delivered() -> None:
+    e5 = functools.partial(pl.make_seq, 5)
+    # The sender crashed after sending (5, 4) without committing it; its next run
+    # starts epoch 6 with prev = (5, 3), the last number it had committed.
+    rx = pl.ReceiverState(delivered=e5(4))
+    assert rx.classify(pl.make_seq(6, 1), prev=e5(3)) == pl.Verdict.ACCEPT
+    # Lost (5, 2): the receiver holds only (5, 1), so the new epoch must wait.
+    rx = pl.ReceiverState(delivered=e5(1))
+    assert rx.classify(e5(3), prev=e5(2)) == pl.Verdict.GAP
+    assert rx.classify(pl.make_seq(6, 1), prev=e5(3)) == pl.Verdict.GAP
+    assert rx.classify(e5(2), prev=e5(1)) == pl.Verdict.ACCEPT
+    assert rx.classify(e5(3), prev=e5(2)) == pl.Verdict.ACCEPT
+    assert rx.classify(pl.make_seq(6, 1), prev=e5(3)) == pl.Verdict.ACCEPT
+    assert rx.classify(e5(3), prev=e5(2)) == pl.Verdict.DUPLICATE
+
+
+def test_put_row_keeps_the_highest_assigned(store: Store) -> None:
+    late = pl.OutboxEntry(A, pl.make_seq(1, 2), b"2" * 16, 2, "b", pl.make_seq(1, 1))
+    early = pl.OutboxEntry(A, pl.make_seq(1, 1), b"1" * 16, 1, "a", 0)
+    with store.write() as txn:
+        pl.put_row(txn, late)
+        pl.put_row(txn, early)
+        assert pl.get_u64(txn, "meta", pl.meta_out(A)) == late.seq
+    with store.read() as txn:
+        assert list(pl.iter_outbox(txn, A)) == [early, late]

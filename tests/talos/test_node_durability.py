@@ -1,0 +1,235 @@
+"""Crash cases of the overlapped send path (docs/adr/0007-epoch-sequence-numbers.md),
+sender-side log records, and signed heads between linked nodes.
+
+A crash is reproduced in process: one node's writer thread is held at a chosen
+write, the node's home is copied (what a power cut leaves on disk: the last
+committed LMDB state, the ``running`` marker), and a new node runs from the copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from talos import node as node_mod
+from talos.chain.block import head_signing_bytes, head_statement
+from talos.chain.log import block_key
+from talos.chain.verify import verify_chain
+from talos.config import NodeConfig
+from talos.link import heads as hd
+from talos.node import Node
+from talos.store import Store
+from talos_sdk.wallet import Wallet
+from tests.talos.nodes import addr, link, make_home, started, until
+
+
+@pytest.fixture
+def gate() -> Iterator[threading.Event]:
+    """Held writes wait on this; always released so no writer thread outlives a test."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def held(gate: threading.Event, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(20), "held write never released"
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def crash_copy(home: Path, to: Path) -> None:
+    """The home as a crash would leave it: committed LMDB pages only, no lock files."""
+    shutil.copytree(home, to, ignore=shutil.ignore_patterns("lock.mdb", "talos.lock", "node.json"))
+
+
+def outbox(node: Node) -> int:
+    with node.store.read() as txn:
+        return txn.count("outbox")
+
+
+async def test_sender_crash_after_transmit_before_outbox_commit(
+    tmp_path: Path, gate: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home_a, cfg_a = make_home(tmp_path, "a")
+    b = await started(*make_home(tmp_path, "b"))
+    a = await started(home_a, cfg_a)
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            # A's writer stalls at the ack txn of m1: m1 stays in A's durable outbox.
+            monkeypatch.setattr(node_mod, "_ack_txn", held(gate, node_mod._ack_txn))
+            await a.send_message(b.did, "m1")
+            await until(lambda: a._peers[b.did].tx.acked > 0, what="m1 acked")
+            # "lost" leaves A before its outbox row commits (it queues behind the stall):
+            # B commits it, the caller never hears back, A's disk never has it.
+            lost = asyncio.create_task(a.send_message(b.did, "lost"))
+            await until(lambda: len(b.inbox()) == 2, what="lost delivered")
+            crash_copy(home_a, tmp_path / "a2")
+            gate.set()
+            await lost
+            await a.stop()
+
+            a2 = await started(tmp_path / "a2", cfg_a)
+            try:
+                assert a2.unclean_start and a2._epoch == 2
+                with a2.store.read() as txn:
+                    assert [r.text for r in node_mod.pl.iter_outbox(txn, b.did)] == ["m1"]
+                await a2.add_peer(addr(b))
+                await a2.wait_connected(b.did, 10)
+                # m1 is resent as (1, 1): a duplicate for B, whose ack (1, 2) is from
+                # A's old epoch and above anything A2 sent, yet accepted (ADR 0007).
+                await until(lambda: outbox(a2) == 0, what="m1 acked by the old-epoch ack")
+                await a2.send_message(b.did, "m3", wait=True)
+                assert [e.text for e in b.inbox()] == ["m1", "lost", "m3"]
+                assert b.inbox()[-1].seq == node_mod.pl.make_seq(2, 1)
+                assert a2.metrics.counters.get("frames_rejected", 0) == 0
+            finally:
+                await a2.stop()
+    finally:
+        await b.stop()
+
+
+async def test_receiver_crash_before_commit_gets_the_resend(
+    tmp_path: Path, gate: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home_b, cfg_b = make_home(tmp_path, "b")
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(home_b, cfg_b)
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            await a.send_message(b.did, "before", wait=True)
+            monkeypatch.setattr(b, "_commit_batch", held(gate, b._commit_batch))
+            # Without --wait, send returns once A's own outbox commit is durable.
+            msg_id = await a.send_message(b.did, "in flight")
+            assert outbox(a) == 1
+            rx = b._peers[a.did].rx
+            await until(lambda: rx.accepted > rx.delivered, what="B opened it, commit held")
+            crash_copy(home_b, tmp_path / "b2")
+            port = b.listen_url.rsplit(":", 1)[1]  # type: ignore[union-attr]
+            # B goes away before its held commit can finish and be acked.
+            stopping = asyncio.create_task(b.stop())
+            await until(lambda: not a.is_connected(b.did), what="link down")
+            gate.set()
+            await stopping
+
+            cfg = cfg_b.model_copy(update={"listen": f"127.0.0.1:{port}"})
+            b2 = await started(tmp_path / "b2", cfg)
+            b2.allow(a.did)
+            try:
+                assert b2.unclean_start
+                assert [e.text for e in b2.inbox()] == ["before"]
+                await until(lambda: outbox(a) == 0, timeout=20, what="resend acked by B2")
+                entries = b2.inbox()
+                assert [e.text for e in entries] == ["before", "in flight"]
+                assert entries[-1].msg_id.hex() == msg_id
+            finally:
+                await b2.stop()
+    finally:
+        await a.stop()
+
+
+async def test_sender_logs_its_own_record_of_each_acked_message(tmp_path: Path) -> None:
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            msg_id = await a.send_message(b.did, "logged on both sides", wait=True)
+            await until(lambda: a.log.pending_count >= 1, what="A's record appended")
+            await until(lambda: b.log.pending_count >= 1, what="B's record appended")
+            await asyncio.to_thread(a.log.seal)
+            await asyncio.to_thread(b.log.seal)
+            found_a = a.log.find_record(bytes.fromhex(msg_id))
+            found_b = b.log.find_record(bytes.fromhex(msg_id))
+            assert found_a is not None and found_b is not None
+            rec_a, rec_b = found_a[2], found_b[2]
+            assert (rec_a.kind, rec_a.sender, rec_a.recipient) == ("msg", a.did, b.did)
+            assert rec_a.commitment == rec_b.commitment
+            assert rec_a.signature == rec_b.signature
+            for node in (a, b):
+                report = await asyncio.to_thread(verify_chain, node.store, node.did)
+                assert report.ok and report.records >= 1
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+def _forged_head(wallet: Wallet, height: int, block_hash: bytes) -> bytes:
+    sig = wallet.sign(head_signing_bytes(wallet.did, height, block_hash, 1))
+    return hd.encode_head(head_statement(wallet.did, height, block_hash, 1, sig))
+
+
+def _heads_config(root: Path, name: str) -> tuple[Path, NodeConfig]:
+    return make_home(root, name, head_interval=0.05)
+
+
+async def test_signed_heads_are_kept_and_a_rewritten_log_is_flagged(tmp_path: Path) -> None:
+    home_a, cfg_a = _heads_config(tmp_path, "a")
+    a = await started(home_a, cfg_a)
+    b = await started(*_heads_config(tmp_path, "b"))
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            await a.send_message(b.did, "one", wait=True)
+            await until(lambda: a.log.pending_count >= 1, what="A's record")
+            (block,) = await asyncio.to_thread(a.log.seal)
+            await until(lambda: a.did in b.peer_heads(), what="A's head kept by B")
+            assert b.peer_heads()[a.did]["hash"] == block.hash().hex()
+            assert b.equivocations() == []
+            await a.stop()
+            # A quietly rewrites history: drops its sealed block and seals another one
+            # at the same height.
+            with Store(home_a / "store") as store, store.write() as txn:
+                txn.delete("blocks", block_key(0))
+            a = await started(home_a, cfg_a)
+            await a.wait_connected(b.did, 10)
+            await a.send_message(b.did, "two", wait=True)
+            await until(lambda: a.log.pending_count >= 1, what="A's new record")
+            (again,) = await asyncio.to_thread(a.log.seal)
+            assert again.height == block.height and again.hash() != block.hash()
+            await until(lambda: len(b.equivocations()) == 1, what="equivocation recorded")
+            (alert,) = b.status()["equivocations"]
+            assert alert["node"] == a.did
+            assert alert["reason"] == "same height, different block hash"
+            assert alert["presented"]["hash"] == again.hash().hex()
+            assert b.peer_heads()[a.did]["hash"] == block.hash().hex()  # the first one stays
+            assert b.metrics.counters["head_equivocations"] == 1
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_forged_and_lower_heads(tmp_path: Path) -> None:
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            await a.send_app(b.did, hd.HEAD_CHANNEL, _forged_head(a.wallet, 5, b"\x05" * 32))
+            await until(lambda: a.did in b.peer_heads(), what="head 5 kept")
+            # Signed by someone else: the frame is rejected, nothing is kept or flagged.
+            other = Wallet.generate()
+            await a.send_app(b.did, hd.HEAD_CHANNEL, _forged_head(other, 9, b"\x09" * 32))
+            await until(
+                lambda: b.metrics.counters.get("frames_rejected", 0) == 1, what="forgery refused"
+            )
+            assert b.peer_heads()[a.did]["height"] == 5
+            # A signed head below one A already signed: history was cut back.
+            await a.send_app(b.did, hd.HEAD_CHANNEL, _forged_head(a.wallet, 3, b"\x03" * 32))
+            await until(lambda: len(b.equivocations()) == 1, what="lower head flagged")
+            assert b.equivocations()[0]["reason"] == "height below one already signed"
+            assert b.peer_heads()[a.did]["height"] == 5
+    finally:
+        await a.stop()
+        await b.stop()
