@@ -14,9 +14,11 @@ symlinks included) and so picks ``name (1).ext`` on a collision.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import hmac
+import mmap
 import os
 from pathlib import Path
 from typing import Final
@@ -37,6 +39,7 @@ __all__ = ["PARTIAL_DIR", "IncomingAttempt", "IncomingFile", "IntegrityError", "
 PARTIAL_DIR: Final = ".partial"
 _REHASH_BLOCK: Final = 4 << 20
 _MAX_COLLISIONS: Final = 10_000
+_DIRECT_ALIGN: Final = 4096
 
 
 class IntegrityError(TransferProtocolError):
@@ -51,6 +54,41 @@ def _no_space(exc: OSError, path: Path) -> StorageError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return NoSpaceError(f"no space left to receive into {path.parent}: {exc.strerror}")
     return StorageError(f"cannot write {path}: {exc.strerror}")
+
+
+def _open_direct(path: Path) -> int:
+    """A second, ``O_DIRECT`` descriptor on the partial file, or -1 where unsupported.
+
+    Aligned chunks are written through it: on this kind of host (a VM) filling
+    fresh page-cache pages runs at ~200 MB/s while direct writes reach
+    ~1.5 GB/s, and the received bytes are not read back (the SHA-256 is taken
+    from the buffer), so caching them buys nothing. Unaligned pieces (the
+    tail, odd resume offsets) go through the buffered descriptor; the kernel
+    keeps the two coherent and one ``fdatasync`` covers both.
+    """
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        return -1
+    try:
+        return os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | direct)
+    except OSError:  # e.g. tmpfs: EINVAL
+        return -1
+
+
+def _aligned(view: memoryview, offset: int) -> bool:
+    if offset % _DIRECT_ALIGN or view.nbytes % _DIRECT_ALIGN:
+        return False
+    return _address(view) % _DIRECT_ALIGN == 0
+
+
+def _address(view: memoryview) -> int:
+    # The buffer's address: O_DIRECT needs it aligned as well as offset and length.
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def aligned_buffer(size: int) -> memoryview:
+    """A page-aligned writable buffer (anonymous mmap) usable for ``O_DIRECT`` writes."""
+    return memoryview(mmap.mmap(-1, max(size, 1)))
 
 
 class IncomingFile:
@@ -85,6 +123,7 @@ class IncomingFile:
         except BaseException:
             os.close(self._fd)
             raise
+        self._direct = _open_direct(self.path)
         self.written = committed
         self.synced = committed
 
@@ -102,9 +141,12 @@ class IncomingFile:
         if offset != self.written:
             raise UsageError(f"out-of-order write at {offset}, expected {self.written}")
         view = memoryview(data)
+        fd = self._fd
+        if self._direct >= 0 and _aligned(view, offset):
+            fd = self._direct
         try:
             while view:
-                n = os.pwrite(self._fd, view, offset)
+                n = os.pwrite(fd, view, offset)
                 view = view[n:]
                 offset += n
         except OSError as exc:
@@ -134,8 +176,7 @@ class IncomingFile:
         if not hmac.compare_digest(self._hash.digest(), expected_sha256):
             raise IntegrityError("received file does not match the announced SHA-256")
         self.sync()
-        os.close(self._fd)
-        self._fd = -1
+        self.close()
         final = self._place(name)
         os.unlink(self.path)
         dir_fd = os.open(self.files_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -158,10 +199,11 @@ class IncomingFile:
         raise StorageError(f"too many files named like {name!r} in {self.files_dir}")
 
     def close(self) -> None:
-        """Close the descriptor, keeping the partial file for a later resume."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Close the descriptors, keeping the partial file for a later resume."""
+        for fd in (self._fd, self._direct):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._direct = -1
 
     def discard(self) -> None:
         """Close and delete the partial file (transfer failed or was cancelled)."""
@@ -184,7 +226,7 @@ class IncomingAttempt:
         self.epoch = epoch
         self._opener = StreamOpener(derive_stream_key(key, label), label)
         self.plan = ChunkPlan(size=file.size, offset=file.written)
-        self._plain = bytearray(MAX_CHUNK)
+        self._plain = aligned_buffer(MAX_CHUNK)
         self.commit: tuple[bytes, bytes] | None = None
 
     def process_into(self, sealed: bytes | memoryview) -> bool:
