@@ -3,8 +3,12 @@
 A responder publishes a :class:`PrekeyBundle`: its DID, an X25519 identity key,
 a signed prekey, optionally an ML-KEM-768 prekey, the suites it accepts, and
 unsigned one-time prekeys (as in Signal: an OPK swapped by an attacker only
-makes the handshake fail). One Ed25519 signature by the DID's key covers the
-domain-separated, length-prefixed binary encoding of everything but the OPKs.
+makes the handshake fail). One signature by the DID's identity covers the
+domain-separated, length-prefixed binary encoding of everything but the OPKs:
+plain Ed25519 for a classical identity (bundle version 1), or the hybrid
+Ed25519 + ML-DSA-65 signature of :mod:`talos_sdk.hybrid` for a hybrid identity
+(version 2, which also carries the ML-DSA-65 public key inside the signed body,
+so the key a peer pins is one the identity vouched for; issue 8, ADR 0005).
 :class:`PrekeySecrets` holds the private halves and serialises them for the node.
 
 X25519 runs on libsodium (``nacl.bindings``), keys stay raw 32-byte strings:
@@ -27,7 +31,21 @@ from nacl.bindings import crypto_scalarmult, crypto_scalarmult_base
 from nacl.exceptions import RuntimeError as NaclRuntimeError
 
 from talos_sdk.did import public_key_from_did
-from talos_sdk.errors import BundleError, DIDError, EncodingError, MalformedFrameError, UsageError
+from talos_sdk.errors import (
+    BundleError,
+    DIDError,
+    EncodingError,
+    MalformedFrameError,
+    SignatureError,
+    UsageError,
+)
+from talos_sdk.hybrid import (
+    HYBRID_SIGNATURE_SIZE,
+    MLDSA65_PUBLIC_KEY_SIZE,
+    SUITE_ED25519,
+    HybridPublicKey,
+)
+from talos_sdk.hybrid import SUITE_HYBRID as AUTH_HYBRID
 from talos_sdk.wallet import Wallet, verify_with_public_key
 
 __all__ = [
@@ -61,7 +79,11 @@ MAX_ONE_TIME = 10_000
 _BUNDLE_DOMAIN = b"Talos_PrekeyBundle_v1\x00"
 _BINDING_DOMAIN = b"Talos_IdentityKey_v1\x00"
 _SECRETS_MAGIC = b"TPKS\x01"
+_SECRETS_MAGIC_HYBRID = b"TPKS\x02"
 _VERSION = 1
+# Bundle version 2 = version 1 body + ML-DSA-65 key, hybrid signature. Classical
+# bundles stay byte-identical to version 1 (vectors, stored bundles, old peers).
+_VERSION_HYBRID = 2
 _OPK = struct.Struct(">I32s")
 _U32 = struct.Struct(">I")
 _U16 = struct.Struct(">H")
@@ -148,14 +170,18 @@ def _bundle_body(
     spk: bytes,
     pq_id: int | None,
     pq_key: bytes | None,
+    mldsa65_key: bytes | None = None,
 ) -> bytes:
-    out = [bytes((_VERSION,)), _var16(did.encode()), bytes((len(suites),))]
+    version = _VERSION if mldsa65_key is None else _VERSION_HYBRID
+    out = [bytes((version,)), _var16(did.encode()), bytes((len(suites),))]
     out += [bytes((len(s),)) + s.encode() for s in suites]
     out += [identity_dh, _U32.pack(spk_id), spk]
     if pq_key is None or pq_id is None:
         out.append(b"\x00")
     else:
         out += [b"\x01", _U32.pack(pq_id), pq_key]
+    if mldsa65_key is not None:
+        out.append(mldsa65_key)
     return b"".join(out)
 
 
@@ -241,15 +267,35 @@ class PrekeyBundle:
     pq_key: bytes | None
     signature: bytes
     one_time: tuple[tuple[int, bytes], ...] = ()
+    mldsa65_public_key: bytes | None = None
     signing_key: bytes = field(init=False, repr=False, compare=False)
     _pq_public: MLKEM768PublicKey | None = field(init=False, repr=False, compare=False)
+    _hybrid: HybridPublicKey | None = field(init=False, repr=False, compare=False)
     _verified: list[bool] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "signing_key", _did_key(self.did, "bundle DID"))
+        signing_key = _did_key(self.did, "bundle DID")
+        object.__setattr__(self, "signing_key", signing_key)
         pq = None if self.pq_key is None else _mlkem_public(bytes(self.pq_key))
         object.__setattr__(self, "_pq_public", pq)
+        hybrid = None
+        if self.mldsa65_public_key is not None:
+            try:
+                hybrid = HybridPublicKey(signing_key, bytes(self.mldsa65_public_key))
+            except UsageError as exc:
+                raise MalformedFrameError(f"bundle: {exc}") from None
+        object.__setattr__(self, "_hybrid", hybrid)
         object.__setattr__(self, "_verified", [False])
+
+    @property
+    def auth_suite(self) -> str:
+        """``ed25519-mldsa65`` when hybrid-signed (carries an ML-DSA-65 key), else ``ed25519``."""
+        return SUITE_ED25519 if self._hybrid is None else AUTH_HYBRID
+
+    @property
+    def hybrid_public_key(self) -> HybridPublicKey | None:
+        """The bound Ed25519 + ML-DSA-65 keys of a hybrid bundle (trust it after verify())."""
+        return self._hybrid
 
     def signed_body(self) -> bytes:
         """The binary encoding the signature covers (without the domain prefix)."""
@@ -261,6 +307,7 @@ class PrekeyBundle:
             self.spk,
             self.pq_id,
             self.pq_key,
+            self.mldsa65_public_key,
         )
 
     def verify(self) -> PrekeyBundle:
@@ -275,8 +322,16 @@ class PrekeyBundle:
         if SUITE_HYBRID in self.suites and self._pq_public is None:
             raise BundleError(f"bundle offers {SUITE_HYBRID!r} without an ML-KEM-768 prekey")
         body = _BUNDLE_DOMAIN + self.signed_body()
-        if not verify_with_public_key(self.signing_key, body, self.signature):
-            raise BundleError(f"bundle signature does not verify for {self.did}")
+        if self._hybrid is not None:
+            # The ML-DSA key is self-certified here; whether it is the key pinned
+            # for this DID is the caller's decision (hybrid.decide_peer_pin).
+            try:
+                self._hybrid.require_valid(body, self.signature)
+            except SignatureError as exc:
+                raise BundleError(f"bundle signature does not verify: {exc}") from None
+        elif not verify_with_public_key(self.signing_key, body, self.signature):
+            kind = " (not a classical Ed25519 signature)" if len(self.signature) != 64 else ""
+            raise BundleError(f"bundle signature does not verify for {self.did}{kind}")
         self._verified[0] = True
         return self
 
@@ -286,7 +341,7 @@ class PrekeyBundle:
         return self._pq_public
 
     def to_bytes(self) -> bytes:
-        """signed body || signature(64) || u16 count || (u32 id || 32-byte key)*."""
+        """signed body || signature (64, or 3373 if version 2) || u16 count || (u32 id || key)*."""
         opks = b"".join(_OPK.pack(i, k) for i, k in self.one_time)
         return self.signed_body() + self.signature + _U16.pack(len(self.one_time)) + opks
 
@@ -294,7 +349,8 @@ class PrekeyBundle:
     def from_bytes(cls, data: bytes) -> PrekeyBundle:
         """Parse :meth:`to_bytes` output; bad layout raises MalformedFrameError."""
         r = ByteReader(data, "prekey bundle")
-        if r.u8() != _VERSION:
+        version = r.u8()
+        if version not in (_VERSION, _VERSION_HYBRID):
             raise MalformedFrameError("prekey bundle: unknown version")
         did = r.text16()
         suites = []
@@ -311,10 +367,14 @@ class PrekeyBundle:
             pq_id, pq_key = r.u32(), r.take(MLKEM768_PUBLIC_SIZE)
         elif has_pq != 0:
             raise MalformedFrameError("prekey bundle: bad ML-KEM flag")
-        sig = r.take(SIGNATURE_SIZE)
+        mldsa: bytes | None = None
+        if version == _VERSION_HYBRID:
+            mldsa, sig = r.take(MLDSA65_PUBLIC_KEY_SIZE), r.take(HYBRID_SIGNATURE_SIZE)
+        else:
+            sig = r.take(SIGNATURE_SIZE)
         opks = tuple((i, k) for i, k in (_OPK.unpack(r.take(_OPK.size)) for _ in range(r.u16())))
         r.end()
-        return cls(did, tuple(suites), ik, spk_id, spk, pq_id, pq_key, sig, opks)
+        return cls(did, tuple(suites), ik, spk_id, spk, pq_id, pq_key, sig, opks, mldsa)
 
 
 class PrekeySecrets:
@@ -332,6 +392,7 @@ class PrekeySecrets:
         "_pq_public",
         "_used",
         "identity",
+        "mldsa65_public_key",
         "pq_id",
         "pq_seed",
         "signature",
@@ -355,8 +416,10 @@ class PrekeySecrets:
         used: Iterable[int] = (),
         next_opk: int | None = None,
         spk_public: bytes | None = None,
+        mldsa65_public_key: bytes | None = None,
     ) -> None:
         self.identity = identity
+        self.mldsa65_public_key = mldsa65_public_key
         self.suites = suites
         self.spk_id = spk_id
         self.spk_private = spk_private
@@ -409,8 +472,10 @@ class PrekeySecrets:
             signature=b"",
             one_time=opks,
             spk_public=spk_public,
+            mldsa65_public_key=wallet.mldsa_public_key,
         )
-        secrets.signature = wallet.sign(
+        # sign_auth: hybrid for a hybrid wallet (bundles authenticate the identity).
+        secrets.signature = wallet.sign_auth(
             _BUNDLE_DOMAIN
             + _bundle_body(
                 secrets.did,
@@ -420,6 +485,7 @@ class PrekeySecrets:
                 spk_public,
                 secrets.pq_id,
                 secrets._pq_public,
+                secrets.mldsa65_public_key,
             )
         )
         return secrets
@@ -458,6 +524,7 @@ class PrekeySecrets:
                 self._pq_public,
                 self.signature,
                 opks,
+                self.mldsa65_public_key,
             )
             self._bundle = b
         return self._bundle
@@ -501,6 +568,9 @@ class PrekeySecrets:
             "one_time": {str(i): k.hex() for i, (k, _) in sorted(self._one_time.items())},
             "used": sorted(self._used),
             "next_opk": self._next_opk,
+            "mldsa65_public_key": (
+                None if self.mldsa65_public_key is None else self.mldsa65_public_key.hex()
+            ),
         }
 
     @classmethod
@@ -529,6 +599,11 @@ class PrekeySecrets:
                 one_time={int(i): bytes.fromhex(k) for i, k in d["one_time"].items()},
                 used=[int(i) for i in d["used"]],
                 next_opk=int(d["next_opk"]),
+                mldsa65_public_key=(
+                    None
+                    if d.get("mldsa65_public_key") is None
+                    else bytes.fromhex(d["mldsa65_public_key"])
+                ),
             )
         except EncodingError:
             raise
@@ -536,9 +611,14 @@ class PrekeySecrets:
             raise EncodingError(f"prekey secrets: malformed dict ({exc})") from None
 
     def to_bytes(self) -> bytes:
-        """Compact binary form (magic ``TPKS\\x01``); same content as :meth:`to_dict`."""
+        """Compact binary form; same content as :meth:`to_dict`.
+
+        Magic ``TPKS\\x01`` for a classical identity (64-byte signature), ``TPKS\\x02``
+        for a hybrid one (3373-byte signature, ML-DSA-65 public key appended).
+        """
+        hybrid = self.mldsa65_public_key is not None
         out = [
-            _SECRETS_MAGIC,
+            _SECRETS_MAGIC_HYBRID if hybrid else _SECRETS_MAGIC,
             _var16(self.did.encode()),
             self.identity.private,
             self.identity.binding,
@@ -557,6 +637,8 @@ class PrekeySecrets:
         out.append(_U32.pack(len(self._used)))
         out += [_U32.pack(i) for i in sorted(self._used)]
         out.append(_U32.pack(self._next_opk))
+        if self.mldsa65_public_key is not None:
+            out.append(self.mldsa65_public_key)
         return b"".join(out)
 
     @classmethod
@@ -564,8 +646,10 @@ class PrekeySecrets:
         """Inverse of :meth:`to_bytes`; garbage raises EncodingError."""
         try:
             r = ByteReader(data, "prekey secrets")
-            if r.take(len(_SECRETS_MAGIC)) != _SECRETS_MAGIC:
+            magic = r.take(len(_SECRETS_MAGIC))
+            if magic not in (_SECRETS_MAGIC, _SECRETS_MAGIC_HYBRID):
                 raise EncodingError("prekey secrets: bad magic")
+            hybrid = magic == _SECRETS_MAGIC_HYBRID
             did = r.text16()
             ik_private, binding = r.take(KEY_SIZE), r.take(SIGNATURE_SIZE)
             suites = tuple(r.take(r.u8()).decode("ascii") for _ in range(r.u8()))
@@ -574,10 +658,11 @@ class PrekeySecrets:
             pq_seed: bytes | None = None
             if r.u8():
                 pq_id, pq_seed = r.u32(), r.take(MLKEM_SEED_SIZE)
-            signature = r.take(SIGNATURE_SIZE)
+            signature = r.take(HYBRID_SIGNATURE_SIZE if hybrid else SIGNATURE_SIZE)
             opks = {r.u32(): r.take(KEY_SIZE) for _ in range(r.u32())}
             used = [r.u32() for _ in range(r.u32())]
             next_opk = r.u32()
+            mldsa = r.take(MLDSA65_PUBLIC_KEY_SIZE) if hybrid else None
             r.end()
             ik = IdentityKey(
                 did,
@@ -599,4 +684,5 @@ class PrekeySecrets:
             one_time=opks,
             used=used,
             next_opk=next_opk,
+            mldsa65_public_key=mldsa,
         )

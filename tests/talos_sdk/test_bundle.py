@@ -18,6 +18,8 @@ from talos_sdk.bundle import (
     x25519_keypair,
 )
 from talos_sdk.errors import BundleError, EncodingError, MalformedFrameError, UsageError
+from talos_sdk.hybrid import HYBRID_SIGNATURE_SIZE
+from talos_sdk.hybrid import SUITE_HYBRID as AUTH_HYBRID
 from talos_sdk.wallet import Wallet
 
 
@@ -208,3 +210,103 @@ def test_byte_reader_reports_truncation() -> None:
     r = ByteReader(b"\x00\x05ab", "thing")
     with pytest.raises(MalformedFrameError, match="thing: truncated"):
         r.var16()
+
+
+# --- hybrid (Ed25519 + ML-DSA-65) bundles: issue 8, docs/PROTOCOL.md "Prekey bundles" ---
+
+
+@pytest.fixture(scope="module")
+def hybrid_wallet() -> Wallet:
+    return Wallet.from_seed(bytes(range(32)), suite=AUTH_HYBRID)
+
+
+@pytest.fixture(scope="module")
+def pq_auth_secrets(hybrid_wallet: Wallet) -> PrekeySecrets:
+    return PrekeySecrets.generate(hybrid_wallet, one_time=2, pq=True, rng=counter_rng())
+
+
+def test_hybrid_bundle_round_trip(hybrid_wallet: Wallet, pq_auth_secrets: PrekeySecrets) -> None:
+    bundle = pq_auth_secrets.bundle()
+    raw = bundle.to_bytes()
+    assert raw[0] == 2  # version 2 = hybrid-signed
+    assert len(bundle.signature) == HYBRID_SIGNATURE_SIZE
+    again = PrekeyBundle.from_bytes(raw)
+    assert again == bundle and again.verify() is again
+    assert again.auth_suite == AUTH_HYBRID
+    assert again.mldsa65_public_key == hybrid_wallet.mldsa_public_key
+    assert again.hybrid_public_key == hybrid_wallet.hybrid_public_key
+    assert again.did == hybrid_wallet.did  # DID unchanged: did:key of the Ed25519 key
+
+
+def test_classical_bundle_is_still_version_1(wallet: Wallet, hybrid_secrets: PrekeySecrets) -> None:
+    bundle = hybrid_secrets.bundle()
+    assert bundle.to_bytes()[0] == 1 and len(bundle.signature) == 64
+    assert bundle.auth_suite == "ed25519" and bundle.hybrid_public_key is None
+
+
+def test_hybrid_secrets_round_trip(pq_auth_secrets: PrekeySecrets) -> None:
+    raw = pq_auth_secrets.to_bytes()
+    assert raw.startswith(b"TPKS\x02")
+    d = json.loads(json.dumps(pq_auth_secrets.to_dict()))
+    for s in (PrekeySecrets.from_bytes(raw), PrekeySecrets.from_dict(d)):
+        assert s.to_bytes() == raw
+        assert s.bundle() == pq_auth_secrets.bundle()
+        s.bundle().verify()
+
+
+def test_hybrid_bundle_stripped_of_mldsa_half(pq_auth_secrets: PrekeySecrets) -> None:
+    b = pq_auth_secrets.bundle()
+    # Only the Ed25519 half left, ML-DSA key kept: wrong length.
+    with pytest.raises(BundleError, match="length 64"):
+        dataclasses.replace(b, signature=b.signature[:64]).verify()
+    # ML-DSA key and half dropped (re-encoded as a classical bundle): the Ed25519
+    # half signs the hybrid-labelled bytes, so it is no classical signature.
+    stripped = dataclasses.replace(b, signature=b.signature[:64], mldsa65_public_key=None)
+    with pytest.raises(BundleError, match="does not verify"):
+        PrekeyBundle.from_bytes(stripped.to_bytes()).verify()
+
+
+def test_hybrid_bundle_with_swapped_halves(
+    hybrid_wallet: Wallet, pq_auth_secrets: PrekeySecrets
+) -> None:
+    b = pq_auth_secrets.bundle()
+    other = PrekeySecrets.generate(hybrid_wallet, pq=True, rng=counter_rng(50)).bundle()
+    assert other.signed_body() != b.signed_body()
+    mixed = b.signature[:64] + other.signature[64:]
+    with pytest.raises(BundleError, match="ML-DSA-65 half"):
+        dataclasses.replace(b, signature=mixed).verify()
+    mixed = other.signature[:64] + b.signature[64:]
+    with pytest.raises(BundleError, match="Ed25519 half"):
+        dataclasses.replace(b, signature=mixed).verify()
+
+
+def test_hybrid_bundle_wrong_context_or_key(
+    hybrid_wallet: Wallet, pq_auth_secrets: PrekeySecrets
+) -> None:
+    b = pq_auth_secrets.bundle()
+    # A hybrid signature of the body without the bundle domain (another context).
+    wrong_ctx = hybrid_wallet.sign_auth(b.signed_body())
+    with pytest.raises(BundleError, match="does not verify"):
+        dataclasses.replace(b, signature=wrong_ctx).verify()
+    # Another identity's ML-DSA key claimed under this DID (key substitution).
+    other = Wallet.from_seed(bytes(32), suite=AUTH_HYBRID)
+    with pytest.raises(BundleError, match="does not verify"):
+        dataclasses.replace(b, mldsa65_public_key=other.mldsa_public_key).verify()
+
+
+def test_classical_signature_cannot_claim_an_mldsa_key(
+    hybrid_wallet: Wallet, pq_auth_secrets: PrekeySecrets
+) -> None:
+    b = pq_auth_secrets.bundle()
+    classical = hybrid_wallet.sign(b"Talos_PrekeyBundle_v1\x00" + b.signed_body())
+    with pytest.raises(BundleError, match="length 64"):
+        dataclasses.replace(b, signature=classical).verify()
+
+
+def test_hybrid_bundle_bad_bytes(pq_auth_secrets: PrekeySecrets) -> None:
+    good = pq_auth_secrets.bundle().to_bytes()
+    for bad in (good[:-1], good + b"\x00", good[:3000], b"\x03" + good[1:]):
+        with pytest.raises(MalformedFrameError):
+            PrekeyBundle.from_bytes(bad)
+    with pytest.raises(MalformedFrameError, match="ML-DSA-65 public key"):
+        dataclasses.replace(pq_auth_secrets.bundle(), mldsa65_public_key=b"\x00" * 10)
