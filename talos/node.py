@@ -161,8 +161,8 @@ class Node:
         self._incoming: list[_Incoming] = []
         self._outgoing: list[tuple[pl.OutboxEntry, asyncio.Future[None]]] = []
         self._epoch = 0
-        self._outgoing_event = asyncio.Event()
-        self._incoming_event = asyncio.Event()
+        self._outbox_busy = False
+        self._committing = False
         self._inbox_event = asyncio.Event()
         self._server: Server | None = None
         self._api: Any = None
@@ -196,8 +196,6 @@ class Node:
             raise
         self._tasks += [
             asyncio.create_task(run_sealer(self.log), name="talos-sealer"),
-            asyncio.create_task(self._commit_loop(), name="talos-committer"),
-            asyncio.create_task(self._outbox_loop(), name="talos-outbox"),
             asyncio.create_task(self._flush_loop(), name="talos-session-flush"),
             asyncio.create_task(self._retry_loop(), name="talos-retry"),
             asyncio.create_task(self._heads_loop(), name="talos-heads"),
@@ -344,13 +342,17 @@ class Node:
 
     async def _write(self, fn: Callable[[Txn], _T], durable: bool = True) -> _T:
         """Run ``fn`` inside one write transaction on the writer thread."""
+        return await self._submit(fn, durable)
+
+    def _submit(self, fn: Callable[[Txn], _T], durable: bool = True) -> asyncio.Future[_T]:
+        """Queue ``fn`` on the writer thread now (no loop pass before the work starts)."""
 
         def job() -> _T:
             with self.store.write(durable=durable) as txn:
                 return fn(txn)
 
         assert self._writer is not None
-        return await asyncio.get_running_loop().run_in_executor(self._writer, job)
+        return asyncio.get_running_loop().run_in_executor(self._writer, job)
 
     # --- peers and links -----------------------------------------------------------------------
 
@@ -608,7 +610,7 @@ class Node:
         verdict = peer.rx.classify(opened.seq, opened.prev)
         if verdict == pl.Verdict.ACCEPT:
             self._incoming.append(_Incoming(peer.did, opened))
-            self._incoming_event.set()
+            self._start_commit()
             self.metrics.inc("messages_in")
         elif verdict == pl.Verdict.DUPLICATE:
             self.metrics.inc("messages_duplicate")
@@ -665,24 +667,35 @@ class Node:
 
     # --- committing ----------------------------------------------------------------------------
 
-    async def _commit_loop(self) -> None:
-        """Group commit: everything that arrived since the last commit goes in one txn."""
-        while True:
-            await self._incoming_event.wait()
-            self._incoming_event.clear()
-            batch, self._incoming = self._incoming, []
-            if not batch:
-                continue
-            peers = {item.peer for item in batch}
-            snaps = self.sessions.snapshot(peers)
-            try:
-                await self._write(functools.partial(self._commit_batch, batch=batch, snaps=snaps))
-            except StorageError as exc:
-                self.metrics.inc("commit_failures")
-                event(_log, "commit_failed", level=logging.ERROR, error=str(exc), count=len(batch))
-                for did in peers:
-                    self._peers[did].rx.rolled_back()
-                continue
+    def _start_commit(self) -> None:
+        """Group commit: everything that arrived since the last commit goes in one txn.
+
+        Started straight from the frame handler when no commit runs (no extra loop
+        pass); frames arriving meanwhile wait for the next one.
+        """
+        if self._committing or not self._incoming or self._stopping:
+            return
+        batch, self._incoming = self._incoming, []
+        peers = {item.peer for item in batch}
+        snaps = self.sessions.snapshot(peers)
+        self._committing = True
+        fut = self._submit(functools.partial(self._commit_batch, batch=batch, snaps=snaps))
+        fut.add_done_callback(functools.partial(self._committed, batch, peers))
+
+    def _committed(
+        self, batch: list[_Incoming], peers: set[str], fut: asyncio.Future[None]
+    ) -> None:
+        self._committing = False
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.metrics.inc("commit_failures")
+            level = logging.ERROR
+            event(_log, "commit_failed", level=level, error=repr(exc), count=len(batch))
+            for did in peers:
+                self._peers[did].rx.rolled_back()
+        else:
             self.metrics.inc("commits")
             for item in batch:
                 self._peers[item.peer].rx.committed(item.opened.seq)
@@ -690,6 +703,7 @@ class Node:
                 self._send_ack(self._peers[did])
             self._inbox_event.set()
             self._inbox_event = asyncio.Event()
+        self._start_commit()
 
     def _commit_batch(self, txn: Txn, batch: list[_Incoming], snaps: dict[str, bytes]) -> None:
         last = txn.last("inbox")
@@ -750,39 +764,73 @@ class Node:
         peer.fresh.append(row)
         committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._outgoing.append((row, committed))
-        self._outgoing_event.set()
+        if not self._outbox_busy:
+            self._flush_outbox()
         waiter = peer.tx.wait_for(seq) if wait else None
-        self._kick(peer)
+        if not await self._send_now(peer, row):
+            self._kick(peer)
         await committed
         self.metrics.inc("messages_out")
         if waiter is not None:
             await waiter
         return row.msg_id.hex()
 
-    async def _outbox_loop(self) -> None:
-        """Group commit of the outbox: concurrent sends share one fsync."""
-        while True:
-            await self._outgoing_event.wait()
-            self._outgoing_event.clear()
-            batch, self._outgoing = self._outgoing, []
-            if not batch:
+    def _flush_outbox(self) -> None:
+        """Group commit of the outbox: sends arriving while one commit runs share the next."""
+        batch, self._outgoing = self._outgoing, []
+        self._outbox_busy = True
+        fut = self._submit(functools.partial(self._enqueue_batch, rows=[r for r, _ in batch]))
+        fut.add_done_callback(functools.partial(self._outbox_committed, batch))
+
+    def _outbox_committed(
+        self, batch: list[tuple[pl.OutboxEntry, asyncio.Future[None]]], fut: asyncio.Future[None]
+    ) -> None:
+        self._outbox_busy = False
+        exc = None if fut.cancelled() else fut.exception()
+        for row, waiter in batch:
+            if waiter.done():
                 continue
-            rows = [row for row, _ in batch]
-            try:
-                await self._write(functools.partial(self._enqueue_batch, rows=rows))
-            except StorageError as exc:
+            if exc is not None:
                 # The rows stay sendable: later numbers name them as prev. The
                 # caller gets the error and no id (ADR 0007, "failed commit").
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
+                waiter.set_exception(exc)
                 continue
-            for row, fut in batch:
-                peer = self._peers[row.peer]
-                if peer.fresh and peer.fresh[0].seq <= row.seq:
-                    peer.fresh = [r for r in peer.fresh if r.seq > row.seq]
-                if not fut.done():
-                    fut.set_result(None)
+            peer = self._peers[row.peer]
+            if peer.fresh and peer.fresh[0].seq <= row.seq:
+                peer.fresh = [r for r in peer.fresh if r.seq > row.seq]
+            waiter.set_result(None)
+        if self._outgoing and not self._stopping:
+            self._flush_outbox()
+
+    async def _send_now(self, peer: _Peer, row: pl.OutboxEntry) -> bool:
+        """Send ``row`` from the caller's task when it is next and the socket has room."""
+        link = peer.link
+        if (
+            peer.pumping
+            or link is None
+            or not peer.ready.is_set()
+            or row.prev > peer.tx.sent
+            or not link.can_send_now
+        ):
+            return False
+        peer.pumping = True
+        try:
+            await self._send_row(peer, link, row)
+        except ConnectionClosed:
+            pass
+        finally:
+            peer.pumping = False
+        return True
+
+    async def _send_row(self, peer: _Peer, link: Link, row: pl.OutboxEntry) -> None:
+        body, record = self.sessions.seal_message(peer.did, row)
+        peer.records[row.seq] = record
+        if peer.tx.sent == peer.tx.acked:
+            peer.last_progress = time.monotonic()
+        peer.tx.sent = row.seq
+        peer.max_sent = max(peer.max_sent, row.seq)
+        peer.sent_at.setdefault(row.seq, time.monotonic())
+        await link.send(wire.encode(wire.Msg(row.seq, body)))
 
     def _enqueue_batch(self, txn: Txn, rows: list[pl.OutboxEntry]) -> None:
         """Writer thread: outbox rows, minus those the peer acked already (ack raced us)."""
@@ -813,14 +861,7 @@ class Node:
                         return
                     if row.seq <= peer.tx.sent:
                         continue
-                    body, record = self.sessions.seal_message(peer.did, row)
-                    peer.records[row.seq] = record
-                    if peer.tx.sent == peer.tx.acked:
-                        peer.last_progress = time.monotonic()
-                    peer.tx.sent = row.seq
-                    peer.max_sent = max(peer.max_sent, row.seq)
-                    peer.sent_at.setdefault(row.seq, time.monotonic())
-                    await link.send(wire.encode(wire.Msg(row.seq, body)))
+                    await self._send_row(peer, link, row)
         except ConnectionClosed:
             pass
         finally:

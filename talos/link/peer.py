@@ -32,6 +32,9 @@ from talos_sdk.errors import HandshakeError, MalformedFrameError, OversizeError
 
 __all__ = ["Link", "LinkSettings", "PeerRefused", "accept_link", "dial_link"]
 
+#: Below the asyncio default low-water mark: a send this far under it never blocks.
+_SEND_NOW_LIMIT = 16 * 1024
+
 
 class PeerRefused(HandshakeError):
     """The remote side refused us with a Refuse frame / close code."""
@@ -68,6 +71,12 @@ class Link:
     async def send(self, data: bytes) -> None:
         """Send one encoded link frame (order of calls is order on the wire)."""
         await self.ws.send(data)
+
+    @property
+    def can_send_now(self) -> bool:
+        """True when :meth:`send` would write without waiting for flow control."""
+        transport = self.ws.transport
+        return transport.get_write_buffer_size() < _SEND_NOW_LIMIT
 
     async def recv(self) -> bytes:
         """Next frame; raises ConnectionClosed when the link ends."""
