@@ -77,6 +77,7 @@ def cmd_id(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from talos.logging import configure
     from talos.node import Node
+    from talos.transfer.cli import set_files_dir
 
     home = _home(args)
     _require_identity(home)
@@ -96,6 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         node = Node(home.path, config)
+        set_files_dir(node, args.files_dir)  # talos.transfer: --files-dir
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -268,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--listen", help="HOST:PORT for peer links (port 0 picks one)")
     sp.add_argument("--peer", action="append", default=[], help="ws://HOST:PORT#DID")
     sp.add_argument("--allow", action="append", default=[], help="DID allowed to link")
+    sp.add_argument("--files-dir", help="where received files land (default <home>/files)")
     sp.set_defaults(fn=cmd_run)
     sp = add("peers", "add or list peers")
     psub = sp.add_subparsers(dest="peers_cmd", required=True)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from talos.transfer.manager import TransferConfig, TransferManager
 from talos.transfer.protocol import TransferState, is_final
 
-__all__ = ["load_config", "register_cli", "register_routes"]
+__all__ = ["load_config", "register_cli", "register_routes", "set_files_dir"]
 
 MANAGER_KEY: web.AppKey[TransferManager] = web.AppKey("transfers", TransferManager)
 
@@ -57,13 +57,23 @@ def _view(manager: TransferManager, tid: str) -> dict[str, Any]:
     return data
 
 
+_FILES_DIR_ATTR = "transfer_files_dir"
+
+
+def set_files_dir(node: Any, files_dir: str | Path | None) -> None:
+    """``talosd run --files-dir DIR``: received files land in DIR (beats ``transfer.json``)."""
+    if files_dir is not None:
+        setattr(node, _FILES_DIR_ATTR, Path(files_dir).expanduser().resolve())
+
+
 def register_routes(app: web.Application, node: Any) -> None:
     """Add the ``/v1/files`` routes; the manager starts and stops with ``app``."""
 
     async def start(app: web.Application) -> None:
         home = Path(node.home.path)
         config = load_config(home)
-        manager = TransferManager(node, config.files_dir or home / "files", config)
+        files_dir = getattr(node, _FILES_DIR_ATTR, None) or config.files_dir or home / "files"
+        manager = TransferManager(node, files_dir, config)
         await manager.start()
         app[MANAGER_KEY] = manager
 
