@@ -30,14 +30,15 @@ def _node_info(home: Path) -> dict[str, str]:
     raise TimeoutError(f"node on {home} did not start")
 
 
-@pytest.fixture
-def two_nodes(tmp_path: Path) -> Iterator[tuple[Path, Path, str, str]]:
+def _nodes(tmp_path: Path, *b_extra: str) -> Iterator[tuple[Path, Path, str, str]]:
     a, b = tmp_path / "a", tmp_path / "b"
     did_a = _run("init", "--home", str(a))
     did_b = _run("init", "--home", str(b))
+    if b_extra:  # B auto-accepts A
+        (b / "transfer.json").write_text(json.dumps({"auto_accept": [did_a]}))
     procs = [
         subprocess.Popen(
-            [*CLI, "run", "--home", str(b), "--listen", "127.0.0.1:0", "--allow", did_a],
+            [*CLI, "run", "--home", str(b), "--listen", "127.0.0.1:0", "--allow", did_a, *b_extra],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -59,6 +60,19 @@ def two_nodes(tmp_path: Path) -> Iterator[tuple[Path, Path, str, str]]:
             p.terminate()
         for p in procs:
             p.wait(timeout=20)
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path) -> Iterator[tuple[Path, Path, str, str]]:
+    yield from _nodes(tmp_path)
+
+
+def _wait_linked(home: Path, did: str) -> None:
+    deadline = time.monotonic() + 20
+    while did not in _run("status", "--home", str(home)):  # the link comes up asynchronously
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{home} never linked to {did}")
+        time.sleep(0.1)
 
 
 def _wait_state(home: Path, tid: str, state: str) -> dict[str, object]:
@@ -93,3 +107,20 @@ def test_send_file_pending_accept_and_list(
     assert (b / "files" / "payload.bin").read_bytes() == src.read_bytes()
     assert row["size"] == src.stat().st_size
     assert _wait_state(a, tid, "complete")["to"] == did_b
+
+
+def test_run_files_dir_receives_there(tmp_path: Path) -> None:
+    inbox = tmp_path / "elsewhere" / "inbox"
+    nodes = _nodes(tmp_path, "--files-dir", str(inbox))
+    a, b, _, did_b = next(nodes)
+    try:
+        src = tmp_path / "notes.txt"
+        src.write_bytes(os.urandom(70_000))
+        _wait_linked(a, did_b)
+        tid = _run("send-file", "--home", str(a), "--wait", did_b, str(src))
+        row = _wait_state(b, tid, "complete")
+        assert Path(str(row["path"])) == inbox / "notes.txt"
+        assert (inbox / "notes.txt").read_bytes() == src.read_bytes()
+        assert not (b / "files" / "notes.txt").exists()
+    finally:
+        nodes.close()
