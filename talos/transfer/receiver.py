@@ -76,8 +76,8 @@ def _open_direct(path: Path) -> int:
 
 
 def _aligned(view: memoryview, offset: int) -> bool:
-    if offset % _DIRECT_ALIGN or view.nbytes % _DIRECT_ALIGN:
-        return False
+    if offset % _DIRECT_ALIGN or view.nbytes % _DIRECT_ALIGN or view.readonly:
+        return False  # read-only buffers (bytes) are not ours and rarely aligned
     return _address(view) % _DIRECT_ALIGN == 0
 
 

@@ -9,6 +9,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,3 +227,56 @@ def test_disk_full_is_a_clear_error(tmp_path: Path) -> None:
         _pump(out, att)
     inc.discard()
     assert _visible(files) == []
+
+
+def test_checkpoint_claims_only_bytes_written_before_the_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sync() may overlap writes (the stream keeps flowing): it returns the pre-fsync offset."""
+    inc = IncomingFile(tmp_path / "f", TID, 3 * 4096)
+    inc.write(0, os.urandom(4096))
+    real = os.fdatasync
+
+    def fsync_while_writing(fd: int) -> None:
+        inc.write(4096, os.urandom(4096))  # lands while the fsync is in progress
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fsync_while_writing)
+    assert inc.sync() == 4096
+    assert inc.synced == 4096
+    assert inc.written == 2 * 4096
+    monkeypatch.setattr(os, "fdatasync", real)
+    assert inc.sync() == 2 * 4096
+    inc.discard()
+
+
+def test_aligned_chunks_bypass_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chunk = 64 * 1024
+    size = 3 * chunk + 100  # three aligned chunks and an unaligned tail
+    src, digest = _source(tmp_path, size)
+    files = tmp_path / "files"
+    inc = IncomingFile(files, TID, size)
+    if inc._direct < 0:
+        pytest.skip("this filesystem does not support O_DIRECT")
+    used: list[tuple[int, int]] = []
+    real = os.pwrite
+
+    def spy(fd: int, data: Any, offset: int) -> int:
+        used.append((fd, offset))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", spy)
+    direct, buffered = inc._direct, inc._fd
+    _pump(
+        OutgoingAttempt(src, size, KEY, TID, 0, 0, chunk, _sign), IncomingAttempt(inc, KEY, TID, 0)
+    )
+    assert used == [(direct, 0), (direct, chunk), (direct, 2 * chunk), (buffered, 3 * chunk)]
+    assert inc.finish(digest, "d.bin").read_bytes() == src.read_bytes()
+    # unaligned buffers (bytes from elsewhere) go through the buffered descriptor
+    inc2 = IncomingFile(files, TID, 4096)
+    used.clear()
+    inc2.write(0, b"\x01" + bytes(4095))
+    assert used == [(inc2._fd, 0)]
+    inc2.discard()
