@@ -764,10 +764,13 @@ class Node:
         peer.fresh.append(row)
         committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._outgoing.append((row, committed))
-        if not self._outbox_busy:
-            self._flush_outbox()
         waiter = peer.tx.wait_for(seq) if wait else None
-        if not await self._send_now(peer, row):
+        # Frame first, then the commit: the writer thread's Python work would
+        # otherwise take the GIL from the seal and the socket write.
+        sent = await self._send_now(peer, row)
+        if not self._outbox_busy and self._outgoing:
+            self._flush_outbox()
+        if not sent:
             self._kick(peer)
         await committed
         self.metrics.inc("messages_out")
