@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -88,10 +88,10 @@ async def _send(port: int, src: Path, size: int, window: int, chunk: int = BULK_
 
 
 @pytest.fixture
-async def listener() -> BulkListener:
+async def listener() -> AsyncIterator[BulkListener]:
     lst = BulkListener("127.0.0.1", 0)
     await lst.start()
-    yield lst  # type: ignore[misc]
+    yield lst
     await lst.close()
 
 
