@@ -9,6 +9,7 @@ that says whose fault it was (4xx: the request, 5xx: the node).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -196,7 +197,15 @@ def build_app(node: Node, token: str) -> web.Application:
         from talos.chain.verify import verify_chain
 
         await asyncio.to_thread(node.log.seal)
-        report = await asyncio.to_thread(verify_chain, node.store, node.did, workers=1)
+        report = await asyncio.to_thread(
+            functools.partial(
+                verify_chain,
+                node.store,
+                node.did,
+                workers=1,
+                mldsa65_public_key=node.wallet.mldsa_public_key,
+            )
+        )
         return _json(report_json(report))
 
     @routes.get("/v1/chain/show")

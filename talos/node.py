@@ -1158,9 +1158,12 @@ def offline_verify(home: Home) -> dict[str, Any]:
     from talos.api import report_json
     from talos.chain.verify import verify_chain
 
-    wallet_did = Wallet.load(home.identity).did
+    wallet = Wallet.load(home.identity)
     with _offline_store(home) as store:
-        return report_json(verify_chain(store, wallet_did))
+        # The ML-DSA key comes from the wallet, never from the store being audited.
+        return report_json(
+            verify_chain(store, wallet.did, mldsa65_public_key=wallet.mldsa_public_key)
+        )
 
 
 def offline_blocks(home: Home) -> list[dict[str, Any]]:

@@ -14,10 +14,16 @@ re-check ``verify(sender, commitment, signature)`` years later. A record with an
 empty signature is one the node authored itself (audit records): its sender
 must be the node, and the block signature is what vouches for it.
 
-Block = header || 64-byte Ed25519 signature of the node over the header::
+Block = header || signature of the node over the header::
 
-    b"TLBK" | u8 version=1 | u64 height | u64 timestamp_ms | 32 prev_hash
-    | 32 merkle_root | u32 record_count | u16 len node DID
+    b"TLBK" | u8 version | u64 height | u64 timestamp_ms | 32 prev_hash
+    | 32 merkle_root | u32 record_count | u16 len node DID [| 32 key_id]
+
+Version 1 (classical node): no ``key_id``, 64-byte Ed25519 signature. Version 2
+(hybrid node, issue 8 / ADR 0005): ``key_id`` is the node's hybrid key id and
+the signature is the 3373-byte Ed25519 + ML-DSA-65 one (``Wallet.sign_auth``).
+The ML-DSA-65 key itself is not in the block: a verifier must bring it (from
+the node's wallet or a pin), else a forger of Ed25519 could bring their own.
 
 ``merkle_root`` is the RFC 6962 tree hash over the *encoded records* as leaf
 data. ``Block.hash()`` is SHA-256 of the whole encoding *including* the
@@ -34,9 +40,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from talos_sdk.canonical import canonical_json_bytes
+from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import ChainError, MalformedFrameError, UsageError
+from talos_sdk.hybrid import HYBRID_SIGNATURE_SIZE, HybridPublicKey
 from talos_sdk.merkle import merkle_root, verify_inclusion
-from talos_sdk.wallet import verify
+from talos_sdk.wallet import verify, verify_auth
 
 __all__ = [
     "GENESIS_PREV",
@@ -53,6 +61,7 @@ __all__ = [
     "Record",
     "RecordCountError",
     "RecordSignatureError",
+    "block_signature_problem",
     "check_record_signature",
     "collect_block_defects",
     "head_signing_bytes",
@@ -69,6 +78,8 @@ _SIG_LEN = 64
 _RECORD_VERSION = 1
 _BLOCK_MAGIC = b"TLBK"
 _BLOCK_VERSION = 1
+_BLOCK_VERSION_HYBRID = 2
+_KEY_ID_LEN = 32
 _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
 _HDR_FIXED = struct.Struct(">4sBQQ32s32sIH")  # through the node DID length
@@ -296,6 +307,7 @@ class Block:
     record_count: int
     node_did: str
     signature: bytes = b""
+    key_id: bytes | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.height < 1 << 64 or not 0 <= self.timestamp_ms < 1 << 64:
@@ -304,10 +316,18 @@ class Block:
             raise UsageError("block prev_hash and merkle_root are 32 bytes")
         if not 0 <= self.record_count < 1 << 32:
             raise UsageError("block record count out of range")
-        if len(self.signature) not in (0, _SIG_LEN):
-            raise UsageError("block signature must be 64 bytes")
+        if self.key_id is not None and len(self.key_id) != _KEY_ID_LEN:
+            raise UsageError("block key_id must be 32 bytes")
+        sig_len = _SIG_LEN if self.key_id is None else HYBRID_SIGNATURE_SIZE
+        if len(self.signature) not in (0, sig_len):
+            raise UsageError(f"block signature must be {sig_len} bytes for this block version")
         if not self.node_did or len(self.node_did.encode("utf-8")) > 0xFFFF:
             raise UsageError("block node DID must be 1..65535 bytes")
+
+    @property
+    def version(self) -> int:
+        """1 = classical Ed25519 block, 2 = hybrid (carries ``key_id``)."""
+        return _BLOCK_VERSION if self.key_id is None else _BLOCK_VERSION_HYBRID
 
     def header_bytes(self) -> bytes:
         """The bytes the node signs."""
@@ -315,7 +335,7 @@ class Block:
         return (
             _HDR_FIXED.pack(
                 _BLOCK_MAGIC,
-                _BLOCK_VERSION,
+                self.version,
                 self.height,
                 self.timestamp_ms,
                 self.prev_hash,
@@ -324,10 +344,11 @@ class Block:
                 len(did),
             )
             + did
+            + (self.key_id or b"")
         )
 
     def to_bytes(self) -> bytes:
-        """Header followed by the 64-byte signature."""
+        """Header followed by the signature (64 bytes, or 3373 for version 2)."""
         if not self.signature:
             raise UsageError("an unsigned block has no stored form")
         return self.header_bytes() + self.signature
@@ -343,15 +364,41 @@ class Block:
         if len(data) < _HDR_FIXED.size + _SIG_LEN:
             raise MalformedFrameError("block truncated")
         magic, version, height, ts, prev, root, count, did_len = _HDR_FIXED.unpack_from(data)
-        if magic != _BLOCK_MAGIC or version != _BLOCK_VERSION:
-            raise MalformedFrameError("not a version 1 Talos block")
-        if len(data) != _HDR_FIXED.size + did_len + _SIG_LEN:
-            raise MalformedFrameError("block length does not match its DID length")
-        did = _text(data[_HDR_FIXED.size : _HDR_FIXED.size + did_len], "node DID")
+        if magic != _BLOCK_MAGIC or version not in (_BLOCK_VERSION, _BLOCK_VERSION_HYBRID):
+            raise MalformedFrameError("not a version 1 or 2 Talos block")
+        hybrid = version == _BLOCK_VERSION_HYBRID
+        key_len, sig_len = (_KEY_ID_LEN, HYBRID_SIGNATURE_SIZE) if hybrid else (0, _SIG_LEN)
+        did_end = _HDR_FIXED.size + did_len
+        if len(data) != did_end + key_len + sig_len:
+            raise MalformedFrameError("block length does not match its DID length and version")
+        did = _text(data[_HDR_FIXED.size : did_end], "node DID")
+        key_id = data[did_end : did_end + key_len] if hybrid else None
         try:
-            return cls(height, prev, ts, root, count, did, data[-_SIG_LEN:])
+            return cls(height, prev, ts, root, count, did, data[-sig_len:], key_id)
         except UsageError as exc:
             raise MalformedFrameError(f"block fields out of bounds: {exc}") from None
+
+
+def block_signature_problem(
+    block: Block, node_did: str, auth_key: HybridPublicKey | None
+) -> str | None:
+    """Why the node signature of ``block`` is unacceptable, or None.
+
+    ``auth_key`` is the node's hybrid key when its blocks must be hybrid (a
+    version 1 block is then a downgrade); None when they must be classical.
+    """
+    if auth_key is None:
+        if block.key_id is not None:
+            return "hybrid (version 2) block, but no ML-DSA-65 key was given to check it"
+        ok = verify(node_did, block.header_bytes(), block.signature)
+        return None if ok else "node signature over the header does not verify"
+    if block.key_id is None:
+        return "classical (version 1) block where the node signs hybrid: downgrade"
+    if block.key_id != auth_key.key_id or auth_key.did != node_did:
+        return f"block key_id {block.key_id.hex()[:16]} is not the node's hybrid key"
+    if not auth_key.verify(block.header_bytes(), block.signature):
+        return "hybrid node signature over the header does not verify"
+    return None
 
 
 def collect_block_defects(
@@ -361,8 +408,12 @@ def collect_block_defects(
     node_did: str,
     *,
     expected_height: int | None = None,
+    auth_key: HybridPublicKey | None = None,
 ) -> list[ChainDefect]:
-    """Every rule ``block`` breaks, in the order :func:`validate_block` checks them."""
+    """Every rule ``block`` breaks, in the order :func:`validate_block` checks them.
+
+    ``auth_key``: see :func:`block_signature_problem`.
+    """
     h = block.height
     out: list[ChainDefect] = []
     if expected_height is not None and h != expected_height:
@@ -387,8 +438,9 @@ def collect_block_defects(
         )
     if merkle_root([r.encoded for r in records]) != block.merkle_root:
         out.append(MerkleRootError("records do not hash to the header's Merkle root", height=h))
-    if not verify(node_did, block.header_bytes(), block.signature):
-        out.append(BlockSignatureError("node signature over the header does not verify", height=h))
+    sig_problem = block_signature_problem(block, node_did, auth_key)
+    if sig_problem is not None:
+        out.append(BlockSignatureError(sig_problem, height=h))
     for i, record in enumerate(records):
         why = check_record_signature(record, node_did)
         if why is not None:
@@ -403,14 +455,16 @@ def validate_block(
     node_did: str,
     *,
     expected_height: int | None = None,
+    auth_key: HybridPublicKey | None = None,
 ) -> None:
     """Raise the :class:`ChainDefect` subclass for the first rule ``block`` breaks.
 
     Checks, in order: height, link to ``prev_hash``, author, record count,
-    Merkle root, node signature, then every record's sender signature.
+    Merkle root, node signature (hybrid under ``auth_key`` when given), then
+    every record's sender signature.
     """
     defects = collect_block_defects(
-        block, records, prev_hash, node_did, expected_height=expected_height
+        block, records, prev_hash, node_did, expected_height=expected_height, auth_key=auth_key
     )
     if defects:
         raise defects[0]
@@ -443,8 +497,16 @@ def head_signing_bytes(node_did: str, height: int, block_hash: bytes, timestamp_
     return canonical_json_bytes(_head_body(node_did, height, block_hash, timestamp_ms))
 
 
-def verify_head_statement(statement: dict[str, Any], node_did: str | None = None) -> bool:
-    """True if ``statement`` is a well-formed head signed by its node (and by ``node_did``)."""
+def verify_head_statement(
+    statement: dict[str, Any],
+    node_did: str | None = None,
+    mldsa65_public_key: bytes | None = None,
+) -> bool:
+    """True if ``statement`` is a well-formed head signed by its node (and by ``node_did``).
+
+    With ``mldsa65_public_key`` (the node's pinned ML-DSA-65 key) only a hybrid
+    signature passes; without, only a classical one (``verify_auth``).
+    """
     try:
         if statement.get("type") != _HEAD_TYPE:
             return False
@@ -457,15 +519,18 @@ def verify_head_statement(statement: dict[str, Any], node_did: str | None = None
             bytes.fromhex(statement["hash"]),
             int(statement["timestamp_ms"]),
         )
-        return verify(did, body, bytes.fromhex(statement["signature"]))
+        return verify_auth(did, mldsa65_public_key, body, bytes.fromhex(statement["signature"]))
     except (KeyError, TypeError, ValueError):  # UsageError is a ValueError too
         return False
 
 
-def verify_inclusion_proof(proof: dict[str, Any], node_did: str) -> bool:
+def verify_inclusion_proof(
+    proof: dict[str, Any], node_did: str, mldsa65_public_key: bytes | None = None
+) -> bool:
     """True if ``proof`` (from ``BlockLog.inclusion_proof``) shows its record in a block
     signed by ``node_did``: the block verifies, its root and size match, and the RFC 6962
-    audit path leads from the leaf to that root."""
+    audit path leads from the leaf to that root. A hybrid node's block needs its
+    ``mldsa65_public_key``."""
     try:
         block = Block.from_bytes(bytes.fromhex(proof["block"]))
         leaf = bytes.fromhex(proof["leaf"])
@@ -476,7 +541,10 @@ def verify_inclusion_proof(proof: dict[str, Any], node_did: str) -> bool:
             return False
         if block.merkle_root != root or block.record_count != size:
             return False
-        if not verify(node_did, block.header_bytes(), block.signature):
+        key = None
+        if mldsa65_public_key is not None:
+            key = HybridPublicKey(public_key_from_did(node_did), mldsa65_public_key)
+        if block_signature_problem(block, node_did, key) is not None:
             return False
         Record.from_bytes(leaf)  # the leaf must be a record, not arbitrary data
         return bool(verify_inclusion(leaf, index, size, path, root))

@@ -12,6 +12,11 @@ the CPU work — decoding, hashing, Ed25519 — goes to worker *processes* for
 large logs. Processes, not threads: per-record Python work (decode, leaf
 hashing) holds the GIL, so threads do not scale it. Workers get bytes, not
 the LMDB path, so they never read pages a live writer may be recycling.
+
+Hybrid nodes (ADR 0005): the caller passes the node's ML-DSA-65 public key,
+taken from its wallet (or a pin), never from the store being audited; blocks
+from the height kept under ``meta`` ``chain:hybrid_since`` on (0 if the row is
+missing) must be version 2 blocks under that key, blocks below it version 1.
 """
 
 from __future__ import annotations
@@ -34,8 +39,11 @@ from talos.chain.block import (
     check_record_signature,
     collect_block_defects,
 )
+from talos.chain.log import HYBRID_SINCE_KEY
 from talos.store import Store
+from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import MalformedFrameError, StorageError
+from talos_sdk.hybrid import HybridPublicKey
 
 __all__ = ["Defect", "RecordIndexError", "VerifyReport", "verify_chain"]
 
@@ -80,13 +88,15 @@ class VerifyReport:
         return not self.defects
 
 
+# The node's ML-DSA-65 key and the first height it must sign (bytes: picklable).
+_Auth = tuple[bytes, int] | None
 # (height, block bytes or None, [(index, record bytes)], expected prev_hash or None)
 _Job = tuple[int, bytes | None, list[tuple[int, bytes]], bytes | None]
 # defects, [(record_id, height, index)], record count
 _Result = tuple[list[Defect], list[tuple[bytes, int, int]], int]
 
 
-def _check_block(job: _Job, node_did: str) -> _Result:
+def _check_block(job: _Job, node_did: str, auth: tuple[HybridPublicKey, int] | None) -> _Result:
     height, raw, raw_records, prev = job
     defects: list[Defect] = []
     ids: list[tuple[bytes, int, int]] = []
@@ -116,8 +126,14 @@ def _check_block(job: _Job, node_did: str) -> _Result:
             if why is not None:
                 defects.append(Defect("sender_signature", height, i, why))
         return defects, ids, len(raw_records)
+    auth_key = auth[0] if auth is not None and height >= auth[1] else None
     found = collect_block_defects(
-        block, records, GENESIS_PREV if prev is None else prev, node_did, expected_height=height
+        block,
+        records,
+        GENESIS_PREV if prev is None else prev,
+        node_did,
+        expected_height=height,
+        auth_key=auth_key,
     )
     if prev is None and height > 0:  # the previous block is missing: no link to check
         found = [d for d in found if not isinstance(d, BlockLinkError)]
@@ -125,11 +141,16 @@ def _check_block(job: _Job, node_did: str) -> _Result:
     return defects, ids, len(raw_records)
 
 
-def _check_range(jobs: Sequence[_Job], node_did: str) -> list[_Result]:
-    return [_check_block(job, node_did) for job in jobs]
+def _check_range(jobs: Sequence[_Job], node_did: str, auth: _Auth = None) -> list[_Result]:
+    parsed = None
+    if auth is not None:  # parsed once per range (the key object does not pickle)
+        parsed = (HybridPublicKey(public_key_from_did(node_did), auth[0]), auth[1])
+    return [_check_block(job, node_did, parsed) for job in jobs]
 
 
-def _read_jobs(store: Store) -> tuple[list[_Job], dict[bytes, bytes], list[Defect], bytes | None]:
+def _read_jobs(
+    store: Store,
+) -> tuple[list[_Job], dict[bytes, bytes], list[Defect], bytes | None, int]:
     """Everything needed, from one snapshot: jobs per height, the index, layout defects."""
     import hashlib
 
@@ -149,6 +170,8 @@ def _read_jobs(store: Store) -> tuple[list[_Job], dict[bytes, bytes], list[Defec
             h, i = _LOC.unpack(key)
             recs.setdefault(h, []).append((i, value))
         index = dict(txn.items("records"))
+        since_raw = txn.get("meta", HYBRID_SINCE_KEY)
+    since = int.from_bytes(since_raw, "big") if since_raw is not None and len(since_raw) == 8 else 0
     top = max([*blocks, *recs], default=-1)
     jobs: list[_Job] = []
     prev: bytes | None = GENESIS_PREV
@@ -157,7 +180,7 @@ def _read_jobs(store: Store) -> tuple[list[_Job], dict[bytes, bytes], list[Defec
         jobs.append((h, raw, recs.get(h, []), prev))
         prev = None if raw is None else hashlib.sha256(raw).digest()
     head = None if top < 0 or blocks.get(top) is None else hashlib.sha256(blocks[top]).digest()
-    return jobs, index, defects, head
+    return jobs, index, defects, head, since
 
 
 def verify_chain(
@@ -166,27 +189,33 @@ def verify_chain(
     *,
     workers: int | None = None,
     parallel_threshold: int = PARALLEL_THRESHOLD,
+    mldsa65_public_key: bytes | None = None,
 ) -> VerifyReport:
     """Re-validate the whole log in ``store`` (a :class:`Store` or a home's store path).
 
     ``workers=None`` uses every core when the log has at least
     ``parallel_threshold`` records; ``workers=1`` forces one process.
+    ``mldsa65_public_key``: the node's own ML-DSA-65 key when it is a hybrid node
+    (``Wallet.mldsa_public_key``); without it, hybrid blocks are reported.
     """
+    if mldsa65_public_key is not None:  # a bad key is the caller's mistake: fail now
+        HybridPublicKey(public_key_from_did(node_did), mldsa65_public_key)
     if isinstance(store, Store):
-        jobs, index, defects, head = _read_jobs(store)
+        jobs, index, defects, head, since = _read_jobs(store)
     else:
         if not (Path(store) / "data.mdb").is_file():
             raise StorageError(f"no Talos store at {store} (expected {Path(store) / 'data.mdb'})")
         with Store(Path(store)) as opened:
-            jobs, index, defects, head = _read_jobs(opened)
+            jobs, index, defects, head, since = _read_jobs(opened)
 
     total = sum(len(j[2]) for j in jobs)
     n = workers if workers is not None else (os.cpu_count() or 1)
+    auth: _Auth = None if mldsa65_public_key is None else (bytes(mldsa65_public_key), since)
     if total < parallel_threshold or n <= 1 or len(jobs) < 2:
         n = 1
-        results = _check_range(jobs, node_did)
+        results = _check_range(jobs, node_did, auth)
     else:
-        results = _parallel(jobs, node_did, n)
+        results = _parallel(jobs, node_did, n, auth)
 
     located: dict[bytes, tuple[int, int]] = {}
     for found, ids, _ in results:
@@ -229,7 +258,7 @@ def verify_chain(
     )
 
 
-def _parallel(jobs: list[_Job], node_did: str, n: int) -> list[_Result]:
+def _parallel(jobs: list[_Job], node_did: str, n: int, auth: _Auth) -> list[_Result]:
     # Contiguous ranges of about equal record count, a few per worker for balance.
     target = max(1, sum(len(j[2]) for j in jobs) // (n * 4))
     chunks: list[list[_Job]] = [[]]
@@ -246,5 +275,5 @@ def _parallel(jobs: list[_Job], node_did: str, n: int) -> list[_Result]:
     method = "fork" if threading.active_count() == 1 else "forkserver"
     ctx = multiprocessing.get_context(method)
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
-        parts = pool.map(_check_range, chunks, [node_did] * len(chunks))
+        parts = pool.map(_check_range, chunks, [node_did] * len(chunks), [auth] * len(chunks))
         return [r for part in parts for r in part]
