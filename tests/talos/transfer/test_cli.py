@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,7 @@ def _node_info(home: Path) -> dict[str, str]:
     raise TimeoutError(f"node on {home} did not start")
 
 
-def _nodes(tmp_path: Path, *b_extra: str) -> Iterator[tuple[Path, Path, str, str]]:
+def _nodes(tmp_path: Path, *b_extra: str) -> Generator[tuple[Path, Path, str, str]]:
     a, b = tmp_path / "a", tmp_path / "b"
     did_a = _run("init", "--home", str(a))
     did_b = _run("init", "--home", str(b))
