@@ -4,7 +4,8 @@ Run ``python bench/bench_crypto.py`` (any pyperf option works; ``--fast`` for a
 smoke run). Rows follow DESIGN.md "Performance targets": Wallet sign/verify
 against the faster of libsodium and OpenSSL Ed25519, ChaCha20-Poly1305 on a
 35-byte frame, plus the floors the protocol is built on (X25519, SHA-256,
-ML-KEM-768, ML-DSA-65); our stream sealer beside ChaCha20-Poly1305.
+ML-KEM-768, ML-DSA-65); our stream sealer beside ChaCha20-Poly1305; hybrid
+Ed25519 + ML-DSA-65 sign/verify beside the sum of its two raw calls (issue 8).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from nacl.signing import SigningKey
 
 from talos_sdk.aead import StreamSealer
 from talos_sdk.did import did_from_public_key
-from talos_sdk.wallet import Wallet
+from talos_sdk.hybrid import ED25519_PREFIX, MLDSA65_CONTEXT, derive_mldsa65_seed
+from talos_sdk.wallet import HybridWallet, Wallet, verify_auth
 
 SIZES = {"64 B": 64, "10 KB": 10 * 1024}
 AEAD_SIZES = {"35 B": 35, "10 KB": 10 * 1024, "1 MiB": 1024 * 1024}
@@ -190,6 +192,47 @@ def bench_post_quantum(suite: Suite) -> None:
     )
 
 
+def bench_hybrid(suite: Suite) -> None:
+    """Hybrid Ed25519 + ML-DSA-65 (ADR 0005) against the sum of its two raw calls.
+
+    The raw side makes exactly the two primitive calls a hybrid signature needs,
+    over the same bound bytes and labels, back to back: what is left of the
+    ratio is our wrapping (concatenation, length checks, key-id prefix).
+    """
+    wallet = HybridWallet.from_seed(bytes(range(32)))
+    hybrid = wallet.hybrid_public_key
+    ed_pk, ed_sk = crypto_sign_seed_keypair(bytes(range(32)))
+    dsa = mldsa.MLDSA65PrivateKey.from_seed_bytes(derive_mldsa65_seed(bytes(range(32))))
+    dsa_pub = dsa.public_key()
+    msg = os.urandom(64)
+    bound = hybrid.key_id + msg
+
+    def raw_sign() -> tuple[bytes, bytes]:
+        return crypto_sign(ED25519_PREFIX + bound, ed_sk), dsa.sign(bound, MLDSA65_CONTEXT)
+
+    sig = wallet.sign_hybrid(msg)
+    sig_ed, sig_ml = sig[:64], sig[64:]
+
+    def raw_verify() -> None:
+        crypto_sign_open(sig_ed + ED25519_PREFIX + bound, ed_pk)
+        dsa_pub.verify(sig_ml, bound, MLDSA65_CONTEXT)
+
+    suite.pair(
+        "hybrid.sign.64B",
+        "HybridWallet.sign_auth 64 B (Ed25519 + ML-DSA-65)",
+        raw_sign,
+        partial(wallet.sign_auth, msg),
+        raw_label="libsodium Ed25519 sign + OpenSSL ML-DSA-65 sign, same bytes",
+    )
+    suite.pair(
+        "hybrid.verify.64B",
+        "verify_auth 64 B (Ed25519 + ML-DSA-65, pinned key)",
+        raw_verify,
+        partial(verify_auth, wallet.did, wallet.mldsa_public_key, msg, sig),
+        raw_label="libsodium Ed25519 verify + OpenSSL ML-DSA-65 verify, same bytes",
+    )
+
+
 def main() -> None:
     """Register every row, run them, print the table, write the results JSON."""
     suite = Suite.create(__file__)
@@ -199,6 +242,7 @@ def main() -> None:
     bench_aead(suite)
     bench_sha256(suite)
     bench_post_quantum(suite)
+    bench_hybrid(suite)
     suite.finish()
 
 

@@ -180,6 +180,18 @@ TARGETS: tuple[Target, ...] = (
         (AtLeastRate("session.encrypt.35B", 150_000, floor="chacha20poly1305.seal.35B"),),
     ),
     Target(
+        "Hybrid sign (Ed25519 + ML-DSA-65, 64 B)",
+        "—",
+        "sum of raw Ed25519 + ML-DSA-65 sign",
+        (AtLeastRatio("hybrid.sign.64B", ("hybrid.sign.64B.raw",), 0.9),),
+    ),
+    Target(
+        "Hybrid verify (Ed25519 + ML-DSA-65, 64 B)",
+        "—",
+        "sum of raw Ed25519 + ML-DSA-65 verify",
+        (AtLeastRatio("hybrid.verify.64B", ("hybrid.verify.64B.raw",), 0.9),),
+    ),
+    Target(
         "Session create pair, X3DH, keys included",
         "669 /s (1.49 ms)",
         "X25519 27k DH/s",
