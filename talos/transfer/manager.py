@@ -364,6 +364,11 @@ class TransferManager:
         except (OSError, ConnectionError, asyncio.IncompleteReadError) as exc:
             log.info("transfer %s attempt %d broke: %s", tid.hex(), msg.epoch, exc)
             await self._retry_later(tid)
+        finally:
+            # Deregister now, not in a done callback: a link-up handled in between
+            # would see a send still "running" and not re-offer.
+            if self._sending.get(tid) is asyncio.current_task():
+                del self._sending[tid]
 
     async def _retry_later(self, tid: bytes) -> None:
         await asyncio.sleep(self.config.retry_delay)
