@@ -3,12 +3,19 @@
 Pure and sans-I/O, in the style of websockets' ``protocol.py``: the asyncio link
 feeds decoded frames in and sends what comes back. Both sides send a
 :class:`~talos.link.wire.Hello` (DID, fresh 32-byte nonce, supported suites).
-Each then signs, with its Ed25519 identity key::
+Each then signs, with its identity (``Wallet.sign_auth``: Ed25519, or Ed25519 +
+ML-DSA-65 for a hybrid identity, issue 8)::
 
     LABEL || b"/proof/" || role || SHA-256(transcript)
     transcript = LABEL || lp(initiator DID) || lp(responder DID)
                  || initiator nonce || responder nonce
                  || lp(initiator suites) || lp(responder suites)
+                 [|| lp(initiator ML-DSA key) || lp(responder ML-DSA key)]
+
+The bracketed part is present when either side sent an ML-DSA-65 key, so a
+man in the middle who strips a hybrid offer breaks both proofs; two classical
+nodes keep the original transcript. Which suite a peer must prove, and its pin,
+are :class:`talos.link.auth.AuthPolicy`'s decision (4008 / 4009 refusals).
 
 On the wire: initiator HELLO, responder HELLO, initiator PROOF, responder
 PROOF (sent only once the initiator's proof verified, so it also means
@@ -28,8 +35,11 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, Protocol
 
+from talos.link.auth import AuthPolicy, close_code_for
 from talos.link.wire import NONCE_LEN, Hello, Proof
 from talos_sdk.errors import HandshakeError, TalosError
+from talos_sdk.hybrid import SUITE_ED25519, PeerSuiteError
+from talos_sdk.wallet import verify_auth
 
 __all__ = [
     "CLOSE_BAD_PROOF",
@@ -70,6 +80,19 @@ class Signer(Protocol):
     def sign(self, data: bytes) -> bytes: ...
 
 
+def _sign_auth(signer: Signer, data: bytes) -> bytes:
+    # A Wallet has sign_auth (hybrid when its suite is); a bare Ed25519 signer does not.
+    sign_auth: Callable[[bytes], bytes] = getattr(signer, "sign_auth", signer.sign)
+    return sign_auth(data)
+
+
+def _mldsa_key(signer: Signer) -> bytes:
+    key: bytes | None = getattr(signer, "mldsa_public_key", None)
+    return key or b""
+
+
+#: Classical proof check ``verify(did, data, signature)`` (a test hook); hybrid
+#: proofs always go through ``talos_sdk.wallet.verify_auth``.
 Verifier = Callable[[str, bytes, bytes], bool]
 
 
@@ -96,6 +119,8 @@ class Authenticated:
     peer_did: str
     suites: tuple[str, ...]  # suites both sides support, our preference order
     transcript_hash: bytes
+    auth_suite: str = SUITE_ED25519  # what the peer proved with: ed25519 or ed25519-mldsa65
+    peer_mldsa65: bytes | None = None  # its ML-DSA-65 key (pinned) when hybrid
 
 
 def _lp(data: bytes) -> bytes:
@@ -121,6 +146,7 @@ class LinkHandshake:
         expected_did: str | None = None,
         authorizer: Callable[[str], bool] | None = None,
         verify: Verifier = _default_verify,
+        policy: AuthPolicy | None = None,
     ) -> None:
         if len(nonce) != NONCE_LEN:
             raise ValueError("handshake nonce must be 32 bytes")
@@ -131,12 +157,13 @@ class LinkHandshake:
         self._expected = expected_did
         self._authorizer = authorizer
         self._verify = verify
+        self._policy = policy or AuthPolicy()
         self._peer: Hello | None = None
         self._hash: bytes | None = None
 
     def hello(self) -> Hello:
         """Our hello; send it first (initiator) or in reply (responder)."""
-        return Hello(self._signer.did, self._nonce, self._suites)
+        return Hello(self._signer.did, self._nonce, self._suites, _mldsa_key(self._signer))
 
     def receive_hello(self, peer: Hello) -> Proof:
         """Check the peer's claim (pin, authorizer, suites) and return our proof."""
@@ -155,27 +182,52 @@ class LinkHandshake:
             raise Refusal(CLOSE_UNAUTHORIZED, f"unknown peer {peer.did}")
         if not set(self._suites) & set(peer.suites):
             raise Refusal(CLOSE_NO_SUITE, "no session suite in common")
+        # Refuse a classical peer under --require-pq, or a downgrade / key change
+        # against our pin, before signing anything; re-checked after its proof.
+        self._judge(peer)
         self._peer = peer
         self._hash = self._transcript_hash(peer)
-        return Proof(self._signer.sign(self._signed(self._role, self._hash)))
+        return Proof(_sign_auth(self._signer, self._signed(self._role, self._hash)))
+
+    def _judge(self, peer: Hello, *, accept: bool = False) -> tuple[str, bytes | None]:
+        presented = peer.mldsa65 or None
+        try:
+            if accept:
+                decision = self._policy.accept(peer.did, presented)
+            else:
+                decision = self._policy.decide(peer.did, presented)
+        except PeerSuiteError as exc:
+            raise Refusal(close_code_for(exc), str(exc)) from None
+        return decision.suite, decision.pin
 
     def receive_proof(self, proof: Proof) -> Authenticated:
         """Verify the peer's proof against the key in its claimed DID."""
         if self._peer is None or self._hash is None:
             raise Refusal(CLOSE_PROTOCOL, "proof before hello")
         peer_role = Role.RESPONDER if self._role is Role.INITIATOR else Role.INITIATOR
+        mldsa = self._peer.mldsa65 or None
+        signed = self._signed(peer_role, self._hash)
         try:
-            ok = self._verify(self._peer.did, self._signed(peer_role, self._hash), proof.signature)
+            if mldsa is None:
+                ok = self._verify(self._peer.did, signed, proof.signature)
+            else:
+                ok = verify_auth(self._peer.did, mldsa, signed, proof.signature)
         except TalosError:
-            ok = False  # a malformed DID cannot prove anything
+            ok = False  # a malformed DID or ML-DSA key cannot prove anything
         if not ok:
-            raise Refusal(CLOSE_BAD_PROOF, f"handshake proof does not verify for {self._peer.did}")
+            kind = "hybrid " if mldsa else ""
+            raise Refusal(
+                CLOSE_BAD_PROOF, f"{kind}handshake proof does not verify for {self._peer.did}"
+            )
+        # The presented key counts only now that a hybrid proof under it verified.
+        auth_suite, pin = self._judge(self._peer, accept=True)
         common = tuple(s for s in self._suites if s in self._peer.suites)
-        return Authenticated(self._peer.did, common, self._hash)
+        return Authenticated(self._peer.did, common, self._hash, auth_suite, pin)
 
     def _transcript_hash(self, peer: Hello) -> bytes:
         mine = self.hello()
         i, r = (mine, peer) if self._role is Role.INITIATOR else (peer, mine)
+        pq = _lp(i.mldsa65) + _lp(r.mldsa65) if i.mldsa65 or r.mldsa65 else b""
         return hashlib.sha256(
             LABEL
             + _lp(i.did.encode())
@@ -184,6 +236,7 @@ class LinkHandshake:
             + r.nonce
             + _lp(",".join(i.suites).encode())
             + _lp(",".join(r.suites).encode())
+            + pq
         ).digest()
 
     @staticmethod

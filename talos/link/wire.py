@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from talos_sdk.errors import MalformedFrameError, OversizeError
+from talos_sdk.hybrid import MLDSA65_PUBLIC_KEY_SIZE
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -54,11 +55,16 @@ _I = struct.Struct(">I")
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """First frame of each side: who I claim to be, a fresh nonce, my suites."""
+    """First frame of each side: who I claim to be, a fresh nonce, my suites.
+
+    ``mldsa65`` is a hybrid identity's ML-DSA-65 public key (issue 8, sent as an
+    optional 4th field), empty for a classical one.
+    """
 
     did: str
     nonce: bytes
     suites: tuple[str, ...]
+    mldsa65: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,12 +173,10 @@ def encode(frame: LinkFrame) -> bytes:
     if isinstance(frame, Ack):
         return _BQ.pack(T_ACK, frame.seq)
     if isinstance(frame, Hello):
-        return _fields(
-            T_HELLO,
-            frame.did.encode(),
-            frame.nonce,
-            ",".join(frame.suites).encode(),
-        )
+        fields = [frame.did.encode(), frame.nonce, ",".join(frame.suites).encode()]
+        if frame.mldsa65:
+            fields.append(frame.mldsa65)
+        return _fields(T_HELLO, *fields)
     if isinstance(frame, Proof):
         return _fields(T_PROOF, frame.signature)
     if isinstance(frame, Refuse):
@@ -207,14 +211,23 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
             raise MalformedFrameError("ACK must be exactly 9 bytes")
         return Ack(_Q.unpack_from(data, 1)[0])
     if t == T_HELLO:
-        did_raw, nonce, suites_raw = _split(data, 3)
+        # A classical HELLO has 3 fields, a hybrid one a 4th (the ML-DSA-65 key).
+        try:
+            did_raw, nonce, suites_raw = _split(data, 3)
+            mldsa = b""
+        except MalformedFrameError:
+            did_raw, nonce, suites_raw, mldsa = _split(data, 4)
+            if len(mldsa) != MLDSA65_PUBLIC_KEY_SIZE:
+                raise MalformedFrameError(
+                    f"HELLO ML-DSA-65 key must be {MLDSA65_PUBLIC_KEY_SIZE} bytes"
+                ) from None
         if len(nonce) != NONCE_LEN:
             raise MalformedFrameError("HELLO nonce must be 32 bytes")
         if not 0 < len(did_raw) <= MAX_DID_LEN:
             raise MalformedFrameError("HELLO DID length out of range")
         suites_text = _text(suites_raw, "suites")
         suites = tuple(s for s in suites_text.split(",") if s)
-        return Hello(_text(did_raw, "DID"), nonce, suites)
+        return Hello(_text(did_raw, "DID"), nonce, suites, mldsa)
     if t == T_PROOF:
         (sig,) = _split(data, 1)
         return Proof(sig)
