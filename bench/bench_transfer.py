@@ -2,9 +2,9 @@
 
 Issue 6; DESIGN.md "Performance targets" (file transfer row). Both nodes are
 real subprocesses on 127.0.0.1: A sends, B auto-accepts (``transfer.json``).
-The clock runs from ``POST /v1/files`` (what ``talosd send-file`` does: the
-sender hashes the file first) to the sender seeing ``complete`` (B verified the
-SHA-256); polling the control API directly keeps CLI start-up out of the figure.
+The clock runs from ``POST /v1/files`` (what ``talosd send-file`` does; the
+sender hashes while it streams) to the sender seeing ``complete`` (B verified
+the SHA-256); polling the control API directly keeps CLI start-up out of the figure.
 Peak RSS of each node is its ``VmHWM`` read before it stops.
 
 The floor, same run, same bytes: an unencrypted ``websockets`` copy from this
