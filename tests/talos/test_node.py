@@ -62,7 +62,9 @@ async def test_many_messages_pipelined_keep_order_exactly_once(pair: tuple[Node,
         )
         await b.send_message(a.did, "done", wait=True)
         assert [e.text for e in a.inbox()] == [f"r{i}" for i in range(20)] + ["done"]
-        assert b.metrics.counters.get("commits", 0) < 201  # group commit batched some
+        # 20 frames sent at once arrive while A's first commit (an fsync) runs:
+        # group commit puts the rest in fewer transactions than messages.
+        assert a.metrics.counters.get("commits", 0) < 21
 
 
 async def test_offline_peer_gets_messages_when_it_comes_back(tmp_path: Path) -> None:
