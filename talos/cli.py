@@ -52,7 +52,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     from talos.node import init_home
 
     home = _home(args)
-    wallet = init_home(home.path)
+    wallet = init_home(home.path, suite=args.suite)
     print(wallet.did)
     return 0
 
@@ -92,6 +92,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         updates["peers"] = (*config.peers, *args.peer)
     if args.allow:
         updates["allow"] = (*config.allow, *args.allow)
+    if args.require_pq:
+        updates["require_pq"] = True
     config = NodeConfig.model_validate({**config.model_dump(), **updates})
     configure(config.log_format)
 
@@ -262,7 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--home", help="node home (default $TALOS_HOME or ~/.talos)")
         return sp
 
-    add("init", "create an identity in a home folder").set_defaults(fn=cmd_init)
+    sp = add("init", "create an identity in a home folder")
+    sp.add_argument(
+        "--suite",
+        choices=("ed25519", "ed25519-mldsa65"),
+        default="ed25519",
+        help="signature suite: ed25519-mldsa65 adds a post-quantum ML-DSA-65 key (same DID)",
+    )
+    sp.set_defaults(fn=cmd_init)
     sp = add("id", "show this node's identity")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_id)
@@ -271,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--peer", action="append", default=[], help="ws://HOST:PORT#DID")
     sp.add_argument("--allow", action="append", default=[], help="DID allowed to link")
     sp.add_argument("--files-dir", help="where received files land (default <home>/files)")
+    sp.add_argument(
+        "--require-pq",
+        action="store_true",
+        help="refuse peers that do not authenticate with Ed25519 + ML-DSA-65",
+    )
     sp.set_defaults(fn=cmd_run)
     sp = add("peers", "add or list peers")
     psub = sp.add_subparsers(dest="peers_cmd", required=True)

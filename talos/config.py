@@ -52,6 +52,9 @@ class NodeConfig(BaseModel):
     ratchet_every: int = Field(default=64, ge=1)
     one_time_prekeys: int = Field(default=8, ge=0, le=1000)
     pq: bool = True
+    require_pq: bool = Field(
+        default=False, description="refuse peers without hybrid Ed25519 + ML-DSA-65 auth"
+    )
     seal_count: int = Field(default=256, ge=1)
     seal_interval: float = Field(default=1.0, gt=0)
     ping_interval: float = Field(default=20.0, gt=0)

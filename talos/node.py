@@ -47,12 +47,14 @@ from talos.chain.log import BlockLog, run_sealer
 from talos.config import Home, NodeConfig, PeerAddr, parse_listen, parse_peer_addr
 from talos.link import heads as hd
 from talos.link import wire
+from talos.link.auth import AuthPolicy, check_bundle_auth, load_pin, store_pin
 from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_PROTOCOL, CLOSE_SHUTDOWN, Role
 from talos.link.peer import Link, LinkSettings, PeerRefused, accept_link, dial_link
 from talos.logging import event
 from talos.metrics import Metrics
 from talos.sessions import Opened, SessionManager, UnknownSessionError
 from talos.store import Store, Txn
+from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.errors import (
     DecryptionError,
     HandshakeError,
@@ -85,14 +87,17 @@ class ConnectTimeoutError(NotConnectedError, TimeoutError):
     """``wait_connected`` gave up."""
 
 
-def init_home(path: Path, config: NodeConfig | None = None) -> Wallet:
-    """Create a node home: identity (0600), config, API token (0600). Refuses to overwrite."""
+def init_home(path: Path, config: NodeConfig | None = None, *, suite: str | None = None) -> Wallet:
+    """Create a node home: identity (0600), config, API token (0600). Refuses to overwrite.
+
+    ``suite="ed25519-mldsa65"`` makes a hybrid identity (issue 8, ADR 0005).
+    """
     home = Home(path)
     if home.exists():
         raise UsageError(f"{home.identity} already exists; refusing to overwrite an identity")
     path.mkdir(parents=True, exist_ok=True)
     config = config or NodeConfig()
-    wallet = Wallet.generate()
+    wallet = Wallet.generate(suite=suite)
     wallet.save(home.identity)
     home.save_config(config)
     home.create_api_token()
@@ -176,7 +181,18 @@ class Node:
             max_frame=self.config.max_frame,
             ping_interval=self.config.ping_interval,
             handshake_timeout=self.config.handshake_timeout,
+            auth=AuthPolicy(self.config.require_pq, self._pinned, self._pin),
         )
+
+    def _pinned(self, did: str) -> bytes | None:
+        with self.store.read() as txn:
+            return load_pin(txn, did)
+
+    def _pin(self, did: str, key: bytes) -> None:
+        # First hybrid contact only: durable before the link is used (ADR 0005).
+        with self.store.write(durable=True) as txn:
+            store_pin(txn, did, key)
+        event(_log, "peer_pinned", peer=did, suite="ed25519-mldsa65")
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -589,6 +605,8 @@ class Node:
             await link.close(CLOSE_PROTOCOL, "session out of sync; re-keying")
 
     async def _on_offer(self, peer: _Peer, link: Link, offer: wire.SessionOffer) -> None:
+        # The bundle must be signed in the suite the link proved (no downgrade).
+        check_bundle_auth(PrekeyBundle.from_bytes(offer.bundle).verify(), link.peer_mldsa65)
         init = self.sessions.on_offer(peer.did, offer, link.suites)
         if init is not None:
             await self._write(lambda txn: self.sessions.persist_establish(txn, peer.did))
@@ -655,7 +673,8 @@ class Node:
     async def _on_app(self, peer: _Peer, frame: wire.App) -> None:
         name, payload = self.sessions.open_app(peer.did, frame.body)
         if name == hd.HEAD_CHANNEL:
-            await self._on_head(peer, hd.decode_head(payload, peer.did))
+            pin = self._pinned(peer.did)
+            await self._on_head(peer, hd.decode_head(payload, peer.did, pin))
             return
         handler = self._apps.get(name)
         if handler is None:
@@ -1028,6 +1047,8 @@ class Node:
     def status(self) -> dict[str, Any]:
         """Links, sessions with their suites, and queue depths."""
         links = []
+        sessions = self.sessions.info()
+        session_suites = {s["did"]: s["suite"] for s in sessions}
         for did, peer in sorted(self._peers.items()):
             links.append(
                 {
@@ -1035,6 +1056,8 @@ class Node:
                     "connected": peer.link is not None,
                     "ready": peer.ready.is_set(),
                     "role": peer.link.role.name.lower() if peer.link is not None else None,
+                    "auth_suite": peer.link.auth_suite if peer.link is not None else None,
+                    "session_suite": session_suites.get(did),
                     "acked": peer.tx.acked,
                     "sent": peer.tx.sent,
                     "delivered": peer.rx.delivered,
@@ -1046,8 +1069,10 @@ class Node:
         return {
             "did": self.did,
             "listen": self.listen_url,
+            "auth_suite": self.wallet.suite,
+            "require_pq": self.config.require_pq,
             "links": links,
-            "sessions": self.sessions.info(),
+            "sessions": sessions,
             "queues": {
                 "outbox": outbox,
                 "inbox": inbox,

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 HEAD_CHANNEL: Final = "talos.head"
-MAX_HEAD_BYTES: Final = 4096
+MAX_HEAD_BYTES: Final = 16384  # a hybrid head's signature is 3373 B, 6746 in hex
 _U64 = struct.Struct(">Q")
 
 
@@ -77,8 +77,11 @@ def encode_head(statement: dict[str, Any]) -> bytes:
     return canonical_json_bytes(statement)
 
 
-def decode_head(payload: bytes, peer: str) -> PeerHead:
-    """Parse and verify a head statement sent by ``peer`` over its link."""
+def decode_head(payload: bytes, peer: str, mldsa65: bytes | None = None) -> PeerHead:
+    """Parse and verify a head statement sent by ``peer`` over its link.
+
+    ``mldsa65``: the ML-DSA-65 key pinned for ``peer`` (its heads must then be hybrid).
+    """
     if len(payload) > MAX_HEAD_BYTES:
         raise MalformedFrameError(f"head statement above {MAX_HEAD_BYTES} bytes")
     try:
@@ -87,7 +90,7 @@ def decode_head(payload: bytes, peer: str) -> PeerHead:
         raise MalformedFrameError("head statement is not JSON") from None
     if not isinstance(statement, dict):
         raise MalformedFrameError("head statement is not a JSON object")
-    if not verify_head_statement(statement, peer):
+    if not verify_head_statement(statement, peer, mldsa65):
         raise ForgedHeadError("head statement is not signed by the link peer")
     return PeerHead(peer, int(statement["height"]), str(statement["hash"]), statement)
 

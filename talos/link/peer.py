@@ -19,6 +19,7 @@ from websockets.asyncio.connection import Connection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from talos.link import wire
+from talos.link.auth import AuthPolicy
 from talos.link.handshake import (
     CLOSE_PROTOCOL,
     SUITES,
@@ -53,6 +54,7 @@ class LinkSettings:
     ping_interval: float = 20.0
     handshake_timeout: float = 10.0
     suites: tuple[str, ...] = SUITES
+    auth: AuthPolicy | None = None  # pins + --require-pq (talos/link/auth.py)
 
     @property
     def ws_max_size(self) -> int:
@@ -66,6 +68,8 @@ class Link:
         self.ws = ws
         self.peer_did = auth.peer_did
         self.suites = auth.suites
+        self.auth_suite = auth.auth_suite
+        self.peer_mldsa65 = auth.peer_mldsa65
         self.role = role
 
     async def send(self, data: bytes) -> None:
@@ -159,7 +163,12 @@ async def accept_link(
 ) -> Link:
     """Server side: run the handshake on an accepted WebSocket."""
     hs = LinkHandshake(
-        signer, Role.RESPONDER, os.urandom(32), suites=settings.suites, authorizer=authorizer
+        signer,
+        Role.RESPONDER,
+        os.urandom(32),
+        suites=settings.suites,
+        authorizer=authorizer,
+        policy=settings.auth,
     )
     auth = await _run_handshake(ws, hs, Role.RESPONDER, settings)
     return Link(ws, auth, Role.RESPONDER)
@@ -194,6 +203,7 @@ async def dial_link(
         suites=settings.suites,
         expected_did=expected_did,
         authorizer=authorizer,
+        policy=settings.auth,
     )
     try:
         auth = await _run_handshake(ws, hs, Role.INITIATOR, settings)
