@@ -28,6 +28,7 @@ from mcp_proxy.nodehost import http_token, make_node, node_did
 from mcp_proxy.policy import Policy, load_policy_file
 from mcp_proxy.server import TunnelServer
 from mcp_proxy.transport import NodeTransport
+from talos.runtime import run
 from talos_sdk.errors import TalosError
 
 __all__ = ["main"]
@@ -143,9 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "id":
             print(node_did(args.home))
         elif args.cmd == "serve":
-            asyncio.run(_serve(args))
+            run(_serve(args))
         else:
-            asyncio.run(_connect(args))
+            run(_connect(args))
     except TalosError as exc:
         print(f"talos-proxy: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ import logging
 import sys
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 from mcp_proxy.jsonrpc import (
     INTERNAL_ERROR,
@@ -269,8 +270,8 @@ class _StdinLines(asyncio.Protocol):
         self._eof = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.ReadTransport)
-        self.transport = transport
+        # Not an isinstance check: uvloop's pipe transports do not subclass asyncio's ABCs.
+        self.transport = cast(asyncio.ReadTransport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.splitter.feed(data)

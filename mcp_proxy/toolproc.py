@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from typing import Final
+from typing import Final, cast
 
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, RequestId, error_reply
 from mcp_proxy.lines import LineSplitter
@@ -128,9 +128,8 @@ class ToolProcess:
             self._finish(EXIT_SPAWN_FAILED)
             return
         self._transport, self._pipes = transport, pipes
-        stdin = transport.get_pipe_transport(0)
-        assert isinstance(stdin, asyncio.WriteTransport)
-        self._stdin = stdin
+        # Not an isinstance check: uvloop's pipe transports do not subclass asyncio's ABCs.
+        self._stdin = cast(asyncio.WriteTransport, transport.get_pipe_transport(0))
         log.info("%s: started pid %d", self.label, transport.get_pid())
 
     def send(self, line: bytes, request_id: RequestId | None = None) -> None:

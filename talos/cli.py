@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from talos import runtime
 from talos.client import ApiClient, ApiError, NodeNotRunningError
 from talos.config import Home, NodeConfig, default_home, parse_listen, parse_peer_addr
 from talos_sdk.errors import TalosError, UsageError
@@ -114,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         finally:
             await node.stop()
 
-    asyncio.run(run())
+    runtime.run(run())
     return 0
 
 

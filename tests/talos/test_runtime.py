@@ -1,0 +1,55 @@
+"""talos.runtime: uvloop when installed, the standard loop when TALOS_NO_UVLOOP is set."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+
+from talos import runtime
+
+HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
+
+
+async def _loop_module() -> str:
+    await asyncio.sleep(0)
+    return type(asyncio.get_running_loop()).__module__
+
+
+def test_run_returns_the_result_of_main(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(runtime.NO_UVLOOP_ENV, raising=False)
+
+    async def main() -> int:
+        await asyncio.sleep(0)
+        return 42
+
+    assert runtime.run(main()) == 42
+
+
+@pytest.mark.skipif(not HAVE_UVLOOP, reason="uvloop not installed")
+def test_uvloop_is_used_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(runtime.NO_UVLOOP_ENV, raising=False)
+    assert runtime.run(_loop_module()).startswith("uvloop")
+
+
+@pytest.mark.parametrize("value", ["1", "yes"])
+def test_env_var_forces_the_standard_loop(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(runtime.NO_UVLOOP_ENV, value)
+    assert runtime.loop_factory() is None
+    assert runtime.run(_loop_module()).startswith("asyncio")
+
+
+def test_zero_does_not_disable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(runtime.NO_UVLOOP_ENV, "0")
+    assert (runtime.loop_factory() is not None) is HAVE_UVLOOP
+
+
+def test_exceptions_from_main_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(runtime.NO_UVLOOP_ENV, raising=False)
+
+    async def main() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        runtime.run(main())
