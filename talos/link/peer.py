@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.connection import Connection
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import (
+    ConnectionClosed,
+    ConnectionClosedError,
+    InvalidHandshake,
+    InvalidURI,
+)
+from websockets.protocol import State
 
 from talos.link import wire
 from talos.link.auth import AuthPolicy
@@ -75,6 +81,32 @@ class Link:
     async def send(self, data: bytes) -> None:
         """Send one encoded link frame (order of calls is order on the wire)."""
         await self.ws.send(data)
+
+    def send_nowait(self, data: bytes) -> bool:
+        """Write one link frame now if that needs no waiting; False (nothing sent) otherwise.
+
+        The synchronous twin of :meth:`send` for callbacks: it writes only when
+        :meth:`send` would not have suspended (link open, no fragmented send in
+        progress, socket not paused by flow control), so order on the wire is
+        the order of calls across both methods. Raises ``ConnectionClosed`` if
+        the write itself fails (the link is then aborted).
+        """
+        ws = self.ws
+        if (
+            ws.protocol.state is not State.OPEN
+            or ws.send_in_progress is not None
+            or ws.paused
+            or ws.transport.is_closing()
+        ):
+            return False
+        ws.protocol.send_binary(data)
+        try:
+            ws.send_data()
+        except Exception as exc:
+            ws.set_connection_exc(exc)
+            ws.transport.abort()
+            raise ConnectionClosedError(None, None) from exc
+        return True
 
     @property
     def can_send_now(self) -> bool:

@@ -135,3 +135,39 @@ async def test_unreachable_address_is_a_connection_error() -> None:
             await dial_link(
                 f"ws://127.0.0.1:{port}", "did:key:x", Wallet.generate(), lambda d: True, SETTINGS
             )
+
+
+async def test_send_nowait_writes_in_call_order_with_send(listener: Listener) -> None:
+    me = Wallet.generate()
+    async with asyncio.timeout(5):
+        link = await dial_link(listener.url, listener.wallet.did, me, lambda d: True, SETTINGS)
+        server_link = await listener.links.get()
+        assert link.send_nowait(wire.encode(wire.Msg(1, b"a")))
+        await link.send(wire.encode(wire.Msg(2, b"b")))
+        assert link.send_nowait(wire.encode(wire.Msg(3, b"c")))
+        got = [wire.decode(await server_link.recv()) for _ in range(3)]
+        assert got == [wire.Msg(1, b"a"), wire.Msg(2, b"b"), wire.Msg(3, b"c")]
+        await link.close()
+
+
+async def test_send_nowait_refuses_while_flow_control_pauses_writing(listener: Listener) -> None:
+    me = Wallet.generate()
+    async with asyncio.timeout(5):
+        link = await dial_link(listener.url, listener.wallet.did, me, lambda d: True, SETTINGS)
+        server_link = await listener.links.get()
+        link.ws.pause_writing()  # what the transport calls above its high-water mark
+        assert not link.send_nowait(wire.encode(wire.Msg(1, b"held")))
+        link.ws.resume_writing()
+        assert link.send_nowait(wire.encode(wire.Msg(2, b"sent")))
+        assert wire.decode(await server_link.recv()) == wire.Msg(2, b"sent")
+        await link.close()
+
+
+async def test_send_nowait_on_a_closed_link_sends_nothing(listener: Listener) -> None:
+    me = Wallet.generate()
+    async with asyncio.timeout(5):
+        link = await dial_link(listener.url, listener.wallet.did, me, lambda d: True, SETTINGS)
+        await listener.links.get()
+        await link.close()
+        assert not link.open
+        assert not link.send_nowait(wire.encode(wire.Msg(1, b"late")))
