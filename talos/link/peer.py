@@ -91,14 +91,9 @@ class Link:
         the order of calls across both methods. Raises ``ConnectionClosed`` if
         the write itself fails (the link is then aborted).
         """
-        ws = self.ws
-        if (
-            ws.protocol.state is not State.OPEN
-            or ws.send_in_progress is not None
-            or ws.paused
-            or ws.transport.is_closing()
-        ):
+        if not self.writable:
             return False
+        ws = self.ws
         ws.protocol.send_binary(data)
         try:
             ws.send_data()
@@ -107,6 +102,17 @@ class Link:
             ws.transport.abort()
             raise ConnectionClosedError(None, None) from exc
         return True
+
+    @property
+    def writable(self) -> bool:
+        """True when :meth:`send_nowait` would write (check before sealing a frame)."""
+        ws = self.ws
+        return (
+            ws.protocol.state is State.OPEN
+            and ws.send_in_progress is None
+            and not ws.paused
+            and not ws.transport.is_closing()
+        )
 
     @property
     def can_send_now(self) -> bool:

@@ -156,8 +156,10 @@ async def test_send_nowait_refuses_while_flow_control_pauses_writing(listener: L
         link = await dial_link(listener.url, listener.wallet.did, me, lambda d: True, SETTINGS)
         server_link = await listener.links.get()
         link.ws.pause_writing()  # what the transport calls above its high-water mark
+        assert not link.writable
         assert not link.send_nowait(wire.encode(wire.Msg(1, b"held")))
         link.ws.resume_writing()
+        assert link.writable
         assert link.send_nowait(wire.encode(wire.Msg(2, b"sent")))
         assert wire.decode(await server_link.recv()) == wire.Msg(2, b"sent")
         await link.close()
@@ -170,4 +172,5 @@ async def test_send_nowait_on_a_closed_link_sends_nothing(listener: Listener) ->
         await listener.links.get()
         await link.close()
         assert not link.open
+        assert not link.writable
         assert not link.send_nowait(wire.encode(wire.Msg(1, b"late")))
