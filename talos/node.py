@@ -640,8 +640,14 @@ class Node:
 
     def _send_ack(self, peer: _Peer) -> None:
         link = peer.link
-        if link is not None:
-            self._spawn(self._send_quiet(link, wire.encode(wire.Ack(peer.rx.delivered))))
+        if link is None:
+            return
+        data = wire.encode(wire.Ack(peer.rx.delivered))
+        # Inline from the commit's done callback: a task would cost the sender a loop pass.
+        with contextlib.suppress(ConnectionClosed):
+            if link.send_nowait(data):
+                return
+        self._spawn(self._send_quiet(link, data))
 
     @staticmethod
     async def _send_quiet(link: Link, data: bytes) -> None:
@@ -1002,6 +1008,28 @@ class Node:
             await link.send(b"\x30" + body)
         except ConnectionClosed:
             raise NotConnectedError(f"link with {did} closed") from None
+
+    def try_send_app(self, did: str, name: str, payload: bytes) -> bool:
+        """:meth:`send_app` without waiting: False (nothing sealed or sent) if the link is busy.
+
+        For callbacks on the hot path (the MCP tunnel): the frame leaves from the
+        caller, no task hop. Raises like :meth:`send_app` when there is no link.
+        """
+        peer = self._peers.get(did)
+        link = peer.link if peer is not None else None
+        if peer is None or link is None or not peer.ready.is_set():
+            raise NotConnectedError(f"no link with {did}")
+        if not link.writable:
+            return False
+        body = self.sessions.seal_app(did, name, payload)
+        if len(body) > self.config.max_frame:
+            raise UsageError(f"app payload above the {self.config.max_frame}-byte frame bound")
+        try:
+            sent = link.send_nowait(b"\x30" + body)
+        except ConnectionClosed:
+            raise NotConnectedError(f"link with {did} closed") from None
+        assert sent  # writable was checked and nothing ran in between
+        return True
 
     def on_link_change(self, callback: LinkCallback) -> None:
         """Call ``callback(did, up)`` whenever a peer's session becomes ready or goes away."""

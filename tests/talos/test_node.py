@@ -183,6 +183,36 @@ async def test_app_channels_are_ordered_and_link_changes_reported(
         assert not a.is_connected(b.did)
 
 
+async def test_try_send_app_sends_inline_in_order_with_send_app(
+    pair: tuple[Node, Node],
+) -> None:
+    a, b = pair
+    got: list[bytes] = []
+    b.register_app("echo", lambda peer, payload: got.append(payload))
+    async with asyncio.timeout(20):
+        with pytest.raises(NotConnectedError):
+            a.try_send_app(b.did, "echo", b"too early")
+        await link(a, b)
+        for i in range(50):
+            if i % 2:
+                await a.send_app(b.did, "echo", bytes([i]))
+            else:
+                assert a.try_send_app(b.did, "echo", bytes([i]))
+        await until(lambda: len(got) == 50, what="50 app frames")
+        assert got == [bytes([i]) for i in range(50)]
+        with pytest.raises(UsageError, match="frame bound"):
+            a.try_send_app(b.did, "echo", b"x" * (a.config.max_frame + 1))
+        # A paused socket: nothing is sealed or sent, the caller falls back to send_app.
+        peer_link = a._peers[b.did].link
+        assert peer_link is not None
+        peer_link.ws.pause_writing()
+        assert not a.try_send_app(b.did, "echo", b"held")
+        peer_link.ws.resume_writing()
+        await a.send_app(b.did, "echo", b"after")
+        await until(lambda: got[-1:] == [b"after"], what="frame after the pause")
+        assert b"held" not in got
+
+
 async def test_unknown_peer_is_refused(pair: tuple[Node, Node]) -> None:
     a, b = pair  # B does not know A
     async with asyncio.timeout(10):
