@@ -10,8 +10,11 @@ The parent reads raw bytes in one LMDB read snapshot and computes each
 block's expected ``prev_hash`` (so links across range boundaries are its job);
 the CPU work — decoding, hashing, Ed25519 — goes to worker *processes* for
 large logs. Processes, not threads: per-record Python work (decode, leaf
-hashing) holds the GIL, so threads do not scale it. Workers get bytes, not
-the LMDB path, so they never read pages a live writer may be recycling.
+hashing) holds the GIL, so threads do not scale it. Workers never open the
+store (no pages a live writer may be recycling, no second snapshot): the job
+list reaches them once, at pool start — inherited by ``fork`` without any
+copy, pickled once per worker under ``forkserver`` — and each task names only
+a contiguous height range of it, so no block bytes are pickled per task.
 
 Hybrid nodes (ADR 0005): the caller passes the node's ML-DSA-65 public key,
 taken from its wallet (or a pin), never from the store being audited; blocks
@@ -50,6 +53,7 @@ __all__ = ["Defect", "RecordIndexError", "VerifyReport", "verify_chain"]
 _LOC = struct.Struct(">QI")
 #: Below this many records one process is faster than starting workers.
 PARALLEL_THRESHOLD = 4096
+_CHUNKS_PER_WORKER = 4
 
 
 class RecordIndexError(ChainDefect):
@@ -258,22 +262,53 @@ def verify_chain(
     )
 
 
-def _parallel(jobs: list[_Job], node_did: str, n: int, auth: _Auth) -> list[_Result]:
-    # Contiguous ranges of about equal record count, a few per worker for balance.
-    target = max(1, sum(len(j[2]) for j in jobs) // (n * 4))
-    chunks: list[list[_Job]] = [[]]
-    size = 0
-    for job in jobs:
-        chunks[-1].append(job)
+def _chunks(jobs: Sequence[_Job], n: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` job ranges of about equal record count.
+
+    A few per worker rather than one: on a shared machine one core may be
+    slower, and whoever finishes first takes the next range.
+    """
+    target = max(1, sum(len(j[2]) or 1 for j in jobs) // (n * _CHUNKS_PER_WORKER))
+    out: list[tuple[int, int]] = []
+    start = size = 0
+    for i, job in enumerate(jobs):
         size += len(job[2]) or 1
         if size >= target:
-            chunks.append([])
-            size = 0
-    chunks = [c for c in chunks if c]
-    # fork is cheapest and does not re-import the caller's __main__; with other
-    # threads alive (a running node) forking is unsafe, so use a forkserver then.
+            out.append((start, i + 1))
+            start, size = i + 1, 0
+    if start < len(jobs):
+        out.append((start, len(jobs)))
+    return out
+
+
+# Set in each worker by _install (the pool initializer), read by _run_range.
+_WORK: tuple[Sequence[_Job], str, _Auth] | None = None
+
+
+def _install(jobs: Sequence[_Job], node_did: str, auth: _Auth) -> None:
+    global _WORK
+    _WORK = (jobs, node_did, auth)
+
+
+def _run_range(start: int, stop: int) -> list[_Result]:
+    if _WORK is None:  # only reachable if the initializer did not run
+        raise RuntimeError("chain verify worker started without its jobs")
+    jobs, node_did, auth = _WORK
+    return _check_range(jobs[start:stop], node_did, auth)
+
+
+def _parallel(jobs: list[_Job], node_did: str, n: int, auth: _Auth) -> list[_Result]:
+    ranges = _chunks(jobs, n)
+    # fork is cheapest: workers inherit the jobs and do not re-import the
+    # caller's __main__; with other threads alive (a running node) forking is
+    # unsafe, so use a forkserver then (the jobs are pickled once per worker).
     method = "fork" if threading.active_count() == 1 else "forkserver"
     ctx = multiprocessing.get_context(method)
-    with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
-        parts = pool.map(_check_range, chunks, [node_did] * len(chunks), [auth] * len(chunks))
+    with ProcessPoolExecutor(
+        max_workers=min(n, len(ranges)),
+        mp_context=ctx,
+        initializer=_install,
+        initargs=(jobs, node_did, auth),
+    ) as pool:
+        parts = pool.map(_run_range, [r[0] for r in ranges], [r[1] for r in ranges])
         return [r for part in parts for r in part]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
 from talos.chain.block import Block, Record
 from talos.chain.log import BlockLog, block_key, record_key
-from talos.chain.verify import Defect, verify_chain
+from talos.chain.verify import Defect, _chunks, _run_range, verify_chain
 from talos.store import Store
 from talos_sdk.errors import StorageError
 from talos_sdk.merkle import merkle_root
@@ -234,3 +235,37 @@ def test_parallel_with_threads_alive_uses_forkserver_and_agrees(
         == serial.defects
         == (Defect("record_index", 0, 3, "sealed record missing from the index"),)
     )
+
+
+def test_chunks_are_contiguous_ranges_covering_every_height(tmp_path: Path) -> None:
+    """Workers get height ranges, not bytes: the ranges must tile the log exactly."""
+    store = Store(tmp_path)
+    log = BlockLog(store, NODE, max_records=3, clock=lambda: 1_700_000_000.0)
+    for i in range(3 * 41):
+        log.append(make_record(i))
+    log.seal()
+    with store.read() as txn:
+        n_blocks = txn.count("blocks")
+    jobs = [(h, None, [(0, b"")] * (h % 4), None) for h in range(n_blocks)]
+    for workers in (1, 2, 3, 8):
+        ranges = _chunks(jobs, workers)
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(jobs)
+        assert all(a[1] == b[0] for a, b in pairwise(ranges))
+        assert all(start < stop for start, stop in ranges)
+        assert len(ranges) <= workers * 4 + 1
+    parallel = verify_chain(store, NODE.did, workers=3, parallel_threshold=0)
+    assert parallel.ok and parallel.workers == 3
+    assert (parallel.blocks, parallel.records) == (n_blocks, 3 * 41)
+    store.close()
+
+
+def test_chunks_of_an_all_empty_log_still_cover_it() -> None:
+    empty: list[tuple[int, bytes]] = []
+    jobs = [(h, None, empty, None) for h in range(5)]
+    assert _chunks(jobs, 2) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+
+
+def test_range_runner_outside_a_pool_refuses() -> None:
+    """The worker entry point has no jobs unless the pool initializer installed them."""
+    with pytest.raises(RuntimeError, match="without its jobs"):
+        _run_range(0, 1)
