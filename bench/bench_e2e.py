@@ -20,18 +20,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Suite, quantiles
-from _procs import PYTHON, TALOSD, child, run
+from _procs import PYTHON, TALOSD, child
+
+from talos import runtime
 
 # A short chat-sized message; the sealed frame on the wire is ~FRAME_BYTES.
 TEXT = "x" * 100
@@ -171,10 +175,25 @@ async def measure(suite: Suite, count: int, burst: int, in_flight: int) -> None:
     suite.record_samples("lmdb sync commit", got.commits)
 
 
+def _terminated(signum: int, frame: object) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+def run_on_node_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Like ``_procs.run`` (SIGTERM still runs every finally), on talos.runtime's loop.
+
+    Node A runs in this process, so it gets the loop ``talosd run`` gives node B
+    (uvloop unless TALOS_NO_UVLOOP=1); the floor's websocket round trip is
+    measured from the same loop, and the echo child runs on it too.
+    """
+    signal.signal(signal.SIGTERM, _terminated)
+    runtime.run(main)
+
+
 def main() -> None:
     if WS_ECHO_FLAG in sys.argv:
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(ws_echo_server())
+            runtime.run(ws_echo_server())
         return
     suite = Suite.create(__file__, pyperf_runner=False)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -182,7 +201,7 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=50 if suite.fast else 5000)
     parser.add_argument("--in-flight", type=int, default=64)
     args = parser.parse_args()
-    run(measure(suite, args.count, args.burst, args.in_flight))
+    run_on_node_loop(measure(suite, args.count, args.burst, args.in_flight))
     suite.finish()
 
 
