@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.mlkem import (
 from nacl.bindings import crypto_scalarmult, crypto_scalarmult_base
 from nacl.exceptions import RuntimeError as NaclRuntimeError
 
+from talos_sdk.binfmt import ByteReader, pack_u8, pack_u16, pack_u32, pack_var8, pack_var16
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
     BundleError,
@@ -85,8 +86,6 @@ _VERSION = 1
 # bundles stay byte-identical to version 1 (vectors, stored bundles, old peers).
 _VERSION_HYBRID = 2
 _OPK = struct.Struct(">I32s")
-_U32 = struct.Struct(">I")
-_U16 = struct.Struct(">H")
 
 
 def x25519_keypair(rng: Rng = os.urandom) -> tuple[bytes, bytes]:
@@ -105,63 +104,6 @@ def x25519_dh(private: bytes, public: bytes) -> bytes:
         raise BundleError("X25519 with a low-order public key (all-zero shared secret)") from None
 
 
-class ByteReader:
-    """Cursor over bytes for the binary layouts of this package; short input is malformed."""
-
-    __slots__ = ("_data", "_pos", "_what")
-
-    def __init__(self, data: bytes, what: str) -> None:
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise MalformedFrameError(f"{what}: expected bytes, got {type(data).__name__}")
-        self._data = bytes(data)
-        self._pos = 0
-        self._what = what
-
-    def take(self, n: int) -> bytes:
-        end = self._pos + n
-        if end > len(self._data):
-            raise MalformedFrameError(f"{self._what}: truncated")
-        out = self._data[self._pos : end]
-        self._pos = end
-        return out
-
-    def u8(self) -> int:
-        return self.take(1)[0]
-
-    def u16(self) -> int:
-        return int(_U16.unpack(self.take(2))[0])
-
-    def u32(self) -> int:
-        return int(_U32.unpack(self.take(4))[0])
-
-    def u64(self) -> int:
-        return int.from_bytes(self.take(8), "big")
-
-    def var16(self) -> bytes:
-        return self.take(self.u16())
-
-    def text16(self) -> str:
-        try:
-            return self.var16().decode("utf-8")
-        except UnicodeDecodeError:
-            raise MalformedFrameError(f"{self._what}: text field is not UTF-8") from None
-
-    def rest(self) -> bytes:
-        out = self._data[self._pos :]
-        self._pos = len(self._data)
-        return out
-
-    def end(self) -> None:
-        if self._pos != len(self._data):
-            raise MalformedFrameError(f"{self._what}: {len(self._data) - self._pos} trailing bytes")
-
-
-def _var16(data: bytes) -> bytes:
-    if len(data) > 0xFFFF:
-        raise EncodingError("field longer than 65535 bytes")
-    return _U16.pack(len(data)) + data
-
-
 def _bundle_body(
     did: str,
     suites: tuple[str, ...],
@@ -173,13 +115,13 @@ def _bundle_body(
     mldsa65_key: bytes | None = None,
 ) -> bytes:
     version = _VERSION if mldsa65_key is None else _VERSION_HYBRID
-    out = [bytes((version,)), _var16(did.encode()), bytes((len(suites),))]
-    out += [bytes((len(s),)) + s.encode() for s in suites]
-    out += [identity_dh, _U32.pack(spk_id), spk]
+    out = [pack_u8(version), pack_var16(did.encode()), pack_u8(len(suites))]
+    out += [pack_var8(s.encode()) for s in suites]
+    out += [identity_dh, pack_u32(spk_id), spk]
     if pq_key is None or pq_id is None:
         out.append(b"\x00")
     else:
-        out += [b"\x01", _U32.pack(pq_id), pq_key]
+        out += [b"\x01", pack_u32(pq_id), pq_key]
     if mldsa65_key is not None:
         out.append(mldsa65_key)
     return b"".join(out)
@@ -343,7 +285,7 @@ class PrekeyBundle:
     def to_bytes(self) -> bytes:
         """signed body || signature (64, or 3373 if version 2) || u16 count || (u32 id || key)*."""
         opks = b"".join(_OPK.pack(i, k) for i, k in self.one_time)
-        return self.signed_body() + self.signature + _U16.pack(len(self.one_time)) + opks
+        return self.signed_body() + self.signature + pack_u16(len(self.one_time)) + opks
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PrekeyBundle:
@@ -356,7 +298,7 @@ class PrekeyBundle:
         suites = []
         for _ in range(r.u8()):
             try:
-                suites.append(r.take(r.u8()).decode("ascii"))
+                suites.append(r.var8().decode("ascii"))
             except UnicodeDecodeError:
                 raise MalformedFrameError("prekey bundle: suite name is not ASCII") from None
         ik, spk_id, spk = r.take(KEY_SIZE), r.u32(), r.take(KEY_SIZE)
@@ -619,24 +561,24 @@ class PrekeySecrets:
         hybrid = self.mldsa65_public_key is not None
         out = [
             _SECRETS_MAGIC_HYBRID if hybrid else _SECRETS_MAGIC,
-            _var16(self.did.encode()),
+            pack_var16(self.did.encode()),
             self.identity.private,
             self.identity.binding,
-            bytes((len(self.suites),)),
-            *(bytes((len(s),)) + s.encode() for s in self.suites),
-            _U32.pack(self.spk_id),
+            pack_u8(len(self.suites)),
+            *(pack_var8(s.encode()) for s in self.suites),
+            pack_u32(self.spk_id),
             self.spk_private,
         ]
         if self.pq_seed is None or self.pq_id is None:
             out.append(b"\x00")
         else:
-            out += [b"\x01", _U32.pack(self.pq_id), self.pq_seed]
+            out += [b"\x01", pack_u32(self.pq_id), self.pq_seed]
         out.append(self.signature)
-        out.append(_U32.pack(len(self._one_time)))
-        out += [_U32.pack(i) + k for i, (k, _) in sorted(self._one_time.items())]
-        out.append(_U32.pack(len(self._used)))
-        out += [_U32.pack(i) for i in sorted(self._used)]
-        out.append(_U32.pack(self._next_opk))
+        out.append(pack_u32(len(self._one_time)))
+        out += [pack_u32(i) + k for i, (k, _) in sorted(self._one_time.items())]
+        out.append(pack_u32(len(self._used)))
+        out += [pack_u32(i) for i in sorted(self._used)]
+        out.append(pack_u32(self._next_opk))
         if self.mldsa65_public_key is not None:
             out.append(self.mldsa65_public_key)
         return b"".join(out)
@@ -652,7 +594,7 @@ class PrekeySecrets:
             hybrid = magic == _SECRETS_MAGIC_HYBRID
             did = r.text16()
             ik_private, binding = r.take(KEY_SIZE), r.take(SIGNATURE_SIZE)
-            suites = tuple(r.take(r.u8()).decode("ascii") for _ in range(r.u8()))
+            suites = tuple(r.var8().decode("ascii") for _ in range(r.u8()))
             spk_id, spk_private = r.u32(), r.take(KEY_SIZE)
             pq_id: int | None = None
             pq_seed: bytes | None = None

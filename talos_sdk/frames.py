@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass
 from typing import NoReturn
 
-from talos_sdk.bundle import ByteReader
+from talos_sdk.binfmt import ByteReader, pack_var16
 from talos_sdk.errors import (
     DIDError,
     MalformedFrameError,
@@ -92,15 +92,11 @@ class Commitment:
 
     def signed_bytes(self) -> bytes:
         """The exact bytes the Ed25519 signature covers (module docstring)."""
-        sender, recipient = self.sender.encode(), self.recipient.encode()
         return b"".join(
             (
                 COMMITMENT_DOMAIN,
                 _FIXED.pack(self.type, self.sequence, self.timestamp),
-                struct.pack(">H", len(sender)),
-                sender,
-                struct.pack(">H", len(recipient)),
-                recipient,
+                _parties(self.sender, self.recipient),
                 self.payload_hash,
             )
         )
@@ -135,8 +131,7 @@ def verify_commitment(commitment: Commitment, sender_did: str) -> bool:
 def _parties(sender: str, recipient: str) -> bytes:
     """``u16 len || sender || u16 len || recipient``: the same bytes in the commitment
     and in the sealed plaintext."""
-    s, r = sender.encode(), recipient.encode()
-    return struct.pack(">H", len(s)) + s + struct.pack(">H", len(r)) + r
+    return pack_var16(sender.encode()) + pack_var16(recipient.encode())
 
 
 def _check_frame(frame: Frame, max_payload: int) -> None:
