@@ -35,56 +35,68 @@ __all__ = [
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
-# Largest value of each prefix width, by the width's name in messages.
-_LIMITS = {8: 0xFF, 16: 0xFFFF, 32: 0xFFFF_FFFF, 64: 0xFFFF_FFFF_FFFF_FFFF}
+# Each writer checks its own bound inline: records and frames are built per
+# message, so no shared helper call or table lookup sits in between.
 
 
-def _fit(value: int, bits: int) -> int:
-    if not 0 <= value <= _LIMITS[bits]:
-        raise EncodingError(f"{value} does not fit an unsigned {bits}-bit field")
-    return value
+def _too_big(value: int, bits: int) -> EncodingError:
+    return EncodingError(f"{value} does not fit an unsigned {bits}-bit field")
+
+
+def _too_long(data: bytes, bits: int) -> EncodingError:
+    return EncodingError(f"field of {len(data)} bytes longer than a u{bits} length allows")
 
 
 def pack_u8(value: int) -> bytes:
     """One byte."""
-    return bytes((_fit(value, 8),))
+    if not 0 <= value <= 0xFF:
+        raise _too_big(value, 8)
+    return bytes((value,))
 
 
 def pack_u16(value: int) -> bytes:
     """Two bytes, big-endian."""
-    return _U16.pack(_fit(value, 16))
+    if not 0 <= value <= 0xFFFF:
+        raise _too_big(value, 16)
+    return _U16.pack(value)
 
 
 def pack_u32(value: int) -> bytes:
     """Four bytes, big-endian."""
-    return _U32.pack(_fit(value, 32))
+    if not 0 <= value <= 0xFFFF_FFFF:
+        raise _too_big(value, 32)
+    return _U32.pack(value)
 
 
 def pack_u64(value: int) -> bytes:
     """Eight bytes, big-endian."""
-    return _U64.pack(_fit(value, 64))
-
-
-def _var(data: bytes, bits: int, prefix: struct.Struct | None) -> bytes:
-    if len(data) > _LIMITS[bits]:
-        raise EncodingError(f"field of {len(data)} bytes longer than a u{bits} length allows")
-    head = bytes((len(data),)) if prefix is None else prefix.pack(len(data))
-    return head + data
+    if not 0 <= value <= 0xFFFF_FFFF_FFFF_FFFF:
+        raise _too_big(value, 64)
+    return _U64.pack(value)
 
 
 def pack_var8(data: bytes) -> bytes:
     """``u8 len || data`` (at most 255 bytes)."""
-    return _var(data, 8, None)
+    n = len(data)
+    if n > 0xFF:
+        raise _too_long(data, 8)
+    return bytes((n,)) + data
 
 
 def pack_var16(data: bytes) -> bytes:
     """``u16 len || data`` (at most 65535 bytes)."""
-    return _var(data, 16, _U16)
+    n = len(data)
+    if n > 0xFFFF:
+        raise _too_long(data, 16)
+    return _U16.pack(n) + data
 
 
 def pack_var32(data: bytes) -> bytes:
     """``u32 len || data``."""
-    return _var(data, 32, _U32)
+    n = len(data)
+    if n > 0xFFFF_FFFF:
+        raise _too_long(data, 32)
+    return _U32.pack(n) + data
 
 
 def utf8(raw: bytes, what: str) -> str:

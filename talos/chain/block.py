@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from talos_sdk.binfmt import pack_u8, pack_u64, pack_var8, pack_var16, utf8
 from talos_sdk.canonical import canonical_json_bytes
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import ChainError, MalformedFrameError, UsageError
@@ -155,13 +156,6 @@ class RecordSignatureError(ChainDefect):
 # --- records ------------------------------------------------------------------------------------
 
 
-def _text(raw: bytes, what: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise MalformedFrameError(f"record {what} is not UTF-8") from None
-
-
 @dataclass(frozen=True, slots=True)
 class Record:
     """One entry of the log: who sent what to whom, and the sender's signed commitment."""
@@ -195,21 +189,15 @@ class Record:
             raise UsageError(f"record extra above {MAX_EXTRA} bytes")
         encoded = b"".join(
             (
-                bytes((_RECORD_VERSION, len(kind))),
-                kind,
-                bytes((len(self.record_id),)),
-                self.record_id,
-                _U16.pack(len(sender)),
-                sender,
-                _U16.pack(len(recipient)),
-                recipient,
-                _U64.pack(self.timestamp_ms),
-                _U16.pack(len(self.commitment)),
-                self.commitment,
-                bytes((len(self.signature),)),
-                self.signature,
-                _U16.pack(len(self.extra)),
-                self.extra,
+                pack_u8(_RECORD_VERSION),
+                pack_var8(kind),
+                pack_var8(self.record_id),
+                pack_var16(sender),
+                pack_var16(recipient),
+                pack_u64(self.timestamp_ms),
+                pack_var16(self.commitment),
+                pack_var8(self.signature),
+                pack_var16(self.extra),
             )
         )
         object.__setattr__(self, "encoded", encoded)
@@ -270,10 +258,10 @@ class Record:
             raise MalformedFrameError("record fields out of bounds: commitment or extra")
         record = object.__new__(cls)
         init = object.__setattr__
-        init(record, "kind", _text(kind_b, "kind"))
+        init(record, "kind", utf8(kind_b, "record kind"))
         init(record, "record_id", record_id)
-        init(record, "sender", _text(sender_b, "sender"))
-        init(record, "recipient", _text(recipient_b, "recipient"))
+        init(record, "sender", utf8(sender_b, "record sender"))
+        init(record, "recipient", utf8(recipient_b, "record recipient"))
         init(record, "commitment", commitment)
         init(record, "signature", signature)
         init(record, "timestamp_ms", timestamp_ms)
@@ -371,7 +359,7 @@ class Block:
         did_end = _HDR_FIXED.size + did_len
         if len(data) != did_end + key_len + sig_len:
             raise MalformedFrameError("block length does not match its DID length and version")
-        did = _text(data[_HDR_FIXED.size : did_end], "node DID")
+        did = utf8(data[_HDR_FIXED.size : did_end], "block node DID")
         key_id = data[did_end : did_end + key_len] if hybrid else None
         try:
             return cls(height, prev, ts, root, count, did, data[-sig_len:], key_id)
