@@ -24,6 +24,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Final
 
+from talos_sdk.binfmt import utf8
 from talos_sdk.errors import MalformedFrameError, OversizeError, ProtocolError, UsageError
 
 __all__ = [
@@ -249,13 +250,6 @@ def _tail(data: bytes, head: int, length: int, what: str) -> bytes:
     return data[head:]
 
 
-def _utf8(raw: bytes, what: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise MalformedFrameError(f"transfer {what}: text is not UTF-8") from None
-
-
 def decode_message(data: bytes) -> TransferMessage:
     """Parse one app-channel payload; :class:`MalformedFrameError` on anything else."""
     if len(data) > MAX_MESSAGE:
@@ -266,11 +260,11 @@ def decode_message(data: bytes) -> TransferMessage:
     try:
         if kind == T_OFFER:
             _, tid, size, key, n = _OFFER.unpack_from(data)
-            name = _utf8(_tail(data, _OFFER.size, n, "offer"), "name")
+            name = utf8(_tail(data, _OFFER.size, n, "offer"), "transfer name: text")
             return Offer(tid, size, key, name)
         if kind == T_ACCEPT:
             _, tid, off, epoch, window, port, token, n = _ACCEPT.unpack_from(data)
-            host = _utf8(_tail(data, _ACCEPT.size, n, "accept"), "host")
+            host = utf8(_tail(data, _ACCEPT.size, n, "accept"), "transfer host: text")
             return Accept(tid, off, epoch, window, port, token, host)
         if kind in (T_PENDING, T_DONE):
             if len(data) != _TID.size:
@@ -279,7 +273,7 @@ def decode_message(data: bytes) -> TransferMessage:
             return Pending(tid) if kind == T_PENDING else Done(tid)
         if kind in (T_REJECT, T_FAILED, T_CANCEL):
             _, tid, n = _TID_STR.unpack_from(data)
-            reason = _utf8(_tail(data, _TID_STR.size, n, "reason"), "reason")
+            reason = utf8(_tail(data, _TID_STR.size, n, "reason"), "transfer reason: text")
             cls: type[Reject | Failed | Cancel] = _REASONED[kind]
             return cls(tid, reason)
         if kind == T_CHUNK:
