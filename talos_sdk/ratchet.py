@@ -345,9 +345,10 @@ class Session:
 
         new_skipped: list[tuple[tuple[bytes, int], bytes]] = []
         if dh == self._dhr:
-            if n < self._nr or n - self._nr > MAX_SKIP:
+            # No receiving chain yet (an initiator that has heard nothing): a header
+            # naming the peer's public prekey is forged, not a bug.
+            if self._ckr is None or n < self._nr or n - self._nr > MAX_SKIP:
                 raise DecryptionError()
-            assert self._ckr is not None
             ck = self._ckr
             for i in range(self._nr, n):
                 mk, ck = kdf_ck(ck)

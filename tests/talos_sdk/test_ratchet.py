@@ -422,3 +422,17 @@ def test_constructor_usage_errors() -> None:
         Session.respond(ALICE, secrets, alice.encrypt(b"y"))
     with pytest.raises(UsageError, match="ratchet_every"):
         Session.create_pair(ratchet_every=0)
+
+
+def test_forged_header_naming_peer_prekey_before_any_reply_is_opaque() -> None:
+    # An initiator that has not heard back has no receiving chain; the peer's
+    # ratchet key it holds is the (public) signed prekey, so anyone can forge a
+    # header naming it. That must be an ordinary DecryptionError, state untouched.
+    from talos_sdk.ratchet import _HEADER, _TYPE_NORMAL
+
+    alice, _bob = Session.create_pair()
+    before = snapshot(alice)
+    forged = _HEADER.pack(_TYPE_NORMAL, alice._dhr, 0, 0) + bytes(32)
+    with pytest.raises(DecryptionError):
+        alice.decrypt(forged)
+    assert snapshot(alice) == before
