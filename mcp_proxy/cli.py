@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -134,6 +135,8 @@ async def _connect(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The proxy's home holds a node identity and store: owner-only files.
+    os.umask(0o077)
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -326,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Everything a node writes (keys, store, config, logs) is for its owner only.
+    os.umask(0o077)
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))

@@ -95,7 +95,8 @@ def init_home(path: Path, config: NodeConfig | None = None, *, suite: str | None
     home = Home(path)
     if home.exists():
         raise UsageError(f"{home.identity} already exists; refusing to overwrite an identity")
-    path.mkdir(parents=True, exist_ok=True)
+    # Owner-only: the home holds the identity and the store (docs/security.md).
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
     config = config or NodeConfig()
     wallet = Wallet.generate(suite=suite)
     wallet.save(home.identity)

@@ -20,6 +20,11 @@ writes; docs/PROTOCOL.md "Block log" records this trade-off.
 A home is held by one process: LMDB itself allows many, so an exclusive
 ``flock`` on ``<path>/talos.lock`` turns a second opener (this process or
 another) into a clear :class:`~talos_sdk.errors.StorageError`.
+
+The store holds private keys, ratchet state and the plaintext inbox, and
+docs/security.md relies on the file system keeping them from other local
+users: the folder is 0700 and LMDB's files 0600, tightened again on every open
+so a home created by an older version (0755/0644) is fixed in place.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ DEFAULT_DATABASES: tuple[str, ...] = (
     "meta",
     "audit",
 )
+
+#: Owner-only modes for the store folder and LMDB's files (see module docstring).
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 
 
 def _full_error(map_size: int) -> StorageFullError:
@@ -177,7 +186,8 @@ class Store:
         names = list(DEFAULT_DATABASES)
         names += [n for n in extra_databases if n not in names]
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            self.path.chmod(DIR_MODE)
         except OSError as exc:
             raise StorageError(f"cannot create the store folder {self.path}: {exc}") from exc
         self._lock_file = self._take_home_lock()
@@ -192,10 +202,12 @@ class Store:
                 lock=True,
                 readahead=False,
                 max_spare_txns=4,
+                mode=FILE_MODE,
             )
         except lmdb.Error as exc:
             self._release_home_lock()
             raise StorageError(f"cannot open the store at {self.path}: {exc}") from exc
+        self._tighten_files()
         try:
             with self.env.begin(write=True) as txn:
                 self._dbs = {n: self.env.open_db(n.encode(), txn=txn) for n in names}
@@ -205,8 +217,17 @@ class Store:
         self.env.sync(True)
         self.closed = False
 
+    def _tighten_files(self) -> None:
+        # lmdb's mode= applies only to files it creates; an older home keeps 0644 otherwise.
+        for name in ("data.mdb", "lock.mdb", "talos.lock"):
+            try:
+                (self.path / name).chmod(FILE_MODE)
+            except FileNotFoundError:
+                continue
+
     def _take_home_lock(self) -> IO[bytes]:
-        fh = open(self.path / "talos.lock", "ab")  # noqa: SIM115 - held for the Store's life
+        fd = os.open(self.path / "talos.lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
+        fh = os.fdopen(fd, "ab")  # held for the Store's life
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

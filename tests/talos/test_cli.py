@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import select
 import stat
 import subprocess
@@ -38,6 +39,23 @@ def test_init_creates_private_files_and_refuses_to_overwrite(tmp_path: Path) -> 
     assert info["did"] == did
     assert len(bytes.fromhex(info["x25519"])) == 32
     assert talosd("id", "--home", str(home)).stdout.strip() == did
+
+
+def test_init_home_and_store_are_owner_only_under_a_lax_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)  # what the child inherits; talosd must not rely on it
+    try:
+        home, _ = init(tmp_path, "a")
+    finally:
+        os.umask(old)
+    modes = {
+        p.relative_to(home).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in home.rglob("*")
+    }
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert modes["store"] == 0o700
+    assert modes["store/data.mdb"] == 0o600
+    assert modes["store/lock.mdb"] == 0o600
+    # Nothing in the home is readable by group or others (config.json relies on the umask).
+    assert {k: v for k, v in modes.items() if v & 0o077} == {}
 
 
 def test_commands_on_a_missing_home_fail_clearly(tmp_path: Path) -> None:

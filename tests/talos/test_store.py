@@ -185,3 +185,31 @@ def test_path_that_is_a_file_is_storage_error(tmp_path: Path) -> None:
     target.write_bytes(b"")
     with pytest.raises(StorageError, match="cannot create"):
         Store(target)
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_new_store_is_owner_only(tmp_path: Path) -> None:
+    folder = tmp_path / "store"
+    with Store(folder):
+        pass
+    assert _mode(folder) == 0o700
+    for name in ("data.mdb", "lock.mdb", "talos.lock"):
+        assert _mode(folder / name) == 0o600, name
+
+
+def test_open_tightens_a_world_readable_store(tmp_path: Path) -> None:
+    folder = tmp_path / "store"
+    with Store(folder):
+        pass
+    # A home written by an older version: 0755 folder, 0644 files.
+    folder.chmod(0o755)
+    for name in ("data.mdb", "lock.mdb", "talos.lock"):
+        (folder / name).chmod(0o644)
+    with Store(folder):
+        pass
+    assert _mode(folder) == 0o700
+    for name in ("data.mdb", "lock.mdb", "talos.lock"):
+        assert _mode(folder / name) == 0o600, name
