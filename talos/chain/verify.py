@@ -12,8 +12,8 @@ the CPU work — decoding, hashing, Ed25519 — goes to worker *processes* for
 large logs. Processes, not threads: per-record Python work (decode, leaf
 hashing) holds the GIL, so threads do not scale it. Workers never open the
 store (no pages a live writer may be recycling, no second snapshot): the job
-list reaches them once, at pool start — inherited by ``fork`` without any
-copy, pickled once per worker under ``forkserver`` — and each task names only
+list reaches them once, at pool start — inherited by ``fork`` without
+pickling, pickled once per worker under ``forkserver`` — and each task names only
 a contiguous height range of it, so no block bytes are pickled per task.
 
 Hybrid nodes (ADR 0005): the caller passes the node's ML-DSA-65 public key,
