@@ -71,12 +71,22 @@ from talos_sdk.errors import (
 )
 from talos_sdk.wallet import verify as verify_signature
 
-__all__ = ["MAX_ATTEMPTS", "TransferConfig", "TransferInfo", "TransferManager"]
+__all__ = [
+    "MAX_ATTEMPTS",
+    "CreditExceededError",
+    "TransferConfig",
+    "TransferInfo",
+    "TransferManager",
+]
 
 log = logging.getLogger("talos.transfer")
 
 MAX_ATTEMPTS: Final = 5
 _DB: Final = "transfers"
+
+
+class CreditExceededError(TransferProtocolError):
+    """The sender sent a fallback chunk beyond the credit the receiver granted."""
 
 
 class TransferConfig(BaseModel):
@@ -167,7 +177,12 @@ class _Incoming:
 
     file: IncomingFile
     attempt: IncomingAttempt
-    queue: asyncio.Queue[bytes | None]
+    #: fallback chunks waiting for the worker thread; at most ``granted - received``
+    queue: asyncio.Queue[bytes | Exception | None]
+    #: fallback chunks the sender may have sent so far (the credit granted)
+    granted: int
+    #: fallback chunks taken in by :meth:`TransferManager._on_chunk`
+    received: int = 0
     task: asyncio.Task[None] | None = None
     #: set by the receiving thread when it asks for a checkpoint, cleared when it is done
     syncing: bool = False
@@ -550,7 +565,9 @@ class TransferManager:
             return
         attempt = IncomingAttempt(file, bytes.fromhex(info.key), tid, epoch)
         info = self._move(info, Event.ACCEPT, epoch=epoch, attempts=info.attempts + 1)
-        inc = _Incoming(file, attempt, asyncio.Queue())
+        window = self.config.window
+        # +1: room for the credit-violation error behind a full window
+        inc = _Incoming(file, attempt, asyncio.Queue(maxsize=window + 1), granted=window)
         self._incoming[tid] = inc
         port, token, host = 0, b"", ""
         if self.listener is not None:
@@ -638,7 +655,6 @@ class TransferManager:
 
     async def _receive_fallback(self, tid: bytes, inc: _Incoming) -> None:
         window = self.config.window
-        granted = window
         processed = 0
         peer = self.get(tid).peer
         trigger = self._checkpoint_trigger(tid, inc)
@@ -647,24 +663,42 @@ class TransferManager:
                 sealed = await inc.queue.get()
                 if sealed is None:
                     return
+                if isinstance(sealed, Exception):
+                    raise sealed
                 final = await asyncio.to_thread(inc.attempt.process, sealed)
                 processed += 1
                 trigger()
                 if final:
                     await self._finish(tid, inc)
                     return
-                if processed + window - granted >= max(1, window // 4):
-                    granted = processed + window
-                    await self._send(peer, Credit(tid, inc.attempt.epoch, granted))
+                if processed + window - inc.granted >= max(1, window // 4):
+                    inc.granted = processed + window
+                    await self._send(peer, Credit(tid, inc.attempt.epoch, inc.granted))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             await self._attempt_failed(tid, inc, exc)
 
     def _on_chunk(self, peer: str, msg: Chunk) -> None:
+        """Queue one fallback chunk, within the credit granted (issue 5 "backpressure").
+
+        A sender that ignores its credit would otherwise grow this queue without
+        bound; the first chunk beyond it ends the transfer with a clear error.
+        """
         inc = self._incoming.get(msg.tid)
         if inc is None or inc.attempt.epoch != msg.epoch or self.get(msg.tid).peer != peer:
             return
+        if inc.received < 0:
+            return  # already refused; the worker is failing the transfer
+        if msg.index >= inc.granted or inc.received >= inc.granted:
+            error = CreditExceededError(
+                f"sender exceeded its credit: chunk {max(msg.index, inc.received)} "
+                f"sent with credit for {inc.granted} chunks"
+            )
+            inc.received = -1
+            inc.queue.put_nowait(error)
+            return
+        inc.received += 1
         inc.queue.put_nowait(msg.sealed)
 
     async def _finish(self, tid: bytes, inc: _Incoming) -> bool:

@@ -11,8 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from talos.transfer.manager import TransferConfig, TransferManager
-from talos.transfer.protocol import BULK_CHUNK, TransferState, encode_commit
+from talos.transfer.manager import TransferConfig, TransferInfo, TransferManager
+from talos.transfer.protocol import (
+    APP_NAME,
+    BULK_CHUNK,
+    FALLBACK_CHUNK,
+    Accept,
+    Chunk,
+    TransferState,
+    encode_commit,
+    encode_message,
+)
 from talos.transfer.receiver import PARTIAL_DIR
 from talos.transfer.sender import OutgoingAttempt
 from talos_sdk.errors import UsageError
@@ -124,6 +133,53 @@ async def test_fallback_over_app_channel(net: Net) -> None:
         inc = await net.receiver.wait(tid)
     assert inc.state is TransferState.COMPLETE
     assert Path(inc.path).read_bytes() == src.read_bytes()
+
+
+async def test_sender_ignoring_credit_fails_the_transfer(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fallback sender that ignores Credit cannot grow the receiver's queue (issue 5)."""
+    assert net.receiver.listener is not None
+    await net.receiver.listener.close()
+    net.receiver.listener = None
+    window = 2
+    net.receiver.config = TransferConfig(auto_accept=(net.a.did,), window=window)
+    queues: list[asyncio.Queue[object]] = []
+    start = TransferManager._start_attempt
+
+    async def spy(self: TransferManager, info: TransferInfo) -> None:
+        await start(self, info)
+        queues.extend(i.queue for i in self._incoming.values())  # type: ignore[misc]
+
+    monkeypatch.setattr(TransferManager, "_start_attempt", spy)
+
+    async def greedy(self: TransferManager, info: TransferInfo, msg: Accept) -> None:
+        out = OutgoingAttempt(
+            Path(info.path), info.size, bytes.fromhex(info.key), msg.tid, msg.epoch, 0,
+            FALLBACK_CHUNK, lambda digest: bytes(64),
+        )  # fmt: skip
+        sealed = [(out.index, out.next_sealed()) for _ in range(3 * window)]
+        out.close()
+        # All at once, no await between them: nothing the receiver does can raise the credit.
+        for index, chunk in sealed:
+            await self.node.send_app(
+                info.peer, APP_NAME, encode_message(Chunk(msg.tid, msg.epoch, index, chunk))
+            )
+
+    monkeypatch.setattr(TransferManager, "_send_fallback", greedy)
+    src, _ = _file(net.tmp, 4 * window * FALLBACK_CHUNK)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        inc = await net.receiver.wait(tid)
+        out = await net.sender.wait(tid)
+    assert inc.state is TransferState.FAILED
+    assert (
+        inc.error
+        == f"sender exceeded its credit: chunk {window} sent with credit for {window} chunks"
+    )
+    assert out.state is TransferState.FAILED and out.error == inc.error
+    assert [q.maxsize for q in queues] == [window + 1]
+    assert _visible(net.receiver.files_dir) == []
 
 
 async def test_pending_until_accepted(net: Net) -> None:
