@@ -275,6 +275,9 @@ class _StdinLines(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.splitter.feed(data)
+        if self.session.client.link_up:
+            # Every line of this read leaves now, as one frame: no loop pass in between.
+            self.session.client.sender.flush_now()
 
     def eof_received(self) -> bool:
         self.splitter.eof()

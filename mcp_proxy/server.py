@@ -120,6 +120,10 @@ class _Session:
 
     # --- tool -> client -----------------------------------------------------------------------
 
+    def flush(self) -> None:
+        """The tool's output of one read is handed on: send it now, as one frame."""
+        self.sender.flush_now()
+
     def from_tool(self, line: bytes) -> None:
         try:
             msg = sniff(line)
@@ -173,8 +177,10 @@ class _Session:
             self._strict_out.clear()
             # Every record queued so far commits in one fsync; then the replies leave in order.
             await auditor.record_barrier()
+            sender = self.sender
             for line in batch:
-                self.sender.message(self.sid, line)
+                sender.message(self.sid, line)
+            sender.flush_now()
 
     def _audit(
         self,
@@ -285,6 +291,7 @@ class TunnelServer:
                 # Hot path: no task hop when nothing is queued ahead of this frame.
                 for line in frame.messages:
                     session.from_client(line)
+                self.sender_for(peer).flush_now()  # replies answered here (denied, malformed)
                 return
         queue.put_nowait(frame)
         worker = self._workers.get(peer)
@@ -331,7 +338,12 @@ class TunnelServer:
             return
         session = _Session(self, peer, sid, name, f"tool[{name}:{peer[-6:]}:{sid}]")
         proc = ToolProcess(
-            spec, session.from_tool, session.on_exit, label=session.label, grace=self.grace
+            spec,
+            session.from_tool,
+            session.on_exit,
+            label=session.label,
+            grace=self.grace,
+            on_batch=session.flush,
         )
         self.sessions[(peer, sid)] = session
         self.started_processes += 1

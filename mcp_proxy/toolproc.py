@@ -36,6 +36,7 @@ STDIN_CLOSE_WAIT: Final = 0.5
 
 LineCallback = Callable[[bytes], None]
 ExitCallback = Callable[[int], None]
+BatchCallback = Callable[[], None]
 
 
 class _Pipes(asyncio.SubprocessProtocol):
@@ -50,7 +51,12 @@ class _Pipes(asyncio.SubprocessProtocol):
 
     def pipe_data_received(self, fd: int, data: bytes | str) -> None:
         assert isinstance(data, bytes)
-        (self.stdout if fd == 1 else self.stderr).feed(data)
+        if fd == 1:
+            self.stdout.feed(data)
+            if self.owner._on_batch is not None:
+                self.owner._on_batch()
+        else:
+            self.stderr.feed(data)
 
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
         if fd == 1:
@@ -74,7 +80,7 @@ class _Pipes(asyncio.SubprocessProtocol):
 
 
 class ToolProcess:
-    """A supervised tool process; lines out via ``on_line``, its end via ``on_exit``."""
+    """A supervised tool process: lines via ``on_line`` (``on_batch`` per read), end ``on_exit``."""
 
     def __init__(
         self,
@@ -84,11 +90,14 @@ class ToolProcess:
         *,
         label: str = "tool",
         grace: float = 2.0,
+        on_batch: BatchCallback | None = None,
     ) -> None:
         self.spec = spec
         self.label = label
         self._on_line = on_line
         self._on_exit = on_exit
+        # After the lines of one stdout read were handed on: lets the owner send them together.
+        self._on_batch = on_batch
         self._grace = grace
         self._transport: asyncio.SubprocessTransport | None = None
         self._pipes: _Pipes | None = None

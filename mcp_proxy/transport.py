@@ -8,8 +8,12 @@ proxy logic (a transport, like h11's connected pair, not a stand-in for the
 code under test).
 
 :class:`FrameSender` is the hot path's coalescer: messages are queued without
-waiting, and one task drains the queue greedily, so whatever accumulated while
-the previous frame was being sent leaves as one frame (never waits to batch).
+waiting and leave together as one frame, either when the producer says its
+batch is done (:meth:`FrameSender.flush_now`: the stdin / tool-output callback
+that produced them, so no loop pass is spent) or at the latest in the next
+loop pass. Frames are written from that call when the link can take them at
+once (:meth:`TunnelTransport.send_nowait`); only while the link is busy does a
+task send them, and whatever accumulates meanwhile leaves as one frame.
 """
 
 from __future__ import annotations
@@ -54,6 +58,10 @@ class TunnelTransport(Protocol):
 
     async def send(self, peer: str, payload: bytes) -> None: ...
 
+    def send_nowait(self, peer: str, payload: bytes) -> bool:
+        """Send now if that needs no waiting; False means nothing was sent (use ``send``)."""
+        ...
+
     def set_receiver(self, receiver: Receiver) -> None: ...
 
     def add_link_listener(self, listener: LinkListener) -> None: ...
@@ -76,6 +84,9 @@ class NodeTransport:
 
     async def send(self, peer: str, payload: bytes) -> None:
         await self.node.send_app(peer, self.app, payload)
+
+    def send_nowait(self, peer: str, payload: bytes) -> bool:
+        return bool(self.node.try_send_app(peer, self.app, payload))
 
     def set_receiver(self, receiver: Receiver) -> None:
         self._receiver = receiver
@@ -105,11 +116,15 @@ class LoopbackTransport:
         return a, b
 
     async def send(self, peer: str, payload: bytes) -> None:
+        self.send_nowait(peer, payload)
+
+    def send_nowait(self, peer: str, payload: bytes) -> bool:
         other = self.other
         if not self.up or other is None or other.did != peer:
             raise LinkDownError(f"no link to {peer}")
         self.sent_frames += 1
         asyncio.get_running_loop().call_soon(other._deliver, self.did, payload)
+        return True
 
     def _deliver(self, peer: str, payload: bytes) -> None:
         if self.up and self._receiver is not None:
@@ -142,10 +157,11 @@ class FrameSender:
         self.transport = transport
         self.peer = peer
         self._items: deque[tuple[FrameKind, int, bytes | None]] = deque()
-        self._wake = asyncio.Event()
+        self._carry: bytes | None = None  # built, refused by send_nowait: the task sends it
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self._soon: asyncio.Handle | None = None
         self.frames_sent = 0
 
     def message(self, session: int, line: bytes) -> None:
@@ -157,26 +173,61 @@ class FrameSender:
     def _push(self, kind: FrameKind, session: int, payload: bytes | None) -> None:
         self._items.append((kind, session, payload))
         self._idle.clear()
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name=f"mcp-send-{self.peer[-8:]}")
-        self._wake.set()
+        if self._soon is None and not self._busy:
+            # A producer that knows its batch ended calls flush_now sooner.
+            self._soon = asyncio.get_running_loop().call_soon(self.flush_now)
+
+    @property
+    def _busy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def flush_now(self) -> None:
+        """Send what is queued from this call, in as few frames as possible (a task if busy)."""
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+        if self._busy:
+            return  # the running task keeps the order and takes the queue with it
+        items = self._items
+        while items:
+            frame = self._next_frame()
+            try:
+                if not self.transport.send_nowait(self.peer, frame):
+                    self._carry = frame
+                    self._task = asyncio.get_running_loop().create_task(
+                        self._run(), name=f"mcp-send-{self.peer[-8:]}"
+                    )
+                    return
+                self.frames_sent += 1
+            except Exception as exc:
+                self._lost(exc)
+        self._idle.set()
 
     async def flush(self) -> None:
         """Wait until everything queued has been handed to the transport."""
-        if self._task is not None and not self._task.done():
-            await self._idle.wait()
+        if self._items and not self._busy:
+            self.flush_now()
+        await self._idle.wait()
 
     def discard(self) -> None:
         """Drop what is queued (its sessions died with the link)."""
         self._items.clear()
+        self._carry = None
+        if not self._busy:
+            self._idle.set()
 
     async def close(self) -> None:
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._items.clear()
+        self._carry = None
+        self._idle.set()
 
     def _next_frame(self) -> bytes:
         kind, session, payload = self._items.popleft()
@@ -197,20 +248,24 @@ class FrameSender:
             size += len(npayload)
         return encode_frame(FrameKind.MESSAGES, session, batch)
 
+    def _lost(self, exc: Exception) -> None:
+        # The link listener fails the pending requests; a lost frame is not retried
+        # because the sessions it belonged to are torn down with the link.
+        log.warning("mcp frame to %s not sent: %s", self.peer, exc)
+
     async def _run(self) -> None:
+        """The busy-link path: send with waiting until the queue is empty, then end."""
         while True:
-            if not self._items:
-                self._idle.set()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            frame = self._next_frame()
+            frame, self._carry = self._carry, None
+            if frame is None:
+                if not self._items:
+                    break
+                frame = self._next_frame()
             try:
                 await self.transport.send(self.peer, frame)
                 self.frames_sent += 1
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                # The link listener fails the pending requests; a lost frame is not retried
-                # because the sessions it belonged to are torn down with the link.
-                log.warning("mcp frame to %s not sent: %s", self.peer, exc)
+                self._lost(exc)
+        self._idle.set()

@@ -1,0 +1,117 @@
+"""FrameSender over a real NodeTransport between two nodes on 127.0.0.1 (mcp_proxy/transport.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from mcp_proxy.transport import FrameSender, LinkDownError, LoopbackTransport, NodeTransport
+from mcp_proxy.tunnel_wire import FrameKind, TunnelFrame, decode_frame
+from talos.node import Node
+from tests.talos.nodes import link, make_home, started, until
+
+TIMEOUT = 20
+
+
+class Ends:
+    """A's sender to B, and the tunnel frames B received, in order."""
+
+    def __init__(self, a: Node, b: Node) -> None:
+        self.a, self.b = a, b
+        self.received: list[TunnelFrame] = []
+        NodeTransport(b).set_receiver(lambda peer, data: self.received.append(decode_frame(data)))
+        self.sender = FrameSender(NodeTransport(a), b.did)
+
+    def messages(self) -> list[bytes]:
+        return [m for f in self.received for m in f.messages]
+
+
+@pytest.fixture
+async def ends(tmp_path: Path) -> AsyncIterator[Ends]:
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            await link(a, b)
+        e = Ends(a, b)
+        yield e
+        await e.sender.close()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_flush_now_sends_one_frame_from_the_call(ends: Ends) -> None:
+    async with asyncio.timeout(TIMEOUT):
+        for i in range(3):
+            ends.sender.message(7, b"m%d" % i)
+        ends.sender.flush_now()
+        # Sent by the call itself, no loop pass: one frame carrying all three.
+        assert ends.sender.frames_sent == 1
+        await until(lambda: len(ends.received) == 1, what="one frame")
+        assert ends.received[0] == TunnelFrame(FrameKind.MESSAGES, 7, (b"m0", b"m1", b"m2"))
+
+
+async def test_without_flush_now_the_queue_leaves_on_the_next_pass(ends: Ends) -> None:
+    async with asyncio.timeout(TIMEOUT):
+        ends.sender.message(1, b"a")
+        ends.sender.control(FrameKind.CLOSE, 2)
+        ends.sender.message(1, b"b")
+        assert ends.sender.frames_sent == 0
+        await ends.sender.flush()
+        # Kinds and sessions are never mixed in one frame, and order is kept.
+        assert ends.sender.frames_sent == 3
+        await until(lambda: len(ends.received) == 3, what="three frames")
+        assert [(f.kind, f.session) for f in ends.received] == [
+            (FrameKind.MESSAGES, 1),
+            (FrameKind.CLOSE, 2),
+            (FrameKind.MESSAGES, 1),
+        ]
+
+
+async def test_a_busy_link_hands_over_to_a_task_that_coalesces_the_backlog(ends: Ends) -> None:
+    peer_link = ends.a._peers[ends.b.did].link
+    assert peer_link is not None
+    async with asyncio.timeout(TIMEOUT):
+        peer_link.ws.pause_writing()  # as the transport does above its high-water mark
+        ends.sender.message(1, b"first")
+        ends.sender.flush_now()
+        assert ends.sender.frames_sent == 0  # refused inline: nothing sealed, a task waits
+        await asyncio.sleep(0)
+        for i in range(20):
+            ends.sender.message(1, b"q%d" % i)
+            ends.sender.flush_now()  # a no-op while the task owns the order
+        peer_link.ws.resume_writing()
+        await ends.sender.flush()
+        await until(lambda: len(ends.messages()) == 21, what="21 messages")
+        assert ends.messages() == [b"first"] + [b"q%d" % i for i in range(20)]
+        # The backlog that built up meanwhile left as one frame behind the first.
+        assert ends.sender.frames_sent == 2
+        # Idle again: the next message goes out inline.
+        ends.sender.message(1, b"after")
+        ends.sender.flush_now()
+        assert ends.sender.frames_sent == 3
+
+
+async def test_a_frame_for_a_dropped_link_is_lost_not_raised() -> None:
+    a, b = LoopbackTransport.pair("did:a", "did:b")
+    got: list[bytes] = []
+    b.set_receiver(lambda peer, data: got.extend(decode_frame(data).messages))
+    sender = FrameSender(a, "did:b")
+    async with asyncio.timeout(TIMEOUT):
+        a.set_link(False)
+        with pytest.raises(LinkDownError):
+            a.send_nowait("did:b", b"x")
+        sender.message(1, b"lost")
+        sender.flush_now()  # logged, dropped: its session dies with the link
+        assert sender.frames_sent == 0
+        a.set_link(True)
+        sender.message(1, b"kept")
+        sender.flush_now()
+        await sender.flush()
+        await asyncio.sleep(0)
+        assert got == [b"kept"]
+        await sender.close()
