@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import logging
 import os
-import time
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,15 +82,34 @@ def _visible(files: Path) -> list[str]:
     return sorted(p.name for p in files.iterdir() if p.name != PARTIAL_DIR)
 
 
-def _slow_receiver(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
-    """A slow disk: each chunk takes at least ``delay`` s (keeps a fault mid-transfer)."""
-    original = IncomingAttempt.process_into
+class _ChunkGate:
+    """Holds the receiver's ``at``-th chunk (counted over all attempts) until opened.
 
-    def slow(self: IncomingAttempt, sealed: Any) -> bool:
-        time.sleep(delay)
-        return original(self, sealed)
+    Keeps a fault mid-transfer by synchronisation, not by slowing every chunk:
+    the stream cannot get past the gate, so ``committed < size`` holds whatever
+    the machine's speed. With ``interrupt`` the held chunk is never written: it
+    fails as if its connection was cut (what a node stopping mid-chunk looks like).
+    """
 
-    monkeypatch.setattr(IncomingAttempt, "process_into", slow)
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, at: int, *, interrupt: bool) -> None:
+        self.reached = asyncio.Event()
+        self.opened = threading.Event()
+        loop = asyncio.get_running_loop()
+        original = IncomingAttempt.process_into
+        count = 0
+
+        def gated(attempt: IncomingAttempt, sealed: Any) -> bool:
+            nonlocal count
+            count += 1  # only the receiving thread of the one live attempt calls this
+            if count == at:
+                loop.call_soon_threadsafe(self.reached.set)
+                if not self.opened.wait(LIMIT):
+                    raise TimeoutError("the test never opened the chunk gate")
+                if interrupt:
+                    raise ConnectionAbortedError("interrupted at the test's chunk gate")
+            return original(attempt, sealed)
+
+        monkeypatch.setattr(IncomingAttempt, "process_into", gated)
 
 
 def _accepted_offsets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -145,20 +164,26 @@ async def test_receiving_node_restart_resumes(
     tmp_path: Path, pair: tuple[Side, Side], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = pair
-    _slow_receiver(monkeypatch, 0.004)
+    # The first checkpoint starts after the first chunk and needs no later one to finish,
+    # so holding chunk 5 still lets a checkpoint (>= 1 MiB) be recorded.
+    gate = _ChunkGate(monkeypatch, 5, interrupt=True)
     size = 24 * MIB
     src = _file(tmp_path, size)
-    reached = asyncio.Event()
-    b.manager.on_progress = lambda tid, offset: reached.set() if offset >= 4 * MIB else None
+    checkpointed = asyncio.Event()
+    b.manager.on_progress = lambda tid, offset: checkpointed.set() if offset > 0 else None
     async with asyncio.timeout(LIMIT):
         tid = await a.manager.send_file(b.node.did, src)
-        await reached.wait()
-        await b.stop()  # the whole node, not only its transfer manager
+        await gate.reached.wait()
+        await checkpointed.wait()
+        stopping = asyncio.ensure_future(b.stop())  # the whole node, not only its manager
+        await asyncio.sleep(0)  # let the stop begin; either order leaves chunk 5 unwritten
+        gate.opened.set()
+        await stopping
         sent_before = a.manager.bytes_sent[bytes.fromhex(tid)]
         b2 = await _side(b.home, b.config, b.tconfig)  # redials A from its peers table
         b2.node.allow(a.node.did)
         committed = b2.manager.get(tid).offset
-        assert 4 * MIB <= committed < size
+        assert MIB <= committed <= 4 * MIB < size
         b.node, b.manager = b2.node, b2.manager  # the fixture stops the new one
         inc = await b2.manager.wait(tid)
         out = await a.manager.wait(tid)
@@ -173,7 +198,9 @@ async def test_link_drop_resumes_from_committed_offset(
     tmp_path: Path, pair: tuple[Side, Side], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = pair
-    _slow_receiver(monkeypatch, 0.004)
+    # Chunk 5 waits for a recorded checkpoint, so the cut (at 12 MiB) comes after one.
+    gate = _ChunkGate(monkeypatch, 5, interrupt=False)
+    b.manager.on_progress = lambda tid, offset: gate.opened.set() if offset > 0 else None
     offsets = _accepted_offsets(monkeypatch)
     relay = await Relay(0, cut_after=12 * MIB).start()
     _via_relay(monkeypatch, relay)
