@@ -24,7 +24,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -73,6 +74,7 @@ from talos_sdk.wallet import verify as verify_signature
 
 __all__ = [
     "MAX_ATTEMPTS",
+    "MAX_OPEN_OFFERS",
     "CreditExceededError",
     "TransferConfig",
     "TransferInfo",
@@ -82,7 +84,10 @@ __all__ = [
 log = logging.getLogger("talos.transfer")
 
 MAX_ATTEMPTS: Final = 5
+#: Open incoming offers (offered, pending, active) one peer may hold; more are refused.
+MAX_OPEN_OFFERS: Final = 64
 _DB: Final = "transfers"
+_OPEN_IN: Final = (TransferState.OFFERED, TransferState.PENDING, TransferState.ACTIVE)
 
 
 class CreditExceededError(TransferProtocolError):
@@ -211,6 +216,10 @@ class TransferManager:
         self.on_progress: Callable[[bytes, int], None] | None = None
         self.bytes_sent: dict[bytes, int] = {}
         self._stopped = False
+        # Rows go to the store on this one thread, in order, so an fsync never blocks the
+        # loop; rows queued but not yet committed are served from _unwritten.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="talos-transfers")
+        self._unwritten: dict[bytes, TransferInfo] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -243,6 +252,7 @@ class TransferManager:
             await self._settle_checkpoint(inc)
             inc.file.close()
         self._incoming.clear()
+        await asyncio.to_thread(self._writer.shutdown)  # every queued row is committed
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -267,6 +277,9 @@ class TransferManager:
     def get(self, tid: str | bytes) -> TransferInfo:
         """The transfer with id ``tid`` (hex or bytes); :class:`UsageError` if unknown."""
         key = bytes.fromhex(tid) if isinstance(tid, str) else tid
+        queued = self._unwritten.get(key)
+        if queued is not None:
+            return queued
         with self.node.store.read() as txn:
             raw = txn.get(_DB, key)
         if raw is None:
@@ -276,21 +289,50 @@ class TransferManager:
     def list(self) -> list[TransferInfo]:
         """Every transfer, oldest first."""
         with self.node.store.read() as txn:
-            infos = [TransferInfo.decode(v) for _, v in txn.items(_DB)]
-        return sorted(infos, key=lambda i: (i.created_ms, i.tid))
+            rows = {k: TransferInfo.decode(v) for k, v in txn.items(_DB)}
+        rows.update(self._unwritten)
+        return sorted(rows.values(), key=lambda i: (i.created_ms, i.tid))
 
-    def _save(self, info: TransferInfo, durable: bool = True) -> TransferInfo:
+    async def _save(
+        self, info: TransferInfo, durable: bool = True, *, notify: bool = True
+    ) -> TransferInfo:
+        """Persist ``info``; returns once committed (and fsync'd if ``durable``).
+
+        The row is visible to :meth:`get` at once, so read-modify-write steps on
+        the loop stay ordered; the LMDB write lock and the fsync are taken on
+        the manager's writer thread, never on the loop.
+        """
         info = replace(info, updated_ms=int(time.time() * 1000))
-        with self.node.store.write(durable=durable) as txn:
-            txn.put(_DB, bytes.fromhex(info.tid), info.encode())
-        if is_final(info.state):
-            for fut in self._waiters.pop(bytes.fromhex(info.tid), []):
-                if not fut.done():
-                    fut.set_result(info)
+        key = bytes.fromhex(info.tid)
+        self._unwritten[key] = info
+
+        def write() -> None:
+            with self.node.store.write(durable=durable) as txn:
+                txn.put(_DB, key, info.encode())
+
+        def written(_: object) -> None:
+            if self._unwritten.get(key) is info:
+                del self._unwritten[key]
+
+        fut = asyncio.get_running_loop().run_in_executor(self._writer, write)
+        fut.add_done_callback(written)
+        await fut
+        if notify:
+            self._notify(info)
         return info
 
-    def _move(self, info: TransferInfo, event: Event, **changes: Any) -> TransferInfo:
-        return self._save(replace(info, state=next_state(info.state, event), **changes))
+    def _notify(self, info: TransferInfo) -> None:
+        """Wake :meth:`wait` callers once ``info`` is final."""
+        if is_final(info.state):
+            for waiter in self._waiters.pop(bytes.fromhex(info.tid), []):
+                if not waiter.done():
+                    waiter.set_result(info)
+
+    async def _move(
+        self, info: TransferInfo, event: Event, *, notify: bool = True, **changes: Any
+    ) -> TransferInfo:
+        info = replace(info, state=next_state(info.state, event), **changes)
+        return await self._save(info, notify=notify)
 
     async def wait(self, tid: str | bytes, timeout: float | None = None) -> TransferInfo:
         """Until the transfer reaches a final state (even one not offered yet); returns it."""
@@ -336,7 +378,7 @@ class TransferManager:
             path=str(path),
             created_ms=now,
         )
-        self._save(info)
+        await self._save(info)
         if self.node.is_connected(did):
             await self._offer(bytes.fromhex(info.tid))
         return info.tid
@@ -347,13 +389,13 @@ class TransferManager:
             return
         await self._send(info.peer, Offer(tid, info.size, bytes.fromhex(info.key), info.name))
 
-    def _on_accept(self, peer: str, msg: Accept, info: TransferInfo) -> None:
+    async def _on_accept(self, peer: str, msg: Accept, info: TransferInfo) -> None:
         if info.direction != "out" or is_final(info.state):
             return
         if not 0 <= msg.offset <= info.size:
-            self._fail_out(info, f"receiver asked to resume at {msg.offset}")
+            await self._fail_out(info, f"receiver asked to resume at {msg.offset}")
             return
-        info = self._move(info, Event.ACCEPT, epoch=msg.epoch, offset=msg.offset)
+        info = await self._move(info, Event.ACCEPT, epoch=msg.epoch, offset=msg.offset)
         old = self._sending.pop(msg.tid, None)
         if old is not None:
             old.cancel()
@@ -374,7 +416,7 @@ class TransferManager:
         except asyncio.CancelledError:
             raise
         except TalosError as exc:  # source changed, etc.: the transfer cannot go on
-            self._fail_out(self.get(tid), str(exc))
+            await self._fail_out(self.get(tid), str(exc))
             await self._send(info.peer, Cancel(tid, str(exc)))
         except (OSError, ConnectionError, asyncio.IncompleteReadError) as exc:
             log.info("transfer %s attempt %d broke: %s", tid.hex(), msg.epoch, exc)
@@ -409,7 +451,7 @@ class TransferManager:
 
         async def save(digest: bytes, signature: bytes) -> None:
             current = self.get(tid)
-            self._save(replace(current, sha256=digest.hex(), signature=signature.hex()))
+            await self._save(replace(current, sha256=digest.hex(), signature=signature.hex()))
 
         def sign(digest: bytes) -> bytes:
             commitment = file_commitment(tid, digest, info.size, self.node.did, info.peer)
@@ -473,15 +515,16 @@ class TransferManager:
             self._credit[msg.tid] = (msg.upto, entry[1])
             entry[1].set()
 
-    def _fail_out(self, info: TransferInfo, reason: str) -> None:
+    async def _fail_out(self, info: TransferInfo, reason: str) -> None:
         if not is_final(info.state):
-            self._save(replace(info, state=TransferState.FAILED, error=reason))
+            await self._save(replace(info, state=TransferState.FAILED, error=reason))
 
     # ------------------------------------------------------------------ receiving
 
-    def _quota_used(self) -> int:
+    @staticmethod
+    def _quota_used(rows: Iterable[TransferInfo]) -> int:
         held = (TransferState.PENDING, TransferState.ACTIVE, TransferState.COMPLETE)
-        return sum(i.size for i in self.list() if i.direction == "in" and i.state in held)
+        return sum(i.size for i in rows if i.direction == "in" and i.state in held)
 
     async def _on_offer(self, peer: str, msg: Offer) -> None:
         try:
@@ -506,19 +549,25 @@ class TransferManager:
             created_ms=now,
         )
         reason = ""
-        if self._quota_used() + msg.size > self.config.quota_bytes:
+        rows = self.list()
+        if sum(i.peer == peer and i.direction == "in" and i.state in _OPEN_IN for i in rows) >= (
+            MAX_OPEN_OFFERS
+        ):
+            reason = f"too many open offers from this peer (limit {MAX_OPEN_OFFERS})"
+        elif self._quota_used(rows) + msg.size > self.config.quota_bytes:
             reason = f"quota exceeded: {msg.size} bytes offered, quota {self.config.quota_bytes}"
         elif shutil.disk_usage(self.files_dir).free < msg.size:
             reason = f"not enough disk space for {msg.size} bytes"
         if reason:
-            self._save(replace(info, state=TransferState.REJECTED, error=reason))
+            # No row for a refusal: a peer's offers cannot grow the store without bound.
+            log.info("transfer %s from %s refused: %s", info.tid, peer, reason)
             await self._send(peer, Reject(msg.tid, reason))
             return
-        info = self._save(info)
+        info = await self._save(info)
         if peer in self.config.auto_accept:
             await self._start_attempt(info)
         else:
-            self._move(info, Event.HOLD)
+            await self._move(info, Event.HOLD)
             await self._send(peer, Pending(msg.tid))
 
     async def _answer_known(self, info: TransferInfo) -> None:
@@ -545,7 +594,7 @@ class TransferManager:
         info = self.get(tid)
         if info.direction != "in" or info.state is not TransferState.PENDING:
             raise UsageError(f"transfer {info.tid} is not a pending incoming transfer")
-        info = self._move(info, Event.REJECT, error=reason)
+        info = await self._move(info, Event.REJECT, error=reason)
         await self._send(info.peer, Reject(bytes.fromhex(info.tid), reason))
         return info
 
@@ -564,7 +613,7 @@ class TransferManager:
             await self._fail_in(info, str(exc))
             return
         attempt = IncomingAttempt(file, bytes.fromhex(info.key), tid, epoch)
-        info = self._move(info, Event.ACCEPT, epoch=epoch, attempts=info.attempts + 1)
+        info = await self._move(info, Event.ACCEPT, epoch=epoch, attempts=info.attempts + 1)
         window = self.config.window
         # +1: room for the credit-violation error behind a full window
         inc = _Incoming(file, attempt, asyncio.Queue(maxsize=window + 1), granted=window)
@@ -621,7 +670,7 @@ class TransferManager:
             inc.syncing = False
         self.progress[tid] = offset
         if self._incoming.get(tid) is inc:
-            self._save(replace(self.get(tid), offset=offset))
+            await self._save(replace(self.get(tid), offset=offset))
         if self.on_progress is not None:
             self.on_progress(tid, offset)
 
@@ -718,15 +767,17 @@ class TransferManager:
         self._incoming.pop(tid, None)
         if self.listener is not None:
             self.listener.forget(tid)
-        info = self._move(
+        info = await self._move(
             info,
             Event.DONE,
+            notify=False,  # not before the block-log record is written
             offset=info.size,
             path=str(path),
             sha256=digest.hex(),
             signature=signature.hex(),
         )
-        self._record(info, sender=info.peer, recipient=self.node.did)
+        await self._record(info, sender=info.peer, recipient=self.node.did)
+        self._notify(info)
         await self._send(info.peer, Done(tid))
         return True
 
@@ -755,12 +806,12 @@ class TransferManager:
         else:
             (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
         if not is_final(info.state):
-            self._save(replace(info, state=TransferState.FAILED, error=reason))
+            await self._save(replace(info, state=TransferState.FAILED, error=reason))
         await self._send(info.peer, Failed(tid, reason))
 
     # ------------------------------------------------------------------ both
 
-    def _record(self, info: TransferInfo, sender: str, recipient: str) -> None:
+    async def _record(self, info: TransferInfo, sender: str, recipient: str) -> None:
         """One block-log record per completed transfer: sha256, size, parties.
 
         Both nodes log the sender's own signature over :func:`file_commitment`,
@@ -783,7 +834,7 @@ class TransferManager:
             extra=info.name.encode(),
         )
         try:
-            self.block_log.append(record, durable=True)
+            await asyncio.to_thread(self.block_log.append, record, durable=True)
         except TalosError as exc:
             log.error("transfer %s: block log record not written: %s", info.tid, exc)
 
@@ -815,19 +866,21 @@ class TransferManager:
 
     async def _on_control(self, peer: str, msg: TransferMessage, info: TransferInfo) -> None:
         if isinstance(msg, Accept):
-            self._on_accept(peer, msg, info)
+            await self._on_accept(peer, msg, info)
         elif isinstance(msg, Pending) and info.direction == "out":
             if info.state is TransferState.OFFERED:
-                self._move(info, Event.HOLD)
+                await self._move(info, Event.HOLD)
         elif isinstance(msg, Done) and info.direction == "out" and not is_final(info.state):
-            info = self._move(info, Event.DONE, offset=info.size)
-            self._record(info, sender=self.node.did, recipient=peer)
+            # Waiters hear of completion once the block-log record is written too.
+            info = await self._move(info, Event.DONE, notify=False, offset=info.size)
+            await self._record(info, sender=self.node.did, recipient=peer)
+            self._notify(info)
         elif isinstance(msg, Reject) and info.direction == "out":
-            self._move(info, Event.REJECT, error=msg.reason)
+            await self._move(info, Event.REJECT, error=msg.reason)
         elif isinstance(msg, Failed) and info.direction == "out":
-            self._fail_out(info, msg.reason)
+            await self._fail_out(info, msg.reason)
         elif isinstance(msg, Cancel) and not is_final(info.state):
             if info.direction == "in":
                 await self._end_incoming(bytes.fromhex(info.tid))
                 (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
-            self._move(info, Event.CANCEL, error=msg.reason)
+            await self._move(info, Event.CANCEL, error=msg.reason)

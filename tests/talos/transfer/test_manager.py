@@ -5,13 +5,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from talos.transfer.manager import TransferConfig, TransferInfo, TransferManager
+from talos.transfer.manager import (
+    MAX_OPEN_OFFERS,
+    TransferConfig,
+    TransferInfo,
+    TransferManager,
+)
 from talos.transfer.protocol import (
     APP_NAME,
     BULK_CHUNK,
@@ -225,8 +232,50 @@ async def test_quota_exceeded(net: Net) -> None:
         out = await net.sender.wait(tid)
     assert out.state is TransferState.REJECTED
     assert "quota exceeded" in out.error
-    assert net.receiver.get(tid).state is TransferState.REJECTED
+    with pytest.raises(UsageError, match="no transfer"):
+        net.receiver.get(tid)  # a refusal stores no row
     assert _visible(net.receiver.files_dir) == ["first.bin"]
+
+
+async def test_open_offers_per_peer_are_capped(net: Net) -> None:
+    net.receiver.config = TransferConfig()  # nobody auto-accepted: offers stay pending
+    src, _ = _file(net.tmp, 10)
+    async with asyncio.timeout(LIMIT):
+        tids = [await net.sender.send_file(net.b.did, src) for _ in range(MAX_OPEN_OFFERS + 1)]
+        refused = await net.sender.wait(tids[-1])
+        while len(net.receiver.list()) < MAX_OPEN_OFFERS or any(
+            i.state is not TransferState.PENDING for i in net.receiver.list()
+        ):
+            await asyncio.sleep(0.005)
+    assert refused.state is TransferState.REJECTED
+    assert refused.error == f"too many open offers from this peer (limit {MAX_OPEN_OFFERS})"
+    assert sorted(i.tid for i in net.receiver.list()) == sorted(tids[:-1])
+    # Declining one frees a place for the next offer.
+    await net.receiver.reject(tids[0])
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        while net.receiver.list()[-1].tid != tid:
+            await asyncio.sleep(0.005)
+    assert net.receiver.get(tid).state is TransferState.PENDING
+
+
+async def test_rows_are_written_off_the_event_loop(net: Net) -> None:
+    loop_thread = threading.get_ident()
+    writers: set[int] = set()
+    store = net.a.store
+    original = store.write
+
+    def spy(durable: bool = True) -> Any:
+        writers.add(threading.get_ident())
+        return original(durable)
+
+    store.write = spy  # type: ignore[method-assign]
+    src, _ = _file(net.tmp, 1000)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        out = await net.sender.wait(tid)
+    assert out.state is TransferState.COMPLETE
+    assert writers and loop_thread not in writers
 
 
 @pytest.mark.parametrize(

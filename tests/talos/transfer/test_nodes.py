@@ -117,10 +117,10 @@ def _accepted_offsets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     original = TransferManager._on_accept
 
-    def spy(self: TransferManager, peer: str, msg: Accept, info: Any) -> None:
+    async def spy(self: TransferManager, peer: str, msg: Accept, info: Any) -> None:
         if info.direction == "out":
             seen.append(msg.offset)
-        original(self, peer, msg, info)
+        await original(self, peer, msg, info)
 
     monkeypatch.setattr(TransferManager, "_on_accept", spy)
     return seen
