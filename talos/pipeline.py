@@ -1,7 +1,10 @@
 """The durable message pipeline: outbox, inbox, per-peer order and acks (DESIGN.md "Storage").
 
-Pure bookkeeping plus the LMDB row layouts; the node (talos/node.py) does the
-I/O. The rules, per ordered pair of nodes:
+Bookkeeping plus the LMDB row layouts; the node (talos/node.py) does the I/O.
+No sockets, storage or clock here; the one tie to asyncio is
+:meth:`SenderState.wait_for`, the futures ``send`` callers wait on until the
+ack arrives, kept beside the ack counter that resolves them. The rules, per
+ordered pair of nodes:
 
 * a sequence number is ``epoch << 32 | n``: ``epoch`` is the node's boot
   counter, durably incremented once per start (and by every offline enqueue),

@@ -58,7 +58,6 @@ DEFAULT_DATABASES: tuple[str, ...] = (
     "peers",
     "transfers",
     "meta",
-    "audit",
 )
 
 #: Owner-only modes for the store folder and LMDB's files (see module docstring).

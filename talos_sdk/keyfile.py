@@ -39,8 +39,7 @@ from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from talos_sdk.canonical import canonical_json_bytes
 from talos_sdk.errors import KeyFileError, UsageError, WrongPassphraseError
-from talos_sdk.hybrid import SUITE_ED25519, SUITE_HYBRID
-from talos_sdk.wallet import HybridWallet, Wallet
+from talos_sdk.wallet import Wallet, register_suite, suite_wallet_class
 
 __all__ = [
     "DEFAULT_SCRYPT_N",
@@ -62,13 +61,6 @@ _MAX_FILE = 64 * 1024
 # Bounds on costs read from a file, so a hostile file cannot demand gigabytes.
 _MIN_N, _MAX_N = 2**10, 2**20
 _MAX_SCRYPT_MEMORY = 256 * 1024 * 1024
-
-_SUITES: dict[str, type[Wallet]] = {SUITE_ED25519: Wallet, SUITE_HYBRID: HybridWallet}
-
-
-def register_suite(name: str, cls: type[Wallet]) -> None:
-    """Let another wallet suite (e.g. the issue 8 hybrid) be loaded from key files."""
-    _SUITES[name] = cls
 
 
 def _b64(data: bytes) -> str:
@@ -171,7 +163,7 @@ def decode_key_file(data: bytes, passphrase: str | bytes | None = None) -> Walle
     if doc.get("version") != VERSION:
         raise KeyFileError(f"unsupported key file version {doc.get('version')!r}")
     suite = doc.get("suite")
-    cls = _SUITES.get(suite) if isinstance(suite, str) else None
+    cls = suite_wallet_class(suite)
     if cls is None:
         raise KeyFileError(f"unknown wallet suite {suite!r} in key file")
     if not isinstance(doc.get("did"), str):

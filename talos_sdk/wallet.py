@@ -34,6 +34,8 @@ __all__ = [
     "SIGNATURE_SIZE",
     "HybridWallet",
     "Wallet",
+    "register_suite",
+    "suite_wallet_class",
     "verify",
     "verify_auth",
     "verify_with_public_key",
@@ -222,7 +224,18 @@ class HybridWallet(Wallet):
 
 _W = TypeVar("_W", bound=Wallet)
 
+#: The one registry of wallet suites: Wallet.generate/from_seed and key files use it.
 _WALLET_SUITES: dict[str, type[Wallet]] = {SUITE_ED25519: Wallet, SUITE_HYBRID: HybridWallet}
+
+
+def register_suite(name: str, cls: type[Wallet]) -> None:
+    """Make another wallet suite buildable by name and loadable from key files."""
+    _WALLET_SUITES[name] = cls
+
+
+def suite_wallet_class(suite: object) -> type[Wallet] | None:
+    """The wallet class registered for ``suite``, or ``None`` (also for a non-string)."""
+    return _WALLET_SUITES.get(suite) if isinstance(suite, str) else None
 
 
 def _suite_class(cls: type[_W], suite: str | None) -> type[_W]:

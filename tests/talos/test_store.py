@@ -175,9 +175,9 @@ def test_closed_store_is_usage_error(tmp_path: Path) -> None:
 def test_not_durable_mode_still_commits(tmp_path: Path) -> None:
     with Store(tmp_path, sync=False) as store:
         with store.write(durable=True) as txn:
-            txn.put("audit", b"a", b"1")
+            txn.put("meta", b"a", b"1")
         with store.read() as txn:
-            assert txn.get("audit", b"a") == b"1"
+            assert txn.get("meta", b"a") == b"1"
 
 
 def test_path_that_is_a_file_is_storage_error(tmp_path: Path) -> None:

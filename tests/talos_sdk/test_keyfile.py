@@ -11,12 +11,14 @@ from typing import Any
 
 import pytest
 
+import talos_sdk.wallet as wallet_module
 from talos_sdk.errors import KeyFileError, UsageError, WrongPassphraseError
 from talos_sdk.keyfile import (
     DEFAULT_SCRYPT_N,
     decode_key_file,
     encode_key_file,
     read_private_file,
+    register_suite,
     write_private_file,
 )
 from talos_sdk.wallet import Wallet
@@ -226,3 +228,24 @@ def test_read_errors(tmp_path: Path) -> None:
     big.write_bytes(b" " * (64 * 1024 + 1))
     with pytest.raises(KeyFileError, match="larger than"):
         Wallet.load(big)
+
+
+class _LabWallet(Wallet):
+    suite = "lab-test"
+
+
+def test_one_suite_registry_serves_wallets_and_key_files(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wallet_module, "_WALLET_SUITES", dict(wallet_module._WALLET_SUITES))
+    seed = bytes(range(32))
+    doc = json.loads(encode_key_file(_LabWallet(seed), None))
+    with pytest.raises(KeyFileError, match="unknown wallet suite 'lab-test'"):
+        decode_key_file(json.dumps(doc).encode(), None)
+    with pytest.raises(UsageError, match="unknown wallet suite 'lab-test'"):
+        Wallet.generate(suite="lab-test")
+    register_suite("lab-test", _LabWallet)  # keyfile's name for wallet.register_suite
+    assert register_suite is wallet_module.register_suite
+    loaded = decode_key_file(json.dumps(doc).encode(), None)
+    assert type(loaded) is _LabWallet and loaded.did == _LabWallet(seed).did
+    assert type(Wallet.from_seed(seed, suite="lab-test")) is _LabWallet
