@@ -51,6 +51,7 @@ __all__ = [
     "ReceiverState",
     "SenderState",
     "Verdict",
+    "advance_epoch",
     "bump_epoch",
     "decode_inbox",
     "decode_outbox",
@@ -71,6 +72,9 @@ MSG_ID_LEN: Final = 16
 EPOCH_SHIFT: Final = 32
 MAX_N: Final = (1 << EPOCH_SHIFT) - 1
 _EPOCH_KEY: Final = b"epoch"
+#: Epochs skipped after restoring a backup (docs/operations.md "Backups and restore"):
+#: more than the runs the original home can have had since, so no number repeats.
+RESTORE_EPOCH_STEP: Final = 1 << 16
 
 
 def make_seq(epoch: int, n: int) -> int:
@@ -96,6 +100,23 @@ def next_seq(last: int, epoch: int) -> int:
 def bump_epoch(txn: Txn) -> int:
     """Start a new boot epoch inside ``txn`` (commit it durably before using it)."""
     epoch = get_u64(txn, "meta", _EPOCH_KEY) + 1
+    put_u64(txn, "meta", _EPOCH_KEY, epoch)
+    return epoch
+
+
+def advance_epoch(txn: Txn, step: int = RESTORE_EPOCH_STEP) -> int:
+    """Jump the boot epoch forward by ``step`` (a restored store's epoch went back in time).
+
+    Peers drop numbers at or below what they delivered as duplicates, so a
+    restored node must number above every epoch the original used since the
+    backup (ADR 0007). Returns the new epoch; :class:`UsageError` if it would
+    no longer fit the sequence number's 32 epoch bits.
+    """
+    if step < 1:
+        raise UsageError(f"epoch step must be positive, got {step}")
+    epoch = get_u64(txn, "meta", _EPOCH_KEY) + step
+    if epoch >> (64 - EPOCH_SHIFT):
+        raise UsageError(f"boot epoch {epoch} does not fit in {64 - EPOCH_SHIFT} bits")
     put_u64(txn, "meta", _EPOCH_KEY, epoch)
     return epoch
 
