@@ -26,6 +26,7 @@ from typing import cast
 
 from mcp_proxy.jsonrpc import (
     INTERNAL_ERROR,
+    INVALID_REQUEST,
     LINK_DOWN,
     JsonRpcError,
     Kind,
@@ -36,15 +37,15 @@ from mcp_proxy.jsonrpc import (
 )
 from mcp_proxy.lines import LineSplitter
 from mcp_proxy.transport import FrameSender, TunnelTransport
-from mcp_proxy.tunnel_wire import FrameKind, decode_frame
-from talos_sdk.errors import ProtocolError
+from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES, FrameKind, Joiner, decode_frame
+from talos_sdk.errors import OversizeError, ProtocolError
 
 __all__ = ["ClientSession", "TunnelClient", "serve_stdio"]
 
 log = logging.getLogger(__name__)
 
 Deliver = Callable[[bytes], None]
-STDIO_LINE_LIMIT = 16 * 1024 * 1024
+STDIO_LINE_LIMIT = MAX_MESSAGE_BYTES
 
 
 class ClientSession:
@@ -63,6 +64,7 @@ class ClientSession:
         self._init_id: RequestId | None = None
         self._initialized_line: bytes | None = None
         self._swallow: set[RequestId] = set()
+        self.joiner = Joiner()
 
     def try_forward(self, line: bytes) -> bool:
         """Handle one line at once if the link is up (the hot path); False means use from_agent."""
@@ -117,6 +119,7 @@ class ClientSession:
         """Open the remote session (again), replaying the agent's handshake if it had one."""
         sender = self.client.sender
         self.client.rebind(self)
+        self.joiner = Joiner()
         sender.control(FrameKind.OPEN, self.sid, self.client.server_name.encode())
         self.attached = True
         if replay and self._init_line is not None and self._init_id is not None:
@@ -232,12 +235,28 @@ class TunnelClient:
         if session is None:
             return
         if frame.kind is FrameKind.MESSAGES:
-            for line in frame.messages:
+            try:
+                lines = session.joiner.messages(frame.messages)
+            except OversizeError as exc:
+                self._oversize(session, exc)
+                return
+            for line in lines:
                 session.from_remote(line)
+        elif frame.kind is FrameKind.PART:
+            try:
+                session.joiner.add_part(frame.messages[0])
+            except OversizeError as exc:
+                self._oversize(session, exc)
         elif frame.kind in (FrameKind.ERROR, FrameKind.CLOSE):
             reason = frame.messages[0].decode("utf-8", "replace") if frame.messages else "closed"
             log.warning("remote session %d ended: %s", frame.session, reason)
             session.detach(INTERNAL_ERROR, reason)
+
+    def _oversize(self, session: ClientSession, exc: OversizeError) -> None:
+        # Only a faulty server sends this (its tool lines are bounded the same way).
+        log.warning("session %d: %s from the tunnel; session ended", session.sid, exc)
+        self.sender.control(FrameKind.CLOSE, session.sid)
+        session.detach(INTERNAL_ERROR, str(exc))
 
     def _on_link(self, peer: str, up: bool) -> None:
         if peer != self.server_did:
@@ -301,7 +320,9 @@ class _StdinLines(asyncio.Protocol):
             self._slow = asyncio.get_running_loop().create_task(self._drain())
 
     def _on_overflow(self) -> None:
-        self.session.deliver(error_reply(None, INTERNAL_ERROR, "message too large"))
+        self.session.deliver(
+            error_reply(None, INVALID_REQUEST, f"message above {STDIO_LINE_LIMIT} bytes")
+        )
 
     async def _drain(self) -> None:
         while self.backlog:

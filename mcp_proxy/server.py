@@ -33,8 +33,8 @@ from mcp_proxy.jsonrpc import (
 from mcp_proxy.policy import Policy, PolicyDenied
 from mcp_proxy.toolproc import ToolProcess
 from mcp_proxy.transport import FrameSender, TunnelTransport
-from mcp_proxy.tunnel_wire import FrameKind, TunnelFrame, decode_frame
-from talos_sdk.errors import ProtocolError
+from mcp_proxy.tunnel_wire import FrameKind, Joiner, TunnelFrame, decode_frame
+from talos_sdk.errors import OversizeError, ProtocolError
 
 __all__ = ["TunnelServer"]
 
@@ -64,6 +64,7 @@ class _Session:
         self.calls: dict[RequestId, _Call] = {}
         self.proc: ToolProcess | None = None
         self.closing = False
+        self.joiner = Joiner()
         self._strict_out: deque[bytes] = deque()
         self._strict_wake = asyncio.Event()
         self._strict_task: asyncio.Task[None] | None = None
@@ -280,7 +281,8 @@ class TunnelServer:
         queue = self._inbox.get(peer)
         if queue is None:
             queue = self._inbox[peer] = asyncio.Queue()
-        if frame.kind is FrameKind.MESSAGES:
+        kind = frame.kind
+        if kind is FrameKind.MESSAGES or kind is FrameKind.PART:
             session = self.sessions.get((peer, frame.session))
             if (
                 session is not None
@@ -289,8 +291,7 @@ class TunnelServer:
                 and queue.empty()
             ):
                 # Hot path: no task hop when nothing is queued ahead of this frame.
-                for line in frame.messages:
-                    session.from_client(line)
+                self._take(session, frame)
                 self.sender_for(peer).flush_now()  # replies answered here (denied, malformed)
                 return
         queue.put_nowait(frame)
@@ -315,19 +316,34 @@ class TunnelServer:
             if old is not None:
                 self._close_later(old.close())
             await self._open(peer, frame.session, frame.messages[0].decode("utf-8", "replace"))
-        elif frame.kind is FrameKind.MESSAGES:
+        elif frame.kind is FrameKind.MESSAGES or frame.kind is FrameKind.PART:
             session = self.sessions.get(key)
             if session is None:
                 self.sender_for(peer).control(FrameKind.ERROR, frame.session, b"unknown session")
                 return
-            for line in frame.messages:
-                session.from_client(line)
+            self._take(session, frame)
             if session.proc is not None:
                 await session.proc.drain()
         else:
             session = self.sessions.pop(key, None)
             if session is not None:
                 self._close_later(session.close())
+
+    def _take(self, session: _Session, frame: TunnelFrame) -> None:
+        """Hand a MESSAGES frame's lines to the session, rejoining split messages (PART)."""
+        try:
+            if frame.kind is FrameKind.PART:
+                session.joiner.add_part(frame.messages[0])
+                return
+            lines = session.joiner.messages(frame.messages)
+        except OversizeError as exc:
+            # No id is known for a message never seen whole: the session fails, naming the bound.
+            log.warning("%s: %s; session ended", session.label, exc)
+            self.session_failed(session, str(exc))
+            self._close_later(session.close())
+            return
+        for line in lines:
+            session.from_client(line)
 
     async def _open(self, peer: str, sid: int, name: str) -> None:
         try:

@@ -22,6 +22,7 @@ from typing import Final, cast
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, RequestId, error_reply
 from mcp_proxy.lines import LineSplitter
 from mcp_proxy.policy import ServerSpec
+from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES
 
 __all__ = ["EXIT_SPAWN_FAILED", "ToolProcess"]
 
@@ -29,8 +30,8 @@ log = logging.getLogger(__name__)
 
 # Reported as the exit code when the process never started (like a shell's 127).
 EXIT_SPAWN_FAILED: Final = 127
-# One JSON-RPC line may be large (a resource read); refuse beyond this.
-LINE_LIMIT: Final = 16 * 1024 * 1024
+# One JSON-RPC line may be large (a resource read); refuse beyond what the tunnel carries.
+LINE_LIMIT: Final = MAX_MESSAGE_BYTES
 # How long a tool gets to exit after its stdin closes before SIGTERM.
 STDIN_CLOSE_WAIT: Final = 0.5
 
@@ -107,6 +108,7 @@ class ToolProcess:
         self.pending: set[RequestId] = set()
         self.exit_code: int | None = None
         self._exited = asyncio.Event()
+        self._why = ""  # set when the proxy itself stopped the tool
 
     @property
     def pid(self) -> int | None:
@@ -216,6 +218,7 @@ class ToolProcess:
 
     def _on_overflow(self) -> None:
         log.warning("%s: output line above %d bytes; stopping the tool", self.label, LINE_LIMIT)
+        self._why = f"tool output line above {LINE_LIMIT} bytes"
         self._signal(signal.SIGKILL)
 
     def _on_process_exited(self) -> None:
@@ -246,6 +249,8 @@ class ToolProcess:
 
     def _fail_pending(self) -> None:
         message = f"tool process exited (code {self.exit_code})"
+        if self._why:
+            message = f"{self._why}; {message}"
         pending, self.pending = self.pending, set()
         for request_id in pending:
             self._on_line(error_reply(request_id, INTERNAL_ERROR, message))

@@ -13,7 +13,9 @@ batch is done (:meth:`FrameSender.flush_now`: the stdin / tool-output callback
 that produced them, so no loop pass is spent) or at the latest in the next
 loop pass. Frames are written from that call when the link can take them at
 once (:meth:`TunnelTransport.send_nowait`); only while the link is busy does a
-task send them, and whatever accumulates meanwhile leaves as one frame.
+task send them, and whatever accumulates meanwhile leaves as one frame. A
+message larger than the transport's ``max_payload`` is split into PART frames
+(``tunnel_wire``) so it is never refused by the link's frame bound.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from mcp_proxy.tunnel_wire import FrameKind, encode_frame
-from talos_sdk.errors import TalosError
+from talos_sdk.errors import OversizeError, TalosError
 
 __all__ = [
     "APP_NAME",
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 APP_NAME = "mcp"
 # Stay far below the node's link frame bound (NodeConfig.max_frame, 1 MiB by default).
 MAX_BATCH_BYTES = 256 * 1024
+# The tunnel frame header and length prefixes, on top of the messages it carries.
+_FRAME_SLACK = 64
 
 Receiver = Callable[[str, bytes], None]
 LinkListener = Callable[[str, bool], None]
@@ -55,6 +59,11 @@ class LinkDownError(TalosError):
 
 class TunnelTransport(Protocol):
     """Carries tunnel frames between this proxy and its peers, ordered per peer."""
+
+    @property
+    def max_payload(self) -> int:
+        """The largest payload ``send`` accepts (larger messages are split by FrameSender)."""
+        ...
 
     async def send(self, peer: str, payload: bytes) -> None: ...
 
@@ -77,6 +86,11 @@ class NodeTransport:
         self.app = app
         self._receiver: Receiver | None = None
         node.register_app(app, self._on_app)
+
+    @property
+    def max_payload(self) -> int:
+        # Half the link frame bound leaves ample room for the seal and channel name.
+        return min(MAX_BATCH_BYTES, int(self.node.config.max_frame) // 2)
 
     def _on_app(self, peer: str, payload: bytes) -> None:
         if self._receiver is not None:
@@ -108,6 +122,7 @@ class LoopbackTransport:
         self._receiver: Receiver | None = None
         self._listeners: list[LinkListener] = []
         self.sent_frames = 0
+        self.max_payload = MAX_BATCH_BYTES
 
     @classmethod
     def pair(cls, did_a: str, did_b: str) -> tuple[LoopbackTransport, LoopbackTransport]:
@@ -119,6 +134,8 @@ class LoopbackTransport:
         self.send_nowait(peer, payload)
 
     def send_nowait(self, peer: str, payload: bytes) -> bool:
+        if len(payload) > self.max_payload:
+            raise OversizeError(f"payload of {len(payload)} bytes above {self.max_payload}")
         other = self.other
         if not self.up or other is None or other.did != peer:
             raise LinkDownError(f"no link to {peer}")
@@ -163,6 +180,8 @@ class FrameSender:
         self._task: asyncio.Task[None] | None = None
         self._soon: asyncio.Handle | None = None
         self.frames_sent = 0
+        # Message bytes per frame; a longer message leaves in pieces (PART frames).
+        self._budget = max(_FRAME_SLACK, transport.max_payload - _FRAME_SLACK)
 
     def message(self, session: int, line: bytes) -> None:
         self._push(FrameKind.MESSAGES, session, line)
@@ -230,23 +249,36 @@ class FrameSender:
         self._idle.set()
 
     def _next_frame(self) -> bytes:
-        kind, session, payload = self._items.popleft()
+        items = self._items
+        budget = self._budget
+        kind, session, payload = items.popleft()
+        if kind is FrameKind.MESSAGES and payload is not None and len(payload) > budget:
+            self._split(session, payload)
+            kind, session, payload = items.popleft()
         if kind is not FrameKind.MESSAGES:
             return encode_frame(kind, session, () if payload is None else (payload,))
         assert payload is not None
         batch = [payload]
-        size = len(payload)
-        items = self._items
+        size = 4 + len(payload)  # each message costs its u32 length too
         while items:
             nkind, nsession, npayload = items[0]
             if nkind is not FrameKind.MESSAGES or nsession != session or npayload is None:
                 break
-            if size + len(npayload) > MAX_BATCH_BYTES:
+            size += 4 + len(npayload)
+            if size > budget:
                 break
             items.popleft()
             batch.append(npayload)
-            size += len(npayload)
         return encode_frame(FrameKind.MESSAGES, session, batch)
+
+    def _split(self, session: int, payload: bytes) -> None:
+        """Put ``payload`` back at the head as PART pieces and a final MESSAGES piece."""
+        step = self._budget
+        pieces = [payload[i : i + step] for i in range(0, len(payload), step)]
+        items = self._items
+        items.appendleft((FrameKind.MESSAGES, session, pieces.pop()))
+        for piece in reversed(pieces):
+            items.appendleft((FrameKind.PART, session, piece))
 
     def _lost(self, exc: Exception) -> None:
         # The link listener fails the pending requests; a lost frame is not retried

@@ -9,7 +9,12 @@ into a single frame under load (DESIGN.md "MCP tunnel, 64 requests in flight")::
 
 Kinds: OPEN (the session starts; its one message is the server name, may be
 empty), MESSAGES (JSON-RPC lines, no trailing newline), CLOSE (the session
-ends), ERROR (the session failed; its one message is a UTF-8 reason).
+ends), ERROR (the session failed; its one message is a UTF-8 reason), PART
+(its one message is a leading piece of a JSON-RPC message too large for one
+link frame; the pieces of consecutive PART frames of a session are joined with
+the first message of that session's next MESSAGES frame, which ends it).
+Splitting keeps the tunnel transparent for messages above the node's link frame
+bound (a 2 MiB resource read); the whole message is bounded by MAX_MESSAGE_BYTES.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from talos_sdk.errors import MalformedFrameError, OversizeError
 
 __all__ = [
     "MAX_FRAME_BYTES",
+    "MAX_MESSAGE_BYTES",
     "VERSION",
     "FrameKind",
+    "Joiner",
     "TunnelFrame",
     "TunnelFrameError",
     "decode_frame",
@@ -35,6 +42,8 @@ VERSION = 1
 # The node bounds link frames; stay well under any sane bound so a coalesced
 # batch is never refused by the link. A single message may still be this large.
 MAX_FRAME_BYTES = 8 * 1024 * 1024
+# One JSON-RPC message, however many PART frames carry it (the stdio line limit too).
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 _HEAD = struct.Struct(">BBII")
 _LEN = struct.Struct(">I")
@@ -51,6 +60,7 @@ class FrameKind(enum.IntEnum):
     MESSAGES = 2
     CLOSE = 3
     ERROR = 4
+    PART = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +114,42 @@ def decode_frame(data: bytes) -> TunnelFrame:
         offset += length
     if offset != len(data):
         raise TunnelFrameError("trailing bytes after the last message")
+    if kind is FrameKind.PART and count != 1:
+        raise TunnelFrameError("PART frame must carry exactly one piece")
     if kind in (FrameKind.OPEN, FrameKind.ERROR) and count > 1:
         raise TunnelFrameError(f"{kind.name} frame carries more than one message")
     if kind is FrameKind.MESSAGES and count == 0:
         raise TunnelFrameError("MESSAGES frame carries no message")
     return TunnelFrame(kind, session, tuple(messages))
+
+
+class Joiner:
+    """Rejoins one session's split messages (PART pieces + the next MESSAGES frame's first)."""
+
+    __slots__ = ("_parts", "_size", "limit")
+
+    def __init__(self, limit: int = MAX_MESSAGE_BYTES) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+        self.limit = limit
+
+    def add_part(self, piece: bytes) -> None:
+        """Keep a leading piece; OversizeError (and nothing kept) once the message passes limit."""
+        self._size += len(piece)
+        if self._size > self.limit:
+            self._parts.clear()
+            self._size = 0
+            raise OversizeError(f"tunnel message above {self.limit} bytes")
+        self._parts.append(piece)
+
+    def messages(self, messages: tuple[bytes, ...]) -> tuple[bytes, ...]:
+        """A MESSAGES frame's messages, the first joined to any pieces kept before it."""
+        if not self._parts:
+            return messages  # the hot path: nothing was split
+        parts = self._parts
+        self._parts = []
+        size, self._size = self._size + len(messages[0]), 0
+        if size > self.limit:
+            raise OversizeError(f"tunnel message above {self.limit} bytes")
+        parts.append(messages[0])
+        return (b"".join(parts), *messages[1:])

@@ -99,9 +99,17 @@ class Pair:
     """A TunnelServer and a TunnelClient joined by a loopback link."""
 
     def __init__(
-        self, policy: Policy, *, auditor: Any = None, server_name: str = "", link_wait: float = 5.0
+        self,
+        policy: Policy,
+        *,
+        auditor: Any = None,
+        server_name: str = "",
+        link_wait: float = 5.0,
+        max_payload: int | None = None,
     ) -> None:
         self.client_end, self.server_end = LoopbackTransport.pair(CLIENT_DID, SERVER_DID)
+        if max_payload is not None:  # small link frames: messages travel in PART pieces
+            self.client_end.max_payload = self.server_end.max_payload = max_payload
         self.server = TunnelServer(self.server_end, policy, auditor, grace=1.0)
         self.client = TunnelClient(self.client_end, SERVER_DID, server_name, link_wait=link_wait)
 

@@ -353,3 +353,21 @@ tools = ["get_current_time"]
     assert all(a["server"] == "time" for a in audited)
     ok_call = next(a for a in audited if a["tool"] == "get_current_time")
     assert len(ok_call["params_sha256"]) == 64 and len(ok_call["result_sha256"]) == 64
+
+
+async def test_messages_above_one_link_frame_cross_intact(tmp_path: Path) -> None:
+    # 2 MiB each way: the node's link frames are bounded at 1 MiB (review #4).
+    client_did = did_of(tmp_path / "c")
+    size = 2 * 1024 * 1024
+    async with (
+        asyncio.timeout(TIMEOUT),
+        serving(tmp_path / "s", ["--allow", client_did]) as serve,
+        sdk_client(tmp_path / "c", serve.address) as client,
+    ):
+        resource = await client.read_resource(f"res://big/{size}")
+        body = resource.contents[0].text  # type: ignore[union-attr]
+        assert len(body) == size and body == "x" * size
+        sent = "y" * size
+        assert text(await client.call_tool("echo", {"text": sent})) == sent
+        # The session carries on with ordinary messages afterwards.
+        assert text(await client.call_tool("add", {"a": 1, "b": 2})) == "3"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mcp_proxy.transport import FrameSender, LinkDownError, LoopbackTransport, NodeTransport
-from mcp_proxy.tunnel_wire import FrameKind, TunnelFrame, decode_frame
+from mcp_proxy.tunnel_wire import FrameKind, Joiner, TunnelFrame, decode_frame
 from talos.node import Node
 from tests.talos.nodes import link, make_home, started, until
 
@@ -115,3 +115,54 @@ async def test_a_frame_for_a_dropped_link_is_lost_not_raised() -> None:
         await asyncio.sleep(0)
         assert got == [b"kept"]
         await sender.close()
+
+
+async def test_a_message_above_the_transport_bound_leaves_in_pieces() -> None:
+    a, b = LoopbackTransport.pair("did:a", "did:b")
+    a.max_payload = 1000
+    frames: list[TunnelFrame] = []
+    b.set_receiver(lambda peer, data: frames.append(decode_frame(data)))
+    sender = FrameSender(a, "did:b")
+    big = bytes(range(256)) * 10  # 2560 bytes: three pieces
+    async with asyncio.timeout(TIMEOUT):
+        sender.message(1, b"before")
+        sender.message(1, big)
+        sender.message(1, b"after")
+        sender.message(2, b"other")
+        await sender.flush()
+        await asyncio.sleep(0)
+    # Every frame fits the bound (send_nowait raises above it); the pieces of session 1's
+    # message are consecutive and its last piece travels with the message that followed.
+    kinds = [(f.kind, f.session, len(f.messages)) for f in frames]
+    assert kinds == [
+        (FrameKind.MESSAGES, 1, 1),
+        (FrameKind.PART, 1, 1),
+        (FrameKind.PART, 1, 1),
+        (FrameKind.MESSAGES, 1, 2),
+        (FrameKind.MESSAGES, 2, 1),
+    ]
+    joiner = Joiner()
+    for f in frames[1:3]:
+        joiner.add_part(f.messages[0])
+    assert joiner.messages(frames[3].messages) == (big, b"after")
+    await sender.close()
+
+
+async def test_many_small_messages_never_pass_the_bound_with_their_prefixes() -> None:
+    a, b = LoopbackTransport.pair("did:a", "did:b")
+    a.max_payload = 1000
+    got: list[bytes] = []
+    b.set_receiver(lambda peer, data: got.extend(decode_frame(data).messages))
+    sender = FrameSender(a, "did:b")
+    async with asyncio.timeout(TIMEOUT):
+        for i in range(500):
+            sender.message(1, b"%d" % i)
+        await sender.flush()  # an oversize frame would raise in send_nowait and be lost
+        await asyncio.sleep(0)
+    assert got == [b"%d" % i for i in range(500)]
+    await sender.close()
+
+
+async def test_node_transport_bound_follows_the_link_frame_bound(ends: Ends) -> None:
+    transport = NodeTransport(ends.a, app="other")
+    assert transport.max_payload == min(256 * 1024, ends.a.config.max_frame // 2)

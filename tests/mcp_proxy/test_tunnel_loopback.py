@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import AsyncIterator
 
@@ -243,3 +244,25 @@ async def test_cancellation_is_forwarded_and_audited() -> None:
         await pair.close()
     cancelled = [r for r in sink.records if r.request_id == rid]
     assert [(r.tool, r.outcome) for r in cancelled] == [("slow", "cancelled")]
+
+
+async def test_split_messages_cross_and_an_oversize_one_fails_the_session() -> None:
+    # Small link frames both ways, so ordinary calls already travel in PART pieces.
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=EVERYTHING), max_payload=1000)
+    agent = Agent(pair.client)
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
+        stack.push_async_callback(pair.close)
+        await agent.initialize()
+        long_text = "z" * 5000
+        assert text_of(await agent.call("echo", text=long_text)) == long_text
+        (session,) = pair.server.sessions.values()
+        proc = session.proc
+        assert proc is not None
+        session.joiner.limit = 3000
+        reply = await agent.call("echo", text=long_text)
+        assert reply["error"]["code"] == INTERNAL_ERROR
+        assert reply["error"]["message"] == "tunnel message above 3000 bytes"
+        assert pair.server.sessions == {}
+        assert await proc.wait() is not None  # its tool process was stopped
+        # The next call opens a fresh session that carries big messages again.
+        assert text_of(await agent.call("echo", text=long_text)) == long_text

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from mcp_proxy.tunnel_wire import (
     MAX_FRAME_BYTES,
     FrameKind,
+    Joiner,
     TunnelFrame,
     TunnelFrameError,
     decode_frame,
@@ -72,3 +73,32 @@ def test_huge_count_with_no_body_is_truncated_not_slow() -> None:
     data = bytes([1, 2]) + (1).to_bytes(4, "big") + (0xFFFFFFFF).to_bytes(4, "big")
     with pytest.raises(TunnelFrameError, match="truncated"):
         decode_frame(data)
+
+
+def test_part_frame_carries_exactly_one_piece() -> None:
+    frame = encode_frame(FrameKind.PART, 3, (b"abc",))
+    assert decode_frame(frame) == TunnelFrame(FrameKind.PART, 3, (b"abc",))
+    for pieces in ((), (b"a", b"b")):
+        with pytest.raises(TunnelFrameError, match="PART frame must carry exactly one piece"):
+            decode_frame(encode_frame(FrameKind.PART, 3, pieces))
+
+
+def test_joiner_rejoins_pieces_with_the_next_messages_frame() -> None:
+    joiner = Joiner()
+    untouched = (b"a", b"b")
+    assert joiner.messages(untouched) is untouched  # nothing split: the tuple as it came
+    joiner.add_part(b"he")
+    joiner.add_part(b"ll")
+    assert joiner.messages((b"o", b"next")) == (b"hello", b"next")
+    assert joiner.messages((b"x",)) == (b"x",)  # the pieces were consumed
+
+
+def test_joiner_refuses_a_message_above_its_limit() -> None:
+    joiner = Joiner(limit=10)
+    joiner.add_part(b"123456")
+    with pytest.raises(OversizeError, match="tunnel message above 10 bytes"):
+        joiner.add_part(b"789012")
+    joiner.add_part(b"123456")
+    with pytest.raises(OversizeError, match="tunnel message above 10 bytes"):
+        joiner.messages((b"78901",))
+    assert joiner.messages((b"fresh",)) == (b"fresh",)  # nothing kept after a refusal

@@ -1,7 +1,7 @@
 """A stdio MCP server exercising every feature the tunnel must carry.
 
 Tools (echo, add, slow with progress, crash, sample, elicit, log, change_tools,
-pid), a static resource and a template, a prompt. Run: ``python -m
+pid), a static resource, a template and a sized one (res://big/N), a prompt. Run: ``python -m
 tests.tools.everything_server`` or ``python tests/tools/everything_server.py``.
 """
 
@@ -104,6 +104,12 @@ def greeting() -> str:
 def item(key: str) -> str:
     """A templated resource."""
     return f"item {key}"
+
+
+@server.resource("res://big/{size}")
+def big(size: str) -> str:
+    """A resource of ``size`` bytes (tests of messages larger than one link frame)."""
+    return "x" * int(size)
 
 
 @server.prompt()
