@@ -3,7 +3,11 @@
 #
 #   talos-entrypoint node NAME PEER...        run a talosd node
 #   talos-entrypoint tool NAME ALLOWED...     run talos-proxy serve with mcp-server-time
+#   talos-entrypoint agent NAME TOOL          run talos-proxy connect --http to TOOL's server
 #
+# The agent is the MCP client side: its own identity (the tool --allows its DID),
+# Streamable HTTP on $TALOS_HTTP_PORT for agents in the compose network, every
+# request carrying the bearer token in <its home>/proxy-http.token.
 # Each container creates its identity on first start in its own volume
 # (/home/talos/node) and publishes its DID to the shared /directory volume;
 # peers are wired by address + DID read from there, so every link pins the
@@ -16,16 +20,20 @@ dir=${TALOS_DIRECTORY:-/directory}
 bind=${TALOS_BIND:-0.0.0.0}
 port=${TALOS_PORT:-7400}
 api_port=${TALOS_API_PORT:-7401}
+http_port=${TALOS_HTTP_PORT:-7402}
+# Where peers are dialled: their service name in compose; tests set 127.0.0.1.
+peer_host=${TALOS_PEER_HOST:-}
+peer_port=${TALOS_PEER_PORT:-$port}
 
 case "$role" in
-  node|tool) ;;
-  *) echo "unknown role: $role (expected node or tool)" >&2; exit 2 ;;
+  node|tool|agent) ;;
+  *) echo "unknown role: $role (expected node, tool or agent)" >&2; exit 2 ;;
 esac
 
 if [ ! -f "$home/identity.key" ]; then
-  if [ "$role" = tool ]; then talos-proxy id --home "$home" >/dev/null; else talosd init --home "$home" >/dev/null; fi
+  if [ "$role" = node ]; then talosd init --home "$home" >/dev/null; else talos-proxy id --home "$home" >/dev/null; fi
 fi
-if [ "$role" = tool ]; then did=$(talos-proxy id --home "$home"); else did=$(talosd id --home "$home"); fi
+if [ "$role" = node ]; then did=$(talosd id --home "$home"); else did=$(talos-proxy id --home "$home"); fi
 printf '%s\n' "$did" > "$dir/$name.did"
 
 wait_did() {
@@ -40,7 +48,7 @@ wait_did() {
 case "$role" in
   node)
     args=""
-    for peer in "$@"; do args="$args --peer ws://$peer:$port#$(wait_did "$peer")"; done
+    for peer in "$@"; do args="$args --peer ws://${peer_host:-$peer}:$peer_port#$(wait_did "$peer")"; done
     # The control API stays on loopback (the node refuses anything else); a fixed
     # port lets the compose healthcheck reach /healthz. `talosd run` has no flag
     # for it, so it goes into the home's config.json (NodeConfig.api_port).
@@ -61,6 +69,12 @@ PY
     for peer in "$@"; do args="$args --allow $(wait_did "$peer")"; done
     # shellcheck disable=SC2086
     exec talos-proxy serve --home "$home" --listen "$bind:$port" $args -- python -m mcp_server_time
+    ;;
+  agent)
+    [ "$#" -eq 1 ] || { echo "agent takes exactly one tool service" >&2; exit 2; }
+    tool_did=$(wait_did "$1")
+    exec talos-proxy connect --home "$home" --peer "ws://${peer_host:-$1}:$peer_port#$tool_did" \
+      --http "$bind:$http_port"
     ;;
   *)
     echo "unknown role: $role" >&2; exit 2

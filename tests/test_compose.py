@@ -9,6 +9,8 @@ free ports) until the compose healthchecks pass against it.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import shlex
@@ -78,7 +80,7 @@ def test_dockerfile_installs_the_tool_the_entrypoint_runs() -> None:
 
 def test_services_use_known_roles_and_declared_volumes(compose: dict[str, Any]) -> None:
     roles = _entrypoint_roles()
-    assert roles == {"node", "tool"}
+    assert roles == {"node", "tool", "agent"}
     declared = set(compose["volumes"])
     names = set(_services(compose))
     used: set[str] = set()
@@ -100,13 +102,16 @@ def test_node_healthchecks_hit_healthz_on_the_entrypoint_api_port(
 ) -> None:
     api_port = re.search(r"api_port=\$\{TALOS_API_PORT:-(\d+)\}", ENTRYPOINT.read_text())
     port = re.search(r"port=\$\{TALOS_PORT:-(\d+)\}", ENTRYPOINT.read_text())
-    assert api_port and port
+    http_port = re.search(r"http_port=\$\{TALOS_HTTP_PORT:-(\d+)\}", ENTRYPOINT.read_text())
+    assert api_port and port and http_port
     for name, svc in _services(compose).items():
         test = svc["healthcheck"]["test"]
         assert test[0] == "CMD"
         code = test[-1]
         if svc["command"][0] == "node":
             assert f"http://127.0.0.1:{api_port.group(1)}/healthz" in code, name
+        elif svc["command"][0] == "agent":
+            assert f"('127.0.0.1', {http_port.group(1)})" in code, name
         else:
             assert f"('127.0.0.1', {port.group(1)})" in code, name
 
@@ -131,7 +136,8 @@ def test_entrypoint_uses_only_existing_subcommands_and_flags() -> None:
             calls.append((m.group(1), m.group(2), re.findall(r"(--[a-z][a-z-]*)", m.group(3))))
     used = {(prog, sub) for prog, sub, _ in calls}
     assert used == {("talosd", "init"), ("talosd", "id"), ("talosd", "run"),
-                    ("talos-proxy", "id"), ("talos-proxy", "serve")}  # fmt: skip
+                    ("talos-proxy", "id"), ("talos-proxy", "serve"),
+                    ("talos-proxy", "connect")}  # fmt: skip
     for prog, sub, flags in calls:
         assert re.search(rf"\b{sub}\b", _help(prog)), f"{prog} has no subcommand {sub}"
         sub_help = _help(prog, sub)
@@ -140,6 +146,19 @@ def test_entrypoint_uses_only_existing_subcommands_and_flags() -> None:
     # The peer flags built in loops: `--peer` for nodes, `--allow` for the tool.
     assert "--peer" in _help("talosd", "run")
     assert "--allow" in _help("talos-proxy", "serve")
+    assert "--http" in _help("talos-proxy", "connect")  # on the agent's continuation line
+
+
+def test_the_tool_allows_the_agent_service_which_dials_it(compose: dict[str, Any]) -> None:
+    services = _services(compose)
+    tools = [n for n, svc in services.items() if svc["command"][0] == "tool"]
+    agents = [n for n, svc in services.items() if svc["command"][0] == "agent"]
+    assert tools == ["time-tool"] and agents == ["agent"]
+    # serve --allows exactly the identities that can call it: the agent's own home.
+    assert services["time-tool"]["command"][2:] == ["agent"]
+    assert services["agent"]["command"][1:] == ["agent", "time-tool"]
+    homes = [svc["volumes"][0].split(":")[0] for svc in services.values()]
+    assert len(homes) == len(set(homes)), "two services share a home (its store is locked)"
 
 
 # --- the entrypoint, run for real outside a container -------------------------------------------
@@ -254,3 +273,65 @@ def test_entrypoint_refuses_an_unknown_role(
     assert proc.returncode == 2
     assert "unknown role: relay" in err
     assert not (tmp_path / "x").exists(), "an identity was created for a bad role"
+
+
+def _mcp_post(port: int, token: str, body: dict[str, Any], session: str | None) -> Any:
+    """One Streamable HTTP POST to the agent; the JSON-RPC reply of a request, else None."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE_S)
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json",
+               "Accept": "application/json, text/event-stream"}  # fmt: skip
+    if session is not None:
+        headers["Mcp-Session-Id"] = session
+    try:
+        conn.request("POST", "/mcp", json.dumps(body), headers)
+        resp = conn.getresponse()
+        if "id" not in body:
+            assert resp.status == 202, resp.read()
+            return None
+        assert resp.status == 200, resp.read()
+        for raw in resp:  # SSE: the reply is the first data line
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                return resp.headers["Mcp-Session-Id"], json.loads(line[5:])
+        pytest.fail("no reply on the event stream")
+    finally:
+        conn.close()
+
+
+def test_entrypoint_agent_reaches_the_tool_over_talos(
+    compose: dict[str, Any], tmp_path: Path, entry_env: tuple[dict[str, str], Path]
+) -> None:
+    """The compose wiring end to end: agent (connect --http) -> link -> time-tool (serve)."""
+    env, directory = entry_env
+    services = _services(compose)
+    tool, tool_port, _ = _start(env, tmp_path / "tool", *services["time-tool"]["command"])
+    http_port = _free_port()
+    agent_env = {**env, "TALOS_PEER_HOST": "127.0.0.1", "TALOS_PEER_PORT": str(tool_port),
+                 "TALOS_HTTP_PORT": str(http_port)}  # fmt: skip
+    agent, _, _ = _start(agent_env, tmp_path / "agent", *services["agent"]["command"])
+    try:
+        check = _healthcheck(services["agent"], {"7402": str(http_port)})
+        _until_healthy(check, agent, tmp_path / "agent.log")
+        token = (tmp_path / "agent" / "proxy-http.token").read_text().strip()
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                           "clientInfo": {"name": "compose-test", "version": "0"}}}  # fmt: skip
+        deadline = time.monotonic() + DEADLINE_S
+        while True:  # the link to the tool may still be coming up
+            session, reply = _mcp_post(http_port, token, init, None)
+            if "result" in reply or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert reply["result"]["serverInfo"]["name"], reply
+        _mcp_post(http_port, token, {"jsonrpc": "2.0", "method": "notifications/initialized"},
+                  session)  # fmt: skip
+        args = {"name": "get_current_time", "arguments": {"timezone": "UTC"}}
+        call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": args}
+        _, reply = _mcp_post(http_port, token, call, session)
+        assert reply["id"] == 2 and reply["result"]["isError"] is False, reply
+        assert '"timezone": "UTC"' in reply["result"]["content"][0]["text"]
+        assert (directory / "agent.did").read_text() != (directory / "time-tool.did").read_text()
+    finally:
+        _stop(agent)
+        _stop(tool)
+    assert agent.returncode == 0 and tool.returncode == 0
