@@ -721,6 +721,12 @@ class Node:
             event(_log, "commit_failed", level=level, error=repr(exc), count=len(batch))
             for did in peers:
                 self._peers[did].rx.rolled_back()
+            # Frames queued meanwhile were accepted after the lost ones: committing
+            # them would ack past messages never stored. The sender resends them all.
+            dropped = [i for i in self._incoming if i.peer in peers]
+            if dropped:
+                self._incoming = [i for i in self._incoming if i.peer not in peers]
+                self.metrics.inc("messages_dropped_after_failure", len(dropped))
         else:
             self.metrics.inc("commits")
             for item in batch:

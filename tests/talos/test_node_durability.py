@@ -26,6 +26,7 @@ from talos.config import NodeConfig
 from talos.link import heads as hd
 from talos.node import Node
 from talos.store import Store
+from talos_sdk.errors import StorageFullError
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import addr, link, make_home, started, until
 
@@ -232,6 +233,42 @@ async def test_forged_and_lower_heads(tmp_path: Path) -> None:
             await until(lambda: len(b.equivocations()) == 1, what="lower head flagged")
             assert b.equivocations()[0]["reason"] == "height below one already signed"
             assert b.peer_heads()[a.did]["height"] == 5
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_failed_receive_commit_does_not_ack_the_frames_queued_behind_it(
+    tmp_path: Path, gate: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review #1: m0's commit fails while m1..m4 wait; none of them may be acked."""
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    real = b._commit_batch
+    calls: list[int] = []
+
+    def first_fails(txn: Any, **kwargs: Any) -> None:
+        calls.append(len(kwargs["batch"]))
+        if len(calls) == 1:
+            assert gate.wait(20), "held write never released"
+            raise StorageFullError("injected: map full")
+        real(txn, **kwargs)
+
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            monkeypatch.setattr(b, "_commit_batch", first_fails)
+            sends = [asyncio.create_task(a.send_message(b.did, f"m{i}")) for i in range(5)]
+            # m0 is alone in the held commit; m1..m4 are accepted into the next batch.
+            await until(lambda: len(b._incoming) == 4, what="m1..m4 queued behind m0")
+            gate.set()
+            await asyncio.gather(*sends)
+            await a.send_message(b.did, "end", wait=True)
+            assert [e.text for e in b.inbox()] == [f"m{i}" for i in range(5)] + ["end"]
+            assert calls[0] == 1
+            assert b.metrics.counters["commit_failures"] == 1
+            assert b.metrics.counters["messages_dropped_after_failure"] == 4
+            await until(lambda: outbox(a) == 0, what="A drops the acked rows")
     finally:
         await a.stop()
         await b.stop()
