@@ -5,7 +5,8 @@ process is started (MCP servers are stateful), and JSON-RPC lines are moved
 between the tunnel and the process as bytes. The only parsing is the sniff
 policy and audit need; the only rewrite is a ``tools/list`` result filtered to
 what the caller may use. A denied ``tools/call`` is answered here (-32001) and
-never reaches the tool. A tool that dies answers all its pending requests with
+never reaches the tool; a ``tools/call`` without an id (a notification) is refused
+and audited, whatever the tool. A tool that dies answers all its pending requests with
 -32603 and its session is reported failed, so the client can start afresh.
 """
 
@@ -108,6 +109,17 @@ class _Session:
                 return
             self.calls[msg.id] = call
             proc.send(line, msg.id)
+            return
+        if msg.method == "tools/call":
+            # Not a request, so nothing could answer a denial: refuse whatever the policy says,
+            # so no kind of message runs a tool unchecked (review #5).
+            log.warning("%s: tools/call sent as a notification refused", self.label)
+            auditor = self.server.auditor
+            keep = auditor is not None and auditor.plaintext
+            call = _Call(
+                msg.method, msg.tool, digest(msg.params), time.perf_counter(), line if keep else b""
+            )
+            self._audit("", call, b"", "refused-notification")  # "": it carried no id
             return
         if msg.kind is Kind.NOTIFICATION and msg.method == "notifications/cancelled":
             params = msg.params if isinstance(msg.params, dict) else {}

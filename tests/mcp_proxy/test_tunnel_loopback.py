@@ -266,3 +266,31 @@ async def test_split_messages_cross_and_an_oversize_one_fails_the_session() -> N
         assert await proc.wait() is not None  # its tool process was stopped
         # The next call opens a fresh session that carries big messages again.
         assert text_of(await agent.call("echo", text=long_text)) == long_text
+
+
+async def test_tools_call_sent_as_a_notification_never_reaches_the_tool() -> None:
+    # Review #5: without an id, a tools/call skipped the policy and went straight to the tool.
+    sink = MemorySink()
+    auditor = Auditor(sink)
+    await auditor.start()
+    recorder = [sys.executable, "-m", "tests.tools.bad_server", "record"]
+    pair = Pair(Policy.build(allow=[CLIENT_DID], tools=["echo"], command=recorder), auditor=auditor)
+    agent = Agent(pair.client)
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            await agent.initialize()
+            for tool in ("crash", "echo"):  # a denied tool and an allowed one
+                await agent.notify("tools/call", {"name": tool, "arguments": {}})
+            await agent.notify("notifications/progress", {"progressToken": 1, "progress": 1})
+            seen = (await agent.request("ping"))["result"]["seen"]
+            await auditor.stop()
+    finally:
+        await pair.close()
+    assert [m["method"] for m in seen] == [
+        "initialize",
+        "notifications/initialized",
+        "notifications/progress",
+        "ping",
+    ]
+    refused = [(r.tool, r.outcome) for r in sink.records if r.method == "tools/call"]
+    assert refused == [("crash", "refused-notification"), ("echo", "refused-notification")]

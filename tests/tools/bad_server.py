@@ -6,7 +6,9 @@
 - ``crash-in-initialize``: reads the first line (initialize) and exits with code 5;
 - ``garbage``: answers every request line with a line of garbage, then with a
   response lacking result/error for the same id, then the proper echo response;
-- ``hang``: prints ``ready``, reads and never answers, ignoring SIGTERM (to exercise SIGKILL).
+- ``hang``: prints ``ready``, reads and never answers, ignoring SIGTERM (to exercise SIGKILL);
+- ``record``: answers every request with ``{"seen": [every message read so far]}``, so a
+  test can check what reached the tool (and what did not).
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ def main(mode: str) -> None:
         for _ in sys.stdin:
             pass
         signal.pause()
+    seen: list[object] = []
     for line in sys.stdin:
+        if mode == "record":
+            message = json.loads(line)
+            seen.append(message)
+            if "id" in message and "method" in message:
+                reply = {"jsonrpc": "2.0", "id": message["id"], "result": {"seen": seen}}
+                sys.stdout.write(json.dumps(reply) + "\n")
+                sys.stdout.flush()
+            continue
         if mode == "crash-in-initialize":
             sys.stderr.write("bad_server: crashing during initialize\n")
             sys.exit(5)
