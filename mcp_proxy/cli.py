@@ -27,7 +27,7 @@ from mcp_proxy.audit import AuditMode, Auditor, BlockLogSink
 from mcp_proxy.client import TunnelClient, serve_stdio
 from mcp_proxy.nodehost import http_token, make_node, node_did
 from mcp_proxy.policy import Policy, load_policy_file
-from mcp_proxy.server import TunnelServer
+from mcp_proxy.server import MAX_SESSIONS_PER_PEER, TunnelServer
 from mcp_proxy.transport import NodeTransport
 from talos.runtime import run
 from talos_sdk.errors import TalosError
@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--policy", type=Path, help="TOML policy file (servers, per-DID tools)")
     p_serve.add_argument("--audit", choices=["group", "strict"], default="group")
     p_serve.add_argument("--audit-plaintext", action="store_true", help="keep args/results")
+    p_serve.add_argument(
+        "--max-sessions",
+        type=int,
+        default=MAX_SESSIONS_PER_PEER,
+        help=f"tool processes one peer may hold at once (default {MAX_SESSIONS_PER_PEER})",
+    )
     p_serve.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
     p_conn = sub.add_parser("connect", help="be the MCP server an agent launches")
@@ -82,7 +88,9 @@ async def _serve(args: argparse.Namespace) -> None:
     node = make_node(args.home, listen=args.listen)
     # Default deny at the link: a DID the policy does not name never gets a session.
     node.authorizer = policy.is_peer_allowed
-    server = TunnelServer(NodeTransport(node), policy)
+    if args.max_sessions < 1:
+        raise SystemExit("--max-sessions must be at least 1")
+    server = TunnelServer(NodeTransport(node), policy, max_sessions=args.max_sessions)
     await node.start()
     auditor = Auditor(
         BlockLogSink(node.log, node.did),

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +37,14 @@ from mcp_proxy.transport import FrameSender, TunnelTransport
 from mcp_proxy.tunnel_wire import FrameKind, Joiner, TunnelFrame, decode_frame
 from talos_sdk.errors import OversizeError, ProtocolError
 
-__all__ = ["TunnelServer"]
+__all__ = ["INBOX_FRAMES", "MAX_SESSIONS_PER_PEER", "TunnelServer"]
 
 log = logging.getLogger(__name__)
+
+# Tool processes one peer may hold at once (each session is one process).
+MAX_SESSIONS_PER_PEER = 16
+# Frames of a peer waiting for its worker; beyond it the link stops reading (backpressure).
+INBOX_FRAMES = 8
 
 
 @dataclass(slots=True)
@@ -248,11 +253,13 @@ class TunnelServer:
         auditor: Auditor | None = None,
         *,
         grace: float = 2.0,
+        max_sessions: int = MAX_SESSIONS_PER_PEER,
     ) -> None:
         self.transport = transport
         self.policy = policy
         self.auditor = auditor
         self.grace = grace
+        self.max_sessions = max_sessions
         self.sessions: dict[tuple[str, int], _Session] = {}
         self._senders: dict[str, FrameSender] = {}
         self._inbox: dict[str, asyncio.Queue[TunnelFrame | None]] = {}
@@ -284,15 +291,16 @@ class TunnelServer:
 
     # --- inbound ------------------------------------------------------------------------------
 
-    def _on_payload(self, peer: str, payload: bytes) -> None:
+    def _on_payload(self, peer: str, payload: bytes) -> Awaitable[None] | None:
+        """Take one frame; an awaitable returned means: read no more until it is done."""
         try:
             frame = decode_frame(payload)
         except ProtocolError as exc:
             log.warning("bad tunnel frame from %s: %s", peer, exc)
-            return
+            return None
         queue = self._inbox.get(peer)
         if queue is None:
-            queue = self._inbox[peer] = asyncio.Queue()
+            queue = self._inbox[peer] = asyncio.Queue(INBOX_FRAMES)
         kind = frame.kind
         if kind is FrameKind.MESSAGES or kind is FrameKind.PART:
             session = self.sessions.get((peer, frame.session))
@@ -305,11 +313,16 @@ class TunnelServer:
                 # Hot path: no task hop when nothing is queued ahead of this frame.
                 self._take(session, frame)
                 self.sender_for(peer).flush_now()  # replies answered here (denied, malformed)
-                return
-        queue.put_nowait(frame)
+                proc = session.proc
+                # Only a tool slower than its caller costs an await (stdin above high water).
+                return None if proc.writable else proc.drain()
         worker = self._workers.get(peer)
         if worker is None or worker.done():
             self._workers[peer] = asyncio.create_task(self._work(peer, queue))
+        if queue.full():
+            return queue.put(frame)
+        queue.put_nowait(frame)
+        return None
 
     async def _work(self, peer: str, queue: asyncio.Queue[TunnelFrame | None]) -> None:
         while True:
@@ -364,6 +377,12 @@ class TunnelServer:
             log.warning("session %d from %s refused: %s", sid, peer, exc)
             self.sender_for(peer).control(FrameKind.ERROR, sid, str(exc).encode())
             return
+        held = sum(1 for p, _ in self.sessions if p == peer)
+        if held >= self.max_sessions:
+            reason = f"too many sessions: {peer} holds {held} (limit {self.max_sessions})"
+            log.warning("session %d refused: %s", sid, reason)
+            self.sender_for(peer).control(FrameKind.ERROR, sid, reason.encode())
+            return
         session = _Session(self, peer, sid, name, f"tool[{name}:{peer[-6:]}:{sid}]")
         proc = ToolProcess(
             spec,
@@ -392,6 +411,8 @@ class TunnelServer:
             del self.sessions[(s.peer, s.sid)]
         queue = self._inbox.pop(peer, None)
         if queue is not None:
+            while not queue.empty():  # its sessions are gone: nothing queued matters
+                queue.get_nowait()
             queue.put_nowait(None)
         self._workers.pop(peer, None)
         sender = self._senders.pop(peer, None)

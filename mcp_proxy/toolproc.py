@@ -158,6 +158,12 @@ class ToolProcess:
             return
         stdin.write(line + b"\n")
 
+    @property
+    def writable(self) -> bool:
+        """False while stdin holds more than its high-water mark (then ``drain``)."""
+        pipes = self._pipes
+        return pipes is None or pipes.writable.is_set()
+
     async def drain(self) -> None:
         """Wait for stdin to accept what was written (back-pressure from a slow tool)."""
         if self._pipes is not None and self.exit_code is None:

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from mcp_proxy.tunnel_wire import FrameKind, encode_frame
@@ -49,7 +49,8 @@ MAX_BATCH_BYTES = 256 * 1024
 # The tunnel frame header and length prefixes, on top of the messages it carries.
 _FRAME_SLACK = 64
 
-Receiver = Callable[[str, bytes], None]
+# A receiver returns an awaitable to make the link stop reading until it is done (backpressure).
+Receiver = Callable[[str, bytes], Awaitable[None] | None]
 LinkListener = Callable[[str, bool], None]
 
 
@@ -92,9 +93,11 @@ class NodeTransport:
         # Half the link frame bound leaves ample room for the seal and channel name.
         return min(MAX_BATCH_BYTES, int(self.node.config.max_frame) // 2)
 
-    def _on_app(self, peer: str, payload: bytes) -> None:
+    def _on_app(self, peer: str, payload: bytes) -> Awaitable[None] | None:
+        # The node awaits what is returned before it reads the link's next frame.
         if self._receiver is not None:
-            self._receiver(peer, payload)
+            return self._receiver(peer, payload)
+        return None
 
     async def send(self, peer: str, payload: bytes) -> None:
         await self.node.send_app(peer, self.app, payload)
@@ -123,6 +126,9 @@ class LoopbackTransport:
         self._listeners: list[LinkListener] = []
         self.sent_frames = 0
         self.max_payload = MAX_BATCH_BYTES
+        # Like a node's read loop: while a receiver's awaitable runs, later frames wait.
+        self._paused: asyncio.Future[None] | None = None
+        self._held: deque[tuple[str, bytes]] = deque()
 
     @classmethod
     def pair(cls, did_a: str, did_b: str) -> tuple[LoopbackTransport, LoopbackTransport]:
@@ -143,9 +149,27 @@ class LoopbackTransport:
         asyncio.get_running_loop().call_soon(other._deliver, self.did, payload)
         return True
 
+    @property
+    def held_frames(self) -> int:
+        """Frames delivered to this end but not yet read, because its receiver asked to wait."""
+        return len(self._held)
+
     def _deliver(self, peer: str, payload: bytes) -> None:
+        if self._paused is not None:
+            self._held.append((peer, payload))
+            return
         if self.up and self._receiver is not None:
-            self._receiver(peer, payload)
+            wait = self._receiver(peer, payload)
+            if wait is not None:
+                self._paused = asyncio.ensure_future(wait)
+                self._paused.add_done_callback(self._resume)
+
+    def _resume(self, done: asyncio.Future[None]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            log.warning("loopback receiver wait failed: %r", done.exception())
+        self._paused = None
+        while self._held and self._paused is None:
+            self._deliver(*self._held.popleft())
 
     def set_receiver(self, receiver: Receiver) -> None:
         self._receiver = receiver

@@ -166,3 +166,33 @@ async def test_many_small_messages_never_pass_the_bound_with_their_prefixes() ->
 async def test_node_transport_bound_follows_the_link_frame_bound(ends: Ends) -> None:
     transport = NodeTransport(ends.a, app="other")
     assert transport.max_payload == min(256 * 1024, ends.a.config.max_frame // 2)
+
+
+async def test_a_receiver_awaitable_holds_the_node_read_loop(tmp_path: Path) -> None:
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    events: list[str] = []
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def receive(peer: str, data: bytes) -> asyncio.Future[None] | None:
+        events.append(decode_frame(data).messages[0].decode())
+        return gate if len(events) == 1 else None
+
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            await link(a, b)
+            NodeTransport(b).set_receiver(receive)
+            sender = FrameSender(NodeTransport(a), b.did)
+            sender.message(1, b"first")
+            sender.flush_now()
+            sender.message(1, b"second")
+            sender.flush_now()
+            await until(lambda: events == ["first"], what="the first frame")
+            events.append("released")
+            gate.set_result(None)
+            await until(lambda: len(events) == 3, what="the second frame")
+            assert events == ["first", "released", "second"]
+            await sender.close()
+    finally:
+        await a.stop()
+        await b.stop()

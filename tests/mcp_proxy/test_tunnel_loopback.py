@@ -13,6 +13,7 @@ from mcp_proxy.audit import Auditor
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, LINK_DOWN, PARSE_ERROR, TOOL_DENIED
 from mcp_proxy.policy import Policy
 from tests.mcp_proxy.loopback import CLIENT_DID, EVERYTHING, Agent, MemorySink, Pair
+from tests.talos.nodes import until
 
 TIMEOUT = 30
 
@@ -294,3 +295,52 @@ async def test_tools_call_sent_as_a_notification_never_reaches_the_tool() -> Non
     ]
     refused = [(r.tool, r.outcome) for r in sink.records if r.method == "tools/call"]
     assert refused == [("crash", "refused-notification"), ("echo", "refused-notification")]
+
+
+async def test_a_tool_that_stops_reading_pauses_the_link() -> None:
+    # Review #6c: the tool's stdin buffer stays bounded; frames wait in the link instead.
+    deaf = [sys.executable, "-m", "tests.tools.bad_server", "deaf"]
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=deaf))
+    agent = Agent(pair.client)
+    filler = "f" * 100_000
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
+        stack.push_async_callback(pair.close)
+        await agent.notify("notifications/hello")  # opens the session and starts the tool
+        await until(
+            lambda: (
+                any(s.proc and s.proc.alive for s in pair.server.sessions.values())
+                and all(q.empty() for q in pair.server._inbox.values())
+            ),
+            what="the session to be up",
+        )
+        for i in range(40):  # 4 MB the tool never reads, on the hot path
+            await agent.notify("notifications/filler", {"i": i, "text": filler})
+        await until(lambda: pair.server_end.held_frames > 0, what="the link to pause")
+        (session,) = pair.server.sessions.values()
+        proc = session.proc
+        assert proc is not None and not proc.writable
+        stdin = proc._stdin
+        assert stdin is not None
+        # High water (64 KiB by default) plus at most the one frame that crossed it.
+        assert stdin.get_write_buffer_size() <= 64 * 1024 + 256 * 1024
+        # The tool going away releases the wait, and the held frames are read (and dropped).
+        await proc.terminate()
+        await until(lambda: pair.server_end.held_frames == 0, what="the link to resume")
+
+
+async def test_sessions_per_peer_are_capped() -> None:
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=EVERYTHING))
+    pair.server.max_sessions = 2
+    agents = [Agent(pair.client) for _ in range(3)]
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
+        stack.push_async_callback(pair.close)
+        for agent in agents[:2]:
+            await agent.initialize()
+        refused = await agents[2].request("initialize", {"protocolVersion": "2025-06-18"})
+        assert refused["error"]["code"] == INTERNAL_ERROR
+        assert refused["error"]["message"] == (f"too many sessions: {CLIENT_DID} holds 2 (limit 2)")
+        assert pair.server.started_processes == 2
+        # A closed session frees its place.
+        agents[0].session.close()
+        await until(lambda: len(pair.server.sessions) == 1, what="the session to close")
+        assert "result" in await agents[2].initialize()

@@ -7,6 +7,7 @@
 - ``garbage``: answers every request line with a line of garbage, then with a
   response lacking result/error for the same id, then the proper echo response;
 - ``hang``: prints ``ready``, reads and never answers, ignoring SIGTERM (to exercise SIGKILL);
+- ``deaf``: prints ``ready`` and never reads stdin (a tool slower than its caller);
 - ``record``: answers every request with ``{"seen": [every message read so far]}``, so a
   test can check what reached the tool (and what did not).
 """
@@ -26,6 +27,9 @@ def main(mode: str) -> None:
         print("ready", flush=True)
         for _ in sys.stdin:
             pass
+        signal.pause()
+    if mode == "deaf":
+        print("ready", flush=True)
         signal.pause()
     seen: list[object] = []
     for line in sys.stdin:
