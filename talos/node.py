@@ -555,7 +555,7 @@ class Node:
                 elif isinstance(frame, wire.SessionInit):
                     await self._on_session_init(peer, link, frame)
                 elif isinstance(frame, wire.SessionAck):
-                    self.sessions.on_ack(peer.did, frame)
+                    await self._on_session_ack(peer, link, frame)
                 elif isinstance(frame, wire.Refuse):
                     event(_log, "peer_refused", peer=peer.did, reason=frame.reason)
                     return
@@ -606,21 +606,54 @@ class Node:
             await link.close(CLOSE_PROTOCOL, "session out of sync; re-keying")
 
     async def _on_offer(self, peer: _Peer, link: Link, offer: wire.SessionOffer) -> None:
-        # The bundle must be signed in the suite the link proved (no downgrade).
-        check_bundle_auth(PrekeyBundle.from_bytes(offer.bundle).verify(), link.peer_mldsa65)
-        init = self.sessions.on_offer(peer.did, offer, link.suites)
+        try:
+            # The bundle must be signed in the suite the link proved (no downgrade).
+            check_bundle_auth(PrekeyBundle.from_bytes(offer.bundle).verify(), link.peer_mldsa65)
+            init = self.sessions.on_offer(peer.did, offer, link.suites)
+        except TalosError as exc:
+            await self._setup_failed(peer, link, exc)
+            return
         if init is not None:
             await self._write(lambda txn: self.sessions.persist_establish(txn, peer.did))
             await link.send(wire.encode(init))
+            return  # ready once the peer's SESSION_ACK shows it accepted the init
         if self.sessions.has(peer.did):
             self._set_ready(peer)
 
+    async def _setup_failed(self, peer: _Peer, link: Link, exc: TalosError) -> None:
+        """A link without a session is useless: close it so the next one sets up afresh."""
+        self.metrics.inc("session_setup_failures")
+        event(
+            _log,
+            "session_setup_failed",
+            level=logging.WARNING,
+            peer=peer.did,
+            kind=type(exc).__name__,
+            error=str(exc),
+        )
+        self.sessions.drop(peer.did)
+        with contextlib.suppress(ConnectionClosed):
+            await link.close(CLOSE_PROTOCOL, f"session setup failed: {exc}")
+
     async def _on_session_init(self, peer: _Peer, link: Link, init: wire.SessionInit) -> None:
-        ack = self.sessions.on_init(peer.did, init)
+        try:
+            ack = self.sessions.on_init(peer.did, init)
+        except TalosError as exc:
+            await self._setup_failed(peer, link, exc)
+            return
         await self._write(lambda txn: self.sessions.persist_establish(txn, peer.did))
         await link.send(wire.encode(ack))
         peer.tx.rewind()  # anything sealed with a replaced session is lost: resend
         self._set_ready(peer)
+
+    async def _on_session_ack(self, peer: _Peer, link: Link, ack: wire.SessionAck) -> None:
+        try:
+            self.sessions.on_ack(peer.did, ack)
+        except TalosError as exc:
+            await self._setup_failed(peer, link, exc)
+            return
+        if not peer.ready.is_set():
+            self._set_ready(peer)  # the initiator's session is confirmed now
 
     def _on_msg(self, peer: _Peer, frame: wire.Msg) -> None:
         opened = self.sessions.open_message(peer.did, frame.body)

@@ -28,6 +28,7 @@ than the frame (DESIGN.md performance targets).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 from dataclasses import dataclass
@@ -37,7 +38,13 @@ from talos.chain.block import Record
 from talos.link import wire
 from talos.pipeline import OutboxEntry
 from talos.store import Txn
-from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, PrekeyBundle, PrekeySecrets
+from talos_sdk.bundle import (
+    MAX_ONE_TIME,
+    SUITE_HYBRID,
+    SUITE_X25519,
+    PrekeyBundle,
+    PrekeySecrets,
+)
 from talos_sdk.errors import BundleError, MalformedFrameError, ProtocolError, UsageError
 from talos_sdk.frames import Frame, RatchetFrameCrypto
 from talos_sdk.ratchet import Session
@@ -122,6 +129,8 @@ class SessionManager:
         self._entries: dict[str, _Entry] = {}
         self._dirty: set[str] = set()
         self._secrets: PrekeySecrets | None = None
+        #: peer DID -> the one-time prekey id offered to that peer only.
+        self._reserved: dict[str, int] = {}
         self._signer = _KeepingSigner(wallet)
 
     # --- persistence ---------------------------------------------------------------------------
@@ -187,11 +196,43 @@ class SessionManager:
         return self._secrets
 
     def offer(self, peer: str) -> wire.SessionOffer:
-        secrets = self.secrets
-        if len(secrets.one_time_ids) < max(1, self._one_time // 2):
-            secrets.add_one_time(self._one_time - len(secrets.one_time_ids))
+        """Our bundle for ``peer``, carrying the one OPK reserved for it (none if ``one_time=0``).
+
+        Every peer sees a different OPK: two peers setting up sessions at once
+        must never both pick the same one (review #2). The OPKs are outside the
+        bundle signature (talos_sdk/bundle.py), so the subset needs no new one.
+        """
+        opk = self._reserve(peer)  # may mint OPKs: take the bundle after it
+        bundle = self.secrets.bundle()
         entry = self._entries.get(peer)
-        return wire.SessionOffer(secrets.bundle().to_bytes(), entry.sid if entry else b"")
+        sid = entry.sid if entry else b""
+        if opk is not None:
+            keys = dict(bundle.one_time)
+            bundle = dataclasses.replace(bundle, one_time=((opk, keys[opk]),))
+        elif bundle.one_time:
+            bundle = dataclasses.replace(bundle, one_time=())
+        return wire.SessionOffer(bundle.to_bytes(), sid)
+
+    def _reserve(self, peer: str) -> int | None:
+        """The unused OPK offered to ``peer`` alone, minting more when all are taken."""
+        if self._one_time == 0:
+            return None
+        secrets = self.secrets
+        unused = set(secrets.one_time_ids)
+        kept = self._reserved.get(peer)
+        if kept in unused:
+            return kept
+        # Forget reservations whose OPK was consumed, then take a free one.
+        self._reserved = {p: i for p, i in self._reserved.items() if i in unused}
+        taken = set(self._reserved.values())
+        free = sorted(unused - taken)
+        if not free:
+            room = MAX_ONE_TIME - len(unused)
+            if room <= 0:
+                return None  # X3DH without an OPK (Signal X3DH spec section 3.3)
+            free = secrets.add_one_time(min(room, max(1, self._one_time)))
+        self._reserved[peer] = free[0]
+        return free[0]
 
     def on_offer(
         self, peer: str, offer: wire.SessionOffer, suites: tuple[str, ...]

@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from talos.link.peer import Link
 from talos.node import ConnectTimeoutError, Node, NotConnectedError
 from talos.pipeline import make_seq
-from talos_sdk.errors import DIDError, UsageError
+from talos_sdk.errors import BundleError, DIDError, UsageError
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import addr, link, make_home, started, until
 
@@ -352,3 +353,59 @@ async def test_offline_send_is_delivered_on_the_next_run(tmp_path: Path) -> None
         await a.stop()
         await b.stop()
         assert [m["text"] for m in offline_inbox(Home(home_b))] == ["queued while stopped"]
+
+
+async def _three_by_did(root: Path) -> tuple[Node, Node, Node]:
+    """Three nodes, the hub last: it has the largest DID, so it responds to both."""
+    nodes = [await started(*make_home(root, name)) for name in ("x", "y", "z")]
+    lo, mid, hub = sorted(nodes, key=lambda n: n.did)
+    return lo, mid, hub
+
+
+async def test_two_peers_set_up_sessions_with_one_node_at_once(tmp_path: Path) -> None:
+    """Review #2: both initiators answer the hub's offers at once; both sessions come up."""
+    b, c, hub = await _three_by_did(tmp_path)
+    try:
+        async with asyncio.timeout(20):
+            hub.allow(b.did)
+            hub.allow(c.did)
+            await asyncio.gather(b.add_peer(addr(hub)), c.add_peer(addr(hub)))
+            for node, other in ((b, hub), (c, hub), (hub, b), (hub, c)):
+                await node.wait_connected(other.did, 10)
+            await b.send_message(hub.did, "from b", wait=True)
+            await c.send_message(hub.did, "from c", wait=True)
+            await hub.send_message(b.did, "to b", wait=True)
+            await hub.send_message(c.did, "to c", wait=True)
+            assert sorted(e.text for e in hub.inbox()) == ["from b", "from c"]
+            assert hub.metrics.counters.get("session_setup_failures", 0) == 0
+            assert hub.metrics.counters.get("frames_rejected", 0) == 0
+    finally:
+        for node in (b, c, hub):
+            await node.stop()
+
+
+async def test_failed_session_init_closes_the_link_and_sets_up_again(
+    pair: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review #2: a refused SESSION_INIT must not leave the initiator on a dead session."""
+    a, b = sorted(pair, key=lambda n: n.did)  # b responds
+    real = b.sessions.on_init
+    refused: list[str] = []
+
+    def refuse_once(peer: str, init: Any) -> Any:
+        if not refused:
+            refused.append(peer)
+            raise BundleError("injected: one-time prekey 0 was already used")
+        return real(peer, init)
+
+    monkeypatch.setattr(b.sessions, "on_init", refuse_once)
+    async with asyncio.timeout(20):
+        b.allow(a.did)
+        await a.add_peer(addr(b))
+        await a.wait_connected(b.did, 10)
+        await b.wait_connected(a.did, 10)
+        assert refused == [a.did]
+        assert b.metrics.counters["session_setup_failures"] == 1
+        assert a.metrics.counters["links_up"] >= 2  # the refused link was closed and redialled
+        await a.send_message(b.did, "after the retry", wait=True)
+        assert [e.text for e in b.inbox()] == ["after the retry"]

@@ -13,6 +13,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from talos.link import wire
+from talos.link.handshake import CLOSE_PROTOCOL
 from talos.link.peer import Link, LinkSettings, dial_link
 from talos.node import Node
 from talos.sessions import SessionManager
@@ -180,7 +181,14 @@ async def test_session_init_for_another_did_is_refused(victim: Node, tmp_path: P
             init = other.on_offer(victim.did, offer, ("x25519",))  # genuine, but from `third`
         assert init is not None
         await link.send(wire.encode(init))
-        await until(lambda: rejected(victim) == 1, what="rejection")
+        await until(
+            lambda: victim.metrics.counters.get("session_setup_failures", 0) == 1,
+            what="rejection",
+        )
+        # A link whose session setup failed is closed, so the next one starts afresh.
+        with pytest.raises(ConnectionClosed):
+            await link.recv()
+        assert link.ws.close_code == CLOSE_PROTOCOL
         assert not victim.is_connected(me.did)
         assert victim.sessions.has(me.did) is False
 

@@ -11,6 +11,7 @@ from talos.link import wire
 from talos.pipeline import OutboxEntry
 from talos.sessions import SessionManager, UnknownSessionError, load_secrets
 from talos.store import Store
+from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.errors import BundleError, DecryptionError, MalformedFrameError, ProtocolError
 from talos_sdk.wallet import Wallet
 
@@ -159,3 +160,44 @@ def test_app_and_message_frames_cannot_be_swapped(sides: tuple[Side, Side]) -> N
         b.sm.open_message(a.wallet.did, a.sm.seal_app(b.wallet.did, "x", b""))
     with pytest.raises(DecryptionError):
         b.sm.open_app(a.wallet.did, a.sm.seal_message(b.wallet.did, row(1, "m"))[0])
+
+
+def test_each_peer_is_offered_its_own_one_time_prekey(tmp_path: Path) -> None:
+    """Review #2: two initiators answering offers at once never share an OPK."""
+    wallets = sorted((Wallet.generate() for _ in range(3)), key=lambda w: w.did)
+    hub = Side(tmp_path, "hub", wallets[2])  # largest DID: responds to both
+    b, c = Side(tmp_path, "b", wallets[0]), Side(tmp_path, "c", wallets[1])
+    try:
+        suites = ("x25519-mlkem768", "x25519")
+        to_b, to_c = hub.sm.offer(b.wallet.did), hub.sm.offer(c.wallet.did)
+        opk_b = PrekeyBundle.from_bytes(to_b.bundle).one_time
+        opk_c = PrekeyBundle.from_bytes(to_c.bundle).one_time
+        assert len(opk_b) == len(opk_c) == 1 and opk_b[0][0] != opk_c[0][0]
+        # A second offer to the same peer (a new link) repeats its reservation.
+        again = PrekeyBundle.from_bytes(hub.sm.offer(b.wallet.did).bundle).one_time
+        assert again == opk_b
+        init_b = b.sm.on_offer(hub.wallet.did, to_b, suites)
+        init_c = c.sm.on_offer(hub.wallet.did, to_c, suites)
+        assert init_b is not None and init_c is not None
+        b.sm.on_ack(hub.wallet.did, hub.sm.on_init(b.wallet.did, init_b))
+        c.sm.on_ack(hub.wallet.did, hub.sm.on_init(c.wallet.did, init_c))
+        # Both OPKs are spent; more are minted, so the next offer still carries one.
+        left = set(hub.sm.secrets.one_time_ids)
+        assert opk_b[0][0] not in left and opk_c[0][0] not in left
+        nxt = PrekeyBundle.from_bytes(hub.sm.offer(b.wallet.did).bundle).one_time
+        assert len(nxt) == 1 and nxt[0][0] in hub.sm.secrets.one_time_ids
+        # Replaying B's init (its OPK is used) is refused with a clear error.
+        with pytest.raises(BundleError, match="already used"):
+            hub.sm.on_init(b.wallet.did, init_b)
+    finally:
+        for side in (hub, b, c):
+            side.store.close()
+
+
+def test_no_one_time_prekeys_configured_offers_none(tmp_path: Path) -> None:
+    w = Wallet.generate()
+    with Store(tmp_path / "s", map_size=1 << 22) as store:
+        sm = SessionManager(store, w, pq=False, one_time=0, ratchet_every=1)
+        with store.write() as txn:
+            sm.load(txn, discard=False)
+        assert PrekeyBundle.from_bytes(sm.offer(Wallet.generate().did).bundle).one_time == ()
