@@ -66,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     p_conn.add_argument("--peer", required=True, help="ws://HOST:PORT#DID of the serve side")
     p_conn.add_argument("--server", default="", help="server name when the peer offers several")
     p_conn.add_argument("--http", metavar="HOST:PORT", help="serve Streamable HTTP, not stdio")
+    p_conn.add_argument(
+        "--http-idle",
+        type=float,
+        default=1800.0,  # http_front.IDLE_TIMEOUT; not imported: stdio never loads aiohttp
+        metavar="SECONDS",
+        help="end an HTTP session (and its remote tool) idle this long (default 1800)",
+    )
     p_conn.add_argument("--link-wait", type=float, default=15.0, help="seconds to wait for a link")
     return parser
 
@@ -122,7 +129,7 @@ async def _connect(args: argparse.Namespace) -> None:
         if args.http:
             from mcp_proxy.http_front import HttpFront
 
-            front = HttpFront(client, http_token(args.home), args.http)
+            front = HttpFront(client, http_token(args.home), args.http, idle_timeout=args.http_idle)
             await front.start()
             print(f"talos-proxy: Streamable HTTP on {front.url}", file=sys.stderr, flush=True)
             try:

@@ -15,6 +15,12 @@ carries its request, a progress notification to the POST whose request holds
 its ``progressToken``, anything else (sampling, elicitation, logging,
 list_changed) to the GET stream, or to the newest open POST stream when there
 is none, or kept until a stream opens.
+
+A session no request has touched for ``idle_timeout`` seconds (30 min by
+default; a POST waiting for its response counts as a touch, an open GET
+stream does not) is ended like a DELETE: its tunnel session closes, which
+stops the remote tool process, and later requests get 404 (spec "Session
+Management": the client then starts a new session).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ SESSION_HEADER = "Mcp-Session-Id"
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 MAX_BACKLOG = 1000
 MAX_BODY = 16 * 1024 * 1024
+IDLE_TIMEOUT = 30 * 60.0
 
 
 class _Stream:
@@ -65,6 +72,14 @@ class _HttpSession:
         self.posts: list[_Stream] = []
         self.get_stream: _Stream | None = None
         self.backlog: deque[bytes] = deque(maxlen=MAX_BACKLOG)
+        self.last_used = asyncio.get_running_loop().time()
+
+    def touch(self) -> None:
+        self.last_used = asyncio.get_running_loop().time()
+
+    def idle_since(self, now: float) -> float:
+        """Seconds without a request; 0 while a POST still waits for its response."""
+        return 0.0 if self.posts else now - self.last_used
 
     def deliver(self, line: bytes) -> None:
         try:
@@ -134,9 +149,20 @@ def parse_bind(spec: str) -> tuple[str, int]:
 class HttpFront:
     """The aiohttp app serving MCP Streamable HTTP in front of a :class:`TunnelClient`."""
 
-    def __init__(self, client: TunnelClient, token: str, bind: str = "127.0.0.1:0") -> None:
+    def __init__(
+        self,
+        client: TunnelClient,
+        token: str,
+        bind: str = "127.0.0.1:0",
+        *,
+        idle_timeout: float = IDLE_TIMEOUT,
+    ) -> None:
+        if idle_timeout <= 0:
+            raise ValueError("idle_timeout must be positive")
         self.client = client
         self.token = token
+        self.idle_timeout = idle_timeout
+        self._reaper: asyncio.Task[None] | None = None
         self.host, self.port = parse_bind(bind)
         if self.host not in LOOPBACK_HOSTS:
             log.warning("Streamable HTTP bound to %s: reachable beyond this machine", self.host)
@@ -159,8 +185,26 @@ class HttpFront:
         host, port = sock.getsockname()[:2]
         self.port = port
         self.url = f"http://{host}:{port}{ENDPOINT}"
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        """End sessions idle for longer than ``idle_timeout`` (each holds a remote tool)."""
+        loop = asyncio.get_running_loop()
+        period = min(self.idle_timeout / 4, 60.0)
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for session in list(self.sessions.values()):
+                if session.idle_since(now) > self.idle_timeout:
+                    log.info("http session %s idle, closed", session.id[:8])
+                    del self.sessions[session.id]
+                    session.close()
 
     async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
         for session in list(self.sessions.values()):
             session.close()
         self.sessions.clear()
@@ -189,6 +233,7 @@ class HttpFront:
         session = self.sessions.get(sid)
         if session is None:
             return _json_error(404, -32600, "Session not found")
+        session.touch()
         return session
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
@@ -226,6 +271,7 @@ class HttpFront:
             await session.tunnel.from_agent(body)
             await self._pump(response, stream)
         finally:
+            session.touch()  # idle from the end of its last exchange
             session.posts.remove(stream)
             if msg.progress_token is not None:
                 session.tokens.pop(msg.progress_token, None)

@@ -19,6 +19,7 @@ from mcp_proxy.http_front import HttpFront, parse_bind
 from mcp_proxy.jsonrpc import TOOL_DENIED
 from mcp_proxy.policy import Policy
 from tests.mcp_proxy.loopback import CLIENT_DID, EVERYTHING, Pair
+from tests.talos.nodes import until
 
 TOKEN = "test-token-0123456789"
 TIMEOUT = 40
@@ -131,3 +132,47 @@ def test_parse_bind() -> None:
         parse_bind("127.0.0.1:http")
     with pytest.raises(ValueError, match="out of range"):
         parse_bind("127.0.0.1:70000")
+
+
+async def test_idle_session_is_closed_with_its_remote_tool() -> None:
+    # Review #17: an HTTP session nobody uses any more must not keep a tool process alive.
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=EVERYTHING))
+    front = HttpFront(pair.client, TOKEN, "127.0.0.1:0", idle_timeout=0.2)
+    await front.start()
+    headers = {"Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "idle", "version": "0"},
+        },
+    }
+    try:
+        async with asyncio.timeout(TIMEOUT), httpx2.AsyncClient(headers=headers) as http:
+            reply = await http.post(front.url, json=init)
+            assert reply.status_code == 200 and "serverInfo" in reply.text
+            sid = reply.headers["Mcp-Session-Id"]
+            (tool_session,) = pair.server.sessions.values()
+            proc = tool_session.proc
+            assert proc is not None
+            await until(lambda: not front.sessions, what="the idle session to be closed")
+            assert await proc.wait() is not None  # the remote tool process was stopped
+            await until(lambda: not pair.server.sessions, what="the remote session to end")
+            ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+            gone = await http.post(front.url, json=ping, headers={"Mcp-Session-Id": sid})
+            assert gone.status_code == 404
+    finally:
+        await front.stop()
+        await pair.close()
+
+
+async def test_idle_timeout_must_be_positive() -> None:
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=EVERYTHING))
+    try:
+        with pytest.raises(ValueError, match="idle_timeout must be positive"):
+            HttpFront(pair.client, TOKEN, idle_timeout=0)
+    finally:
+        await pair.close()
