@@ -27,6 +27,7 @@ from tests.mcp_proxy.e2e import (
     ENV,
     PROXY,
     REPO,
+    Serve,
     did_of,
     sdk_client,
     serving,
@@ -185,15 +186,22 @@ async def test_link_drop_errors_pending_and_reconnects(tmp_path: Path) -> None:
     try:
         async with asyncio.timeout(TIMEOUT), sdk_client(tmp_path / "c", address) as client:
             pid1 = text(await client.call_tool("pid", {}))
-            call = asyncio.create_task(client.call_tool("slow", {"steps": 200, "delay": 0.05}))
-            await asyncio.sleep(0.2)
+            in_flight = asyncio.Event()
+
+            async def on_progress(_p: float, _t: float | None, _m: str | None) -> None:
+                in_flight.set()  # the tool has the call: the kill lands mid-request
+
+            call = asyncio.create_task(
+                client.call_tool(
+                    "slow", {"steps": 200, "delay": 0.05}, progress_callback=on_progress
+                )
+            )
+            await in_flight.wait()
             await serve.stop(signal.SIGKILL)
             with pytest.raises(MCPError) as dropped:
                 await call
             assert dropped.value.code == LINK_DOWN
-            serve = await start_serve(
-                tmp_path / "s", listen, ["--allow", client_did], EVERYTHING_CMD
-            )
+            serve = await restart_serve(tmp_path / "s", listen, ["--allow", client_did])
             # connect's node redials with backoff; the session is reopened and re-initialised.
             pid2 = text(await client.call_tool("pid", {}))
             assert pid2 != pid1
@@ -202,6 +210,22 @@ async def test_link_drop_errors_pending_and_reconnects(tmp_path: Path) -> None:
 
 
 EVERYTHING_CMD = [sys.executable, "-m", "tests.tools.everything_server"]
+
+
+async def restart_serve(home: Path, listen: str, args: list[str]) -> Serve:
+    """Serve again on the port of a killed serve (bound with SO_REUSEADDR by asyncio).
+
+    The old process has been reaped, so its listening socket is closed; a retry only
+    covers the kernel still tearing it down.
+    """
+    for attempt in range(5):
+        try:
+            return await start_serve(home, listen, args, EVERYTHING_CMD)
+        except RuntimeError:
+            if attempt == 4:
+                raise
+            await asyncio.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 async def test_malformed_json_rpc_both_ways(tmp_path: Path) -> None:
