@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from talos.chain.log import UnknownRecordError
+from talos.chain.log import Quarantined, UnknownRecordError
 from talos_sdk.errors import StorageFullError, TalosError, UsageError
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ def build_app(node: Node, token: str) -> web.Application:
                 mldsa65_public_key=node.wallet.mldsa_public_key,
             )
         )
-        return _json(report_json(report))
+        return _json(report_json(report, node.log.quarantined()))
 
     @routes.get("/v1/chain/show")
     async def show(request: web.Request) -> web.Response:
@@ -238,7 +238,8 @@ def block_json(block: Any) -> dict[str, Any]:
     }
 
 
-def report_json(report: Any) -> dict[str, Any]:
+def report_json(report: Any, quarantined: Iterable[Quarantined] = ()) -> dict[str, Any]:
+    """A chain verify report; ``quarantined`` lists records the sealer refused (review #7)."""
     return {
         "ok": report.ok,
         "blocks": report.blocks,
@@ -249,6 +250,16 @@ def report_json(report: Any) -> dict[str, Any]:
             {"code": d.code, "height": d.height, "index": d.index, "message": d.message}
             for d in report.defects
         ],
+        "quarantined": [_quarantined_json(q) for q in quarantined],
+    }
+
+
+def _quarantined_json(q: Quarantined) -> dict[str, Any]:
+    record = q.record
+    return {
+        "reason": q.reason,
+        "record_id": record.record_id.hex() if record is not None else None,
+        "sender": record.sender if record is not None else None,
     }
 
 

@@ -52,7 +52,7 @@ from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_PROTOCOL, CLOSE_SHUTDOWN
 from talos.link.peer import Link, LinkSettings, PeerRefused, accept_link, dial_link
 from talos.logging import event
 from talos.metrics import Metrics
-from talos.sessions import Opened, SessionManager, UnknownSessionError
+from talos.sessions import Opened, SessionManager, UnknownSessionError, UnsignedMessageError
 from talos.store import Store, Txn
 from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.errors import (
@@ -216,12 +216,14 @@ class Node:
             asyncio.create_task(self._flush_loop(), name="talos-session-flush"),
             asyncio.create_task(self._retry_loop(), name="talos-retry"),
             asyncio.create_task(self._heads_loop(), name="talos-heads"),
+            asyncio.create_task(self._quarantine_loop(), name="talos-quarantine"),
         ]
         self.metrics.gauge(
             "peers_connected", lambda: sum(p.ready.is_set() for p in self._peers.values())
         )
         self.metrics.gauge("outbox_depth", self._outbox_depth)
         self.metrics.gauge("log_pending_records", lambda: self.log.pending_count)
+        self.metrics.gauge("log_quarantined_records", self.quarantined_count)
         self.started = True  # from here on, stop() can undo a failed start
         try:
             await self._start_network()
@@ -656,7 +658,11 @@ class Node:
             self._set_ready(peer)  # the initiator's session is confirmed now
 
     def _on_msg(self, peer: _Peer, frame: wire.Msg) -> None:
-        opened = self.sessions.open_message(peer.did, frame.body)
+        try:
+            opened = self.sessions.open_message(peer.did, frame.body)
+        except UnsignedMessageError:
+            self.metrics.inc("messages_unsigned")
+            raise
         if opened.seq != frame.seq:
             raise ProtocolError("MSG header sequence differs from the sealed one")
         verdict = peer.rx.classify(opened.seq, opened.prev)
@@ -1027,6 +1033,37 @@ class Node:
                 json.loads(value) for key, value in _prefixed(txn.items("meta", prefix), prefix)
             ]
 
+    # --- quarantined records -------------------------------------------------------------------
+
+    def quarantined_count(self) -> int:
+        """Records the sealer refused (bad signature, malformed, duplicate id)."""
+        with self.store.read() as txn:
+            return txn.count("quarantine")
+
+    async def _quarantine_loop(self) -> None:
+        """Say loudly when the sealer quarantines a record (review #7): nothing else reads it."""
+        seen = self.quarantined_count()
+        if seen:
+            event(_log, "records_quarantined", level=logging.WARNING, total=seen, new=0)
+        while True:
+            await asyncio.sleep(self.config.seal_interval)
+            now = self.quarantined_count()
+            if now <= seen:
+                continue
+            fresh = self.log.quarantined()[seen:]
+            self.metrics.inc("records_quarantined", now - seen)
+            for q in fresh:
+                record = q.record
+                event(
+                    _log,
+                    "record_quarantined",
+                    level=logging.WARNING,
+                    reason=q.reason,
+                    record_id=record.record_id.hex() if record is not None else None,
+                    sender=record.sender if record is not None else None,
+                )
+            seen = now
+
     # --- application channels ------------------------------------------------------------------
 
     def register_app(self, name: str, handler: AppHandler) -> None:
@@ -1148,6 +1185,7 @@ class Node:
                 "log_pending": self.log.pending_count,
             },
             "chain_height": self.log.height,
+            "quarantined_records": self.quarantined_count(),
             "equivocations": self.equivocations(),
         }
 
@@ -1254,9 +1292,8 @@ def offline_verify(home: Home) -> dict[str, Any]:
     wallet = Wallet.load(home.identity)
     with _offline_store(home) as store:
         # The ML-DSA key comes from the wallet, never from the store being audited.
-        return report_json(
-            verify_chain(store, wallet.did, mldsa65_public_key=wallet.mldsa_public_key)
-        )
+        report = verify_chain(store, wallet.did, mldsa65_public_key=wallet.mldsa_public_key)
+        return report_json(report, BlockLog(store, wallet).quarantined())
 
 
 def offline_blocks(home: Home) -> list[dict[str, Any]]:

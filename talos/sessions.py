@@ -50,7 +50,13 @@ from talos_sdk.frames import Frame, RatchetFrameCrypto
 from talos_sdk.ratchet import Session
 from talos_sdk.wallet import Wallet
 
-__all__ = ["Opened", "SessionManager", "UnknownSessionError", "load_secrets"]
+__all__ = [
+    "Opened",
+    "SessionManager",
+    "UnknownSessionError",
+    "UnsignedMessageError",
+    "load_secrets",
+]
 
 _SECRETS_KEY = b"secrets"
 _APP_AD = b"talos/app/v1"
@@ -63,6 +69,10 @@ MSG_FRAME_TYPE = 1  # talos_sdk.frames Frame.type of a durable text message
 
 class UnknownSessionError(ProtocolError):
     """A frame arrived for a peer we hold no session with."""
+
+
+class UnsignedMessageError(ProtocolError):
+    """A MSG frame without the sender's signature over its commitment (review #7)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +357,9 @@ class SessionManager:
         self._dirty.add(peer)
         if frame.type != MSG_FRAME_TYPE:
             raise ProtocolError(f"expected a message frame, got type {frame.type}")
+        if not commitment.signature:
+            # The audit record needs the sender's signature (DESIGN.md "block log").
+            raise UnsignedMessageError("message frame is unsigned; messages must be signed")
         if frame.sender != peer or frame.recipient != self._wallet.did:
             raise ProtocolError("message frame names other parties than this link")
         if len(frame.payload) < _MSG_HEAD:

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from talos.chain.block import Record
+from talos.chain.log import BlockLog
 from talos.client import ApiClient, ApiError
 from talos.store import Store
+from talos_sdk.wallet import Wallet
 from tests.talos.daemons import ENV, TALOSD, Daemon, fast_config, talosd, wait_for
 
 
@@ -148,6 +151,24 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
         b.stop()
     res = talosd("chain", "verify", "--home", str(home_b))
     assert res.returncode == 0, res.stderr
+    assert "WARNING" not in res.stderr
+    # Review #7: a record with a forged signature is quarantined at sealing; verify
+    # names it in a warning line and still exits 0 (it never entered the chain).
+    forged_id = b"\x07" * 16
+    with Store(home_b / "store") as store:
+        wallet = Wallet.load(home_b / "identity.key")
+        log = BlockLog(store, wallet)
+        log.append(
+            Record("msg", forged_id, did_a, wallet.did, b"commitment", b"\0" * 64, 1),
+            durable=True,
+        )
+        log.seal()
+    res = talosd("chain", "verify", "--home", str(home_b))
+    assert res.returncode == 0, res.stderr
+    assert f"WARNING quarantined record {forged_id.hex()} from {did_a}" in res.stderr
+    assert "1 quarantined record(s)" in res.stderr
+    res = talosd("chain", "verify", "--json", "--home", str(home_b))
+    assert [q["record_id"] for q in json.loads(res.stdout)["quarantined"]] == [forged_id.hex()]
     # Tamper with one sealed record on the stopped node: verify says where and exits 1.
     with Store(home_b / "store") as store, store.write() as txn:
         key, value = next(iter(txn.items("block_records")))

@@ -228,6 +228,13 @@ async def test_replayed_message_and_forged_signature(victim: Node, rogue: Rogue)
         await asyncio.to_thread(victim.log.seal)
         (q,) = victim.log.quarantined()
         assert "signature does not verify" in q.reason
+        # Review #7: the quarantine is counted, logged and shown in the status.
+        await until(
+            lambda: victim.metrics.counters.get("records_quarantined", 0) == 1,
+            what="quarantine noticed",
+        )
+        assert victim.status()["quarantined_records"] == 1
+        assert victim.metrics.gauges["log_quarantined_records"]() == 1
         assert victim.log.find_record(b"1" * 16) is not None
         assert victim.log.find_record(b"2" * 16) is None
         assert [e.text for e in victim.inbox()] == ["once", "forged signature"]
@@ -257,3 +264,29 @@ async def test_sessions_out_of_step_are_rekeyed(victim: Node, rogue: Rogue) -> N
         assert rogue.link is not None
         await rogue.link.send(b"\x30" + rogue.sessions.seal_app(victim.did, "t", b"in step"))
         await until(lambda: got == [b"in step"], what="frame on the new session")
+
+
+async def test_unsigned_message_frame_is_refused(victim: Node, rogue: Rogue) -> None:
+    """Review #7: a MSG frame without the sender's signature never reaches the inbox."""
+    from talos.sessions import MSG_FRAME_TYPE
+    from talos_sdk.frames import Frame
+
+    me = rogue.wallet.did
+    async with asyncio.timeout(20):
+        link = await rogue.connect(victim)
+        await rogue.establish(victim)
+        frame = Frame(
+            type=MSG_FRAME_TYPE,
+            sender=me,
+            recipient=victim.did,
+            sequence=1,
+            timestamp=5,
+            payload=b"1" * 16 + (0).to_bytes(8, "big") + b"unsigned",
+        )
+        entry = rogue.sessions._get(victim.did)
+        body = rogue.sessions._crypto(entry).seal(frame, sign=False)
+        await link.send(wire.encode(wire.Msg(1, body)))
+        await until(lambda: rejected(victim) == 1, what="unsigned frame rejected")
+        assert victim.metrics.counters["messages_unsigned"] == 1
+        assert victim.inbox() == []
+        assert victim.is_connected(me)  # bad input costs the frame, not the link

@@ -201,3 +201,23 @@ def test_no_one_time_prekeys_configured_offers_none(tmp_path: Path) -> None:
         with store.write() as txn:
             sm.load(txn, discard=False)
         assert PrekeyBundle.from_bytes(sm.offer(Wallet.generate().did).bundle).one_time == ()
+
+
+def test_unsigned_message_frame_is_refused(sides: tuple[Side, Side]) -> None:
+    """Review #7: the receiver logs the sender's signature, so an unsigned MSG is an error."""
+    from talos.sessions import MSG_FRAME_TYPE, UnsignedMessageError
+    from talos_sdk.frames import Frame
+
+    a, b = sides
+    setup(a, b)
+    frame = Frame(
+        type=MSG_FRAME_TYPE,
+        sender=a.wallet.did,
+        recipient=b.wallet.did,
+        sequence=1,
+        timestamp=5,
+        payload=b"1" * 16 + (0).to_bytes(8, "big") + b"unsigned",
+    )
+    body = a.sm._crypto(a.sm._get(b.wallet.did)).seal(frame, sign=False)
+    with pytest.raises(UnsignedMessageError, match="unsigned"):
+        b.sm.open_message(a.wallet.did, body)
