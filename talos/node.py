@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -58,6 +59,7 @@ from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.errors import (
     DecryptionError,
     HandshakeError,
+    OversizeError,
     ProtocolError,
     SignatureError,
     StorageError,
@@ -66,13 +68,23 @@ from talos_sdk.errors import (
 )
 from talos_sdk.wallet import Wallet
 
-__all__ = ["ConnectTimeoutError", "Node", "NotConnectedError", "init_home"]
+__all__ = [
+    "ConnectTimeoutError",
+    "MessageTooLargeError",
+    "Node",
+    "NotConnectedError",
+    "init_home",
+    "text_limit",
+]
 
 _log = logging.getLogger("talos.node")
 _U64 = struct.Struct(">Q")
 _RUNNING = b"running"
 #: Consecutive undecryptable frames after which a session is re-keyed.
 _DESYNC_LIMIT = 16
+#: Bytes a sealed MSG frame adds to its text (ratchet header with ML-KEM material,
+#: both DIDs, signature, AEAD tag; measured up to ~1.6 KiB), with room to spare.
+MSG_OVERHEAD = 3072
 _T = TypeVar("_T")
 
 AppHandler = Callable[[str, bytes], Awaitable[None] | None]
@@ -85,6 +97,15 @@ class NotConnectedError(TalosError, ConnectionError):
 
 class ConnectTimeoutError(NotConnectedError, TimeoutError):
     """``wait_connected`` gave up."""
+
+
+class MessageTooLargeError(OversizeError, UsageError):
+    """A message text that cannot fit in one frame the receiver accepts (review #9)."""
+
+
+def text_limit(max_frame: int) -> int:
+    """The largest message text (UTF-8 bytes) whose MSG frame fits in ``max_frame``."""
+    return max(0, max_frame - MSG_OVERHEAD)
 
 
 def init_home(path: Path, config: NodeConfig | None = None, *, suite: str | None = None) -> Wallet:
@@ -139,6 +160,10 @@ class _Peer:
     #: Our own audit records of sent, unacknowledged messages, by seq.
     records: dict[int, Record] = field(default_factory=dict)
     head_sent: int = -1
+    #: The largest link frame the peer accepts (its SESSION_OFFER); 0 = not said yet.
+    max_frame: int = 0
+    #: Rows failed as too large for the peer: seq -> their prev, which their successor takes.
+    skipped: dict[int, int] = field(default_factory=dict)
 
 
 class Node:
@@ -491,7 +516,9 @@ class Node:
         if task is not None:
             self._link_tasks.add(task)
         try:
-            await link.send(wire.encode(self.sessions.offer(link.peer_did)))
+            offer = self.sessions.offer(link.peer_did)
+            offer = wire.SessionOffer(offer.bundle, offer.session_id, self.config.max_frame)
+            await link.send(wire.encode(offer))
             await self._read_loop(peer, link)
         except ConnectionClosed:
             pass
@@ -615,6 +642,8 @@ class Node:
         except TalosError as exc:
             await self._setup_failed(peer, link, exc)
             return
+        if offer.max_frame:
+            peer.max_frame = offer.max_frame
         if init is not None:
             await self._write(lambda txn: self.sessions.persist_establish(txn, peer.did))
             await link.send(wire.encode(init))
@@ -818,12 +847,17 @@ class Node:
             raise UsageError("cannot send a message to this node itself")
         if not isinstance(text, str):
             raise UsageError("message text must be a string")
-        if len(text.encode()) > self.config.max_frame - 1024:
-            raise UsageError(f"message above {self.config.max_frame - 1024} bytes")
         from talos_sdk.did import public_key_from_did
 
         public_key_from_did(did)  # a clear DIDError for a malformed recipient
         peer = self._peer(did)
+        limit = self._text_limit(peer)
+        size = len(text.encode())
+        if size > limit:
+            raise MessageTooLargeError(
+                f"message of {size} bytes above the {limit}-byte limit for {did}"
+                " (the smaller of both nodes' max_frame, minus frame overhead)"
+            )
         # ADR 0007: the number is unique across crashes, so the frame may leave
         # before its outbox row is durable; the caller hears back only after.
         prev = peer.last_assigned
@@ -876,6 +910,44 @@ class Node:
         if self._outgoing and not self._stopping:
             self._flush_outbox()
 
+    def _text_limit(self, peer: _Peer) -> int:
+        bound = self.config.max_frame
+        if peer.max_frame:
+            bound = min(bound, peer.max_frame)
+        return text_limit(bound)
+
+    def _prev(self, peer: _Peer, prev: int) -> int:
+        """``prev`` past any rows failed as too large (their successor names their prev)."""
+        while prev in peer.skipped:
+            prev = peer.skipped[prev]
+        return prev
+
+    def _fits(self, peer: _Peer, row: pl.OutboxEntry) -> bool:
+        """False (and the row is failed for good) if the peer can never accept it."""
+        if row.seq in peer.skipped:
+            return False  # failed already; its outbox row may not be deleted yet
+        if not peer.max_frame or len(row.text.encode()) <= text_limit(peer.max_frame):
+            return True
+        peer.skipped[row.seq] = row.prev
+        peer.fresh = [r for r in peer.fresh if r.seq != row.seq]
+        self.metrics.inc("messages_failed")
+        event(
+            _log,
+            "message_failed",
+            level=logging.WARNING,
+            peer=peer.did,
+            msg_id=row.msg_id.hex(),
+            reason=f"above the peer's {text_limit(peer.max_frame)}-byte message limit",
+        )
+        exc = MessageTooLargeError(f"message {row.msg_id.hex()} can never fit {peer.did}'s frames")
+        for fut in peer.tx.waiters.pop(row.seq, []):
+            if not fut.done():
+                fut.set_exception(exc)
+        self._spawn(
+            self._write(functools.partial(_skip_row, row=row, prev=self._prev(peer, row.prev)))
+        )
+        return False
+
     async def _send_now(self, peer: _Peer, row: pl.OutboxEntry) -> bool:
         """Send ``row`` from the caller's task when it is next and the socket has room."""
         link = peer.link
@@ -883,7 +955,7 @@ class Node:
             peer.pumping
             or link is None
             or not peer.ready.is_set()
-            or row.prev > peer.tx.sent
+            or self._prev(peer, row.prev) > peer.tx.sent
             or not link.can_send_now
         ):
             return False
@@ -897,6 +969,11 @@ class Node:
         return True
 
     async def _send_row(self, peer: _Peer, link: Link, row: pl.OutboxEntry) -> None:
+        if not self._fits(peer, row):
+            return
+        prev = self._prev(peer, row.prev)
+        if prev != row.prev:
+            row = dataclasses.replace(row, prev=prev)
         body, record = self.sessions.seal_message(peer.did, row)
         peer.records[row.seq] = record
         if peer.tx.sent == peer.tx.acked:
@@ -910,10 +987,12 @@ class Node:
         """Writer thread: outbox rows, minus those the peer acked already (ack raced us)."""
         for row in rows:
             peer = self._peers.get(row.peer)
-            if peer is not None and row.seq <= peer.tx.acked:
+            if peer is not None and (row.seq <= peer.tx.acked or row.seq in peer.skipped):
                 pl.note_assigned(txn, row.peer, row.seq)
-            else:
-                pl.put_row(txn, row)
+                continue
+            if peer is not None and row.prev in peer.skipped:
+                row = dataclasses.replace(row, prev=self._prev(peer, row.prev))
+            pl.put_row(txn, row)
 
     def _kick(self, peer: _Peer) -> None:
         peer.dirty = True
@@ -945,7 +1024,7 @@ class Node:
         """Rows after ``tx.sent``: committed ones from LMDB, then those still committing."""
         fresh = peer.fresh
         sent = peer.tx.sent
-        if fresh and fresh[0].prev <= sent:
+        if fresh and self._prev(peer, fresh[0].prev) <= sent:
             return [r for r in fresh if r.seq > sent]  # nothing committed is pending
         with self.store.read() as txn:
             rows = _take(pl.iter_outbox(txn, peer.did, sent), 256)
@@ -1203,6 +1282,14 @@ def _judge_head(txn: Txn, did: str, presented: hd.PeerHead) -> hd.Equivocation |
     return conflict
 
 
+def _skip_row(txn: Txn, row: pl.OutboxEntry, prev: int) -> None:
+    """Writer thread: drop a failed row; its successor now follows ``prev`` (review #9)."""
+    txn.delete("outbox", pl.outbox_key(row.peer, row.seq))
+    nxt = next(pl.iter_outbox(txn, row.peer, row.seq), None)
+    if nxt is not None and nxt.prev == row.seq:
+        pl.put_row(txn, dataclasses.replace(nxt, prev=prev))
+
+
 def _prefixed(items: Iterable[tuple[bytes, bytes]], prefix: bytes) -> Iterable[tuple[bytes, bytes]]:
     for key, value in items:
         if not key.startswith(prefix):
@@ -1272,6 +1359,9 @@ def offline_send(home: Home, did: str, text: str) -> str:
     from talos_sdk.did import public_key_from_did
 
     public_key_from_did(did)
+    limit = text_limit(home.load_config().max_frame)
+    if len(text.encode()) > limit:
+        raise MessageTooLargeError(f"message above the {limit}-byte limit of this node's frames")
     msg_id = os.urandom(pl.MSG_ID_LEN)
     with _offline_store(home) as store, store.write(durable=True) as txn:
         # A fresh epoch: the last run may have crashed with numbers on the wire (ADR 0007).

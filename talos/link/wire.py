@@ -84,10 +84,16 @@ class Refuse:
 
 @dataclass(frozen=True, slots=True)
 class SessionOffer:
-    """Sent by both sides once authenticated: my prekey bundle and my session id."""
+    """Sent by both sides once authenticated: my prekey bundle, my session id, my frame bound.
+
+    ``max_frame`` (optional 3rd field, u32; 0 = not said) is the largest link
+    frame this side accepts, so the peer can refuse a message that would never
+    fit instead of resending it forever (review #9).
+    """
 
     bundle: bytes
     session_id: bytes  # b"" when I hold no session with you
+    max_frame: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +188,10 @@ def encode(frame: LinkFrame) -> bytes:
     if isinstance(frame, Refuse):
         return _fields(T_REFUSE, _H.pack(frame.code), frame.reason.encode())
     if isinstance(frame, SessionOffer):
+        if frame.max_frame:
+            return _fields(
+                T_SESSION_OFFER, frame.bundle, frame.session_id, _I.pack(frame.max_frame)
+            )
         return _fields(T_SESSION_OFFER, frame.bundle, frame.session_id)
     if isinstance(frame, SessionInit):
         return _fields(T_SESSION_INIT, frame.session_id, frame.payload)
@@ -237,8 +247,17 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
             raise MalformedFrameError("REFUSE code must be 2 bytes")
         return Refuse(_H.unpack(code_raw)[0], _text(reason, "reason"))
     if t == T_SESSION_OFFER:
-        bundle, sid = _split(data, 2)
-        return SessionOffer(bundle, sid)
+        try:
+            bundle, sid = _split(data, 2)
+            return SessionOffer(bundle, sid)
+        except MalformedFrameError:
+            bundle, sid, bound = _split(data, 3)
+        if len(bound) != _I.size:
+            raise MalformedFrameError("SESSION_OFFER max_frame must be 4 bytes")
+        (max_frame,) = _I.unpack(bound)
+        if max_frame == 0:
+            raise MalformedFrameError("SESSION_OFFER max_frame must not be 0")
+        return SessionOffer(bundle, sid, max_frame)
     if t == T_SESSION_INIT:
         sid, payload = _split(data, 2)
         if not sid:

@@ -409,3 +409,39 @@ async def test_failed_session_init_closes_the_link_and_sets_up_again(
         assert a.metrics.counters["links_up"] >= 2  # the refused link was closed and redialled
         await a.send_message(b.did, "after the retry", wait=True)
         assert [e.text for e in b.inbox()] == ["after the retry"]
+
+
+async def test_message_above_the_receivers_frame_bound(tmp_path: Path) -> None:
+    """Review #9: the sender learns B's bound from its offer and refuses what cannot fit."""
+    from talos.config import Home
+    from talos.node import MessageTooLargeError, offline_send, text_limit
+    from talos_sdk.errors import OversizeError
+
+    home_a, cfg_a = make_home(tmp_path, "a")
+    b = await started(*make_home(tmp_path, "b", max_frame=64 * 1024))
+    a_did = Wallet.load(home_a / "identity.key").did
+    b.allow(a_did)
+    big = "x" * (text_limit(64 * 1024) + 1)
+    # Queued while A is stopped, so nobody knew B's bound: A must fail it, not retry forever.
+    offline_send(Home(home_a), b.did, big)
+    offline_send(Home(home_a), b.did, "after the big one")
+    with pytest.raises(MessageTooLargeError, match="limit of this node"):
+        offline_send(Home(home_a), b.did, "x" * (1 << 20))
+    a = await started(home_a, cfg_a)
+    try:
+        async with asyncio.timeout(20):
+            await a.add_peer(addr(b))
+            await until(lambda: len(b.inbox()) == 1, what="the small message")
+            assert [e.text for e in b.inbox()] == ["after the big one"]
+            await until(lambda: a.status()["queues"]["outbox"] == 0, what="acks")
+            assert a.metrics.counters["messages_failed"] == 1
+            with pytest.raises(OversizeError, match="above the 62464-byte limit"):
+                await a.send_message(b.did, big)
+            # The bound is exact: the largest text that is allowed does arrive.
+            await a.send_message(b.did, big[:-1], wait=True)
+            assert len(b.inbox()[-1].text) == len(big) - 1
+            assert b.metrics.counters.get("frames_rejected", 0) == 0
+            assert a._peers[b.did].link is not None and a.metrics.counters["links_up"] == 1
+    finally:
+        await a.stop()
+        await b.stop()

@@ -14,6 +14,7 @@ FRAMES: list[wire.LinkFrame] = [
     wire.Refuse(4003, "unknown peer"),
     wire.SessionOffer(b"bundle-bytes", b""),
     wire.SessionOffer(b"bundle-bytes", b"i" * 16),
+    wire.SessionOffer(b"bundle-bytes", b"i" * 16, 1 << 20),
     wire.SessionInit(b"i" * 16, b"x3dh-initial"),
     wire.SessionAck(b"ratchet"),
     wire.Msg(0, b""),
@@ -60,6 +61,11 @@ def test_hot_path_frames_are_compact() -> None:
         ),
         (b"\x03" + b"\x00\x00\x00\x01x" + b"\x00\x00\x00\x00", "code must be 2"),
         (b"\x11" + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x00", "needs a session id"),
+        (b"\x10" + b"\x00\x00\x00\x01b" + b"\x00\x00\x00\x00" + b"\0\0\0\x02\0\1", "4 bytes"),
+        (
+            b"\x10" + b"\x00\x00\x00\x01b" + b"\x00\x00\x00\x00" + b"\0\0\0\x04" + b"\0" * 4,
+            "not be 0",
+        ),
     ],
 )
 def test_malformed_frames_are_rejected(data: bytes, match: str) -> None:
