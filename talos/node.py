@@ -749,7 +749,7 @@ class Node:
         name, payload = self.sessions.open_app(peer.did, frame.body)
         if name == hd.HEAD_CHANNEL:
             pin = self._pinned(peer.did)
-            await self._on_head(peer, hd.decode_head(payload, peer.did, pin))
+            self._on_head(peer, hd.decode_head(payload, peer.did, pin))
             return
         handler = self._apps.get(name)
         if handler is None:
@@ -1074,11 +1074,26 @@ class Node:
         with contextlib.suppress(NotConnectedError, UnknownSessionError):
             await self.send_app(did, hd.HEAD_CHANNEL, payload)
 
-    async def _on_head(self, peer: _Peer, presented: hd.PeerHead) -> None:
-        """Keep the peer's latest signed head; a conflicting one is an equivocation alert."""
-        did = peer.did
-        verdict = await self._write(functools.partial(_judge_head, did=did, presented=presented))
+    def _on_head(self, peer: _Peer, presented: hd.PeerHead) -> None:
+        """Judge the head on the writer thread, off the read loop (review #13).
+
+        Not synced: a head lost in a crash is sent again by the peer (every
+        head_interval while its log grows, and on every new link).
+        """
         self.metrics.inc("heads_in")
+        fut = self._submit(
+            functools.partial(_judge_head, did=peer.did, presented=presented), durable=False
+        )
+        fut.add_done_callback(functools.partial(self._head_judged, peer.did))
+
+    def _head_judged(self, did: str, fut: asyncio.Future[hd.Equivocation | None]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            event(_log, "head_store_failed", level=logging.ERROR, peer=did, error=repr(exc))
+            return
+        verdict = fut.result()
         if verdict is not None:
             self.metrics.inc("head_equivocations")
             event(
@@ -1103,6 +1118,15 @@ class Node:
                 if head is not None:
                     out[did] = head.statement
         return out
+
+    def equivocation_counts(self) -> dict[str, int]:
+        """Alerts seen per peer, including those past the stored ones."""
+        prefix = hd.equiv_count_key("")
+        with self.store.read() as txn:
+            return {
+                k[len(prefix) :].decode(): _U64.unpack(v)[0]
+                for k, v in _prefixed(txn.items("meta", prefix), prefix)
+            }
 
     def equivocations(self) -> list[dict[str, Any]]:
         """Every equivocation alert recorded, oldest first per peer."""
@@ -1266,6 +1290,7 @@ class Node:
             "chain_height": self.log.height,
             "quarantined_records": self.quarantined_count(),
             "equivocations": self.equivocations(),
+            "equivocation_counts": self.equivocation_counts(),
         }
 
 
@@ -1276,9 +1301,16 @@ def _judge_head(txn: Txn, did: str, presented: hd.PeerHead) -> hd.Equivocation |
     if keep is not kept:
         txn.put("meta", hd.head_key(did), hd.encode_head(keep.statement))
     if conflict is not None:
-        prefix = hd.equiv_prefix(did)
-        n = sum(1 for _ in _prefixed(txn.items("meta", prefix), prefix))
-        txn.put("meta", hd.equiv_key(did, n), hd.encode_head(conflict.to_json()))
+        count_key = hd.equiv_count_key(did)
+        raw = txn.get("meta", count_key)
+        if raw is not None:
+            n = _U64.unpack(raw)[0]
+        else:  # a store from before the count: its rows are the count
+            prefix = hd.equiv_prefix(did)
+            n = sum(1 for _ in _prefixed(txn.items("meta", prefix), prefix))
+        if n < hd.MAX_EQUIVOCATIONS_KEPT:
+            txn.put("meta", hd.equiv_key(did, n), hd.encode_head(conflict.to_json()))
+        txn.put("meta", count_key, _U64.pack(n + 1))
     return conflict
 
 

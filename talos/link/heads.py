@@ -12,6 +12,8 @@ Stored rows (``meta`` database, RFC 8785 JSON values)::
 
     b"head:" || DID                 -> latest head statement seen from DID
     b"equiv:" || DID || 0x00 || u64 -> {"kept": statement, "presented": statement, "reason": str}
+    b"equivn:" || DID               -> u64 alerts seen from DID (only the first
+                                       MAX_EQUIVOCATIONS_KEPT are stored)
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from talos_sdk.errors import MalformedFrameError, ProtocolError
 
 __all__ = [
     "HEAD_CHANNEL",
+    "MAX_EQUIVOCATIONS_KEPT",
     "Equivocation",
     "PeerHead",
     "decode_head",
     "encode_head",
+    "equiv_count_key",
     "equiv_key",
     "equiv_prefix",
     "head_key",
@@ -39,6 +43,8 @@ __all__ = [
 
 HEAD_CHANNEL: Final = "talos.head"
 MAX_HEAD_BYTES: Final = 16384  # a hybrid head's signature is 3373 B, 6746 in hex
+#: Alerts stored per peer; later ones only raise the count (a peer cannot fill the disk).
+MAX_EQUIVOCATIONS_KEPT: Final = 16
 _U64 = struct.Struct(">Q")
 
 
@@ -116,6 +122,11 @@ def equiv_prefix(did: str = "") -> bytes:
 
 def equiv_key(did: str, n: int) -> bytes:
     return equiv_prefix(did) + _U64.pack(n)
+
+
+def equiv_count_key(did: str) -> bytes:
+    """Not under :func:`equiv_prefix` (``equivn:`` vs ``equiv:``): alert scans skip it."""
+    return b"equivn:" + did.encode()
 
 
 def load_head(raw: bytes | None, did: str) -> PeerHead | None:

@@ -272,3 +272,47 @@ async def test_failed_receive_commit_does_not_ack_the_frames_queued_behind_it(
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_heads_are_judged_off_the_read_loop(
+    tmp_path: Path, gate: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review #13: a head's store write never holds up the frames behind it."""
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    got: list[bytes] = []
+    b.register_app("echo", lambda peer, payload: got.append(payload))
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            monkeypatch.setattr(node_mod, "_judge_head", held(gate, node_mod._judge_head))
+            await a.send_app(b.did, hd.HEAD_CHANNEL, _forged_head(a.wallet, 5, b"\x05" * 32))
+            await a.send_app(b.did, "echo", b"behind the head")
+            await until(lambda: got == [b"behind the head"], what="frame past a held head write")
+            assert b.peer_heads() == {}  # the head write is still held
+            gate.set()
+            await until(lambda: a.did in b.peer_heads(), what="head kept")
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+def test_equivocation_rows_per_peer_are_capped(tmp_path: Path) -> None:
+    """Review #13: a peer sending conflicting heads forever fills one count, not the disk."""
+    did = Wallet.generate().did
+
+    def head(height: int, tag: int) -> hd.PeerHead:
+        statement: dict[str, Any] = {"node": did, "height": height, "hash": f"{tag:064x}"}
+        return hd.PeerHead(did, height, statement["hash"], statement)
+
+    with Store(tmp_path / "s", map_size=1 << 22) as store:
+        with store.write() as txn:
+            assert node_mod._judge_head(txn, did, head(5, 0)) is None
+            for i in range(1, hd.MAX_EQUIVOCATIONS_KEPT + 5):
+                assert node_mod._judge_head(txn, did, head(5, i)) is not None
+        with store.read() as txn:
+            prefix = hd.equiv_prefix(did)
+            rows = list(node_mod._prefixed(txn.items("meta", prefix), prefix))
+            count = txn.get("meta", hd.equiv_count_key(did))
+        assert len(rows) == hd.MAX_EQUIVOCATIONS_KEPT
+        assert count is not None and int.from_bytes(count, "big") == hd.MAX_EQUIVOCATIONS_KEPT + 4
