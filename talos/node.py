@@ -50,7 +50,7 @@ from talos.link import heads as hd
 from talos.link import wire
 from talos.link.auth import AuthPolicy, check_bundle_auth, load_pin, store_pin
 from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_PROTOCOL, CLOSE_SHUTDOWN, Role
-from talos.link.peer import Link, LinkSettings, PeerRefused, accept_link, dial_link
+from talos.link.peer import MAX_QUEUE, Link, LinkSettings, PeerRefused, accept_link, dial_link
 from talos.logging import event
 from talos.metrics import Metrics
 from talos.sessions import Opened, SessionManager, UnknownSessionError, UnsignedMessageError
@@ -80,6 +80,8 @@ __all__ = [
 _log = logging.getLogger("talos.node")
 _U64 = struct.Struct(">Q")
 _RUNNING = b"running"
+#: WebSocket close code 1013, "Try Again Later" (IANA registry of RFC 6455 section 11.7).
+CLOSE_TRY_AGAIN = 1013
 #: Consecutive undecryptable frames after which a session is re-keyed.
 _DESYNC_LIMIT = 16
 #: Bytes a sealed MSG frame adds to its text (ratchet header with ML-KEM material,
@@ -199,6 +201,7 @@ class Node:
         self._api: Any = None
         self._writer: ThreadPoolExecutor | None = None
         self._stopping = False
+        self._handshaking = 0
         self.started = False
         self.listen_url: str | None = None
         self.api_url: str | None = None
@@ -296,7 +299,7 @@ class Node:
             ping_interval=self.config.ping_interval,
             ping_timeout=self.config.ping_interval,
             close_timeout=2,
-            max_queue=256,
+            max_queue=MAX_QUEUE,
         )
 
     async def _open_state(self) -> None:
@@ -480,12 +483,21 @@ class Node:
         if self._stopping:
             await ws.close(CLOSE_SHUTDOWN, "node shutting down")
             return
+        if self._handshaking >= self.settings.max_handshakes:
+            # Each one may buffer frames before it proves anything: bound them all.
+            self.metrics.inc("handshakes_refused")
+            event(_log, "handshake_refused", level=logging.WARNING, limit=self._handshaking)
+            await ws.close(CLOSE_TRY_AGAIN, "too many link handshakes in progress")
+            return
+        self._handshaking += 1
         try:
             link = await accept_link(ws, self.wallet, self.authorizer, self.settings)
         except HandshakeError as exc:
             self.metrics.inc("links_refused")
             event(_log, "link_refused", level=logging.WARNING, reason=str(exc))
             return
+        finally:
+            self._handshaking -= 1
         await self._run_link(link)
 
     def _prefer(self, new: Link, old: Link) -> bool:

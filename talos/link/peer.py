@@ -37,10 +37,13 @@ from talos.link.handshake import (
 )
 from talos_sdk.errors import HandshakeError, MalformedFrameError, OversizeError
 
-__all__ = ["Link", "LinkSettings", "PeerRefused", "accept_link", "dial_link"]
+__all__ = ["MAX_QUEUE", "Link", "LinkSettings", "PeerRefused", "accept_link", "dial_link"]
 
 #: Below the asyncio default low-water mark: a send this far under it never blocks.
 _SEND_NOW_LIMIT = 16 * 1024
+#: Frames websockets buffers per connection before it stops reading the socket:
+#: 16 x max_frame (16 MiB at the default), not 256 MiB, per link (review #6b).
+MAX_QUEUE = 16
 
 
 class PeerRefused(HandshakeError):
@@ -61,6 +64,8 @@ class LinkSettings:
     handshake_timeout: float = 10.0
     suites: tuple[str, ...] = SUITES
     auth: AuthPolicy | None = None  # pins + --require-pq (talos/link/auth.py)
+    #: Inbound links still authenticating; more are refused with 1013 (try again later).
+    max_handshakes: int = 64
 
     @property
     def ws_max_size(self) -> int:
@@ -230,7 +235,7 @@ async def dial_link(
                 ping_timeout=settings.ping_interval,
                 open_timeout=settings.handshake_timeout,
                 close_timeout=2,
-                max_queue=256,
+                max_queue=MAX_QUEUE,
             )
     except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:
         raise ConnectionError(f"cannot reach {url}: {exc or type(exc).__name__}") from None

@@ -290,3 +290,30 @@ async def test_unsigned_message_frame_is_refused(victim: Node, rogue: Rogue) -> 
         assert victim.metrics.counters["messages_unsigned"] == 1
         assert victim.inbox() == []
         assert victim.is_connected(me)  # bad input costs the frame, not the link
+
+
+async def test_handshakes_in_progress_are_bounded(victim: Node, rogue: Rogue) -> None:
+    """Review #6b: unauthenticated connections cannot pile up; the excess gets 1013."""
+    import dataclasses
+
+    from websockets.asyncio.client import connect
+
+    from talos.node import CLOSE_TRY_AGAIN
+
+    victim.settings = dataclasses.replace(victim.settings, max_handshakes=2)
+    url = victim.listen_url or ""
+    async with asyncio.timeout(20):
+        silent = [await connect(url), await connect(url)]  # never say HELLO
+        await until(lambda: victim._handshaking == 2, what="two handshakes waiting")
+        async with connect(url) as third:
+            with pytest.raises(ConnectionClosed):
+                await third.recv()
+        assert third.close_code == CLOSE_TRY_AGAIN
+        assert third.close_reason == "too many link handshakes in progress"
+        assert victim.metrics.counters["handshakes_refused"] == 1
+        for ws in silent:
+            await ws.close()
+        await until(lambda: victim._handshaking == 0, what="slots freed")
+        await rogue.connect(victim)  # a real peer gets in once there is room
+        await rogue.establish(victim)
+        assert victim.is_connected(rogue.wallet.did)
