@@ -7,6 +7,7 @@ bounded by ``asyncio.timeout`` and polls with deadlines instead of sleeping.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -63,9 +64,38 @@ async def test_many_messages_pipelined_keep_order_exactly_once(pair: tuple[Node,
         )
         await b.send_message(a.did, "done", wait=True)
         assert [e.text for e in a.inbox()] == [f"r{i}" for i in range(20)] + ["done"]
-        # 20 frames sent at once arrive while A's first commit (an fsync) runs:
-        # group commit puts the rest in fewer transactions than messages.
-        assert a.metrics.counters.get("commits", 0) < 21
+
+
+async def test_frames_arriving_during_a_commit_share_the_next_one(
+    pair: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group commit, made deterministic by holding A's first receive commit (review #11a)."""
+    a, b = pair
+    gate = threading.Event()
+    real = a._commit_batch
+    sizes: list[int] = []
+
+    def first_held(txn: Any, **kwargs: Any) -> None:
+        sizes.append(len(kwargs["batch"]))
+        if len(sizes) == 1:
+            assert gate.wait(20), "held commit never released"
+        real(txn, **kwargs)
+
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            monkeypatch.setattr(a, "_commit_batch", first_held)
+            sends = [asyncio.create_task(b.send_message(a.did, f"r{i}")) for i in range(20)]
+            await until(lambda: len(a._incoming) == 19, what="r1..r19 behind the held commit")
+            gate.set()
+            await asyncio.gather(*sends)
+            await until(lambda: len(a.inbox()) == 20, what="the second commit")
+            await b.send_message(a.did, "done", wait=True)
+            assert [e.text for e in a.inbox()] == [f"r{i}" for i in range(20)] + ["done"]
+            assert sizes == [1, 19, 1]
+            assert a.metrics.counters["commits"] == 3
+    finally:
+        gate.set()
 
 
 async def test_offline_peer_gets_messages_when_it_comes_back(tmp_path: Path) -> None:

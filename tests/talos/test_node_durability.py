@@ -69,7 +69,16 @@ async def test_sender_crash_after_transmit_before_outbox_commit(
             await link(a, b)
             # A's writer stalls at the ack txn of m1: m1 stays in A's durable outbox.
             monkeypatch.setattr(node_mod, "_ack_txn", held(gate, node_mod._ack_txn))
-            await a.send_message(b.did, "m1")
+            # B's commit (hence its ack) waits until m1's outbox row is durable at A;
+            # an earlier ack would rightly keep the row from ever being written.
+            b_gate = threading.Event()
+            monkeypatch.setattr(b, "_commit_batch", held(b_gate, b._commit_batch))
+            try:
+                sent = asyncio.create_task(a.send_message(b.did, "m1"))
+                await until(lambda: outbox(a) == 1, what="m1 in A's outbox")
+            finally:
+                b_gate.set()
+            await sent
             await until(lambda: a._peers[b.did].tx.acked > 0, what="m1 acked")
             # "lost" leaves A before its outbox row commits (it queues behind the stall):
             # B commits it, the caller never hears back, A's disk never has it.
@@ -263,6 +272,7 @@ async def test_failed_receive_commit_does_not_ack_the_frames_queued_behind_it(
             await until(lambda: len(b._incoming) == 4, what="m1..m4 queued behind m0")
             gate.set()
             await asyncio.gather(*sends)
+            await until(lambda: b.metrics.counters.get("commit_failures") == 1, what="failure")
             await a.send_message(b.did, "end", wait=True)
             assert [e.text for e in b.inbox()] == [f"m{i}" for i in range(5)] + ["end"]
             assert calls[0] == 1
