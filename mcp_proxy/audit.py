@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from talos_sdk.canonical import canonical_json_bytes
+from talos_sdk.errors import EncodingError
+
 if TYPE_CHECKING:
     from talos.chain.log import BlockLog
 
@@ -55,11 +58,23 @@ class AuditMode(enum.Enum):
     STRICT = "strict"
 
 
+def _stable_json(value: Any) -> bytes:
+    """RFC 8785 bytes (DESIGN.md "Canonical encoding") so any JCS library recomputes them.
+
+    JSON-RPC may carry integers JCS cannot represent exactly (beyond 2**53); such a
+    value falls back to sorted-key JSON rather than losing the audit record.
+    """
+    try:
+        return canonical_json_bytes(value)
+    except EncodingError:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
 def digest(value: Any) -> bytes:
-    """SHA-256 of a JSON value in a stable form (sorted keys) so anyone can recompute it."""
+    """SHA-256 of a JSON value in its canonical form, so anyone can recompute it."""
     if value is None:
         return b""
-    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).digest()
+    return hashlib.sha256(_stable_json(value)).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +106,13 @@ class AuditRecord:
             "latency_us": self.latency_us,
             "outcome": self.outcome,
         }
-        data = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+        data = _stable_json(body)
         if len(data) > MAX_COMMITMENT:
             # Only a pathological method/tool name gets here; keep the hashes, drop the names.
             body["method"] = body["method"][:256]
             body["tool"] = None if self.tool is None else self.tool[:256]
             body["id"] = str(self.request_id)[:256]
-            data = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+            data = _stable_json(body)
         return data
 
 

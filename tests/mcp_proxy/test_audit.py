@@ -130,3 +130,15 @@ async def test_failed_write_fails_strict_waiters(tmp_path: Path) -> None:
             await auditor.record_barrier()
         auditor._queue.clear()
         await auditor.stop()
+
+
+def test_digests_are_rfc8785_so_any_jcs_library_recomputes_them() -> None:
+    import hashlib
+
+    from mcp_proxy.audit import digest
+    from talos_sdk.canonical import canonical_json_bytes
+
+    params = {"name": "add", "arguments": {"b": 1.5, "a": 1e21, "é": "x"}}
+    assert digest(params) == hashlib.sha256(canonical_json_bytes(params)).digest()
+    # A value JCS cannot represent still gets a digest rather than losing the record.
+    assert len(digest({"n": 2**64 + 1})) == 32
