@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import enum
 import hashlib
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -67,7 +68,10 @@ def _stable_json(value: Any) -> bytes:
     try:
         return canonical_json_bytes(value)
     except EncodingError:
-        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+        try:
+            return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # beyond 64 bits: only the stdlib encoder takes it
+            return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
 def digest(value: Any) -> bytes:

@@ -141,4 +141,5 @@ def test_digests_are_rfc8785_so_any_jcs_library_recomputes_them() -> None:
     params = {"name": "add", "arguments": {"b": 1.5, "a": 1e21, "é": "x"}}
     assert digest(params) == hashlib.sha256(canonical_json_bytes(params)).digest()
     # A value JCS cannot represent still gets a digest rather than losing the record.
-    assert len(digest({"n": 2**64 + 1})) == 32
+    assert len(digest({"n": 2**60 + 1})) == 32
+    assert len(digest({"n": 2**70 + 1})) == 32
