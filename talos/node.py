@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -391,15 +391,43 @@ class Node:
         """Run ``fn`` inside one write transaction on the writer thread."""
         return await self._submit(fn, durable)
 
-    def _submit(self, fn: Callable[[Txn], _T], durable: bool = True) -> asyncio.Future[_T]:
-        """Queue ``fn`` on the writer thread now (no loop pass before the work starts)."""
+    def _submit(
+        self,
+        fn: Callable[[Txn], _T],
+        durable: bool = True,
+        then: Callable[[asyncio.Future[_T]], None] | None = None,
+    ) -> asyncio.Future[_T]:
+        """Queue ``fn`` on the writer thread now (no loop pass before the work starts).
 
-        def job() -> _T:
-            with self.store.write(durable=durable) as txn:
-                return fn(txn)
+        ``then`` runs in the same loop pass that settles the future. The ack
+        after a commit is on the critical path of every durable message, and
+        ``run_in_executor`` plus ``add_done_callback`` costs two loop passes
+        (settle, then schedule the callback) where one suffices.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[_T] = loop.create_future()
+
+        def settle(result: _T | None, exc: BaseException | None) -> None:
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(cast(_T, result))
+                else:
+                    fut.set_exception(exc)
+            if then is not None:
+                then(fut)
+
+        def job() -> None:
+            try:
+                with self.store.write(durable=durable) as txn:
+                    result = fn(txn)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(settle, None, exc)
+                return
+            loop.call_soon_threadsafe(settle, result, None)
 
         assert self._writer is not None
-        return asyncio.get_running_loop().run_in_executor(self._writer, job)
+        self._writer.submit(job)
+        return fut
 
     # --- peers and links -----------------------------------------------------------------------
 
@@ -785,8 +813,10 @@ class Node:
         peers = {item.peer for item in batch}
         snaps = self.sessions.snapshot(peers)
         self._committing = True
-        fut = self._submit(functools.partial(self._commit_batch, batch=batch, snaps=snaps))
-        fut.add_done_callback(functools.partial(self._committed, batch, peers))
+        self._submit(
+            functools.partial(self._commit_batch, batch=batch, snaps=snaps),
+            then=functools.partial(self._committed, batch, peers),
+        )
 
     def _committed(
         self, batch: list[_Incoming], peers: set[str], fut: asyncio.Future[None]
@@ -899,8 +929,10 @@ class Node:
         """Group commit of the outbox: sends arriving while one commit runs share the next."""
         batch, self._outgoing = self._outgoing, []
         self._outbox_busy = True
-        fut = self._submit(functools.partial(self._enqueue_batch, rows=[r for r, _ in batch]))
-        fut.add_done_callback(functools.partial(self._outbox_committed, batch))
+        self._submit(
+            functools.partial(self._enqueue_batch, rows=[r for r, _ in batch]),
+            then=functools.partial(self._outbox_committed, batch),
+        )
 
     def _outbox_committed(
         self, batch: list[tuple[pl.OutboxEntry, asyncio.Future[None]]], fut: asyncio.Future[None]
@@ -1093,10 +1125,11 @@ class Node:
         head_interval while its log grows, and on every new link).
         """
         self.metrics.inc("heads_in")
-        fut = self._submit(
-            functools.partial(_judge_head, did=peer.did, presented=presented), durable=False
+        self._submit(
+            functools.partial(_judge_head, did=peer.did, presented=presented),
+            durable=False,
+            then=functools.partial(self._head_judged, peer.did),
         )
-        fut.add_done_callback(functools.partial(self._head_judged, peer.did))
 
     def _head_judged(self, did: str, fut: asyncio.Future[hd.Equivocation | None]) -> None:
         if fut.cancelled():
