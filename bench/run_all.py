@@ -260,7 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             if not ok:
                 failures[name] = why
-    results = load_all(names)
+    # --only re-measures some scripts; the report still covers every script's
+    # latest results, so a partial re-run never hides the other rows.
+    results = load_all(sorted({*discover(), *names}))
     img_dir = IMG_DIR if output == DEFAULT_OUTPUT else output.parent / "img"
     plots = plot_latency(results, img_dir)
     command = "python bench/run_all.py" + (" --fast" if args.fast else "")
