@@ -46,6 +46,13 @@ from talos import pipeline as pl
 from talos.chain.block import Record
 from talos.chain.log import BlockLog, run_sealer
 from talos.config import Home, NodeConfig, PeerAddr, parse_listen, parse_peer_addr
+from talos.discovery import (
+    SOURCE_DIALLED,
+    ChainResolver,
+    LearnedResolver,
+    Resolver,
+    StaticResolver,
+)
 from talos.link import heads as hd
 from talos.link import wire
 from talos.link.auth import AuthPolicy, check_bundle_auth, load_pin, store_pin
@@ -177,6 +184,7 @@ class Node:
         config: NodeConfig | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        resolver: Resolver | None = None,
     ) -> None:
         self.home = Home(Path(home))
         self.config = config if config is not None else self.home.load_config()
@@ -187,6 +195,12 @@ class Node:
         self._link_callbacks: list[LinkCallback] = []
         self._peers: dict[str, _Peer] = {}
         self._known: dict[str, str] = {}  # DID -> address ("" when only allowed)
+        # DESIGN.md "Discovery and scale": where a DID without a link is dialled.
+        self.resolver: Resolver = (
+            resolver
+            if resolver is not None
+            else ChainResolver(StaticResolver(lambda: self._known), LearnedResolver())
+        )
         self._allow: set[str] = set(self.config.allow)
         self._dialers: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
@@ -481,6 +495,33 @@ class Node:
             self._dial_loop(addr), name=f"talos-dial-{addr.did[-8:]}"
         )
 
+    def _resolve(self, did: str) -> list[str]:
+        try:
+            return self.resolver.resolve(did)
+        except Exception as exc:  # a failing discovery source must not stop dialling
+            event(_log, "resolve_failed", level=logging.ERROR, peer=did, error=repr(exc))
+            return []
+
+    def _next_addr(self, addr: PeerAddr) -> PeerAddr:
+        """After a failed dial: the resolver's next address for the DID (cyclic)."""
+        urls = self._resolve(addr.did)
+        if not urls:
+            return addr
+        i = urls.index(addr.url) + 1 if addr.url in urls else 0
+        return PeerAddr(urls[i % len(urls)], addr.did)
+
+    def _ensure_dialer(self, did: str) -> None:
+        """Dial ``did`` at a resolved address unless a link or a dialer exists."""
+        running = self._dialers.get(did)
+        if self._stopping or (running is not None and not running.done()):
+            return
+        peer = self._peers.get(did)
+        if peer is not None and peer.link is not None:
+            return
+        urls = self._resolve(did)
+        if urls:
+            self._start_dialer(PeerAddr(urls[0], did))
+
     async def _dial_loop(self, addr: PeerAddr) -> None:
         delay = self.config.reconnect_initial
         while not self._stopping:
@@ -499,11 +540,14 @@ class Node:
                 elif not isinstance(exc, ConnectionError | HandshakeError | OSError):
                     level = logging.ERROR
                 event(_log, "dial_failed", level=level, peer=addr.did, error=repr(exc))
+                addr = self._next_addr(addr)
                 # Exponential backoff with full jitter, capped (AWS architecture blog).
                 await asyncio.sleep(random.uniform(0.5, 1.0) * delay)
                 delay = min(delay * 2, self.config.reconnect_max)
                 continue
             delay = self.config.reconnect_initial
+            with contextlib.suppress(TalosError):  # a bad learned address must not drop the link
+                self.resolver.learn(addr.did, addr.url, SOURCE_DIALLED)
             await self._run_link(link)
             await asyncio.sleep(random.uniform(0, self.config.reconnect_initial))
 
@@ -919,6 +963,7 @@ class Node:
             self._flush_outbox()
         if not sent:
             self._kick(peer)
+            self._ensure_dialer(did)
         await committed
         self.metrics.inc("messages_out")
         if waiter is not None:
@@ -1096,6 +1141,8 @@ class Node:
                     self._kick(peer)
                 elif peer.ready.is_set() and peer.tx.sent == peer.tx.acked:
                     self._kick(peer)  # rows queued while the link was coming up
+                elif peer.link is None and peer.last_assigned > peer.tx.acked:
+                    self._ensure_dialer(peer.did)  # outbox rows for a DID we do not dial
 
     # --- signed heads ----------------------------------------------------------------------------
 
