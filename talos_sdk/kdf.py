@@ -1,14 +1,15 @@
-"""HKDF-SHA256 (RFC 5869) and HMAC-SHA256 (RFC 2104) on ``hmac.digest``.
+"""HKDF-SHA256 (RFC 5869) and the Double Ratchet chain step KDF_CK (Signal DR §5.2).
 
-``hmac.digest`` is one C call into OpenSSL; the ``cryptography`` HKDF class
-costs several microseconds of object setup per call, which the Double Ratchet
-pays on every message (DESIGN.md "Performance targets", Session.encrypt).
+HMAC-SHA256 (RFC 2104) is computed from precomputed inner/outer SHA-256 states
+(CPython's built-in SHA-256, copied per use): the ``cryptography`` HKDF class and
+even ``hmac.digest`` cost more per call in setup than the hashing itself, and the
+ratchet pays this on every message (DESIGN.md "Performance targets",
+Session.encrypt).
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 from collections.abc import Callable
 from typing import Any
 
@@ -17,9 +18,6 @@ __all__ = [
     "hkdf",
     "hkdf_expand",
     "hkdf_extract",
-    "hmac_sha256",
-    "hmac_sha256_chain",
-    "hmac_sha256_pair",
     "kdf_ck",
 ]
 
@@ -34,52 +32,12 @@ except ImportError:  # pragma: no cover - Python >= 3.12 names it _sha2
 _new_sha256: Callable[[bytes], Any] = _sha256
 _IPAD = bytes.maketrans(bytes(range(256)), bytes(b ^ 0x36 for b in range(256)))
 _OPAD = bytes.maketrans(bytes(range(256)), bytes(b ^ 0x5C for b in range(256)))
-_PAD32 = bytes(32)
 _IPAD_TAIL = b"\x36" * 32
 _OPAD_TAIL = b"\x5c" * 32
 
 HASH_LEN = 32
 _BLOCK = 64  # SHA-256 block size
 _ZERO_SALT = bytes(HASH_LEN)
-
-
-def hmac_sha256(key: bytes, data: bytes) -> bytes:
-    """HMAC-SHA256(key, data) (RFC 2104)."""
-    return hmac.digest(key, data, "sha256")
-
-
-def hmac_sha256_pair(key: bytes, msg1: bytes, msg2: bytes) -> tuple[bytes, bytes]:
-    """(HMAC(key, msg1), HMAC(key, msg2)) for a 32-byte key, sharing the key schedule.
-
-    RFC 2104 by hand on the built-in SHA-256: the padded-key states are hashed
-    once and copied, which is what makes a ratchet step cheap.
-    """
-    block = key + _PAD32
-    inner = _new_sha256(block.translate(_IPAD))
-    outer = _new_sha256(block.translate(_OPAD))
-    i1 = inner.copy()
-    i1.update(msg1)
-    o1 = outer.copy()
-    o1.update(i1.digest())
-    inner.update(msg2)
-    outer.update(inner.digest())
-    return o1.digest(), outer.digest()
-
-
-def hmac_sha256_chain(key: bytes, msg1: bytes, msg2: bytes) -> tuple[bytes, bytes]:
-    """(T1, T2) with T1 = HMAC(key, msg1), T2 = HMAC(key, T1 || msg2): HKDF-Expand's
-    first two blocks when msg1 = info || 0x01 and msg2 = info || 0x02 (32-byte key)."""
-    block = key + _PAD32
-    inner = _new_sha256(block.translate(_IPAD))
-    outer = _new_sha256(block.translate(_OPAD))
-    i1 = inner.copy()
-    i1.update(msg1)
-    o1 = outer.copy()
-    o1.update(i1.digest())
-    t1: bytes = o1.digest()
-    inner.update(t1 + msg2)
-    outer.update(inner.digest())
-    return t1, outer.digest()
 
 
 def kdf_ck(

@@ -14,8 +14,6 @@ from talos_sdk.kdf import (
     hkdf,
     hkdf_expand,
     hkdf_extract,
-    hmac_sha256_chain,
-    hmac_sha256_pair,
     kdf_ck,
 )
 
@@ -64,18 +62,6 @@ def test_matches_cryptography_hkdf(ikm: bytes, salt: bytes, info: bytes, length:
 def test_expand_rejects_bad_length(length: int) -> None:
     with pytest.raises(ValueError, match="output length"):
         hkdf_expand(bytes(32), b"", length)
-
-
-@given(
-    key=st.binary(min_size=32, max_size=32), m1=st.binary(max_size=64), m2=st.binary(max_size=64)
-)
-def test_shared_schedule_helpers_match_hmac(key: bytes, m1: bytes, m2: bytes) -> None:
-    def h(k: bytes, m: bytes) -> bytes:
-        return hmac.digest(k, m, "sha256")
-
-    assert hmac_sha256_pair(key, m1, m2) == (h(key, m1), h(key, m2))
-    t1 = h(key, m1)
-    assert hmac_sha256_chain(key, m1, m2) == (t1, h(key, t1 + m2))
 
 
 @given(ck=st.binary(min_size=32, max_size=32))
