@@ -55,7 +55,6 @@ __all__ = [
     "SUITES",
     "SUITE_HYBRID",
     "SUITE_X25519",
-    "ByteReader",
     "IdentityKey",
     "PrekeyBundle",
     "PrekeySecrets",

@@ -28,11 +28,11 @@ from typing import Any
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
+from talos_sdk.binfmt import ByteReader
 from talos_sdk.bundle import (
     SUITE_HYBRID,
     SUITE_X25519,
     SUITES,
-    ByteReader,
     IdentityKey,
     PrekeyBundle,
     PrekeySecrets,

@@ -21,6 +21,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 
+from talos_sdk.binfmt import ByteReader
 from talos_sdk.bundle import (
     KEY_SIZE,
     MLKEM768_CIPHERTEXT_SIZE,
@@ -28,7 +29,6 @@ from talos_sdk.bundle import (
     SUITE_HYBRID,
     SUITE_X25519,
     SUITES,
-    ByteReader,
     IdentityKey,
     PrekeyBundle,
     PrekeySecrets,
