@@ -259,13 +259,7 @@ class HttpFront:
         if msg.progress_token is not None:
             session.tokens[msg.progress_token] = stream
         session.posts.append(stream)
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                SESSION_HEADER: session.id,
-            }
-        )
+        response = _event_stream(session.id)
         try:
             await response.prepare(request)
             await session.tunnel.from_agent(body)
@@ -291,13 +285,7 @@ class HttpFront:
         session.get_stream = stream
         while session.backlog:
             stream.put(session.backlog.popleft())
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                SESSION_HEADER: session.id,
-            }
-        )
+        response = _event_stream(session.id)
         try:
             await response.prepare(request)
             await self._pump(response, stream)
@@ -324,3 +312,14 @@ class HttpFront:
                 await response.write(b"event: message\ndata: " + line + b"\n\n")
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
+
+
+def _event_stream(session_id: str) -> web.StreamResponse:
+    """An SSE response bound to an MCP session (Streamable HTTP, POST and GET alike)."""
+    return web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            SESSION_HEADER: session_id,
+        }
+    )
