@@ -96,7 +96,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         updates["allow"] = (*config.allow, *args.allow)
     if args.require_pq:
         updates["require_pq"] = True
-    config = NodeConfig.model_validate({**config.model_dump(), **updates})
+    if args.ratchet_every is not None:
+        updates["ratchet_every"] = args.ratchet_every
+    if args.ratchet_max_age is not None:
+        updates["ratchet_max_age"] = args.ratchet_max_age
+    try:
+        config = NodeConfig.model_validate({**config.model_dump(), **updates})
+    except ValueError as exc:  # pydantic's ValidationError: a bad flag value
+        raise UsageError(f"invalid run option: {exc}") from None
     configure(config.log_format)
 
     async def run() -> None:
@@ -300,6 +307,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--require-pq",
         action="store_true",
         help="refuse peers that do not authenticate with Ed25519 + ML-DSA-65",
+    )
+    sp.add_argument(
+        "--ratchet-every",
+        type=int,
+        metavar="N",
+        help="DH ratchet step every turn (1, the default) or after N sends (lazy, ADR 0002)",
+    )
+    sp.add_argument(
+        "--ratchet-max-age",
+        type=float,
+        metavar="S",
+        help="lazy mode: also renew a sending chain older than S seconds (default 60)",
     )
     sp.set_defaults(fn=cmd_run)
     sp = add("peers", "add or list peers")

@@ -49,7 +49,16 @@ class NodeConfig(BaseModel):
     api_port: int = Field(default=0, ge=0, le=65535)
     map_size: int = Field(default=1 << 30, ge=1 << 20)
     max_frame: int = Field(default=1 << 20, ge=1024)
-    ratchet_every: int = Field(default=64, ge=1)
+    ratchet_every: int = Field(
+        default=1,
+        ge=1,
+        description="DH ratchet step every turn (1) or lazily after N sends (ADR 0002)",
+    )
+    ratchet_max_age: float = Field(
+        default=60.0,
+        gt=0,
+        description="seconds: a lazy sending chain (ratchet_every > 1) is renewed when older",
+    )
     one_time_prekeys: int = Field(default=8, ge=0, le=1000)
     pq: bool = True
     require_pq: bool = Field(

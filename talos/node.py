@@ -333,6 +333,7 @@ class Node:
             pq=self.config.pq,
             one_time=self.config.one_time_prekeys,
             ratchet_every=self.config.ratchet_every,
+            ratchet_max_age=self.config.ratchet_max_age,
         )
         # ADR 0001: after an unclean stop no ratchet state may be reused.
         await self._write(lambda txn: self.sessions.load(txn, discard=self.unclean_start))

@@ -31,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -129,13 +131,24 @@ class SessionManager:
     """Our prekey secrets and one ratchet session per peer, in memory; LMDB via the node."""
 
     def __init__(
-        self, store: Any, wallet: Wallet, *, pq: bool, one_time: int, ratchet_every: int
+        self,
+        store: Any,
+        wallet: Wallet,
+        *,
+        pq: bool,
+        one_time: int,
+        ratchet_every: int,
+        ratchet_max_age: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self._wallet = wallet
         self._pq = pq
         self._one_time = one_time
+        # ADR 0002: 1 = a DH step every turn; > 1 = lazy, bounded by count and age.
         self._ratchet_every = ratchet_every
+        self._ratchet_max_age = ratchet_max_age if ratchet_every > 1 else None
+        self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._dirty: set[str] = set()
         self._secrets: PrekeySecrets | None = None
@@ -163,7 +176,7 @@ class SessionManager:
             (n,) = _U16.unpack_from(value)
             sid = value[2 : 2 + n]
             session = Session.from_bytes(value[2 + n :])
-            session.ratchet_every = self._ratchet_every
+            self._apply_policy(session)
             self._install(key.decode(), sid, session)
         self._dirty.clear()
         return len(self._entries)
@@ -267,6 +280,8 @@ class SessionManager:
             bundle,
             suite=suite,
             ratchet_every=self._ratchet_every,
+            ratchet_max_age=self._ratchet_max_age,
+            clock=self._clock,
         )
         first = session.encrypt(b"")
         sid = _sid(first)
@@ -280,7 +295,12 @@ class SessionManager:
         if self._wallet.did < peer:
             raise ProtocolError("session init from the side that must respond")
         session, _ = Session.respond(
-            self._wallet, self.secrets, init.payload, ratchet_every=self._ratchet_every
+            self._wallet,
+            self.secrets,
+            init.payload,
+            ratchet_every=self._ratchet_every,
+            ratchet_max_age=self._ratchet_max_age,
+            clock=self._clock,
         )
         if session.peer_did != peer:
             raise ProtocolError("X3DH initiator is not the link peer")
@@ -290,6 +310,12 @@ class SessionManager:
     def on_ack(self, peer: str, ack: wire.SessionAck) -> None:
         self._get(peer).session.decrypt(ack.body)
         self._dirty.add(peer)
+
+    def _apply_policy(self, session: Session) -> None:
+        session.ratchet_every = self._ratchet_every
+        session.ratchet_max_age = self._ratchet_max_age
+        session.clock = self._clock
+        session.check_policy()
 
     def _install(self, peer: str, sid: bytes, session: Session) -> None:
         self._entries[peer] = _Entry(sid, session)

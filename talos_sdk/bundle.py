@@ -470,6 +470,12 @@ class PrekeySecrets:
             self._bundle = b
         return self._bundle
 
+    def spk_private_for(self, spk_id: int) -> bytes:
+        """The private signed prekey ``spk_id``; BundleError if it is not held."""
+        if spk_id != self.spk_id:
+            raise BundleError(f"unknown signed prekey id {spk_id}")
+        return self.spk_private
+
     def one_time_private(self, opk_id: int) -> bytes:
         """The private OPK ``opk_id`` without consuming it (responder computes tentatively)."""
         entry = self._one_time.get(opk_id)

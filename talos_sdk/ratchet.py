@@ -8,10 +8,13 @@
   nonce options Signal DR §5.2 lists for an AEAD ENCRYPT.
 * Header (41 bytes): type u8 (1 = normal, 2 = carries X3DH initial data) | ratchet
   public key(32) | PN u32 | N u32; type 2 adds u16 length || initial data.
+* Start (DR spec §3.3): the initiator's first ratchet key is a fresh pair, never the
+  X3DH ephemeral; the responder's is its signed prekey.
 * Lazy DH ratchet (docs/adr/0002-lazy-dh-ratchet.md): a new peer ratchet key always
   yields a new receiving chain at once; our own new key pair and sending chain are
   made when we next send, and only once ``ratchet_every`` messages went out on the
-  current sending chain. ``ratchet_every=1`` gives Signal's key schedule exactly.
+  current sending chain or it is ``ratchet_max_age`` seconds old (by the injected
+  ``clock``). ``ratchet_every=1`` (the default) gives Signal's key schedule exactly.
 
 Decryption is computed on locals and committed only after the AEAD verifies, so a
 forged, replayed or truncated message leaves the session exactly as it was.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +52,7 @@ from talos_sdk.errors import (
 )
 from talos_sdk.kdf import hkdf, kdf_ck
 from talos_sdk.wallet import Wallet
-from talos_sdk.x3dh import InitialData, X3DHResult
+from talos_sdk.x3dh import InitialData
 from talos_sdk.x3dh import initiate as x3dh_initiate
 from talos_sdk.x3dh import respond as x3dh_respond
 
@@ -74,6 +77,9 @@ _NONCE = struct.Struct(">8xI")
 _STATE_MAGIC = b"TDRS\x01"
 _U32 = struct.Struct(">I")
 _SKIPPED = struct.Struct(">32sI32s")
+
+#: Seconds from any fixed origin (``time.monotonic``); the SDK reads no clock itself.
+Clock = Callable[[], float]
 
 
 def _kdf_rk(rk: bytes, dh_out: bytes) -> tuple[bytes, bytes]:
@@ -103,6 +109,7 @@ class Session:
 
     __slots__ = (
         "_ad",
+        "_chain_started",
         "_ckr",
         "_cks",
         "_dhr",
@@ -117,9 +124,11 @@ class Session:
         "_rk",
         "_rng",
         "_skipped",
+        "clock",
         "local_did",
         "peer_identity",
         "ratchet_every",
+        "ratchet_max_age",
         "suite",
     )
 
@@ -142,16 +151,22 @@ class Session:
         initial: bytes = b"",
         skipped: Mapping[tuple[bytes, int], bytes] | None = None,
         ratchet_every: int = 1,
+        ratchet_max_age: float | None = None,
+        clock: Clock | None = None,
         rng: Rng = os.urandom,
     ) -> None:
         if suite not in SUITES:
             raise UsageError(f"unknown suite {suite!r}")
-        if not isinstance(ratchet_every, int) or ratchet_every < 1:
-            raise UsageError("ratchet_every must be an int >= 1")
         self.suite = suite
         self.local_did = local_did
         self.peer_identity = peer_identity
         self.ratchet_every = ratchet_every
+        self.ratchet_max_age = ratchet_max_age
+        self.clock = clock
+        self.check_policy()
+        #: clock() when the current sending chain began; None = unknown (restored
+        #: state), which counts as too old, so a lazy session ratchets at once.
+        self._chain_started: float | None = None
         self._ad = ad
         self._rk = rk
         self._dhs_priv, self._dhs_pub = dhs
@@ -176,6 +191,8 @@ class Session:
         *,
         suite: str | None = None,
         ratchet_every: int = 1,
+        ratchet_max_age: float | None = None,
+        clock: Clock | None = None,
         rng: Rng = os.urandom,
     ) -> Session:
         """Start a session with the owner of ``peer_bundle`` (verified here).
@@ -190,22 +207,28 @@ class Session:
         if ik.did != wallet.did:
             raise UsageError("identity key belongs to another wallet")
         x = x3dh_initiate(ik, peer_bundle, suite=suite, rng=rng)
-        assert x.ephemeral_private is not None
-        rk, cks = _kdf_rk(x.shared_secret, x.ratchet_dh)
+        # DR §3.3 RatchetInitAlice: a fresh first ratchet key, never X3DH's EK_A,
+        # whose private half x3dh_initiate has already dropped.
+        dhs = x25519_keypair(rng)
+        rk, cks = _kdf_rk(x.shared_secret, x25519_dh(dhs[0], x.responder_spk))
         init = x.initial.to_bytes()
-        return cls(
+        session = cls(
             suite=x.suite,
             local_did=wallet.did,
             peer_identity=PeerIdentity(x.peer_did, x.peer_signing_key, x.peer_identity_dh),
             ad=x.associated_data,
             rk=rk,
-            dhs=(x.ephemeral_private, x.initial.ephemeral),
+            dhs=dhs,
             dhr=x.responder_spk,
             cks=cks,
             initial=struct.pack(">H", len(init)) + init,
             ratchet_every=ratchet_every,
+            ratchet_max_age=ratchet_max_age,
+            clock=clock,
             rng=rng,
         )
+        session._chain_started = session._now()
+        return session
 
     @classmethod
     def respond(
@@ -216,6 +239,8 @@ class Session:
         *,
         ad: bytes = b"",
         ratchet_every: int = 1,
+        ratchet_max_age: float | None = None,
+        clock: Clock | None = None,
         rng: Rng = os.urandom,
     ) -> tuple[Session, bytes]:
         """Accept an initiator's first message: X3DH, then decrypt it.
@@ -229,19 +254,14 @@ class Session:
             raise UsageError("prekey secrets belong to another wallet")
         initial = _parse_initial(first_message)
         x = x3dh_respond(prekey_secrets, initial)
-        session = cls._from_responder(wallet.did, x, ratchet_every=ratchet_every, rng=rng)
-        plaintext = session.decrypt(first_message, ad)
-        if initial.opk_id is not None:
-            prekey_secrets.consume_one_time(initial.opk_id)
-        return session, plaintext
-
-    @classmethod
-    def _from_responder(
-        cls, local_did: str, x: X3DHResult, *, ratchet_every: int, rng: Rng
-    ) -> Session:
+        # DR §3.3 RatchetInitBob: Bob's first ratchet key pair is the signed prekey.
+        # Only the one DH it is needed for is kept (until the message opens), not
+        # the SPK's private half, which rotation deletes.
+        peer_ratchet = first_message[1:33]
+        first_dh = x25519_dh(prekey_secrets.spk_private_for(initial.spk_id), peer_ratchet)
         session = cls(
             suite=x.suite,
-            local_did=local_did,
+            local_did=wallet.did,
             peer_identity=PeerIdentity(x.peer_did, x.peer_signing_key, x.peer_identity_dh),
             ad=x.associated_data,
             rk=x.shared_secret,
@@ -249,11 +269,15 @@ class Session:
             dhr=None,
             cks=None,
             ratchet_every=ratchet_every,
+            ratchet_max_age=ratchet_max_age,
+            clock=clock,
             rng=rng,
         )
-        # The responder's first ratchet step is DH(SPK, EK) = DH3, already computed.
-        session._first_dh = (x.initial.ephemeral, x.ratchet_dh)
-        return session
+        session._first_dh = (peer_ratchet, first_dh)
+        plaintext = session.decrypt(first_message, ad)
+        if initial.opk_id is not None:
+            prekey_secrets.consume_one_time(initial.opk_id)
+        return session, plaintext
 
     @classmethod
     def create_pair(
@@ -288,6 +312,30 @@ class Session:
         """The X3DH AD every message is bound to."""
         return self._ad
 
+    def check_policy(self) -> None:
+        """Refuse a ratchet policy that is not one of those ADR 0002 describes."""
+        every, age = self.ratchet_every, self.ratchet_max_age
+        if not isinstance(every, int) or every < 1:
+            raise UsageError("ratchet_every must be an int >= 1")
+        if age is not None and not age > 0:
+            raise UsageError("ratchet_max_age must be > 0 seconds (or None)")
+        if every > 1 and age is not None and self.clock is None:
+            raise UsageError("ratchet_max_age needs a clock (seconds, monotonic)")
+
+    def _now(self) -> float | None:
+        return None if self.clock is None else self.clock()
+
+    def _owes_step(self) -> bool:
+        """Whether the deferred sending step is due (ADR 0002: count, then age)."""
+        if self._cks is None or self._ns >= self.ratchet_every:
+            return True
+        age = self.ratchet_max_age
+        if age is None:
+            return False
+        started = self._chain_started
+        now = self._now()
+        return started is None or now is None or now - started >= age
+
     def _ratchet_send(self) -> None:
         assert self._dhr is not None
         private, public = x25519_keypair(self._rng)
@@ -295,10 +343,11 @@ class Session:
         self._pn, self._ns = self._ns, 0
         self._dhs_priv, self._dhs_pub = private, public
         self._pending = False
+        self._chain_started = self._now()
 
     def encrypt(self, plaintext: bytes, ad: bytes = b"") -> bytes:
         """Seal ``plaintext`` as the next message (DR spec §3.4 RatchetEncrypt)."""
-        if self._pending and (self._cks is None or self._ns >= self.ratchet_every):
+        if self._pending and self._owes_step():
             self._ratchet_send()
         ck = self._cks
         if ck is None:

@@ -114,17 +114,16 @@ class InitialData:
 class X3DHResult:
     """The agreed secret plus what the Double Ratchet needs to start.
 
-    ``ratchet_dh`` is DH3 = DH(EK_A, SPK_B): the initiator's ephemeral key doubles
-    as its first ratchet key, so the first root-chain step reuses DH3 instead of a
-    fresh key pair and DH on each side (docs/PROTOCOL.md "Double Ratchet").
+    It holds no ephemeral private key: the initiator's ``EK_A`` is dropped as soon
+    as SK is derived, and its first ratchet key is a fresh pair (Signal DR §3.3),
+    so state stolen after the handshake cannot recompute SK (docs/PROTOCOL.md
+    "Double Ratchet", "Start").
     """
 
     suite: str
     shared_secret: bytes = field(repr=False)
     associated_data: bytes
     initial: InitialData
-    ratchet_dh: bytes = field(repr=False)
-    ephemeral_private: bytes | None = field(repr=False)
     peer_did: str
     peer_signing_key: bytes
     peer_identity_dh: bytes
@@ -152,16 +151,19 @@ def initiate(
     if suite not in bundle.suites:
         raise BundleError(f"peer bundle does not offer suite {suite!r} (offers {bundle.suites})")
     ek_private, ek_public = x25519_keypair(rng)
-    dh3 = x25519_dh(ek_private, bundle.spk)
     parts = [
         x25519_dh(identity.private, bundle.spk),
         x25519_dh(ek_private, bundle.identity_dh),
-        dh3,
+        x25519_dh(ek_private, bundle.spk),
     ]
     opk_id = None
     if use_one_time and bundle.one_time:
         opk_id, opk = bundle.one_time[0]
         parts.append(x25519_dh(ek_private, opk))
+    # X3DH §3.3: EK_A's private half is deleted once the DH outputs exist. Python
+    # cannot wipe an immutable bytes object; dropping the only reference is what
+    # keeps it out of every state this module returns.
+    del ek_private
     pq_id = ct = None
     if suite == SUITE_HYBRID:
         assert bundle.pq_public is not None  # verify() checked it
@@ -187,8 +189,6 @@ def initiate(
         + identity.signing_key
         + bundle.signing_key,
         initial=initial,
-        ratchet_dh=dh3,
-        ephemeral_private=ek_private,
         peer_did=bundle.did,
         peer_signing_key=bundle.signing_key,
         peer_identity_dh=bundle.identity_dh,
@@ -211,11 +211,10 @@ def respond(secrets: PrekeySecrets, initial: InitialData) -> X3DHResult:
         signing_key, binding_message(signing_key, initial.identity_dh), initial.binding
     ):
         raise SignatureError(f"initiator identity key is not signed by {initial.did}")
-    dh3 = x25519_dh(secrets.spk_private, initial.ephemeral)
     parts = [
         x25519_dh(secrets.spk_private, initial.identity_dh),
         x25519_dh(secrets.identity.private, initial.ephemeral),
-        dh3,
+        x25519_dh(secrets.spk_private, initial.ephemeral),
     ]
     if initial.opk_id is not None:
         parts.append(x25519_dh(secrets.one_time_private(initial.opk_id), initial.ephemeral))
@@ -235,8 +234,6 @@ def respond(secrets: PrekeySecrets, initial: InitialData) -> X3DHResult:
         + signing_key
         + secrets.identity.signing_key,
         initial=initial,
-        ratchet_dh=dh3,
-        ephemeral_private=None,
         peer_did=initial.did,
         peer_signing_key=signing_key,
         peer_identity_dh=initial.identity_dh,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.hmac import HMAC
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -321,13 +322,16 @@ def test_lazy_sessions_still_heal_after_out_of_order() -> None:
 VECTORS = Path(__file__).parents[1] / "vectors"
 
 
+def _vector_key(label: str) -> bytes:
+    return hashlib.sha256(b"talos-vector:" + label.encode()).digest()
+
+
 def vector_sessions(ratchet_every: int) -> tuple[Session, Session, bytes]:
     def rng(labels: list[str]) -> Callable[[int], bytes]:
         it = iter(labels)
         return lambda n: _key(next(it))
 
-    def _key(label: str) -> bytes:
-        return hashlib.sha256(b"talos-vector:" + label.encode()).digest()
+    _key = _vector_key
 
     alice_w = Wallet.from_seed(_key("alice-seed"))
     bob_w = Wallet.from_seed(_key("bob-seed"))
@@ -375,8 +379,17 @@ def test_first_message_matches_the_documented_formulas() -> None:
     first = bytes.fromhex(
         json.loads((VECTORS / "ratchet" / "conversation.json").read_text())["first"]
     )
-    sk, dh3 = bytes.fromhex(x["shared_secret"]), bytes.fromhex(x["ratchet_dh"])
-    root = HKDF(hashes.SHA256(), 64, salt=sk, info=b"Talos_DR_Root_v1").derive(dh3)
+    # Alice's first ratchet key is the fresh alice-ratchet-0, not EK_A; Bob's is
+    # his signed prekey. DH computed with OpenSSL, not the SDK's libsodium.
+    ratchet0 = X25519PrivateKey.from_private_bytes(_vector_key("alice-ratchet-0"))
+    ratchet0_public = ratchet0.public_key().public_bytes_raw()
+    assert first[1:33] == ratchet0_public
+    ek = X25519PrivateKey.from_private_bytes(bytes.fromhex(x["keys"]["alice-ek"]))
+    assert ek.public_key().public_bytes_raw() != ratchet0_public
+    spk = X25519PrivateKey.from_private_bytes(bytes.fromhex(x["keys"]["bob-spk"]))
+    dh = ratchet0.exchange(spk.public_key())
+    sk = bytes.fromhex(x["shared_secret"])
+    root = HKDF(hashes.SHA256(), 64, salt=sk, info=b"Talos_DR_Root_v1").derive(dh)
     chain_key = root[32:]
     mac = HMAC(chain_key, hashes.SHA256())
     mac.update(b"\x01")

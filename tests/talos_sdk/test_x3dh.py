@@ -46,7 +46,9 @@ def test_both_sides_agree(
     assert a.associated_data == (
         alice_ik.public + bob_secrets.identity.public + ALICE.public_key + BOB.public_key
     )
-    assert a.ratchet_dh == b.ratchet_dh
+    assert a.responder_spk == b.responder_spk == bob_secrets.spk_public
+    # The result carries no private key: EK_A is gone once SK exists (X3DH §3.3).
+    assert not hasattr(a, "ephemeral_private") and not hasattr(a, "ratchet_dh")
     assert (a.initial.opk_id is not None) is use_one_time
     assert (a.initial.kem_ciphertext is not None) is (suite == SUITE_HYBRID)
     assert a.peer_did == BOB.did and b.peer_did == ALICE.did
@@ -186,7 +188,6 @@ def test_x25519_vector_both_sides() -> None:
     for r in (a, b):
         assert r.shared_secret.hex() == v["shared_secret"]
         assert r.associated_data.hex() == v["associated_data"]
-        assert r.ratchet_dh.hex() == v["ratchet_dh"]
     assert independent_sk(v).hex() == v["shared_secret"]
 
 

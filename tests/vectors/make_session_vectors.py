@@ -86,7 +86,6 @@ def x3dh_vector(suite: str) -> dict[str, Any]:
         "initial_data": result.initial.to_bytes().hex(),
         "shared_secret": result.shared_secret.hex(),
         "associated_data": result.associated_data.hex(),
-        "ratchet_dh": result.ratchet_dh.hex(),
     }
 
 
@@ -138,7 +137,10 @@ def ratchet_vector(ratchet_every: int) -> dict[str, Any]:
         "source": SOURCE,
         "note": (
             "Double Ratchet conversation on the x25519 X3DH vector's keys. Ratchet key "
-            "pairs come from sha256('talos-vector:alice-ratchet-N' / 'bob-ratchet-N'). "
+            "pairs come from sha256('talos-vector:alice-ratchet-N' / 'bob-ratchet-N'); "
+            "Alice's first ratchet key is alice-ratchet-0, drawn right after alice-ek "
+            "(a fresh key, not EK_A: first root step KDF_RK(SK, DH(alice-ratchet-0, "
+            "bob-spk))); Bob's first is his signed prekey. "
             "'first' is Alice's first message (plaintext 'first'), consumed by "
             "Session.respond; messages follow in send order, each delivered at once."
         ),
