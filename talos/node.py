@@ -60,7 +60,13 @@ from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_PROTOCOL, CLOSE_SHUTDOWN
 from talos.link.peer import MAX_QUEUE, Link, LinkSettings, PeerRefused, accept_link, dial_link
 from talos.logging import event
 from talos.metrics import Metrics
-from talos.sessions import Opened, SessionManager, UnknownSessionError, UnsignedMessageError
+from talos.sessions import (
+    MessageSignatureError,
+    Opened,
+    SessionManager,
+    UnknownSessionError,
+    UnsignedMessageError,
+)
 from talos.store import Store, Txn
 from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.errors import (
@@ -774,8 +780,9 @@ class Node:
     def _on_msg(self, peer: _Peer, frame: wire.Msg) -> None:
         try:
             opened = self.sessions.open_message(peer.did, frame.body)
-        except UnsignedMessageError:
-            self.metrics.inc("messages_unsigned")
+        except MessageSignatureError as exc:
+            unsigned = isinstance(exc, UnsignedMessageError)
+            self.metrics.inc("messages_unsigned" if unsigned else "messages_bad_signature")
             raise
         if opened.seq != frame.seq:
             raise ProtocolError("MSG header sequence differs from the sealed one")

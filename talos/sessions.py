@@ -50,9 +50,11 @@ from talos_sdk.bundle import (
 from talos_sdk.errors import BundleError, MalformedFrameError, ProtocolError, UsageError
 from talos_sdk.frames import Frame, RatchetFrameCrypto
 from talos_sdk.ratchet import Session
-from talos_sdk.wallet import Wallet
+from talos_sdk.wallet import Wallet, verify_with_public_key
 
 __all__ = [
+    "BadMessageSignatureError",
+    "MessageSignatureError",
     "Opened",
     "SessionManager",
     "UnknownSessionError",
@@ -73,8 +75,16 @@ class UnknownSessionError(ProtocolError):
     """A frame arrived for a peer we hold no session with."""
 
 
-class UnsignedMessageError(ProtocolError):
-    """A MSG frame without the sender's signature over its commitment (review #7)."""
+class MessageSignatureError(ProtocolError):
+    """A MSG frame whose commitment is not signed by its sender: refused at open."""
+
+
+class UnsignedMessageError(MessageSignatureError):
+    """A MSG frame without the sender's signature over its commitment."""
+
+
+class BadMessageSignatureError(MessageSignatureError):
+    """A MSG frame flagged as signed whose signature does not verify for the sender."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +232,7 @@ class SessionManager:
         """Our bundle for ``peer``, carrying the one OPK reserved for it (none if ``one_time=0``).
 
         Every peer sees a different OPK: two peers setting up sessions at once
-        must never both pick the same one (review #2). The OPKs are outside the
+        must never both pick the same one. The OPKs are outside the
         bundle signature (talos_sdk/bundle.py), so the subset needs no new one.
         """
         opk = self._reserve(peer)  # may mint OPKs: take the bundle after it
@@ -383,9 +393,16 @@ class SessionManager:
         self._dirty.add(peer)
         if frame.type != MSG_FRAME_TYPE:
             raise ProtocolError(f"expected a message frame, got type {frame.type}")
+        # The audit record needs the sender's valid signature (DESIGN.md "block
+        # log"): a message that could not be sealed into a block is not taken.
         if not commitment.signature:
-            # The audit record needs the sender's signature (DESIGN.md "block log").
             raise UnsignedMessageError("message frame is unsigned; messages must be signed")
+        if not verify_with_public_key(
+            entry.session.peer_identity.signing_key,
+            commitment.signed_bytes(),
+            commitment.signature,
+        ):
+            raise BadMessageSignatureError("message frame signature does not verify")
         if frame.sender != peer or frame.recipient != self._wallet.did:
             raise ProtocolError("message frame names other parties than this link")
         if len(frame.payload) < _MSG_HEAD:

@@ -204,7 +204,7 @@ def test_no_one_time_prekeys_configured_offers_none(tmp_path: Path) -> None:
 
 
 def test_unsigned_message_frame_is_refused(sides: tuple[Side, Side]) -> None:
-    """Review #7: the receiver logs the sender's signature, so an unsigned MSG is an error."""
+    """The receiver logs the sender's signature, so an unsigned MSG is an error."""
     from talos.sessions import MSG_FRAME_TYPE, UnsignedMessageError
     from talos_sdk.frames import Frame
 
@@ -221,3 +221,46 @@ def test_unsigned_message_frame_is_refused(sides: tuple[Side, Side]) -> None:
     body = a.sm._crypto(a.sm._get(b.wallet.did)).seal(frame, sign=False)
     with pytest.raises(UnsignedMessageError, match="unsigned"):
         b.sm.open_message(a.wallet.did, body)
+
+
+class _GarbageSigner:
+    """Duck-typed wallet for RatchetFrameCrypto: sets the signed flag, signs nothing valid."""
+
+    def __init__(self, did: str, signature: bytes) -> None:
+        self.did = did
+        self.signature = signature
+
+    def sign(self, data: bytes) -> bytes:
+        return self.signature
+
+
+@pytest.mark.parametrize("kind", ["garbage", "other key", "other message"])
+def test_message_frame_with_a_bad_signature_is_refused(sides: tuple[Side, Side], kind: str) -> None:
+    """A signed flag with a signature that does not verify is refused like no signature."""
+    from typing import cast
+
+    from talos.sessions import (
+        MSG_FRAME_TYPE,
+        BadMessageSignatureError,
+        MessageSignatureError,
+    )
+    from talos_sdk.frames import Frame, RatchetFrameCrypto
+
+    a, b = sides
+    setup(a, b)
+    payload = b"1" * 16 + (0).to_bytes(8, "big") + b"forged"
+    signature = {
+        "garbage": bytes(range(64)),
+        "other key": Wallet.generate().sign(b"anything"),
+        "other message": a.wallet.sign(b"another commitment"),
+    }[kind]
+    frame = Frame(MSG_FRAME_TYPE, a.wallet.did, b.wallet.did, 1, 5, payload)
+    session = a.sm._get(b.wallet.did).session
+    forger = RatchetFrameCrypto(cast(Wallet, _GarbageSigner(a.wallet.did, signature)), session)
+    body = forger.seal(frame, sign=True)
+    with pytest.raises(BadMessageSignatureError, match="does not verify") as info:
+        b.sm.open_message(a.wallet.did, body)
+    assert isinstance(info.value, MessageSignatureError)
+    # The session moved on (the frame decrypted); the next genuine message opens.
+    good, _ = a.sm.seal_message(b.wallet.did, row(1, "genuine"))
+    assert b.sm.open_message(a.wallet.did, good).text == "genuine"
