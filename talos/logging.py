@@ -2,12 +2,16 @@
 
 Callers pass an event name and fields; nothing here ever formats keys,
 plaintext or tool arguments, and callers only pass identifiers and sizes.
+Fields may still carry text a peer chose (a refusal reason, a tool name), so
+every field of both formats has its control characters (C0, DEL, C1, U+2028,
+U+2029) escaped: one event is always one line and never a terminal command.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any
@@ -23,11 +27,28 @@ def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields
         logger.log(level, name, extra={_FIELDS: fields})
 
 
+# C0 controls, DEL, C1 controls and the Unicode line/paragraph separators: any of
+# them could end a line, move the cursor or drive a terminal reading the log.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_KV_SPECIAL = re.compile(r'[\x00-\x20\x7f-\x9f\u2028\u2029="\\]')
+
+
+def _escape_char(m: re.Match[str]) -> str:
+    c = m.group()
+    return f"\\x{ord(c):02x}" if ord(c) <= 0xFF else f"\\u{ord(c):04x}"
+
+
+def escape(value: Any) -> str:
+    """``str(value)`` with every control character written as a visible escape."""
+    return _CONTROL.sub(_escape_char, str(value))
+
+
 def _quote(value: Any) -> str:
+    """A key=value token: bare when safe, else quoted with ``\\``, ``\"`` and controls escaped."""
     text = str(value)
-    if not text or any(c in text for c in ' ="\n'):
-        return json.dumps(text)
-    return text
+    if text and not _KV_SPECIAL.search(text):
+        return text
+    return '"' + escape(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -37,8 +58,8 @@ class KeyValueFormatter(logging.Formatter):
         fields: dict[str, Any] = getattr(record, _FIELDS, {})
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         head = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()}"
-        parts = [head, f"logger={record.name}", f"event={_quote(record.getMessage())}"]
-        parts += [f"{k}={_quote(v)}" for k, v in fields.items()]
+        parts = [head, f"logger={_quote(record.name)}", f"event={_quote(record.getMessage())}"]
+        parts += [f"{escape(k)}={_quote(v)}" for k, v in fields.items()]
         if record.exc_info and record.exc_info[0] is not None:
             parts.append(f"error={_quote(record.exc_info[1])}")
         return " ".join(parts)
@@ -51,12 +72,13 @@ class JsonFormatter(logging.Formatter):
         out: dict[str, Any] = {
             "ts": record.created,
             "level": record.levelname.lower(),
-            "logger": record.name,
-            "event": record.getMessage(),
+            "logger": escape(record.name),
+            "event": escape(record.getMessage()),
         }
-        out.update({k: str(v) for k, v in getattr(record, _FIELDS, {}).items()})
+        out.update({escape(k): escape(v) for k, v in getattr(record, _FIELDS, {}).items()})
         if record.exc_info and record.exc_info[0] is not None:
-            out["error"] = str(record.exc_info[1])
+            out["error"] = escape(record.exc_info[1])
+        # ensure_ascii (the default) also writes every other non-ASCII character as \uXXXX.
         return json.dumps(out)
 
 

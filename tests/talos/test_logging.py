@@ -39,3 +39,46 @@ def test_event_goes_through_configured_handler(capsys: pytest.CaptureFixture[str
     finally:  # other tests rely on propagation to pytest's caplog
         root.handlers[:], root.propagate = saved[0], saved[1]
         root.setLevel(saved[2])
+
+
+HOSTILE = "ok\r\nts=forged level=info event=fake\x1b[2J\x1b]0;title\x07\x00\x7f\x85\x9b\u2028end"
+
+
+def _no_controls(line: str) -> None:
+    assert "\n" not in line and "\r" not in line
+    bad = [c for c in line if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029"]
+    assert bad == []
+
+
+def test_key_value_escapes_control_characters_in_every_field() -> None:
+    rec = _record({"reason": HOSTILE, "bad\nkey": "v", "plain": "a\\b"})
+    rec.msg = "event\x1b[31m"
+    rec.name = "talos.\rnode"
+    line = KeyValueFormatter().format(rec)
+    _no_controls(line)
+    assert line.count(" ts=") == 0  # nothing forged a second record on the line
+    assert "\\x0d\\x0ats=forged level=info event=fake\\x1b[2J\\x1b]0;title\\x07" in line
+    assert "\\x00\\x7f\\x85\\x9b\\u2028end" in line
+    assert 'event="event\\x1b[31m"' in line
+    assert 'logger="talos.\\x0dnode"' in line
+    assert "bad\\x0akey=v" in line
+    assert 'plain="a\\\\b"' in line  # a literal backslash cannot fake an escape
+
+
+def test_json_escapes_control_characters_in_every_field() -> None:
+    rec = _record({"reason": HOSTILE, "bad\x1bkey": "v"})
+    rec.msg = "event\r\n"
+    try:
+        raise ValueError("boom\x1b[2J\r\n")
+    except ValueError:
+        import sys
+
+        rec.exc_info = sys.exc_info()
+    line = JsonFormatter().format(rec)
+    _no_controls(line)
+    out = json.loads(line)
+    assert out["reason"].startswith("ok\\x0d\\x0ats=forged")
+    assert "\x1b" not in out["reason"] and "\\x1b[2J" in out["reason"]
+    assert out["event"] == "event\\x0d\\x0a"
+    assert out["bad\\x1bkey"] == "v"
+    assert out["error"] == "boom\\x1b[2J\\x0d\\x0a"
