@@ -1,8 +1,23 @@
-"""Audit of every tunnelled call (DESIGN.md "MCP tunnel": every call audited; "group commit").
+"""Audit of the tunnel (DESIGN.md "MCP tunnel": every call audited; "group commit").
 
-Each answered request becomes an :class:`AuditRecord`: caller DID, method, tool,
-request id, SHA-256 of params and of result, latency and outcome. Arguments and
-results are kept in plaintext only when asked (``--audit-plaintext``).
+docs/PROTOCOL.md "MCP tunnel, audit record" defines the record. Every event
+of a serve side becomes an :class:`AuditRecord`:
+
+* ``call``: a caller's request and how it ended (``ok``, ``error``,
+  ``tool-error``, ``denied``, ``cancelled``, ``malformed``, ``tool-exited``,
+  ``link-down``, ``refused-notification``);
+* ``request``: a request the tool sent to the caller (sampling, elicitation,
+  roots) and the caller's answer;
+* ``session``: ``open`` (or its refusal), ``close`` and the tool process's
+  ``exit`` (pid, exit code, why);
+* ``refusal``: a message refused before any tool saw it (not JSON-RPC, a frame
+  for a session the peer does not own).
+
+Parameters and results are committed as HMAC-SHA256 under the node's audit key
+(:class:`AuditKey`, 32 random bytes kept 0600 in the home), over their RFC 8785
+form: whoever holds the key can prove what was called, while a reader of the
+log cannot recover small arguments by hashing guesses. Arguments and results
+are kept in plaintext only when asked (``--audit-plaintext``).
 
 The :class:`Auditor` keeps the LMDB commit off the hot path: in ``group`` mode
 a background task drains what queued within a few milliseconds into one write
@@ -20,36 +35,45 @@ import asyncio
 import contextlib
 import enum
 import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import orjson
 
 from talos_sdk.canonical import canonical_json_bytes
-from talos_sdk.errors import EncodingError
+from talos_sdk.errors import EncodingError, UsageError
 
 if TYPE_CHECKING:
     from talos.chain.log import BlockLog
 
 __all__ = [
+    "AUDIT_KEY_FILE",
+    "AuditKey",
     "AuditMode",
     "AuditRecord",
     "AuditSink",
     "Auditor",
     "BlockLogSink",
-    "digest",
+    "Event",
 ]
 
 log = logging.getLogger(__name__)
 
-RECORD_KIND = "mcp"
+RECORD_KIND: Final = "mcp"
+RECORD_VERSION: Final = 2
+AUDIT_KEY_FILE: Final = "proxy-audit.key"
 # The block format's bounds (talos/chain/block.py MAX_COMMITMENT, MAX_EXTRA).
 MAX_COMMITMENT = 4096
 MAX_EXTRA = 4096
+# A reason or name in a record is cut here: records must fit the block format.
+MAX_TEXT = 256
 
 
 class AuditMode(enum.Enum):
@@ -57,6 +81,15 @@ class AuditMode(enum.Enum):
 
     GROUP = "group"
     STRICT = "strict"
+
+
+class Event(enum.StrEnum):
+    """What an audit record is about (docs/PROTOCOL.md "MCP tunnel, audit record")."""
+
+    CALL = "call"
+    REQUEST = "request"
+    SESSION = "session"
+    REFUSAL = "refusal"
 
 
 def _stable_json(value: Any) -> bytes:
@@ -74,48 +107,100 @@ def _stable_json(value: Any) -> bytes:
             return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
-def digest(value: Any) -> bytes:
-    """SHA-256 of a JSON value in its canonical form, so anyone can recompute it."""
-    if value is None:
-        return b""
-    return hashlib.sha256(_stable_json(value)).digest()
+class AuditKey:
+    """The node's audit key: params and results are committed as HMAC-SHA256 under it."""
+
+    __slots__ = ("_mac",)
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != 32:
+            raise UsageError("an audit key is 32 bytes")
+        # Keyed once; each digest copies the keyed state (no re-keying per call).
+        self._mac = hmac.new(key, digestmod=hashlib.sha256)
+
+    @classmethod
+    def generate(cls) -> AuditKey:
+        return cls(secrets.token_bytes(32))
+
+    @classmethod
+    def load(cls, home: Path) -> AuditKey:
+        """The key in ``home`` (``proxy-audit.key``, hex), created 0600 on first use."""
+        path = home / AUDIT_KEY_FILE
+        try:
+            text = path.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            key = secrets.token_bytes(32)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="ascii") as fh:
+                fh.write(key.hex() + "\n")
+            tmp.replace(path)
+            return cls(key)
+        try:
+            return cls(bytes.fromhex(text))
+        except ValueError:
+            raise UsageError(f"{path} does not hold a 64-hex-digit audit key") from None
+
+    def digest(self, value: Any) -> bytes:
+        """HMAC-SHA256 of a JSON value's canonical form; empty for an absent value."""
+        if value is None:
+            return b""
+        mac = self._mac.copy()
+        mac.update(_stable_json(value))
+        return mac.digest()
+
+
+def _cut(text: str | None) -> str | None:
+    return None if text is None else text[:MAX_TEXT]
 
 
 @dataclass(frozen=True, slots=True)
 class AuditRecord:
-    """One audited call."""
+    """One audited event (see the module docstring for events and outcomes)."""
 
     caller: str
     server: str
     method: str
     tool: str | None
-    request_id: int | str
-    params_sha256: bytes
-    result_sha256: bytes
+    request_id: int | str | None
+    params_hmac: bytes
+    result_hmac: bytes
     latency_us: int
     outcome: str
     timestamp_ms: int
     plaintext: bytes = b""
+    event: Event = Event.CALL
+    session: int = 0
+    pid: int | None = None
+    detail: str = ""
 
     def commitment(self) -> bytes:
         """The bytes stored (and Merkle-hashed) for this record; bounded by the block format."""
         body: dict[str, Any] = {
+            "v": RECORD_VERSION,
+            "event": str(self.event),
             "caller": self.caller,
             "server": self.server,
+            "session": self.session,
+            "pid": self.pid,
             "method": self.method,
             "tool": self.tool,
             "id": self.request_id,
-            "params_sha256": self.params_sha256.hex(),
-            "result_sha256": self.result_sha256.hex(),
+            "params_hmac": self.params_hmac.hex(),
+            "result_hmac": self.result_hmac.hex(),
             "latency_us": self.latency_us,
             "outcome": self.outcome,
+            "detail": self.detail,
         }
         data = _stable_json(body)
         if len(data) > MAX_COMMITMENT:
-            # Only a pathological method/tool name gets here; keep the hashes, drop the names.
-            body["method"] = body["method"][:256]
-            body["tool"] = None if self.tool is None else self.tool[:256]
-            body["id"] = str(self.request_id)[:256]
+            # Only a pathological name gets here; keep the digests, cut the names.
+            body["server"] = _cut(self.server)
+            body["method"] = _cut(self.method)
+            body["tool"] = _cut(self.tool)
+            body["id"] = _cut(None if self.request_id is None else str(self.request_id))
+            body["detail"] = _cut(self.detail)
             data = _stable_json(body)
         return data
 
@@ -166,6 +251,7 @@ class Auditor:
         sink: AuditSink,
         *,
         mode: AuditMode = AuditMode.GROUP,
+        key: AuditKey | None = None,
         plaintext: bool = False,
         sync_interval: float = 1.0,
         commit_interval: float = 0.005,
@@ -174,6 +260,8 @@ class Auditor:
         self.commit_interval = commit_interval
         self._timer: asyncio.TimerHandle | None = None
         self.mode = mode
+        # A key of its own when none is given (tests): digests then prove nothing later.
+        self.key = key if key is not None else AuditKey.generate()
         self.plaintext = plaintext
         self.sync_interval = sync_interval
         self._queue: list[AuditRecord] = []

@@ -5,8 +5,11 @@
     talos-proxy id --home DIR
     talos-proxy serve --home DIR --listen HOST:PORT --allow DID [--allow DID ...]
                       [--tools NAME[,NAME...]] [--policy FILE] [--audit strict|group]
-                      [--audit-plaintext] -- CMD [ARGS...]
+                      [--audit-plaintext] [--env KEY=VALUE ...] [--pass-environment]
+                      -- CMD [ARGS...]
     talos-proxy connect --home DIR --peer ws://HOST:PORT#DID [--server NAME] [--http HOST:PORT]
+    talos-proxy audit --home DIR [--json] [--since 2h|ISO] [--peer DID] [--tool NAME]
+                      [--outcome OUTCOME] [--event call|request|session|refusal]
 
 Logs go to stderr only: on ``connect`` stdout is the MCP stdio channel.
 """
@@ -23,11 +26,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mcp_proxy.audit import AuditMode, Auditor, BlockLogSink
+import orjson
+
+from mcp_proxy.audit import AuditKey, AuditMode, Auditor, BlockLogSink
 from mcp_proxy.client import TunnelClient, serve_stdio
 from mcp_proxy.nodehost import http_token, make_node, node_did
 from mcp_proxy.policy import Policy, load_policy_file
 from mcp_proxy.server import MAX_SESSIONS_PER_PEER, TunnelServer
+from mcp_proxy.toolenv import DEFAULT_PASS, parse_env_assignments
 from mcp_proxy.transport import NodeTransport
 from talos.runtime import run
 from talos_sdk.errors import TalosError
@@ -59,7 +65,29 @@ def _parser() -> argparse.ArgumentParser:
         default=MAX_SESSIONS_PER_PEER,
         help=f"tool processes one peer may hold at once (default {MAX_SESSIONS_PER_PEER})",
     )
+    p_serve.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a variable for every tool process (repeatable)",
+    )
+    p_serve.add_argument(
+        "--pass-environment",
+        action="store_true",
+        help=f"tools inherit serve's whole environment (default: only {', '.join(DEFAULT_PASS)},"
+        " the policy's pass_env and env, and --env)",
+    )
     p_serve.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+
+    p_audit = sub.add_parser("audit", help="read the audit records of a (stopped) serve home")
+    p_audit.add_argument("--home", type=Path, required=True)
+    p_audit.add_argument("--json", action="store_true", help="one JSON object per line")
+    p_audit.add_argument("--since", help="15m, 2h, 7d ago, an ISO 8601 time, or epoch ms")
+    p_audit.add_argument("--peer", metavar="DID", help="only this caller")
+    p_audit.add_argument("--tool", help="only calls of this tool")
+    p_audit.add_argument("--outcome", help="only this outcome (ok, denied, tool-exited, ...)")
+    p_audit.add_argument("--event", choices=["call", "request", "session", "refusal"])
 
     p_conn = sub.add_parser("connect", help="be the MCP server an agent launches")
     p_conn.add_argument("--home", type=Path, required=True)
@@ -97,11 +125,18 @@ async def _serve(args: argparse.Namespace) -> None:
     node.authorizer = policy.is_peer_allowed
     if args.max_sessions < 1:
         raise SystemExit("--max-sessions must be at least 1")
-    server = TunnelServer(NodeTransport(node), policy, max_sessions=args.max_sessions)
+    server = TunnelServer(
+        NodeTransport(node),
+        policy,
+        max_sessions=args.max_sessions,
+        env=parse_env_assignments(args.env),
+        pass_environment=args.pass_environment,
+    )
     await node.start()
     auditor = Auditor(
         BlockLogSink(node.log, node.did),
         mode=AuditMode(args.audit),
+        key=AuditKey.load(args.home),
         plaintext=args.audit_plaintext,
     )
     await auditor.start()
@@ -149,6 +184,24 @@ async def _connect(args: argparse.Namespace) -> None:
         await node.stop()
 
 
+def _audit(args: argparse.Namespace) -> None:
+    from mcp_proxy.audit_log import AuditFilter, format_entry, parse_since, read_entries, select
+
+    keep = AuditFilter(
+        peer=args.peer,
+        tool=args.tool,
+        outcome=args.outcome,
+        event=args.event,
+        since_ms=None if args.since is None else parse_since(args.since),
+    )
+    for entry in select(read_entries(args.home), keep):
+        if args.json:
+            sys.stdout.buffer.write(orjson.dumps(entry.to_json()) + b"\n")
+        else:
+            print(format_entry(entry))
+    sys.stdout.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # The proxy's home holds a node identity and store: owner-only files.
     os.umask(0o077)
@@ -163,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(node_did(args.home))
         elif args.cmd == "serve":
             run(_serve(args))
+        elif args.cmd == "audit":
+            _audit(args)
         else:
             run(_connect(args))
     except TalosError as exc:

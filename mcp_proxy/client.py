@@ -8,10 +8,19 @@ JSON-RPC (-32700 / -32600 replies otherwise) and remembers which request ids
 are unanswered, so that a dropped link answers them (-32002) instead of
 leaving the agent waiting.
 
+Every message crosses as one line (:func:`mcp_proxy.jsonrpc.one_line`): bytes
+with a raw CR or LF, from the agent or from the tunnel, are re-encoded from
+their parsed object, so neither the serving peer's tool nor this agent's stdio
+reader or SSE stream can split one message into two. Each agent request gets
+exactly one response: a reply for an id that is not pending (a stale or
+duplicate one) is dropped.
+
 When the link comes back, or the remote session failed, the session is opened
-again on the next need, and the agent's cached ``initialize`` request and
-``initialized`` notification are replayed to the fresh tool process (its
-reply swallowed), so the agent keeps one MCP session across reconnects.
+again on the next need, and -- once the agent's ``initialize`` has been
+answered -- its cached ``initialize`` request and ``initialized`` notification
+are replayed to the fresh tool process (that reply swallowed), so the agent
+keeps one MCP session across reconnects. An ``initialize`` still unanswered
+is never replayed: it is answered (with the link error) or forwarded once.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from mcp_proxy.jsonrpc import (
     RequestId,
     Sniffed,
     error_reply,
+    one_line,
     sniff,
 )
 from mcp_proxy.lines import LineSplitter
@@ -63,6 +73,8 @@ class ClientSession:
         self._init_line: bytes | None = None
         self._init_id: RequestId | None = None
         self._initialized_line: bytes | None = None
+        # The agent's initialize was answered: a fresh tool process needs the replay.
+        self._initialized = False
         self._swallow: set[RequestId] = set()
         self.joiner = Joiner()
 
@@ -97,55 +109,84 @@ class ClientSession:
             return None
         if msg.kind is Kind.REQUEST:
             assert msg.id is not None and msg.method is not None
+            if msg.id in self.pending:
+                # A second request with a pending id could never get its own response.
+                self.deliver(
+                    error_reply(msg.id, INVALID_REQUEST, "Invalid Request: id already in use")
+                )
+                return None
             if msg.method == "initialize":
-                self._init_line, self._init_id = line, msg.id
-                self._initialized_line = None
+                self._init_id = msg.id
+                self._init_line = self._initialized_line = None
+                self._initialized = False
             self.pending[msg.id] = msg.method
-        elif msg.kind is Kind.NOTIFICATION:
-            if msg.method == "notifications/initialized":
-                self._initialized_line = line
-            elif msg.method == "notifications/cancelled" and isinstance(msg.params, dict):
-                cancelled = msg.params.get("requestId")
-                if isinstance(cancelled, int | str):
-                    self.pending.pop(cancelled, None)
+        elif msg.method == "notifications/cancelled" and isinstance(msg.params, dict):
+            # The agent gave up: a late reply to that id is not delivered.
+            cancelled = msg.params.get("requestId")
+            if isinstance(cancelled, int | str):
+                self.pending.pop(cancelled, None)
         return msg
 
     def _forward(self, msg: Sniffed, line: bytes) -> None:
+        try:
+            line = one_line(line, msg)
+        except JsonRpcError as exc:
+            if msg.kind is Kind.REQUEST and msg.id is not None:
+                self.pending.pop(msg.id, None)
+                self.deliver(error_reply(msg.id, exc.code, str(exc)))
+            return
+        # Cached as forwarded (one line), for the replay to a fresh tool process.
+        if msg.method == "initialize" and msg.id == self._init_id:
+            self._init_line = line
+        elif msg.method == "notifications/initialized":
+            self._initialized_line = line
         if not self.attached:
-            self.attach(replay=msg.method != "initialize")
+            self.attach()
         self.client.sender.message(self.sid, line)
 
-    def attach(self, *, replay: bool = True) -> None:
-        """Open the remote session (again), replaying the agent's handshake if it had one."""
+    def attach(self) -> None:
+        """Open the remote session (again), replaying the agent's handshake if it completed."""
         sender = self.client.sender
         self.client.rebind(self)
         self.joiner = Joiner()
         sender.control(FrameKind.OPEN, self.sid, self.client.server_name.encode())
         self.attached = True
-        if replay and self._init_line is not None and self._init_id is not None:
+        if self._initialized and self._init_line is not None and self._init_id is not None:
             self._swallow.add(self._init_id)
             sender.message(self.sid, self._init_line)
             if self._initialized_line is not None:
                 sender.message(self.sid, self._initialized_line)
 
+    @property
+    def resumable(self) -> bool:
+        """Whether a new link should reopen this session at once (its handshake completed)."""
+        return not self.attached and not self.closed and self._initialized
+
     def from_remote(self, line: bytes) -> None:
-        if self.pending or self._swallow:
-            try:
-                msg = sniff(line)
-            except JsonRpcError as exc:
-                log.warning("session %d: malformed message from the tunnel: %s", self.sid, exc)
+        try:
+            msg = sniff(line)
+            line = one_line(line, msg)
+        except JsonRpcError as exc:
+            log.warning("session %d: malformed message from the tunnel: %s", self.sid, exc)
+            return
+        if msg.kind is Kind.RESPONSE or msg.kind is Kind.ERROR:
+            rid = msg.id
+            if rid is not None and rid in self._swallow:
+                self._swallow.discard(rid)
+                return  # the replayed initialize's reply: the agent had its own
+            if rid is None or self.pending.pop(rid, None) is None:
+                # Not (or no longer) awaited: one request gets exactly one response.
+                log.warning("session %d: response for no pending request dropped", self.sid)
                 return
-            if msg.kind in (Kind.RESPONSE, Kind.ERROR) and msg.id is not None:
-                if msg.id in self._swallow:
-                    self._swallow.discard(msg.id)
-                    if msg.id not in self.pending:
-                        return
-                self.pending.pop(msg.id, None)
+            if rid == self._init_id and msg.kind is Kind.RESPONSE:
+                self._initialized = True
         self.deliver(line)
 
     def detach(self, code: int, reason: str) -> None:
         """The remote session is gone: answer every pending request with an error."""
         self.attached = False
+        # Late frames of the dead session (a tool's last words) then match nothing.
+        self.client.forget_sid(self)
         self._swallow.clear()
         pending, self.pending = self.pending, {}
         for request_id in pending:
@@ -204,6 +245,10 @@ class TunnelClient:
         session.sid = self._next_sid
         self._next_sid = self._next_sid % 0xFFFFFFFF + 1
         self._by_sid[session.sid] = session
+
+    def forget_sid(self, session: ClientSession) -> None:
+        if self._by_sid.get(session.sid) is session:
+            del self._by_sid[session.sid]
 
     def forget(self, session: ClientSession) -> None:
         self.sessions.discard(session)
@@ -266,7 +311,7 @@ class TunnelClient:
             self._up.set()
             for session in list(self.sessions):
                 # Reopen at once so the tool can talk first (list_changed, logging).
-                if not session.attached and session._init_line is not None:
+                if session.resumable:
                     session.attach()
             return
         log.warning("tunnel link to %s is down", peer)

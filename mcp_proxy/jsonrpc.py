@@ -1,9 +1,20 @@
 """Just enough JSON-RPC 2.0 for policy and audit (JSON-RPC 2.0 spec §4-5, MCP "Base Protocol").
 
-The tunnel forwards every message as the bytes it received; this module only
-reads the fields policy and audit need (kind, ``id``, ``method``, the tool name
-of ``tools/call``, a progress token) and builds error replies. Batches (JSON
-arrays) are not part of MCP since 2025-06-18 and are refused as invalid.
+This module reads the fields policy and audit need (kind, ``id``, ``method``,
+the tool name of ``tools/call``, a progress token), builds error replies, and
+holds the one rule every hop of the tunnel applies before it forwards a message
+(docs/PROTOCOL.md "MCP tunnel", ADR 0003 "One message, one line"):
+
+* :func:`encode` -- the serve side, which judges, hands on the compact
+  re-encoding of the object it judged, never the bytes it received: whitespace,
+  escapes, duplicate keys or numbers beyond 64 bits cannot make the other side
+  parse anything but that object;
+* :func:`one_line` -- every other hop (``connect``'s stdio and HTTP front)
+  forwards the bytes it received unless they hold a raw CR or LF (JSON
+  whitespace, but a line break to an MCP stdio reader), else their re-encoding.
+
+Batches (JSON arrays) are not part of MCP since 2025-06-18 and are refused as
+invalid.
 """
 
 from __future__ import annotations
@@ -25,7 +36,10 @@ __all__ = [
     "JsonRpcError",
     "Kind",
     "Sniffed",
+    "encode",
     "error_reply",
+    "has_line_break",
+    "one_line",
     "sniff",
 ]
 
@@ -68,6 +82,7 @@ class Sniffed:
     params: Any
     result: Any
     progress_token: RequestId | None
+    obj: dict[str, Any]
 
 
 def _valid_id(value: Any) -> bool:
@@ -120,18 +135,18 @@ def sniff(line: bytes) -> Sniffed:
         kind = Kind.NOTIFICATION if "id" not in obj else Kind.REQUEST
         if kind is Kind.REQUEST and request_id is None:
             raise JsonRpcError(INVALID_REQUEST, "Invalid Request: request id must not be null")
-        return Sniffed(kind, request_id, method, tool, params, None, token)
+        return Sniffed(kind, request_id, method, tool, params, None, token, obj)
     if "result" in obj:
         if request_id is None:
             raise JsonRpcError(INVALID_REQUEST, "Invalid Request: response without an id")
-        return Sniffed(Kind.RESPONSE, request_id, None, None, None, obj["result"], None)
+        return Sniffed(Kind.RESPONSE, request_id, None, None, None, obj["result"], None, obj)
     if "error" in obj:
         if not isinstance(obj["error"], dict):
             raise JsonRpcError(
                 INVALID_REQUEST, "Invalid Request: error must be an object", request_id
             )
         # An error reply may carry a null id (it answered an unparseable request).
-        return Sniffed(Kind.ERROR, request_id, None, None, None, obj["error"], None)
+        return Sniffed(Kind.ERROR, request_id, None, None, None, obj["error"], None, obj)
     raise JsonRpcError(INVALID_REQUEST, "Invalid Request: no method, result or error", request_id)
 
 
@@ -141,3 +156,28 @@ def error_reply(request_id: RequestId | None, code: int, message: str, data: Any
     if data is not None:
         error["data"] = data
     return orjson.dumps({"jsonrpc": "2.0", "id": request_id, "error": error})
+
+
+def has_line_break(data: bytes) -> bool:
+    """Whether ``data`` holds a raw CR or LF (MCP stdio: messages carry no embedded newline)."""
+    return b"\n" in data or b"\r" in data
+
+
+def encode(msg: Sniffed) -> bytes:
+    """The compact JSON of the parsed message: exactly the object that was judged, one line.
+
+    orjson escapes control characters in strings and writes no whitespace, so the
+    result never holds a raw CR or LF. A message nested deeper than the encoder
+    goes (254 levels) is refused as invalid rather than forwarded as received.
+    """
+    try:
+        return orjson.dumps(msg.obj)
+    except TypeError:
+        raise JsonRpcError(INVALID_REQUEST, "Invalid Request: nested too deeply", msg.id) from None
+
+
+def one_line(line: bytes, msg: Sniffed) -> bytes:
+    """``line`` itself when it holds no raw CR or LF, else the re-encoding of ``msg``."""
+    if b"\n" in line or b"\r" in line:
+        return encode(msg)
+    return line

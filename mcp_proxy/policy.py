@@ -7,7 +7,8 @@ link by the node's authorizer. A policy file (TOML) looks like::
     [servers.time]                      # name -> command, args, env
     command = "python"
     args = ["-m", "mcp_server_time"]
-    env = { TZ = "UTC" }
+    env = { TZ = "UTC" }                # set for the tool
+    pass_env = ["AWS_PROFILE"]          # taken from serve's environment when set
 
     [peers."did:key:z6Mk..."]
     servers = ["time"]                  # "*" (the default): every server
@@ -58,6 +59,7 @@ class ServerSpec(BaseModel):
     command: str = Field(min_length=1)
     args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
+    pass_env: tuple[str, ...] = ()
 
 
 class PeerRule(BaseModel):
@@ -149,26 +151,36 @@ class Policy:
         """The node's link authorizer: default deny."""
         return did in self.grants
 
-    def server_for(self, did: str, name: str) -> tuple[str, ServerSpec]:
-        """Resolve the server a session asked for ("" = the only or the default one)."""
+    def servers_for(self, did: str) -> list[str]:
+        """The servers ``did`` may open, sorted (none for a DID the policy does not name)."""
         grant = self.grants.get(did)
         if grant is None:
+            return []
+        if grant.servers is None:
+            return sorted(self.servers)
+        return sorted(name for name in grant.servers if name in self.servers)
+
+    def server_for(self, did: str, name: str) -> tuple[str, ServerSpec]:
+        """Resolve the server a session asked for ("" = the caller's only or default one).
+
+        A refusal names only servers ``did`` may use: an unknown server and one
+        granted to others get the same answer.
+        """
+        if did not in self.grants:
             raise PolicyDenied(f"{did} is not allowed")
+        mine = self.servers_for(did)
         if not name:
-            if DEFAULT_SERVER in self.servers:
+            if DEFAULT_SERVER in mine:
                 name = DEFAULT_SERVER
-            elif len(self.servers) == 1:
-                name = next(iter(self.servers))
+            elif len(mine) == 1:
+                name = mine[0]
+            elif not mine:
+                raise PolicyDenied("no server is offered to you")
             else:
-                raise PolicyDenied(
-                    f"several servers are offered, choose one of {sorted(self.servers)}"
-                )
-        spec = self.servers.get(name)
-        if spec is None:
-            raise PolicyDenied(f"no server named {name!r}")
-        if grant.servers is not None and name not in grant.servers:
-            raise PolicyDenied(f"server {name!r} not allowed for {did}")
-        return name, spec
+                raise PolicyDenied(f"several servers are offered to you, choose one of {mine}")
+        if name not in mine:
+            raise PolicyDenied(f"no server named {name!r} is offered to you")
+        return name, self.servers[name]
 
     def tool_allowed(self, did: str, tool: str) -> bool:
         """Whether ``did`` may call ``tool`` (both the global and the per-DID list must agree)."""

@@ -1,13 +1,21 @@
 """The ``talos-proxy serve`` side: tunnel sessions onto local stdio tool processes (DESIGN.md).
 
 For each client session a peer opens, the policy picks a server, a fresh tool
-process is started (MCP servers are stateful), and JSON-RPC lines are moved
-between the tunnel and the process as bytes. The only parsing is the sniff
-policy and audit need; the only rewrite is a ``tools/list`` result filtered to
-what the caller may use. A denied ``tools/call`` is answered here (-32001) and
-never reaches the tool; a ``tools/call`` without an id (a notification) is refused
-and audited, whatever the tool. A tool that dies answers all its pending requests with
--32603 and its session is reported failed, so the client can start afresh.
+process is started (MCP servers are stateful), and JSON-RPC messages move
+between the tunnel and the process. This side judges, so in both directions it
+forwards the compact re-encoding of the object it parsed
+(:func:`mcp_proxy.jsonrpc.encode`), never the bytes it received: the tool
+parses exactly what the policy judged, the caller exactly what was audited
+(docs/PROTOCOL.md "MCP tunnel", ADR 0003). A denied ``tools/call`` is answered
+here (-32001) and never reaches the tool; a ``tools/call`` without an id (a
+notification) is refused and audited, whatever the tool.
+
+One request, one response: a reply of the tool for an id that is not pending
+is dropped, and when a tool dies its session is reported failed once, with the
+real reason (the exit code, or why the proxy stopped it), which the client
+turns into one error per pending request. Every event is audited
+(:mod:`mcp_proxy.audit`): calls, the tool's own requests, session open and
+close, tool exit, refusals.
 """
 
 from __future__ import annotations
@@ -15,23 +23,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mcp_proxy.audit import AuditMode, Auditor, AuditRecord, digest
+from mcp_proxy.audit import AuditMode, Auditor, AuditRecord, Event
 from mcp_proxy.jsonrpc import (
     INTERNAL_ERROR,
     TOOL_DENIED,
     JsonRpcError,
     Kind,
     RequestId,
+    Sniffed,
+    encode,
     error_reply,
     sniff,
 )
 from mcp_proxy.policy import Policy, PolicyDenied
+from mcp_proxy.toolenv import tool_environment
 from mcp_proxy.toolproc import ToolProcess
 from mcp_proxy.transport import FrameSender, TunnelTransport
 from mcp_proxy.tunnel_wire import FrameKind, Joiner, TunnelFrame, decode_frame
@@ -49,9 +61,11 @@ INBOX_FRAMES = 8
 
 @dataclass(slots=True)
 class _Call:
+    """A request in flight (the caller's to the tool, or the tool's to the caller)."""
+
     method: str
     tool: str | None
-    params_sha256: bytes
+    params_hmac: bytes
     started: float
     plaintext: bytes
 
@@ -68,6 +82,7 @@ class _Session:
         self.name = name
         self.label = proc_label
         self.calls: dict[RequestId, _Call] = {}
+        self.asks: dict[RequestId, _Call] = {}  # the tool's requests to the caller
         self.proc: ToolProcess | None = None
         self.closing = False
         self.joiner = Joiner()
@@ -83,6 +98,18 @@ class _Session:
         self.proc = proc
         await proc.start()
 
+    def _new_call(self, msg: Sniffed, wire: bytes) -> _Call:
+        auditor = self.server.auditor
+        if auditor is None:
+            return _Call(msg.method or "", msg.tool, b"", time.perf_counter(), b"")
+        return _Call(
+            msg.method or "",
+            msg.tool,
+            auditor.key.digest(msg.params),
+            time.perf_counter(),
+            wire if auditor.plaintext else b"",
+        )
+
     # --- client -> tool -----------------------------------------------------------------------
 
     def from_client(self, line: bytes) -> None:
@@ -90,43 +117,61 @@ class _Session:
         assert proc is not None
         try:
             msg = sniff(line)
+            wire = encode(msg)
         except JsonRpcError as exc:
             self.sender.message(self.sid, error_reply(exc.request_id, exc.code, str(exc)))
+            self.refusal(exc.request_id, "invalid", str(exc))
             return
-        if msg.kind is Kind.REQUEST:
+        kind = msg.kind
+        if kind is Kind.REQUEST:
             assert msg.id is not None and msg.method is not None
-            policy = self.server.policy
-            auditor = self.server.auditor
-            keep = auditor is not None and auditor.plaintext
-            call = _Call(
-                msg.method,
-                msg.tool,
-                digest(msg.params),
-                time.perf_counter(),
-                line if keep else b"",
-            )
-            if msg.tool is not None and not policy.tool_allowed(self.peer, msg.tool):
+            call = self._new_call(msg, wire)
+            if msg.tool is not None and not self.server.policy.tool_allowed(self.peer, msg.tool):
                 reply = error_reply(
                     msg.id, TOOL_DENIED, f"tool {msg.tool!r} not allowed for {self.peer}"
                 )
                 self._audit(msg.id, call, b"", "denied")
                 self._emit(reply)
                 return
+            if msg.id in self.calls:
+                # Its answer could not be told from the first one's: refused, not forwarded.
+                self.sender.message(
+                    self.sid, error_reply(msg.id, -32600, "Invalid Request: id already in use")
+                )
+                self.refusal(msg.id, "invalid", "request id already in use")
+                return
             self.calls[msg.id] = call
-            proc.send(line, msg.id)
+            proc.send(wire, msg.id)
+            return
+        if kind is Kind.RESPONSE or kind is Kind.ERROR:
+            ask = self.asks.pop(msg.id, None) if msg.id is not None else None
+            if ask is None:
+                log.warning("%s: caller answered no pending tool request; dropped", self.label)
+                self.refusal(msg.id, "unmatched-response", "answers no pending tool request")
+                return
+            ok = kind is Kind.RESPONSE
+            auditor = self.server.auditor
+            if auditor is not None:
+                self._record(
+                    Event.REQUEST,
+                    ask.method,
+                    None,
+                    msg.id,
+                    ask.params_hmac,
+                    auditor.key.digest(msg.result),
+                    "ok" if ok else "error",
+                    ask.started,
+                    plaintext=(ask.plaintext + b"\n" + wire) if auditor.plaintext else b"",
+                )
+            proc.send(wire)
             return
         if msg.method == "tools/call":
             # Not a request, so nothing could answer a denial: refuse whatever the policy says,
-            # so no kind of message runs a tool unchecked (review #5).
+            # so no kind of message runs a tool unchecked.
             log.warning("%s: tools/call sent as a notification refused", self.label)
-            auditor = self.server.auditor
-            keep = auditor is not None and auditor.plaintext
-            call = _Call(
-                msg.method, msg.tool, digest(msg.params), time.perf_counter(), line if keep else b""
-            )
-            self._audit("", call, b"", "refused-notification")  # "": it carried no id
+            self._audit(None, self._new_call(msg, wire), b"", "refused-notification")
             return
-        if msg.kind is Kind.NOTIFICATION and msg.method == "notifications/cancelled":
+        if msg.method == "notifications/cancelled":
             params = msg.params if isinstance(msg.params, dict) else {}
             cancelled = params.get("requestId")
             if isinstance(cancelled, int | str) and cancelled in self.calls:
@@ -134,7 +179,7 @@ class _Session:
                 call = self.calls.pop(cancelled)
                 proc.settle(cancelled)
                 self._audit(cancelled, call, b"", "cancelled")
-        proc.send(line)
+        proc.send(wire)
 
     # --- tool -> client -----------------------------------------------------------------------
 
@@ -145,6 +190,7 @@ class _Session:
     def from_tool(self, line: bytes) -> None:
         try:
             msg = sniff(line)
+            wire = encode(msg)
         except JsonRpcError as exc:
             log.warning("%s: malformed output from the tool: %s", self.label, exc)
             call = self.calls.pop(exc.request_id, None) if exc.request_id is not None else None
@@ -157,20 +203,29 @@ class _Session:
                 self._audit(exc.request_id, call, b"", "malformed")
                 self._emit(reply)
             return
-        if msg.kind in (Kind.RESPONSE, Kind.ERROR) and msg.id is not None:
-            call = self.calls.pop(msg.id, None)
-            if call is not None:
-                assert self.proc is not None
-                self.proc.settle(msg.id)
-                ok = msg.kind is Kind.RESPONSE
-                policy = self.server.policy
-                if ok and call.method == "tools/list" and policy.restricts_tools(self.peer):
-                    line = policy.filter_tools_list(self.peer, line)
-                outcome = "ok" if ok else "error"
-                if ok and isinstance(msg.result, dict) and msg.result.get("isError") is True:
-                    outcome = "tool-error"
-                self._audit(msg.id, call, digest(msg.result), outcome, line)
-        self._emit(line)
+        kind = msg.kind
+        if kind is Kind.RESPONSE or kind is Kind.ERROR:
+            call = self.calls.pop(msg.id, None) if msg.id is not None else None
+            if call is None:
+                # Unasked, a duplicate, or answering a cancelled call: one request, one response.
+                log.warning("%s: tool answered no pending request; dropped", self.label)
+                return
+            assert self.proc is not None and msg.id is not None
+            self.proc.settle(msg.id)
+            ok = kind is Kind.RESPONSE
+            policy = self.server.policy
+            if ok and call.method == "tools/list" and policy.restricts_tools(self.peer):
+                wire = policy.filter_tools_list(self.peer, wire)
+            outcome = "ok" if ok else "error"
+            if ok and isinstance(msg.result, dict) and msg.result.get("isError") is True:
+                outcome = "tool-error"
+            auditor = self.server.auditor
+            if auditor is not None:
+                self._audit(msg.id, call, auditor.key.digest(msg.result), outcome, wire)
+        elif kind is Kind.REQUEST and msg.id is not None:
+            # Sampling, elicitation, roots: audited when the caller answers.
+            self.asks[msg.id] = self._new_call(msg, wire)
+        self._emit(wire)
 
     def _emit(self, line: bytes) -> None:
         auditor = self.server.auditor
@@ -200,41 +255,124 @@ class _Session:
                 sender.message(self.sid, line)
             sender.flush_now()
 
-    def _audit(
+    # --- audit --------------------------------------------------------------------------------
+
+    def _record(
         self,
-        request_id: RequestId,
-        call: _Call,
-        result_sha: bytes,
+        event: Event,
+        method: str,
+        tool: str | None,
+        request_id: RequestId | None,
+        params_hmac: bytes,
+        result_hmac: bytes,
         outcome: str,
-        reply: bytes = b"",
+        started: float | None = None,
+        *,
+        detail: str = "",
+        plaintext: bytes = b"",
     ) -> None:
         auditor = self.server.auditor
         if auditor is None:
             return
-        rec = AuditRecord(
-            caller=self.peer,
-            server=self.name,
-            method=call.method,
-            tool=call.tool,
-            request_id=request_id,
-            params_sha256=call.params_sha256,
-            result_sha256=result_sha,
-            latency_us=int((time.perf_counter() - call.started) * 1e6),
-            outcome=outcome,
-            timestamp_ms=int(time.time() * 1000),
+        latency = 0 if started is None else int((time.perf_counter() - started) * 1e6)
+        proc = self.proc
+        auditor.submit(
+            AuditRecord(
+                caller=self.peer,
+                server=self.name,
+                method=method,
+                tool=tool,
+                request_id=request_id,
+                params_hmac=params_hmac,
+                result_hmac=result_hmac,
+                latency_us=latency,
+                outcome=outcome,
+                timestamp_ms=int(time.time() * 1000),
+                plaintext=plaintext,
+                event=event,
+                session=self.sid,
+                pid=proc.pid if proc is not None else None,
+                detail=detail,
+            )
+        )
+
+    def _audit(
+        self,
+        request_id: RequestId | None,
+        call: _Call,
+        result_hmac: bytes,
+        outcome: str,
+        reply: bytes = b"",
+        detail: str = "",
+    ) -> None:
+        auditor = self.server.auditor
+        if auditor is None:
+            return
+        self._record(
+            Event.CALL,
+            call.method,
+            call.tool,
+            request_id,
+            call.params_hmac,
+            result_hmac,
+            outcome,
+            call.started,
+            detail=detail,
             plaintext=(call.plaintext + b"\n" + reply) if auditor.plaintext else b"",
         )
-        auditor.submit(rec)
+
+    def refusal(self, request_id: RequestId | None, outcome: str, detail: str) -> None:
+        self._record(Event.REFUSAL, "", None, request_id, b"", b"", outcome, detail=detail)
+
+    def _end_calls(self, outcome: str, detail: str) -> None:
+        """Audit every call still in flight as ended by ``outcome`` (the session is going)."""
+        calls, self.calls = self.calls, {}
+        for request_id, call in calls.items():
+            self._audit(request_id, call, b"", outcome, detail=detail)
+        asks, self.asks = self.asks, {}
+        for request_id, ask in asks.items():
+            self._record(
+                Event.REQUEST,
+                ask.method,
+                None,
+                request_id,
+                ask.params_hmac,
+                b"",
+                outcome,
+                ask.started,
+                detail=detail,
+            )
 
     # --- end ----------------------------------------------------------------------------------
 
     def on_exit(self, code: int) -> None:
+        proc = self.proc
+        reason = proc.exit_reason if proc is not None else f"tool process exited (code {code})"
+        self._record(
+            Event.SESSION,
+            "exit",
+            None,
+            None,
+            b"",
+            b"",
+            "stopped" if self.closing else "exited",
+            detail=reason,
+        )
         if self.closing:
             return
-        self.server.session_failed(self, f"tool process exited (code {code})")
+        # One report with the real reason; the client answers each pending request from it,
+        # so the process's own per-request errors are not sent as well.
+        self._end_calls("tool-exited", reason)
+        if proc is not None:
+            proc.pending.clear()
+        self.server.session_failed(self, reason)
 
-    async def close(self) -> None:
-        self.closing = True
+    async def close(self, reason: str) -> None:
+        """End the session (caller closed, link lost, proxy stopping) and stop its tool."""
+        if not self.closing:
+            self.closing = True
+            self._end_calls("closed", reason)
+            self._record(Event.SESSION, "close", None, None, b"", b"", "ok", detail=reason)
         if self.proc is not None:
             await self.proc.terminate()
         if self._strict_task is not None:
@@ -254,12 +392,19 @@ class TunnelServer:
         *,
         grace: float = 2.0,
         max_sessions: int = MAX_SESSIONS_PER_PEER,
+        env: Mapping[str, str] | None = None,
+        pass_environment: bool = False,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         self.transport = transport
         self.policy = policy
         self.auditor = auditor
         self.grace = grace
         self.max_sessions = max_sessions
+        # Tool environments (mcp_proxy.toolenv): --env, --pass-environment, serve's own.
+        self.env = dict(env or {})
+        self.pass_environment = pass_environment
+        self.environ = dict(os.environ if environ is None else environ)
         self.sessions: dict[tuple[str, int], _Session] = {}
         self._senders: dict[str, FrameSender] = {}
         self._inbox: dict[str, asyncio.Queue[TunnelFrame | None]] = {}
@@ -284,7 +429,7 @@ class TunnelServer:
                 await task
         self._workers.clear()
         await asyncio.gather(*self._closing, return_exceptions=True)
-        await asyncio.gather(*(s.close() for s in self.sessions.values()))
+        await asyncio.gather(*(s.close("proxy stopping") for s in self.sessions.values()))
         self.sessions.clear()
         for sender in self._senders.values():
             await sender.close()
@@ -339,12 +484,15 @@ class TunnelServer:
         if frame.kind is FrameKind.OPEN:
             old = self.sessions.pop(key, None)
             if old is not None:
-                self._close_later(old.close())
-            await self._open(peer, frame.session, frame.messages[0].decode("utf-8", "replace"))
+                self._close_later(old.close("reopened by the caller"))
+            name = frame.messages[0].decode("utf-8", "replace") if frame.messages else ""
+            await self._open(peer, frame.session, name)
         elif frame.kind is FrameKind.MESSAGES or frame.kind is FrameKind.PART:
             session = self.sessions.get(key)
             if session is None:
+                # Sessions are keyed by (peer, id): a frame never reaches another peer's tool.
                 self.sender_for(peer).control(FrameKind.ERROR, frame.session, b"unknown session")
+                self._refuse(peer, frame.session, "unknown-session", "no such session of this peer")
                 return
             self._take(session, frame)
             if session.proc is not None:
@@ -352,7 +500,35 @@ class TunnelServer:
         else:
             session = self.sessions.pop(key, None)
             if session is not None:
-                self._close_later(session.close())
+                reason = "closed by the caller"
+                if frame.kind is FrameKind.ERROR and frame.messages:
+                    reason = "failed at the caller: " + frame.messages[0].decode("utf-8", "replace")
+                self._close_later(session.close(reason))
+
+    def _refuse(
+        self, peer: str, sid: int, outcome: str, detail: str, event: Event = Event.REFUSAL
+    ) -> None:
+        """Audit something refused outside any live session (no tool ever saw it)."""
+        if self.auditor is None:
+            return
+        method = "open" if event is Event.SESSION else ""
+        self.auditor.submit(
+            AuditRecord(
+                caller=peer,
+                server="",
+                method=method,
+                tool=None,
+                request_id=None,
+                params_hmac=b"",
+                result_hmac=b"",
+                latency_us=0,
+                outcome=outcome,
+                timestamp_ms=int(time.time() * 1000),
+                event=event,
+                session=sid,
+                detail=detail,
+            )
+        )
 
     def _take(self, session: _Session, frame: TunnelFrame) -> None:
         """Hand a MESSAGES frame's lines to the session, rejoining split messages (PART)."""
@@ -364,8 +540,8 @@ class TunnelServer:
         except OversizeError as exc:
             # No id is known for a message never seen whole: the session fails, naming the bound.
             log.warning("%s: %s; session ended", session.label, exc)
+            session.refusal(None, "oversize", str(exc))
             self.session_failed(session, str(exc))
-            self._close_later(session.close())
             return
         for line in lines:
             session.from_client(line)
@@ -376,14 +552,17 @@ class TunnelServer:
         except PolicyDenied as exc:
             log.warning("session %d from %s refused: %s", sid, peer, exc)
             self.sender_for(peer).control(FrameKind.ERROR, sid, str(exc).encode())
+            self._refuse(peer, sid, "refused", str(exc), Event.SESSION)
             return
         held = sum(1 for p, _ in self.sessions if p == peer)
         if held >= self.max_sessions:
             reason = f"too many sessions: {peer} holds {held} (limit {self.max_sessions})"
             log.warning("session %d refused: %s", sid, reason)
             self.sender_for(peer).control(FrameKind.ERROR, sid, reason.encode())
+            self._refuse(peer, sid, "refused", reason, Event.SESSION)
             return
         session = _Session(self, peer, sid, name, f"tool[{name}:{peer[-6:]}:{sid}]")
+        env = tool_environment(spec, self.environ, extra=self.env, pass_all=self.pass_environment)
         proc = ToolProcess(
             spec,
             session.from_tool,
@@ -391,16 +570,31 @@ class TunnelServer:
             label=session.label,
             grace=self.grace,
             on_batch=session.flush,
+            env=env,
         )
         self.sessions[(peer, sid)] = session
         self.started_processes += 1
         await session.start(proc)
+        if proc.pid is not None:
+            # Which tool process serves whom: command only (its arguments are the operator's).
+            session._record(
+                Event.SESSION,
+                "open",
+                None,
+                None,
+                b"",
+                b"",
+                "ok",
+                detail=os.path.basename(spec.command),
+            )
 
     def session_failed(self, session: _Session, reason: str) -> None:
+        """Report the session failed to its peer (once) and stop its tool."""
         key = (session.peer, session.sid)
         if self.sessions.get(key) is session:
             del self.sessions[key]
         self.sender_for(session.peer).control(FrameKind.ERROR, session.sid, reason.encode())
+        self._close_later(session.close(reason))
 
     def _on_link(self, peer: str, up: bool) -> None:
         if up:
@@ -417,7 +611,7 @@ class TunnelServer:
         self._workers.pop(peer, None)
         sender = self._senders.pop(peer, None)
         for s in doomed:
-            self._close_later(s.close())
+            self._close_later(s.close("link down"))
         if sender is not None:
             self._close_later(sender.close())
 

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Final, cast
 
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, RequestId, error_reply
@@ -92,8 +92,11 @@ class ToolProcess:
         label: str = "tool",
         grace: float = 2.0,
         on_batch: BatchCallback | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.spec = spec
+        # The whole environment of the tool (mcp_proxy.toolenv); None: this process's plus spec.env.
+        self._env = dict(env) if env is not None else {**os.environ, **spec.env}
         self.label = label
         self._on_line = on_line
         self._on_exit = on_exit
@@ -120,7 +123,7 @@ class ToolProcess:
 
     async def start(self) -> None:
         """Spawn the process; a failure to spawn is reported through ``on_exit``, not raised."""
-        env = {**os.environ, **self.spec.env}
+        env = self._env
         loop = asyncio.get_running_loop()
         try:
             transport, pipes = await loop.subprocess_exec(
@@ -253,10 +256,14 @@ class ToolProcess:
         self._fail_pending()
         self._exited.set()
 
-    def _fail_pending(self) -> None:
+    @property
+    def exit_reason(self) -> str:
+        """Why the process ended, as callers are told (why the proxy stopped it, exit code)."""
         message = f"tool process exited (code {self.exit_code})"
-        if self._why:
-            message = f"{self._why}; {message}"
+        return f"{self._why}; {message}" if self._why else message
+
+    def _fail_pending(self) -> None:
+        message = self.exit_reason
         pending, self.pending = self.pending, set()
         for request_id in pending:
             self._on_line(error_reply(request_id, INTERNAL_ERROR, message))

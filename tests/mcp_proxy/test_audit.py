@@ -9,7 +9,15 @@ from pathlib import Path
 import orjson
 import pytest
 
-from mcp_proxy.audit import MAX_COMMITMENT, AuditMode, Auditor, AuditRecord, BlockLogSink, digest
+from mcp_proxy.audit import (
+    AUDIT_KEY_FILE,
+    MAX_COMMITMENT,
+    AuditKey,
+    AuditMode,
+    Auditor,
+    AuditRecord,
+    BlockLogSink,
+)
 from talos.chain.block import MAX_COMMITMENT as BLOCK_MAX_COMMITMENT
 from talos.chain.block import MAX_EXTRA as BLOCK_MAX_EXTRA
 from talos.chain.log import BlockLog
@@ -17,6 +25,8 @@ from talos.store import Store
 from talos_sdk.wallet import Wallet
 
 CALLER = "did:key:z6MkCaller"
+KEY = AuditKey(bytes(range(32)))
+digest = KEY.digest
 
 
 def rec(i: int, *, tool: str = "echo", plaintext: bytes = b"") -> AuditRecord:
@@ -26,8 +36,8 @@ def rec(i: int, *, tool: str = "echo", plaintext: bytes = b"") -> AuditRecord:
         method="tools/call",
         tool=tool,
         request_id=i,
-        params_sha256=digest({"i": i}),
-        result_sha256=digest({"ok": True}),
+        params_hmac=digest({"i": i}),
+        result_hmac=digest({"ok": True}),
         latency_us=123,
         outcome="ok",
         timestamp_ms=1_700_000_000_000 + i,
@@ -58,10 +68,29 @@ def test_bounds_match_the_block_format() -> None:
     assert MAX_EXTRA == BLOCK_MAX_EXTRA
 
 
-def test_digest_is_stable_over_key_order() -> None:
+def test_digest_is_a_keyed_hmac_over_the_canonical_form() -> None:
+    import hmac
+
     assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
-    assert digest({"a": 1}) == hashlib.sha256(b'{"a":1}').digest()
+    assert digest({"a": 1}) == hmac.new(bytes(range(32)), b'{"a":1}', hashlib.sha256).digest()
+    # Without the key the plain hash of a guess does not match (no dictionary attack).
+    assert digest({"a": 1}) != hashlib.sha256(b'{"a":1}').digest()
+    assert AuditKey(bytes(32)).digest({"a": 1}) != digest({"a": 1})
     assert digest(None) == b""
+
+
+def test_audit_key_is_created_0600_and_reloaded(tmp_path: Path) -> None:
+    import os
+
+    key = AuditKey.load(tmp_path)
+    path = tmp_path / AUDIT_KEY_FILE
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert AuditKey.load(tmp_path).digest({"x": 1}) == key.digest({"x": 1})
+    path.write_text("not hex\n")
+    from talos_sdk.errors import UsageError
+
+    with pytest.raises(UsageError, match="audit key"):
+        AuditKey.load(tmp_path)
 
 
 async def test_group_commit_batches_into_the_block_log(block_log: BlockLog) -> None:
@@ -77,7 +106,8 @@ async def test_group_commit_batches_into_the_block_log(block_log: BlockLog) -> N
     assert [c["id"] for c in commitments] == list(range(100))
     first = commitments[0]
     assert first["caller"] == CALLER and first["tool"] == "echo" and first["outcome"] == "ok"
-    assert first["params_sha256"] == digest({"i": 0}).hex()
+    assert first["params_hmac"] == digest({"i": 0}).hex()
+    assert first["event"] == "call" and first["v"] == 2
     block_log.store.close()
 
 
@@ -133,13 +163,13 @@ async def test_failed_write_fails_strict_waiters(tmp_path: Path) -> None:
 
 
 def test_digests_are_rfc8785_so_any_jcs_library_recomputes_them() -> None:
-    import hashlib
+    import hmac
 
-    from mcp_proxy.audit import digest
     from talos_sdk.canonical import canonical_json_bytes
 
     params = {"name": "add", "arguments": {"b": 1.5, "a": 1e21, "é": "x"}}
-    assert digest(params) == hashlib.sha256(canonical_json_bytes(params)).digest()
+    expected = hmac.new(bytes(range(32)), canonical_json_bytes(params), hashlib.sha256).digest()
+    assert digest(params) == expected
     # A value JCS cannot represent still gets a digest rather than losing the record.
     assert len(digest({"n": 2**60 + 1})) == 32
     assert len(digest({"n": 2**70 + 1})) == 32

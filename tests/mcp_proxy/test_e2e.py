@@ -370,13 +370,15 @@ tools = ["get_current_time"]
     finally:
         store.close()
     assert all(r.recipient == client_did and r.extra == b"" for r in records)
-    calls = {(a["method"], a["tool"], a["outcome"]) for a in audited}
+    calls = {(a["method"], a["tool"], a["outcome"]) for a in audited if a["event"] == "call"}
     assert ("tools/call", "get_current_time", "ok") in calls
     assert ("tools/call", "convert_time", "denied") in calls
     assert ("tools/list", None, "ok") in calls
     assert all(a["server"] == "time" for a in audited)
     ok_call = next(a for a in audited if a["tool"] == "get_current_time")
-    assert len(ok_call["params_sha256"]) == 64 and len(ok_call["result_sha256"]) == 64
+    assert len(ok_call["params_hmac"]) == 64 and len(ok_call["result_hmac"]) == 64
+    sessions = [(a["method"], a["outcome"]) for a in audited if a["event"] == "session"]
+    assert sessions[0] == ("open", "ok") and ("close", "ok") in sessions
 
 
 async def test_messages_above_one_link_frame_cross_intact(tmp_path: Path) -> None:

@@ -69,8 +69,15 @@ def test_policy_file(tmp_path: Path) -> None:
     assert policy.is_peer_allowed(ALICE) and policy.is_peer_allowed(BOB)
     assert not policy.is_peer_allowed(EVE)
     assert policy.server_for(ALICE, "everything")[0] == "everything"
-    with pytest.raises(PolicyDenied, match="server 'time' not allowed"):
+    # Allowed exactly one server: it is chosen without being named.
+    assert policy.server_for(ALICE, "")[0] == "everything"
+    # A server granted to others and one that does not exist get the same answer.
+    with pytest.raises(PolicyDenied) as granted_to_others:
         policy.server_for(ALICE, "time")
+    with pytest.raises(PolicyDenied) as absent:
+        policy.server_for(ALICE, "nope")
+    assert str(granted_to_others.value) == "no server named 'time' is offered to you"
+    assert str(absent.value) == "no server named 'nope' is offered to you"
     with pytest.raises(PolicyDenied, match="choose one of"):
         policy.server_for(BOB, "")
     with pytest.raises(PolicyDenied, match="no server named 'nope'"):

@@ -82,7 +82,7 @@ async def test_denied_tool_and_filtered_list() -> None:
     assert ("tools/call", "echo", "ok") in outcomes
     assert all(r.caller == CLIENT_DID for r in sink.records)
     echo = next(r for r in sink.records if r.tool == "echo")
-    assert len(echo.params_sha256) == 32 and len(echo.result_sha256) == 32
+    assert len(echo.params_hmac) == 32 and len(echo.result_hmac) == 32
     assert echo.plaintext == b""
 
 

@@ -1,0 +1,161 @@
+"""Reading the audit back: ``talos-proxy audit`` (docs/PROTOCOL.md "MCP tunnel, audit record").
+
+The records are ``kind="mcp"`` entries of the serve node's block log: sealed
+ones in their blocks (with the height that proves them) and those not sealed
+yet. :func:`read_entries` collects both, oldest first; :class:`AuditFilter`
+selects by peer, tool, outcome, event and time. The store is opened read-only
+in spirit (nothing is written) but, like every talos home, only while no
+``talos-proxy serve`` or ``talosd`` holds it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from mcp_proxy.audit import RECORD_KIND
+from talos_sdk.errors import UsageError
+
+__all__ = ["AuditEntry", "AuditFilter", "format_entry", "parse_since", "read_entries"]
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """One audit record as stored: where (block height, None while unsealed) and what."""
+
+    timestamp_ms: int
+    height: int | None
+    record_id: str
+    body: dict[str, Any]
+    plaintext: bytes
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "timestamp_ms": self.timestamp_ms,
+            "height": self.height,
+            "record_id": self.record_id,
+            **self.body,
+        }
+        if self.plaintext:
+            out["plaintext"] = self.plaintext.decode("utf-8", "replace")
+        return out
+
+
+def parse_since(text: str, now: float | None = None) -> int:
+    """``--since``: ``30s``/``15m``/``2h``/``7d`` ago, an ISO 8601 time or epoch ms, as epoch ms."""
+    now = time.time() if now is None else now
+    match = _RELATIVE.match(text.strip())
+    if match:
+        return int((now - float(match.group(1)) * _UNIT_SECONDS[match.group(2)]) * 1000)
+    if text.isdigit():
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise UsageError(
+            f"--since needs 15m, 2h, 7d, an ISO 8601 time or epoch ms: {text!r}"
+        ) from None
+    if moment.tzinfo is None:
+        raise UsageError(f"--since needs a time zone (e.g. Z): {text!r}")
+    return int(moment.timestamp() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditFilter:
+    """Which entries to show; None matches anything."""
+
+    peer: str | None = None
+    tool: str | None = None
+    outcome: str | None = None
+    event: str | None = None
+    since_ms: int | None = None
+
+    def __call__(self, entry: AuditEntry) -> bool:
+        body = entry.body
+        return (
+            (self.peer is None or body.get("caller") == self.peer)
+            and (self.tool is None or body.get("tool") == self.tool)
+            and (self.outcome is None or body.get("outcome") == self.outcome)
+            and (self.event is None or body.get("event", "call") == self.event)
+            and (self.since_ms is None or entry.timestamp_ms >= self.since_ms)
+        )
+
+
+def _entry(record: Any, height: int | None) -> AuditEntry | None:
+    if record.kind != RECORD_KIND:
+        return None
+    try:
+        body = orjson.loads(record.commitment)
+    except orjson.JSONDecodeError:
+        body = {"outcome": "unreadable"}
+    if not isinstance(body, dict):
+        body = {"outcome": "unreadable"}
+    body.setdefault("caller", record.recipient)
+    return AuditEntry(record.timestamp_ms, height, record.record_id.hex(), body, record.extra)
+
+
+def read_entries(home: Path) -> list[AuditEntry]:
+    """Every audit record of the proxy home ``home``: sealed blocks first, then pending ones."""
+    from talos.chain.block import Record
+    from talos.config import Home
+    from talos.store import Store
+
+    talos_home = Home(home)
+    if not talos_home.exists():
+        raise UsageError(f"{home} is not a talos home (no identity)")
+    store = Store(talos_home.store_dir, map_size=talos_home.load_config().map_size)
+    out: list[AuditEntry] = []
+    try:
+        with store.read() as txn:
+            for key, leaf in txn.items("block_records"):
+                entry = _entry(Record.from_bytes(leaf), int.from_bytes(key[:8], "big"))
+                if entry is not None:
+                    out.append(entry)
+            for _, encoded in txn.items("pending"):
+                entry = _entry(Record.from_bytes(encoded), None)
+                if entry is not None:
+                    out.append(entry)
+    finally:
+        store.close()
+    return out
+
+
+def _when(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
+
+
+def format_entry(entry: AuditEntry) -> str:
+    """One line for a person: time, event, outcome, who, what; never arguments."""
+    b = entry.body
+    what = " ".join(
+        str(part)
+        for part in (
+            b.get("method") or "",
+            b.get("tool") or "",
+            "" if b.get("id") is None else f"id={b['id']}",
+            "" if b.get("pid") is None else f"pid={b['pid']}",
+            "" if b.get("latency_us") in (None, 0) else f"{b['latency_us']}us",
+        )
+        if part
+    )
+    detail = f" ({b['detail']})" if b.get("detail") else ""
+    sealed = "pending" if entry.height is None else f"block {entry.height}"
+    return (
+        f"{_when(entry.timestamp_ms)} {b.get('event', 'call'):<8} {b.get('outcome', '?'):<12} "
+        f"{b.get('caller', '?')} {b.get('server', '')}#{b.get('session', '')} {what}{detail}"
+        f" [{sealed}]"
+    )
+
+
+def select(entries: Iterable[AuditEntry], keep: AuditFilter) -> Iterator[AuditEntry]:
+    return (e for e in entries if keep(e))
