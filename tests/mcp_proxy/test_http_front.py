@@ -151,7 +151,10 @@ async def test_idle_session_is_closed_with_its_remote_tool() -> None:
         },
     }
     try:
-        async with asyncio.timeout(TIMEOUT), httpx2.AsyncClient(headers=headers) as http:
+        async with (
+            asyncio.timeout(TIMEOUT),
+            httpx2.AsyncClient(headers=headers, timeout=TIMEOUT) as http,
+        ):
             reply = await http.post(front.url, json=init)
             assert reply.status_code == 200 and "serverInfo" in reply.text
             sid = reply.headers["Mcp-Session-Id"]
