@@ -151,6 +151,15 @@ def bench_aead(suite: Suite) -> None:
             raw_label=f"OpenSSL ChaCha20-Poly1305 seal {size_label}",
             raw_key=f"chacha20poly1305.seal.{tag}",
         )
+        if size >= 1 << 20:
+            # seal() on large chunks must cost what sealing into a reused buffer costs.
+            out = bytearray(size + 25)
+            into = StreamSealer(bytes(32), b"bench-stream-into-" + tag.encode())
+            suite.single(
+                f"stream.seal_into.{tag}",
+                f"talos_sdk.aead.StreamSealer.seal_into {size_label} (reused buffer)",
+                partial(into.seal_into, pt, out),
+            )
         suite.floor(
             f"chacha20poly1305.open.{tag}",
             f"OpenSSL ChaCha20-Poly1305 open {size_label}",

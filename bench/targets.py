@@ -174,6 +174,12 @@ TARGETS: tuple[Target, ...] = (
         (AtLeastRatio("stream.seal.35B", ("chacha20poly1305.seal.35B",), 0.5),),
     ),
     Target(
+        "StreamSealer.seal, 1 MiB chunk (as fast as seal_into)",
+        "844 us, 480 page faults per call",
+        "seal_into 251 us; raw seal 273 us",
+        (AtLeastRatio("stream.seal.1MiB", ("stream.seal_into.1MiB",), 0.85),),
+    ),
+    Target(
         "Session.encrypt (35 B)",
         "50.7k ops/s",
         "—",

@@ -40,6 +40,14 @@ _FINAL = 1
 _MAX_COUNTER = 2**64 - 1
 _HEADER = struct.Struct(">QB")
 _STREAM_INFO = b"Talos_Stream_ChaCha20Poly1305_v1|"
+# From this chunk size on, seal() encrypts into a scratch buffer kept by the
+# sealer and copies it out once. Building ``header + encrypt(...)`` instead
+# leaves two transient buffers of the chunk's size per call; above glibc's
+# mmap threshold (128 KiB) freeing both trims the heap every time, so the next
+# call faults every page in again: 1 MiB took 844 us with 480 page faults where
+# seal_into took 251 us (bench_crypto "stream.seal.1MiB"). Below it the plain
+# concatenation is as fast and needs no buffer.
+_SCRATCH_FROM = 128 * 1024
 
 
 def derive_stream_key(secret: bytes, label: bytes) -> bytes:
@@ -50,7 +58,7 @@ def derive_stream_key(secret: bytes, label: bytes) -> bytes:
 
 
 class _StreamBase:
-    __slots__ = ("_aead", "_counter", "_done", "_prefix", "_stream_id")
+    __slots__ = ("_aead", "_counter", "_done", "_prefix", "_scratch", "_stream_id")
 
     def __init__(self, key: bytes, stream_id: bytes) -> None:
         if not isinstance(key, bytes) or len(key) != KEY_SIZE:
@@ -63,6 +71,7 @@ class _StreamBase:
         self._prefix = hashlib.sha256(stream_id).digest()[:4]
         self._counter = 0
         self._done = False
+        self._scratch: bytearray | None = None
 
     @property
     def counter(self) -> int:
@@ -81,7 +90,19 @@ class StreamSealer(_StreamBase):
     __slots__ = ()
 
     def seal(self, chunk: bytes, final: bool = False) -> bytes:
-        """Seal ``chunk`` as the next chunk of the stream."""
+        """Seal ``chunk`` as the next chunk of the stream.
+
+        Chunks of 128 KiB and more go through a scratch buffer the sealer keeps
+        (as large as the largest such chunk) so the call does not page-fault;
+        see ``_SCRATCH_FROM``.
+        """
+        if len(chunk) >= _SCRATCH_FROM:
+            scratch = self._scratch
+            total = len(chunk) + CHUNK_HEADER_SIZE + TAG_SIZE
+            if scratch is None or len(scratch) < total:
+                scratch = self._scratch = bytearray(total)
+            n = self.seal_into(chunk, scratch, final)
+            return bytes(memoryview(scratch)[:n])
         if self._done:
             raise UsageError("stream already finished")
         counter = self._counter

@@ -136,3 +136,28 @@ def test_into_errors_leave_position() -> None:
     assert opener.counter == 0
     sealed[-1] ^= 1
     assert opener.open_into(bytes(sealed), bytearray(10)) == 10
+
+
+def test_large_chunks_through_the_scratch_buffer_match_the_layout() -> None:
+    # 1 MiB, then a smaller large chunk (the kept buffer is longer than needed),
+    # then a small one: every output is exactly header || ChaCha20-Poly1305(...)
+    # computed here independently, and a finished stream refuses more.
+    import hashlib
+    import struct
+
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    sealer, opener = pair(b"big")
+    aead = ChaCha20Poly1305(KEY)
+    prefix = hashlib.sha256(b"big").digest()[:4]
+    chunks = [bytes(range(256)) * 4096, b"\x07" * (200 * 1024 + 3), b"tail"]
+    for counter, chunk in enumerate(chunks):
+        final = counter == len(chunks) - 1
+        header = struct.pack(">QB", counter, int(final))
+        sealed = sealer.seal(chunk, final=final)
+        assert type(sealed) is bytes
+        assert sealed == header + aead.encrypt(prefix + header[:8], chunk, b"big" + header)
+        assert opener.open(sealed) == chunk
+    assert opener.finished
+    with pytest.raises(UsageError, match="finished"):
+        sealer.seal(chunks[0])
