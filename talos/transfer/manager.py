@@ -102,6 +102,16 @@ class TransferConfig(BaseModel):
     files_dir: Path | None = Field(default=None, description="where received files land")
     auto_accept: tuple[str, ...] = Field(default=(), description="DIDs whose offers need no accept")
     quota_bytes: int = Field(default=64 << 30, ge=0, description="bytes of incoming files held")
+    min_file_bytes: int = Field(
+        default=64 << 10,
+        ge=1,
+        description="what each incoming file counts against the quota at least (its row, inode)",
+    )
+    max_rows_per_peer: int = Field(
+        default=10_000,
+        ge=1,
+        description="incoming transfer rows kept per peer; the oldest ended ones are dropped",
+    )
     bulk: bool = True
     bulk_host: str = "127.0.0.1"
     bulk_port: int = Field(default=0, ge=0, le=65535)
@@ -521,10 +531,34 @@ class TransferManager:
 
     # ------------------------------------------------------------------ receiving
 
-    @staticmethod
-    def _quota_used(rows: Iterable[TransferInfo]) -> int:
+    def _charge(self, size: int) -> int:
+        """What a file of ``size`` bytes costs against the quota: tiny and empty files
+        still cost a row and an inode, so each counts at least ``min_file_bytes``."""
+        return max(size, self.config.min_file_bytes)
+
+    def _quota_used(self, rows: Iterable[TransferInfo]) -> int:
         held = (TransferState.PENDING, TransferState.ACTIVE, TransferState.COMPLETE)
-        return sum(i.size for i in rows if i.direction == "in" and i.state in held)
+        return sum(self._charge(i.size) for i in rows if i.direction == "in" and i.state in held)
+
+    async def _make_room(self, peer: str, rows: Iterable[TransferInfo]) -> bool:
+        """Keep ``peer``'s incoming rows under ``max_rows_per_peer`` by forgetting its
+        oldest ended transfers that hold no file; False if no room can be made."""
+        mine = [i for i in rows if i.peer == peer and i.direction == "in"]
+        excess = len(mine) - self.config.max_rows_per_peer + 1
+        if excess <= 0:
+            return True
+        ended = (TransferState.FAILED, TransferState.REJECTED, TransferState.CANCELLED)
+        drop = [bytes.fromhex(i.tid) for i in mine if i.state in ended][:excess]
+        if len(drop) < excess:
+            return False
+
+        def forget() -> None:
+            with self.node.store.write() as txn:
+                for key in drop:
+                    txn.delete(_DB, key)
+
+        await asyncio.get_running_loop().run_in_executor(self._writer, forget)
+        return True
 
     async def _on_offer(self, peer: str, msg: Offer) -> None:
         try:
@@ -554,8 +588,16 @@ class TransferManager:
             MAX_OPEN_OFFERS
         ):
             reason = f"too many open offers from this peer (limit {MAX_OPEN_OFFERS})"
-        elif self._quota_used(rows) + msg.size > self.config.quota_bytes:
-            reason = f"quota exceeded: {msg.size} bytes offered, quota {self.config.quota_bytes}"
+        elif self._quota_used(rows) + self._charge(msg.size) > self.config.quota_bytes:
+            reason = (
+                f"quota exceeded: {msg.size} bytes offered (counts as "
+                f"{self._charge(msg.size)}), quota {self.config.quota_bytes}"
+            )
+        elif not await self._make_room(peer, rows):
+            reason = (
+                f"too many transfers kept from this peer "
+                f"(limit {self.config.max_rows_per_peer}, none ended without a file)"
+            )
         elif shutil.disk_usage(self.files_dir).free < msg.size:
             reason = f"not enough disk space for {msg.size} bytes"
         if reason:

@@ -222,7 +222,9 @@ async def test_pending_rejected(net: Net) -> None:
 
 
 async def test_quota_exceeded(net: Net) -> None:
-    net.receiver.config = TransferConfig(quota_bytes=5000, auto_accept=(net.a.did,))
+    net.receiver.config = TransferConfig(
+        quota_bytes=5000, min_file_bytes=1, auto_accept=(net.a.did,)
+    )
     first, _ = _file(net.tmp, 4000, "first.bin")
     second, _ = _file(net.tmp, 2000, "second.bin")
     async with asyncio.timeout(LIMIT):
@@ -235,6 +237,47 @@ async def test_quota_exceeded(net: Net) -> None:
     with pytest.raises(UsageError, match="no transfer"):
         net.receiver.get(tid)  # a refusal stores no row
     assert _visible(net.receiver.files_dir) == ["first.bin"]
+
+
+async def test_empty_and_tiny_files_count_against_the_quota(net: Net) -> None:
+    """Each file costs at least min_file_bytes: an auto-accepted peer cannot create
+    unlimited files and rows by sending empty ones."""
+    net.receiver.config = TransferConfig(
+        quota_bytes=3000, min_file_bytes=1000, auto_accept=(net.a.did,)
+    )
+    empty, _ = _file(net.tmp, 0, "empty.bin")
+    tiny, _ = _file(net.tmp, 1, "tiny.bin")
+    async with asyncio.timeout(LIMIT):
+        for src in (empty, tiny, empty):
+            done = await net.sender.wait(await net.sender.send_file(net.b.did, src))
+            assert done.state is TransferState.COMPLETE
+        out = await net.sender.wait(await net.sender.send_file(net.b.did, empty))
+    assert out.state is TransferState.REJECTED
+    assert "quota exceeded: 0 bytes offered (counts as 1000)" in out.error
+    assert len(net.receiver.list()) == 3
+
+
+async def test_transfer_rows_per_peer_are_bounded(net: Net) -> None:
+    """At max_rows_per_peer the oldest ended rows (no file held) make room; when
+    none has ended, the offer is refused and no row is written."""
+    net.receiver.config = TransferConfig(max_rows_per_peer=3)  # offers stay pending
+    src, _ = _file(net.tmp, 10)
+    async with asyncio.timeout(LIMIT):
+        tids = [await net.sender.send_file(net.b.did, src) for _ in range(4)]
+        refused = await net.sender.wait(tids[-1])
+        while len(net.receiver.list()) < 3 or any(
+            i.state is not TransferState.PENDING for i in net.receiver.list()
+        ):
+            await asyncio.sleep(0.005)
+    assert refused.state is TransferState.REJECTED
+    assert refused.error.startswith("too many transfers kept from this peer (limit 3")
+    assert len(net.receiver.list()) == 3
+    await net.receiver.reject(tids[0])  # an ended row, holding no file
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        while tid not in [i.tid for i in net.receiver.list()]:
+            await asyncio.sleep(0.005)
+    assert sorted(i.tid for i in net.receiver.list()) == sorted([*tids[1:3], tid])
 
 
 async def test_open_offers_per_peer_are_capped(net: Net) -> None:
