@@ -20,6 +20,11 @@ SERVER_DID = "did:key:z6MkServerServerServer"
 EVERYTHING = [sys.executable, "-m", "tests.tools.everything_server"]
 
 
+def bad_tool(mode: str) -> list[str]:
+    """tests/tools/bad_server.py in ``mode`` (see its docstring)."""
+    return [sys.executable, "-m", "tests.tools.bad_server", mode]
+
+
 class MemorySink:
     """Collects audit records (for tests of the proxy logic; LMDB is tested in test_audit)."""
 
@@ -106,11 +111,12 @@ class Pair:
         server_name: str = "",
         link_wait: float = 5.0,
         max_payload: int | None = None,
+        **server_options: Any,
     ) -> None:
         self.client_end, self.server_end = LoopbackTransport.pair(CLIENT_DID, SERVER_DID)
         if max_payload is not None:  # small link frames: messages travel in PART pieces
             self.client_end.max_payload = self.server_end.max_payload = max_payload
-        self.server = TunnelServer(self.server_end, policy, auditor, grace=1.0)
+        self.server = TunnelServer(self.server_end, policy, auditor, grace=1.0, **server_options)
         self.client = TunnelClient(self.client_end, SERVER_DID, server_name, link_wait=link_wait)
 
     async def close(self) -> None:

@@ -9,12 +9,22 @@
 - ``hang``: prints ``ready``, reads and never answers, ignoring SIGTERM (to exercise SIGKILL);
 - ``deaf``: prints ``ready`` and never reads stdin (a tool slower than its caller);
 - ``record``: answers every request with ``{"seen": [every message read so far]}``, so a
-  test can check what reached the tool (and what did not).
+  test can check what reached the tool (and what did not); it reads lines the way the
+  MCP Python SDK does (universal newlines: CR, LF and CRLF all end a line);
+- ``env``: answers every request with ``{"env": its environment}``;
+- ``huge-line``: answers ``initialize``, then writes one line above the proxy's 16 MiB
+  limit for the next request and waits;
+- ``crash-mid-call``: answers ``initialize``, then for the next request writes half a
+  response (no newline) and exits with code 7;
+- ``cr-reply``: answers every request with a response whose JSON holds raw CRs around a
+  nested object that looks like another message (a reader splitting on CR sees three lines).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import signal
 import sys
 
@@ -32,9 +42,41 @@ def main(mode: str) -> None:
         print("ready", flush=True)
         signal.pause()
     seen: list[object] = []
-    for line in sys.stdin:
-        if mode == "record":
+    answered = 0
+    # Like the MCP SDK's stdio server (sys.stdin itself would split on LF only).
+    stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")
+    for line in stdin:
+        if mode in ("env", "huge-line", "crash-mid-call", "cr-reply"):
             message = json.loads(line)
+            if "id" not in message or "method" not in message:
+                continue
+            rid = json.dumps(message["id"])
+            answered += 1
+            if mode == "huge-line" and answered > 1:
+                sys.stdout.write('{"jsonrpc":"2.0","id":' + rid + ',"result":"')
+                sys.stdout.write("x" * (17 * 1024 * 1024) + '"}\n')
+                sys.stdout.flush()
+                signal.pause()
+            if mode == "crash-mid-call" and answered > 1:
+                sys.stdout.write('{"jsonrpc":"2.0","id":' + rid + ',"result":{"content":[')
+                sys.stdout.flush()
+                os._exit(7)
+            if mode == "cr-reply":
+                hidden = '{"jsonrpc":"2.0","id":' + rid + ',"error":{"code":1,"message":"h"}}'
+                sys.stdout.write('{"jsonrpc":"2.0","id":' + rid + ',"result":{"x":\r' + hidden)
+                sys.stdout.write("\r}}\n")
+            else:
+                result = {"env": dict(os.environ)} if mode == "env" else {}
+                reply = {"jsonrpc": "2.0", "id": message["id"], "result": result}
+                sys.stdout.write(json.dumps(reply) + "\n")
+            sys.stdout.flush()
+            continue
+        if mode == "record":
+            try:
+                message = json.loads(line)
+            except ValueError:  # what a split message leaves: kept, so a test sees it
+                seen.append({"unparsed": line})
+                continue
             seen.append(message)
             if "id" in message and "method" in message:
                 reply = {"jsonrpc": "2.0", "id": message["id"], "result": {"seen": seen}}
