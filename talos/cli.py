@@ -21,7 +21,14 @@ from typing import Any
 
 from talos import runtime
 from talos.client import ApiClient, ApiError, NodeNotRunningError
-from talos.config import Home, NodeConfig, default_home, parse_listen, parse_peer_addr
+from talos.config import (
+    Home,
+    NodeConfig,
+    default_home,
+    parse_listen,
+    parse_peer_addr,
+    parse_relay_url,
+)
 from talos_sdk.errors import TalosError, UsageError
 
 __all__ = ["main"]
@@ -94,6 +101,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         updates["peers"] = (*config.peers, *args.peer)
     if args.allow:
         updates["allow"] = (*config.allow, *args.allow)
+    if args.relay:
+        updates["relays"] = tuple(
+            dict.fromkeys([*config.relays, *(parse_relay_url(r) for r in args.relay)])
+        )
     if args.require_pq:
         updates["require_pq"] = True
     if args.ratchet_every is not None:
@@ -302,6 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--listen", help="HOST:PORT for peer links (port 0 picks one)")
     sp.add_argument("--peer", action="append", default=[], help="ws://HOST:PORT#DID")
     sp.add_argument("--allow", action="append", default=[], help="DID allowed to link")
+    sp.add_argument(
+        "--relay",
+        action="append",
+        default=[],
+        metavar="nats://HOST:PORT",
+        help="NATS relay to reach peers through and keep a mailbox on (repeatable: servers"
+        " of one NATS cluster)",
+    )
     sp.add_argument("--files-dir", help="where received files land (default <home>/files)")
     sp.add_argument(
         "--require-pq",

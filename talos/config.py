@@ -33,6 +33,7 @@ __all__ = [
     "default_home",
     "parse_listen",
     "parse_peer_addr",
+    "parse_relay_url",
 ]
 
 
@@ -44,6 +45,16 @@ class NodeConfig(BaseModel):
     listen: str | None = Field(default=None, description="HOST:PORT for peer links")
     peers: tuple[str, ...] = Field(default=(), description="ws://HOST:PORT#DID to dial")
     allow: tuple[str, ...] = Field(default=(), description="extra DIDs allowed to link")
+    relays: tuple[str, ...] = Field(
+        default=(),
+        description="nats://HOST:PORT servers of one NATS relay (docs/adr/0008-nats-relay.md)",
+    )
+    mailbox_max_age: float = Field(
+        default=7 * 86400.0, gt=0, description="seconds the relay keeps mail for this node"
+    )
+    mailbox_max_bytes: int = Field(
+        default=64 << 20, ge=1 << 16, description="bytes the relay keeps for this node"
+    )
     api: bool = True
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=0, ge=0, le=65535)
@@ -107,6 +118,25 @@ def parse_peer_addr(addr: str) -> PeerAddr:
     public_key_from_did(parts.fragment)  # raises DIDError for a malformed DID
     url = addr.split("#", 1)[0]
     return PeerAddr(url, parts.fragment)
+
+
+def parse_relay_url(value: str) -> str:
+    """Check ``nats://HOST:PORT`` (or ``tls://``); returns it unchanged."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("nats", "tls") or not parts.hostname:
+        raise UsageError(f"relay must look like nats://HOST:PORT, got {value!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise UsageError(f"bad port in relay address {value!r}") from None
+    if port is None:
+        raise UsageError(f"relay address needs a port: {value!r}")
+    if parts.username or parts.password or parts.path not in ("", "/") or parts.query:
+        raise UsageError(
+            f"relay address must be nats://HOST:PORT only (the node signs in with its key):"
+            f" {value!r}"
+        )
+    return value
 
 
 def parse_listen(value: str) -> tuple[str, int]:

@@ -57,7 +57,15 @@ from talos.link import heads as hd
 from talos.link import wire
 from talos.link.auth import AuthPolicy, check_bundle_auth, load_pin, store_pin
 from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_PROTOCOL, CLOSE_SHUTDOWN, Role
-from talos.link.peer import MAX_QUEUE, Link, LinkSettings, PeerRefused, accept_link, dial_link
+from talos.link.peer import (
+    MAX_QUEUE,
+    FrameStream,
+    Link,
+    LinkSettings,
+    PeerRefused,
+    accept_link,
+    dial_link,
+)
 from talos.logging import event
 from talos.metrics import Metrics
 from talos.sessions import (
@@ -201,12 +209,15 @@ class Node:
         self._link_callbacks: list[LinkCallback] = []
         self._peers: dict[str, _Peer] = {}
         self._known: dict[str, str] = {}  # DID -> address ("" when only allowed)
-        # DESIGN.md "Discovery and scale": where a DID without a link is dialled.
-        self.resolver: Resolver = (
-            resolver
-            if resolver is not None
-            else ChainResolver(StaticResolver(lambda: self._known), LearnedResolver())
-        )
+        # DESIGN.md "Discovery and scale": where a DID without a link is dialled;
+        # the relay (if any) comes last, so a direct address is tried first.
+        sources: list[Resolver] = [StaticResolver(lambda: self._known), LearnedResolver()]
+        if self.config.relays:
+            from talos.relay.attach import RelayResolver
+
+            sources.append(RelayResolver(self.config.relays[0]))
+        self.resolver: Resolver = resolver if resolver is not None else ChainResolver(*sources)
+        self.relay: Any = None  # talos.relay.attach.NodeRelay once started with --relay
         self._allow: set[str] = set(self.config.allow)
         self._dialers: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
@@ -294,6 +305,11 @@ class Node:
             sock = next(iter(self._server.sockets))
             real_host, real_port = sock.getsockname()[:2]
             self.listen_url = f"ws://{real_host}:{real_port}"
+        if self.config.relays:
+            from talos.relay.attach import NodeRelay
+
+            self.relay = NodeRelay(self, self.config.relays)
+            self.relay.start()  # connects in the background: a relay that is down is retried
         for addr in list(self._known.values()):
             if addr:
                 self._start_dialer(parse_peer_addr(addr))
@@ -369,6 +385,8 @@ class Node:
             *(link.close(CLOSE_SHUTDOWN, "node shutting down") for link in links),
             return_exceptions=True,
         )
+        if self.relay is not None:
+            await self.relay.stop()
         if self._server is not None:
             await self._server.wait_closed()
         for task in [*self._tasks, *self._dialers.values(), *self._link_tasks]:
@@ -537,9 +555,7 @@ class Node:
                 await peer.down.wait()
                 continue
             try:
-                link = await dial_link(
-                    addr.url, addr.did, self.wallet, self.authorizer, self.settings
-                )
+                link = await self._dial(addr)
             except Exception as exc:  # any failure to dial is retried, never fatal
                 level = logging.DEBUG  # an unreachable peer is normal; a refusal is not
                 if isinstance(exc, PeerRefused):
@@ -553,12 +569,32 @@ class Node:
                 delay = min(delay * 2, self.config.reconnect_max)
                 continue
             delay = self.config.reconnect_initial
-            with contextlib.suppress(TalosError):  # a bad learned address must not drop the link
-                self.resolver.learn(addr.did, addr.url, SOURCE_DIALLED)
+            if link.via == "direct":
+                with contextlib.suppress(TalosError):  # a bad learned address must not drop it
+                    self.resolver.learn(addr.did, addr.url, SOURCE_DIALLED)
             await self._run_link(link)
+            if link.via != "direct":  # after a relayed link, a direct address goes first again
+                urls = self._resolve(addr.did)
+                addr = PeerAddr(urls[0], addr.did) if urls else addr
             await asyncio.sleep(random.uniform(0, self.config.reconnect_initial))
 
-    async def _on_accept(self, ws: ServerConnection) -> None:
+    async def _dial(self, addr: PeerAddr) -> Link:
+        """A link to ``addr``: a WebSocket, or a stream through the relay (talos/relay)."""
+        if self.relay is not None and addr.url == self.relay.address:
+            link: Link = await self.relay.dial(addr.did)
+            return link
+        return await dial_link(addr.url, addr.did, self.wallet, self.authorizer, self.settings)
+
+    def reach(self, did: str) -> None:
+        """Keep a link to ``did`` at whatever address the resolver gives (the relay included)."""
+        from talos_sdk.did import public_key_from_did
+
+        public_key_from_did(did)
+        if did == self.did:
+            raise UsageError("that is this node's own DID")
+        self._ensure_dialer(did)
+
+    async def _on_accept(self, ws: ServerConnection | FrameStream) -> None:
         if self._stopping:
             await ws.close(CLOSE_SHUTDOWN, "node shutting down")
             return
@@ -585,6 +621,8 @@ class Node:
         def dialer(link: Link) -> str:
             return self.did if link.role is Role.INITIATOR else link.peer_did
 
+        if new.via != old.via:
+            return new.via == "direct"  # a direct link beats a relayed one, on both sides
         if dialer(new) == dialer(old):
             return True  # a redial replaces a link that died without us noticing
         return dialer(new) == min(self.did, new.peer_did)
@@ -1364,6 +1402,7 @@ class Node:
                     "connected": peer.link is not None,
                     "ready": peer.ready.is_set(),
                     "role": peer.link.role.name.lower() if peer.link is not None else None,
+                    "via": peer.link.via if peer.link is not None else None,
                     "auth_suite": peer.link.auth_suite if peer.link is not None else None,
                     "session_suite": session_suites.get(did),
                     "acked": peer.tx.acked,
@@ -1377,6 +1416,7 @@ class Node:
         return {
             "did": self.did,
             "listen": self.listen_url,
+            "relay": self.relay.status() if self.relay is not None else None,
             "auth_suite": self.wallet.suite,
             "require_pq": self.config.require_pq,
             "links": links,

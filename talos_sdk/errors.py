@@ -20,7 +20,11 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     ├── SignatureError             a signature that must verify did not
     ├── StorageError               the node's store failed (node layer)
     │   └── StorageFullError       LMDB map full: nothing was written
-    └── ChainError                 the block log has a defect (node layer)
+    ├── ChainError                 the block log has a defect (node layer)
+    └── RelayError                 the NATS relay (node layer, talos/relay/client.py)
+        ├── RelayUnavailableError  not connected, or the peer is not on it (also ConnectionError)
+        ├── MailboxUnavailableError  the recipient has no mailbox on the relay
+        └── MailboxFullError       the recipient's mailbox is at its limits
 
 Upper layers (``talos``, ``mcp_proxy``) subclass these; they do not start new roots.
 """

@@ -13,6 +13,7 @@ import asyncio
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.connection import Connection
@@ -37,7 +38,16 @@ from talos.link.handshake import (
 )
 from talos_sdk.errors import HandshakeError, MalformedFrameError, OversizeError
 
-__all__ = ["MAX_QUEUE", "Link", "LinkSettings", "PeerRefused", "accept_link", "dial_link"]
+__all__ = [
+    "MAX_QUEUE",
+    "FrameStream",
+    "Link",
+    "LinkSettings",
+    "PeerRefused",
+    "accept_link",
+    "dial_link",
+    "initiate_link",
+]
 
 #: Below the asyncio default low-water mark: a send this far under it never blocks.
 _SEND_NOW_LIMIT = 16 * 1024
@@ -72,11 +82,42 @@ class LinkSettings:
         return self.max_frame + 64
 
 
+class FrameStream(Protocol):
+    """A byte pipe other than a WebSocket that a link can run on (talos/relay/stream.py).
+
+    The subset of a websockets connection the link layer uses: one link frame
+    per ``send`` / ``recv``, ``close(code, reason)``, and ``ConnectionClosed``
+    once closed. ``via`` names it in status ("relay").
+    """
+
+    @property
+    def via(self) -> str: ...
+
+    @property
+    def close_code(self) -> int | None: ...
+
+    async def send(self, data: bytes) -> None: ...
+
+    async def recv(self) -> bytes: ...
+
+    async def close(self, code: int = 1000, reason: str = "") -> None: ...
+
+    def send_nowait(self, data: bytes) -> bool: ...
+
+    @property
+    def writable(self) -> bool: ...
+
+    @property
+    def can_send_now(self) -> bool: ...
+
+
 class Link:
     """An authenticated link: raw link-frame bytes in and out."""
 
-    def __init__(self, ws: Connection, auth: Authenticated, role: Role) -> None:
+    def __init__(self, ws: Connection | FrameStream, auth: Authenticated, role: Role) -> None:
         self.ws = ws
+        #: "direct" (a WebSocket) or what carries it otherwise ("relay").
+        self.via: str = ws.via if not isinstance(ws, Connection) else "direct"
         self.peer_did = auth.peer_did
         self.suites = auth.suites
         self.auth_suite = auth.auth_suite
@@ -96,9 +137,11 @@ class Link:
         the order of calls across both methods. Raises ``ConnectionClosed`` if
         the write itself fails (the link is then aborted).
         """
+        ws = self.ws
+        if not isinstance(ws, Connection):
+            return ws.send_nowait(data)
         if not self.writable:
             return False
-        ws = self.ws
         ws.protocol.send_binary(data)
         try:
             ws.send_data()
@@ -112,6 +155,8 @@ class Link:
     def writable(self) -> bool:
         """True when :meth:`send_nowait` would write (check before sealing a frame)."""
         ws = self.ws
+        if not isinstance(ws, Connection):
+            return ws.writable
         return (
             ws.protocol.state is State.OPEN
             and ws.send_in_progress is None
@@ -122,6 +167,8 @@ class Link:
     @property
     def can_send_now(self) -> bool:
         """True when :meth:`send` would write without waiting for flow control."""
+        if not isinstance(self.ws, Connection):
+            return self.ws.can_send_now
         transport = self.ws.transport
         return transport.get_write_buffer_size() < _SEND_NOW_LIMIT
 
@@ -140,7 +187,7 @@ class Link:
         return self.ws.close_code is None
 
 
-async def _recv_frame(ws: Connection, max_frame: int) -> wire.LinkFrame:
+async def _recv_frame(ws: Connection | FrameStream, max_frame: int) -> wire.LinkFrame:
     data = await ws.recv()
     if isinstance(data, str):
         raise Refusal(CLOSE_PROTOCOL, "text frame during handshake")
@@ -153,7 +200,7 @@ async def _recv_frame(ws: Connection, max_frame: int) -> wire.LinkFrame:
     return frame
 
 
-async def _refuse(ws: Connection, refusal: Refusal) -> None:
+async def _refuse(ws: Connection | FrameStream, refusal: Refusal) -> None:
     try:
         await ws.send(wire.encode(wire.Refuse(refusal.code, refusal.reason)))
         await ws.close(refusal.code, refusal.reason[:120])
@@ -162,7 +209,7 @@ async def _refuse(ws: Connection, refusal: Refusal) -> None:
 
 
 async def _run_handshake(
-    ws: Connection, hs: LinkHandshake, role: Role, settings: LinkSettings
+    ws: Connection | FrameStream, hs: LinkHandshake, role: Role, settings: LinkSettings
 ) -> Authenticated:
     async def steps() -> Authenticated:
         if role is Role.INITIATOR:
@@ -199,7 +246,7 @@ async def _run_handshake(
 
 
 async def accept_link(
-    ws: Connection,
+    ws: Connection | FrameStream,
     signer: Signer,
     authorizer: Callable[[str], bool],
     settings: LinkSettings,
@@ -239,6 +286,17 @@ async def dial_link(
             )
     except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:
         raise ConnectionError(f"cannot reach {url}: {exc or type(exc).__name__}") from None
+    return await initiate_link(ws, expected_did, signer, authorizer, settings)
+
+
+async def initiate_link(
+    ws: Connection | FrameStream,
+    expected_did: str,
+    signer: Signer,
+    authorizer: Callable[[str], bool],
+    settings: LinkSettings,
+) -> Link:
+    """Dialler side on an open pipe (a WebSocket, or a relay stream): run the handshake."""
     hs = LinkHandshake(
         signer,
         Role.INITIATOR,

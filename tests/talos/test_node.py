@@ -334,8 +334,8 @@ async def test_duplicate_link_rule_is_the_same_on_both_sides(pair: tuple[Node, N
 
     a, b = pair
 
-    def fake(peer: str, role: Role) -> Link:
-        return SimpleNamespace(peer_did=peer, role=role)  # type: ignore[return-value]
+    def fake(peer: str, role: Role, via: str = "direct") -> Link:
+        return SimpleNamespace(peer_did=peer, role=role, via=via)  # type: ignore[return-value]
 
     # On A: link dialled by A (INITIATOR) vs link dialled by B (RESPONDER); mirrored on B.
     a_dials_on_a, b_dials_on_a = fake(b.did, Role.INITIATOR), fake(b.did, Role.RESPONDER)
@@ -346,6 +346,14 @@ async def test_duplicate_link_rule_is_the_same_on_both_sides(pair: tuple[Node, N
     assert a._prefer(b_dials_on_a, a_dials_on_a) is not a_wins
     assert b._prefer(b_dials_on_b, a_dials_on_b) is not a_wins
     assert a._prefer(a_dials_on_a, fake(b.did, Role.INITIATOR)) is True
+    # A direct link beats a relayed one whoever dialled, on both sides alike.
+    relayed_on_a, relayed_on_b = (
+        fake(b.did, Role.INITIATOR, "relay"),
+        fake(a.did, Role.RESPONDER, "relay"),
+    )
+    assert a._prefer(b_dials_on_a, relayed_on_a) is True
+    assert b._prefer(b_dials_on_b, relayed_on_b) is True
+    assert a._prefer(relayed_on_a, b_dials_on_a) is False
 
 
 async def test_failed_start_is_clear_and_leaves_the_home_usable(

@@ -1,0 +1,316 @@
+"""The relay as a node uses it (docs/adr/0008-nats-relay.md; DESIGN.md "Discovery and scale").
+
+* :class:`RelayResolver` answers every DID with the relay's address, after the
+  direct sources in the node's resolver chain, so a direct address is tried
+  first and the relay is the fallback.
+* :class:`NodeRelay` dials a peer through the relay (a relay stream under the
+  ordinary link handshake and session setup), accepts peers' streams, tries a
+  direct address again now and then while a link is relayed (a direct link
+  replaces it), and runs the offline mailbox:
+
+  - sender: rows for a peer without a ready link, with whom a session exists,
+    are sealed as usual (Double Ratchet + signed commitment), wrapped in an
+    envelope to the recipient (:mod:`talos.relay.envelope`) and published to
+    its mailbox. The outbox row stays until the recipient's end-to-end ACK
+    arrives on a link; the relay's acceptance changes nothing.
+  - recipient: drained envelopes are opened and fed to the same MSG path as
+    link frames (same ordering, duplicate and gap rules); a mailbox message is
+    acknowledged to JetStream only once its message is committed (or refused
+    as worthless), so a crash before the commit gets it redelivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from talos import pipeline as pl
+from talos.link import wire as link_wire
+from talos.link.peer import Link, dial_link, initiate_link
+from talos.logging import event
+from talos.relay.client import (
+    MailboxFullError,
+    MailboxSettings,
+    MailboxUnavailableError,
+    RelayClient,
+    RelayError,
+)
+from talos.relay.envelope import open_envelope, seal_envelope
+from talos.relay.stream import RelayStream
+from talos_sdk.did import public_key_from_did
+from talos_sdk.errors import (
+    DecryptionError,
+    ProtocolError,
+    SignatureError,
+    UsageError,
+)
+
+if TYPE_CHECKING:
+    from talos.node import Node, _Peer
+
+__all__ = ["RELAY_SCHEMES", "NodeRelay", "RelayResolver", "is_relay_address"]
+
+_log = logging.getLogger("talos.relay")
+RELAY_SCHEMES: Final = ("nats://", "tls://")
+#: Seconds a peer without a mailbox (or with a full one) is left alone.
+_MAILBOX_HOLD: Final = 30.0
+#: Longest wait for a drained message's commit before it is handed back to JetStream.
+_COMMIT_WAIT: Final = 30.0
+
+
+def is_relay_address(url: str) -> bool:
+    return url.startswith(RELAY_SCHEMES)
+
+
+class RelayResolver:
+    """Every DID is reachable through the relay (last in the chain: direct first)."""
+
+    def __init__(self, address: str, own_did: str | None = None) -> None:
+        self.address = address
+        self.own_did = own_did
+
+    def resolve(self, did: str) -> list[str]:
+        return [] if did == self.own_did else [self.address]
+
+    def learn(self, did: str, addr: str, source: str) -> None:
+        return None
+
+
+class NodeRelay:
+    """Dialling, accepting and the mailbox through one NATS relay, for one node."""
+
+    def __init__(self, node: Node, servers: Sequence[str]) -> None:
+        self.node = node
+        config = node.config
+        self.address = servers[0]
+        self.client = RelayClient(
+            servers,
+            node.wallet,
+            max_frame=config.max_frame,
+            ping_interval=config.ping_interval,
+            handshake_timeout=config.handshake_timeout,
+            on_stream=self._on_stream,
+            on_mailbox=self._on_mailbox,
+            mailbox=MailboxSettings(config.mailbox_max_age, config.mailbox_max_bytes),
+            reconnect_max=config.reconnect_max,
+        )
+        self._mailboxed: dict[str, int] = {}
+        self._hold: dict[str, float] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.counters: dict[str, int] = {}
+
+    def start(self) -> None:
+        self.client.start()
+        self.node.on_link_change(self._link_changed)
+        self._tasks = [
+            asyncio.create_task(self._mailbox_loop(), name="talos-relay-outbox"),
+            asyncio.create_task(self._direct_loop(), name="talos-relay-direct"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.stop()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.node.metrics.inc(name, n)
+
+    def status(self) -> dict[str, Any]:
+        client = self.client
+        return {
+            "servers": client.servers,
+            "connected": client.connected.is_set(),
+            "token": client.names.token,
+            "streams": client.streams,
+            **client.counters,
+        }
+
+    # --- links -----------------------------------------------------------------------------------
+
+    async def dial(self, did: str) -> Link:
+        """A link to ``did`` through the relay (ConnectionError if it is not there)."""
+        stream = await self.client.open_stream(did)
+        node = self.node
+        try:
+            return await initiate_link(stream, did, node.wallet, node.authorizer, node.settings)
+        except BaseException:
+            await stream.close()
+            raise
+
+    async def _on_stream(self, stream: RelayStream) -> None:
+        await self.node._on_accept(stream)
+
+    def _link_changed(self, did: str, up: bool) -> None:
+        if not up:
+            self._mailboxed.pop(did, None)  # unacked rows may go to the mailbox again
+
+    async def _direct_loop(self) -> None:
+        """While a peer is linked through the relay, try its direct addresses now and then."""
+        node = self.node
+        while True:
+            await asyncio.sleep(random.uniform(1.0, 1.5) * 3 * node.config.reconnect_max)
+            for peer in list(node._peers.values()):
+                link = peer.link
+                if link is None or link.via == "direct" or not link.open:
+                    continue
+                urls = [u for u in node._resolve(peer.did) if not is_relay_address(u)]
+                for url in urls:
+                    try:
+                        direct = await dial_link(
+                            url, peer.did, node.wallet, node.authorizer, node.settings
+                        )
+                    except Exception:  # still unreachable directly: the relay it stays
+                        continue
+                    event(_log, "relay_link_upgraded", peer=peer.did)
+                    node._spawn(node._run_link(direct))  # a direct link replaces the relayed one
+                    break
+
+    # --- mailbox, sender side --------------------------------------------------------------------
+
+    async def _mailbox_loop(self) -> None:
+        node = self.node
+        while True:
+            await asyncio.sleep(node.config.retry_interval)
+            if not self.client.connected.is_set():
+                continue
+            for peer in list(node._peers.values()):
+                try:
+                    await self.post(peer)
+                except Exception as exc:  # one peer's trouble must not stop the others
+                    event(
+                        _log, "mailbox_post_failed", level=logging.ERROR, peer=peer.did,
+                        error=repr(exc),
+                    )  # fmt: skip
+
+    def _rows(self, peer: _Peer, after: int) -> list[pl.OutboxEntry]:
+        with self.node.store.read() as txn:
+            rows: list[pl.OutboxEntry] = []
+            for row in pl.iter_outbox(txn, peer.did, after):
+                rows.append(row)
+                if len(rows) >= 256:
+                    return rows
+        last = rows[-1].seq if rows else after
+        return rows + [r for r in peer.fresh if r.seq > last]
+
+    async def post(self, peer: _Peer) -> int:
+        """Mailbox the peer's unacknowledged rows if no link carries them; returns how many."""
+        node = self.node
+        did = peer.did
+        if peer.link is not None or peer.ready.is_set():
+            return 0
+        if peer.last_assigned <= peer.tx.acked or not node.sessions.has(did):
+            return 0  # nothing to send, or no session to seal with (first contact needs a link)
+        if time.monotonic() < self._hold.get(did, 0.0):
+            return 0
+        posted = 0
+        after = max(peer.tx.acked, self._mailboxed.get(did, 0))
+        while True:
+            rows = self._rows(peer, after)
+            if not rows:
+                return posted
+            for row in rows:
+                if peer.link is not None:
+                    return posted
+                after = row.seq
+                if not node._fits(peer, row):
+                    continue
+                prev = node._prev(peer, row.prev)
+                if prev != row.prev:
+                    row = dataclasses.replace(row, prev=prev)
+                body, record = node.sessions.seal_message(did, row)
+                frame = link_wire.encode(link_wire.Msg(row.seq, body))
+                envelope = seal_envelope(did, node.did, frame, os.urandom(32))
+                try:
+                    await self.client.put_mailbox(did, envelope)
+                except (MailboxUnavailableError, MailboxFullError) as exc:
+                    self._hold[did] = time.monotonic() + _MAILBOX_HOLD
+                    full = isinstance(exc, MailboxFullError)
+                    self._count("mailbox_full" if full else "mailbox_unavailable")
+                    event(
+                        _log,
+                        "mailbox_refused",
+                        level=logging.WARNING if full else logging.INFO,
+                        peer=did,
+                        reason=str(exc),
+                    )
+                    return posted
+                except RelayError as exc:
+                    event(_log, "mailbox_post_retry", level=logging.INFO, peer=did, reason=str(exc))
+                    return posted
+                peer.records[row.seq] = record
+                peer.max_sent = max(peer.max_sent, row.seq)
+                peer.sent_at.setdefault(row.seq, time.monotonic())
+                self._mailboxed[did] = row.seq
+                posted += 1
+                self._count("mailbox_out")
+
+    # --- mailbox, recipient side -----------------------------------------------------------------
+
+    async def _on_mailbox(self, batch: list[bytes]) -> list[bool]:
+        node = self.node
+        verdicts: list[bool] = []
+        waiting: list[tuple[int, _Peer, int]] = []
+        senders: set[str] = set()
+        for data in batch:
+            try:
+                peer, seq = self._take(data)
+            except (ProtocolError, DecryptionError, SignatureError, UsageError) as exc:
+                # Garbage, a replay, a forged sender: dropped (the sender's outbox still
+                # holds anything real), never counted towards a session resync.
+                self._count("mailbox_rejected")
+                event(
+                    _log, "mailbox_rejected", level=logging.WARNING, kind=type(exc).__name__,
+                    error=str(exc),
+                )  # fmt: skip
+                verdicts.append(True)
+                continue
+            senders.add(peer.did)
+            if peer.rx.delivered < seq <= peer.rx.accepted:
+                waiting.append((len(verdicts), peer, seq))  # in the open batch: ack after commit
+            verdicts.append(True)
+        if waiting:
+            await self._committed(waiting)
+            for i, peer, seq in waiting:
+                verdicts[i] = peer.rx.delivered >= seq
+        for did in senders:
+            node._ensure_dialer(did)  # so the end-to-end ACK can reach the sender
+        return verdicts
+
+    def _take(self, data: bytes) -> tuple[_Peer, int]:
+        node = self.node
+        env = open_envelope(node.wallet.seed, node.did, data)
+        public_key_from_did(env.sender)
+        frame = link_wire.decode(env.frame, node.config.max_frame)
+        if not isinstance(frame, link_wire.Msg):
+            raise ProtocolError(f"{type(frame).__name__} in a mailbox (only MSG frames go there)")
+        if env.sender == node.did or not node.sessions.has(env.sender):
+            raise ProtocolError("mailbox message from a peer without a session")
+        peer = node._peer(env.sender)
+        node._on_msg(peer, frame)
+        self._count("mailbox_in")
+        return peer, frame.seq
+
+    async def _committed(self, waiting: list[tuple[int, _Peer, int]]) -> None:
+        node = self.node
+        deadline = time.monotonic() + _COMMIT_WAIT
+
+        def pending() -> bool:
+            # Still accepted but not delivered: the commit has not finished (a failed
+            # commit rolls ``accepted`` back, which ends the wait too).
+            return any(p.rx.delivered < s <= p.rx.accepted for _, p, s in waiting)
+
+        while True:
+            signal = node._inbox_event  # taken before the check: a commit sets this one
+            if not pending() or time.monotonic() > deadline or node._stopping:
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await signal.wait()

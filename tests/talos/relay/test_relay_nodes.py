@@ -1,0 +1,62 @@
+"""Two nodes that cannot dial each other (no --listen) talk through a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+from talos.node import Node
+from tests.talos.nodes import started, until
+from tests.talos.relay.conftest import RelayNet
+
+
+async def _pair(net: RelayNet) -> tuple[Node, Node]:
+    a = await started(*net.home("a"))
+    b = await started(*net.home("b"))
+    a.allow(b.did)
+    b.allow(a.did)
+    return a, b
+
+
+async def test_two_nodes_without_listen_exchange_messages(relay_net: RelayNet) -> None:
+    a, b = await _pair(relay_net)
+    try:
+        assert a.listen_url is None and b.listen_url is None
+        await a.send_message(b.did, "hello through the relay", wait=True)
+        await b.send_message(a.did, "and back", wait=True)
+        assert [m.text for m in b.inbox()] == ["hello through the relay"]
+        assert [m.text for m in a.inbox()] == ["and back"]
+        links = {link["did"]: link for link in a.status()["links"]}
+        assert links[b.did]["via"] == "relay"
+        assert a.status()["relay"]["connected"] is True
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_recipient_offline_then_sender_offline_delivered_once(relay_net: RelayNet) -> None:
+    a, b = await _pair(relay_net)
+    home_b, config_b = relay_net.homes["b"]
+    home_a, config_a = relay_net.homes["a"]
+    await a.send_message(b.did, "first, both online", wait=True)  # a session exists now
+    await b.stop()
+    texts = [f"while b is away {i}" for i in range(5)]
+    for text in texts:
+        await a.send_message(b.did, text)
+    relay = a.relay
+    assert relay is not None
+    await until(lambda: a.metrics.counters.get("mailbox_out", 0) >= 5, 20, "mailboxed")
+    await a.stop()  # the sender is gone when the recipient returns
+    b = await started(home_b, config_b)
+    b.allow(a.did)
+    try:
+        await until(lambda: len(b.inbox()) == 6, 30, "mailbox drained")
+        assert [m.text for m in b.inbox()] == ["first, both online", *texts]
+        # The sender comes back: its rows are acknowledged end to end, nothing twice.
+        a = await started(home_a, config_a)
+        a.allow(b.did)
+        await until(lambda: a.status()["queues"]["outbox"] == 0, 30, "outbox acked")
+        assert [m.text for m in b.inbox()] == ["first, both online", *texts]
+    finally:
+        await a.stop()
+        await b.stop()
+    await asyncio.sleep(0)
