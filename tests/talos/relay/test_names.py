@@ -1,0 +1,50 @@
+"""Relay names: opaque tokens, nkeys cross-checked against the independent ``nkeys`` package."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from talos.relay.names import RelayNames, crc16_xmodem, nkey_public, nkey_seed, relay_token
+from talos.relay.serverconf import render_server_config, user_entry
+from talos_sdk.errors import DIDError
+from talos_sdk.wallet import Wallet
+
+
+def test_crc16_xmodem_check_value() -> None:
+    # The catalogue check value of CRC-16/XMODEM (Greg Cook's CRC RevEng catalogue).
+    assert crc16_xmodem(b"123456789") == 0x31C3
+
+
+def test_nkeys_agree_with_the_nkeys_package() -> None:
+    nkeys = pytest.importorskip("nkeys")
+    wallet = Wallet.from_seed(bytes(range(32)))
+    pair = nkeys.from_seed(bytearray(nkey_seed(wallet.seed).encode()))
+    assert pair.public_key.decode() == nkey_public(wallet.public_key)
+    assert nkey_public(wallet.public_key).startswith("U")
+    # Signing the server's nonce with the nkey is signing with the node's identity.
+    assert pair.sign(b"nonce") == wallet.sign(b"nonce")
+
+
+def test_token_is_stable_opaque_and_per_did() -> None:
+    a, b = Wallet.from_seed(bytes(32)), Wallet.from_seed(bytes([1]) * 32)
+    ta = relay_token(a.did)
+    assert ta == relay_token(a.did) and ta != relay_token(b.did)
+    assert len(ta) == 32 and ta.isalnum() and ta.lower() == ta
+    names = RelayNames.for_did(a.did)
+    for subject in (names.link, names.mailbox, names.stream, names.inbox_prefix):
+        assert a.did not in subject and a.did.removeprefix("did:key:") not in subject
+    with pytest.raises(DIDError):
+        relay_token("did:key:nonsense")
+
+
+def test_permissions_subscribe_only_to_own_subjects() -> None:
+    wallet = Wallet.from_seed(bytes(32))
+    names = RelayNames.for_did(wallet.did)
+    entry = user_entry(wallet.did)
+    subscribe = entry["permissions"]["subscribe"]["allow"]  # type: ignore[index]
+    assert subscribe == [names.link, f"{names.inbox_prefix}.>"]
+    text = render_server_config([wallet.did], host="127.0.0.1", port=4222, store_dir="/x")
+    assert json.dumps(nkey_public(wallet.public_key)) in text
+    assert "jetstream" in text
