@@ -8,6 +8,7 @@
                       [--audit-plaintext] [--env KEY=VALUE ...] [--pass-environment]
                       -- CMD [ARGS...]
     talos-proxy connect --home DIR --peer ws://HOST:PORT#DID [--server NAME] [--http HOST:PORT]
+                        [--allow-origin ORIGIN ...] [--http-max-sessions N]
     talos-proxy audit --home DIR [--json] [--since 2h|ISO] [--peer DID] [--tool NAME]
                       [--outcome OUTCOME] [--event call|request|session|refusal]
 
@@ -101,6 +102,20 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="end an HTTP session (and its remote tool) idle this long (default 1800)",
     )
+    p_conn.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="browser origin (SCHEME://HOST[:PORT]) allowed to use --http, with CORS (repeatable)",
+    )
+    p_conn.add_argument(
+        "--http-max-sessions",
+        type=int,
+        default=16,  # http_front.MAX_SESSIONS
+        metavar="N",
+        help="tool sessions this front holds at once, legacy and pooled (default 16)",
+    )
     p_conn.add_argument("--link-wait", type=float, default=15.0, help="seconds to wait for a link")
     return parser
 
@@ -164,7 +179,17 @@ async def _connect(args: argparse.Namespace) -> None:
         if args.http:
             from mcp_proxy.http_front import HttpFront
 
-            front = HttpFront(client, http_token(args.home), args.http, idle_timeout=args.http_idle)
+            try:
+                front = HttpFront(
+                    client,
+                    http_token(args.home),
+                    args.http,
+                    idle_timeout=args.http_idle,
+                    allow_origins=args.allow_origin,
+                    max_sessions=args.http_max_sessions,
+                )
+            except ValueError as exc:
+                raise SystemExit(f"talos-proxy: {exc}") from None
             await front.start()
             print(f"talos-proxy: Streamable HTTP on {front.url}", file=sys.stderr, flush=True)
             try:

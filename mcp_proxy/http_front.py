@@ -1,26 +1,25 @@
-"""Streamable HTTP endpoint for ``connect --http`` (MCP 2025-11-25 "Transports: Streamable HTTP").
+"""Streamable HTTP for ``connect --http``, both MCP eras (docs/adr/0008-http-front-eras.md).
 
-One endpoint, ``/mcp``: POST carries one JSON-RPC message (a request is
-answered with an SSE stream that ends with its response; a notification or
-response gets 202), GET opens the SSE stream for messages the server sends on
-its own, DELETE ends the session. ``Mcp-Session-Id`` is issued on
-``initialize`` and required after it (400 when missing, 404 when unknown).
+One endpoint, ``/mcp``. Each request is classified by ``http_rules``: a
+2026-07-28 request (``MCP-Protocol-Version: 2026-07-28``) is one stateless
+exchange routed over a pool of tool sessions (``http_stateless``); anything
+else follows the 2025-11-25 session rules (``http_legacy``): ``initialize``
+creates a session named by ``Mcp-Session-Id`` (400 when missing later, 404
+when unknown), GET opens its stream for server-initiated messages or resumes
+one (``Last-Event-ID``), DELETE ends it. A response is ``application/json``
+when the client accepts it and the response is the only message, otherwise
+SSE (``http_sse``). An unsupported ``MCP-Protocol-Version`` gets 400 naming
+the supported ones.
 
-Security (spec "Security Warning"): binds 127.0.0.1 unless told otherwise, a
-request whose ``Origin`` is not a loopback origin gets 403, and every request
-must carry ``Authorization: Bearer <token>`` (token stored 0600 in the home).
-
-Server messages are routed as the spec asks: a response to the POST that
-carries its request, a progress notification to the POST whose request holds
-its ``progressToken``, anything else (sampling, elicitation, logging,
-list_changed) to the GET stream, or to the newest open POST stream when there
-is none, or kept until a stream opens.
-
-A session no request has touched for ``idle_timeout`` seconds (30 min by
-default; a POST waiting for its response counts as a touch, an open GET
-stream does not) is ended like a DELETE: its tunnel session closes, which
-stops the remote tool process, and later requests get 404 (spec "Session
-Management": the client then starts a new session).
+Security (spec "Security Warning"): binds 127.0.0.1 unless told otherwise,
+``Origin`` is checked and CORS answered by ``http_cors``, every request but a
+CORS preflight must carry ``Authorization: Bearer <token>`` (token stored 0600
+in the home). The front is one caller of the serve side: legacy sessions plus
+pooled stateless sessions stay within ``max_sessions``. A legacy session no
+request has touched for ``idle_timeout`` seconds (a client listening for a
+response counts as a touch, a cancelled request does not), and a pooled
+session idle as long, is closed with its remote tool; an expired session id
+then gets 404.
 """
 
 from __future__ import annotations
@@ -29,106 +28,48 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import secrets
-from collections import deque
 from typing import Any
-from urllib.parse import urlsplit
 
+import orjson
 from aiohttp import web
 
-from mcp_proxy.client import ClientSession, TunnelClient
-from mcp_proxy.jsonrpc import JsonRpcError, Kind, RequestId, error_reply, sniff
+from mcp_proxy.client import TunnelClient
+from mcp_proxy.http_cors import LOOPBACK_HOSTS, OriginRules
+from mcp_proxy.http_legacy import LegacySession
+from mcp_proxy.http_rules import Era, Rejection, classify
+from mcp_proxy.http_sse import parse_event_id, respond
+from mcp_proxy.http_stateless import StatelessPool
+from mcp_proxy.jsonrpc import INTERNAL_ERROR, JsonRpcError, Kind, Sniffed, error_reply, sniff
 
-__all__ = ["ENDPOINT", "HttpFront"]
+__all__ = ["ENDPOINT", "MAX_SESSIONS", "HttpFront", "parse_bind"]
 
 log = logging.getLogger(__name__)
 
 ENDPOINT = "/mcp"
 SESSION_HEADER = "Mcp-Session-Id"
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-MAX_BACKLOG = 1000
 MAX_BODY = 16 * 1024 * 1024
 IDLE_TIMEOUT = 30 * 60.0
+# Tool sessions one front holds at once (the serve side's default per-caller limit).
+MAX_SESSIONS = 16
+BUSY = -32003
 
 
-class _Stream:
-    """One open SSE response: a queue of lines its handler writes out."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-
-    def put(self, line: bytes | None) -> None:
-        self.queue.put_nowait(line)
-
-
-class _HttpSession:
-    """One MCP session of an HTTP client, carried by one tunnel session."""
-
-    def __init__(self, client: TunnelClient, session_id: str) -> None:
-        self.id = session_id
-        self.tunnel: ClientSession = client.open_session(self.deliver)
-        self.waiters: dict[RequestId, _Stream] = {}
-        self.tokens: dict[RequestId, _Stream] = {}
-        self.posts: list[_Stream] = []
-        self.get_stream: _Stream | None = None
-        self.backlog: deque[bytes] = deque(maxlen=MAX_BACKLOG)
-        self.last_used = asyncio.get_running_loop().time()
-
-    def touch(self) -> None:
-        self.last_used = asyncio.get_running_loop().time()
-
-    def idle_since(self, now: float) -> float:
-        """Seconds without a request; 0 while a POST still waits for its response."""
-        return 0.0 if self.posts else now - self.last_used
-
-    def deliver(self, line: bytes) -> None:
-        try:
-            msg = sniff(line)
-        except JsonRpcError:
-            log.warning("http session %s: dropping a malformed message", self.id[:8])
-            return
-        if msg.kind in (Kind.RESPONSE, Kind.ERROR) and msg.id is not None:
-            stream = self.waiters.pop(msg.id, None)
-            if stream is not None:
-                stream.put(line)
-                stream.put(None)
-                return
-        if msg.method == "notifications/progress" and isinstance(msg.params, dict):
-            token = msg.params.get("progressToken")
-            stream = self.tokens.get(token) if isinstance(token, int | str) else None
-            if stream is not None:
-                stream.put(line)
-                return
-        if self.get_stream is not None:
-            self.get_stream.put(line)
-        elif self.posts:
-            self.posts[-1].put(line)
-        else:
-            self.backlog.append(line)
-
-    def close(self) -> None:
-        for stream in [*self.waiters.values(), *self.posts]:
-            stream.put(None)
-        if self.get_stream is not None:
-            self.get_stream.put(None)
-        self.waiters.clear()
-        self.tunnel.close()
-
-
-def _json_error(status: int, code: int, message: str, rid: Any = None) -> web.Response:
+def _json_error(
+    status: int, code: int, message: str, rid: Any = None, data: Any = None
+) -> web.Response:
     return web.Response(
-        status=status, body=error_reply(rid, code, message), content_type="application/json"
+        status=status, body=error_reply(rid, code, message, data), content_type="application/json"
     )
 
 
-def _origin_ok(origin: str | None) -> bool:
-    if origin is None:
-        return True  # not a browser: nothing to validate (DNS rebinding needs a browser)
+def _one_line(body: bytes) -> bytes:
+    """A message as one line: raw CR/LF can only be JSON whitespace, so compact it away."""
+    if b"\n" not in body and b"\r" not in body:
+        return body
     try:
-        host = urlsplit(origin).hostname
-    except ValueError:
-        return False
-    return host in LOOPBACK_HOSTS
+        return orjson.dumps(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return body  # sniff reports the parse error
 
 
 def parse_bind(spec: str) -> tuple[str, int]:
@@ -156,26 +97,41 @@ class HttpFront:
         bind: str = "127.0.0.1:0",
         *,
         idle_timeout: float = IDLE_TIMEOUT,
+        allow_origins: tuple[str, ...] | list[str] = (),
+        max_sessions: int = MAX_SESSIONS,
     ) -> None:
         if idle_timeout <= 0:
             raise ValueError("idle_timeout must be positive")
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
         self.client = client
         self.token = token
         self.idle_timeout = idle_timeout
+        self.max_sessions = max_sessions
+        self.origins = OriginRules(allow_origins)
         self._reaper: asyncio.Task[None] | None = None
         self.host, self.port = parse_bind(bind)
         if self.host not in LOOPBACK_HOSTS:
             log.warning("Streamable HTTP bound to %s: reachable beyond this machine", self.host)
-        self.sessions: dict[str, _HttpSession] = {}
+        self.sessions: dict[str, LegacySession] = {}
+        self.pool = StatelessPool(client, self._may_open)
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=[self._guard])
         self.app.router.add_route("POST", ENDPOINT, self._post)
         self.app.router.add_route("GET", ENDPOINT, self._get)
         self.app.router.add_route("DELETE", ENDPOINT, self._delete)
+        self.app.router.add_route("OPTIONS", ENDPOINT, self._preflight)
+        self.app.on_response_prepare.append(self._add_cors)
         self._runner: web.AppRunner | None = None
         self.url = ""
 
+    def _may_open(self) -> bool:
+        return len(self.sessions) + len(self.pool) < self.max_sessions
+
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
+        # A client that disconnects cancels its handler: a stateless request is then cancelled.
+        self._runner = web.AppRunner(
+            self.app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -188,7 +144,7 @@ class HttpFront:
         self._reaper = asyncio.create_task(self._reap())
 
     async def _reap(self) -> None:
-        """End sessions idle for longer than ``idle_timeout`` (each holds a remote tool)."""
+        """Close sessions idle for longer than ``idle_timeout`` (each holds a remote tool)."""
         loop = asyncio.get_running_loop()
         period = min(self.idle_timeout / 4, 60.0)
         while True:
@@ -199,6 +155,8 @@ class HttpFront:
                     log.info("http session %s idle, closed", session.id[:8])
                     del self.sessions[session.id]
                     session.close()
+            if closed := self.pool.reap(now, self.idle_timeout):
+                log.info("%d idle stateless tool session(s) closed", closed)
 
     async def stop(self) -> None:
         if self._reaper is not None:
@@ -208,12 +166,18 @@ class HttpFront:
         for session in list(self.sessions.values()):
             session.close()
         self.sessions.clear()
+        self.pool.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
+    # --- guard and CORS ---------------------------------------------------------------------
+
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if not _origin_ok(request.headers.get("Origin")):
+        if request.method == "OPTIONS":
+            result: web.StreamResponse = await handler(request)
+            return result
+        if not self.origins.admits(request.headers.get("Origin")):
             return web.Response(status=403, text="origin not allowed")
         auth = request.headers.get("Authorization", "")
         scheme, _, given = auth.partition(" ")
@@ -223,10 +187,60 @@ class HttpFront:
             return web.Response(
                 status=401, text="bearer token required", headers={"WWW-Authenticate": "Bearer"}
             )
-        result: web.StreamResponse = await handler(request)
+        result = await handler(request)
         return result
 
-    def _session_of(self, request: web.Request) -> _HttpSession | web.Response:
+    async def _preflight(self, request: web.Request) -> web.StreamResponse:
+        headers = self.origins.preflight(request.headers)
+        if headers is None:
+            return web.Response(status=403, text="CORS preflight refused")
+        return web.Response(status=204, headers=headers)
+
+    async def _add_cors(self, request: web.Request, response: web.StreamResponse) -> None:
+        for name, value in self.origins.cors(request.headers.get("Origin")).items():
+            response.headers.setdefault(name, value)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        accept = request.headers.get("Accept", "*/*")
+        json_ok = "application/json" in accept or "*/*" in accept
+        if not json_ok and "text/event-stream" not in accept:
+            return web.Response(status=406, text="Accept must include application/json")
+        body = _one_line(await request.read())
+        try:
+            msg = sniff(body)
+        except JsonRpcError as exc:
+            return _json_error(400, exc.code, str(exc), exc.request_id)
+        sid = request.headers.get(SESSION_HEADER)
+        era = classify(request.headers, msg, sid is not None)
+        if isinstance(era, Rejection):
+            return _json_error(era.status, era.code, era.message, msg.id, era.data)
+        if era is Era.STATELESS:
+            return await self._stateless(request, msg, body, json_ok)
+        return await self._legacy(request, msg, body, json_ok)
+
+    async def _stateless(
+        self, request: web.Request, msg: Sniffed, body: bytes, json_ok: bool
+    ) -> web.StreamResponse:
+        if msg.kind is Kind.NOTIFICATION:
+            return web.Response(status=202)  # 2026-07-28 defines none from client to server
+        if msg.kind is not Kind.REQUEST:
+            return _json_error(400, -32600, "Invalid Request: 2026-07-28 servers send no requests")
+        assert msg.id is not None
+        member = self.pool.pick(msg)
+        if member is None:
+            return _json_error(503, BUSY, "every tool session is busy; retry", msg.id)
+        exchange = member.start(msg)
+        queue = exchange.attach()
+        try:
+            await member.tunnel.from_agent(body)
+            return await respond(request, exchange, queue, json_ok=json_ok, headers={})
+        finally:
+            if not exchange.done:
+                member.abandon(msg.id)
+
+    def _session_of(self, request: web.Request) -> LegacySession | web.Response:
         sid = request.headers.get(SESSION_HEADER)
         if sid is None:
             return _json_error(400, -32600, f"Bad Request: missing {SESSION_HEADER}")
@@ -236,14 +250,14 @@ class HttpFront:
         session.touch()
         return session
 
-    async def _post(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        try:
-            msg = sniff(body)
-        except JsonRpcError as exc:
-            return _json_error(400, exc.code, str(exc), exc.request_id)
+    async def _legacy(
+        self, request: web.Request, msg: Sniffed, body: bytes, json_ok: bool
+    ) -> web.StreamResponse:
         if msg.kind is Kind.REQUEST and msg.method == "initialize":
-            session = _HttpSession(self.client, secrets.token_hex(16))
+            if not self._may_open():
+                reason = f"too many sessions (limit {self.max_sessions})"
+                return _json_error(503, INTERNAL_ERROR, reason, msg.id)
+            session = LegacySession(self.client)
             self.sessions[session.id] = session
         else:
             found = self._session_of(request)
@@ -251,75 +265,64 @@ class HttpFront:
                 return found
             session = found
         if msg.kind is not Kind.REQUEST:
+            if msg.method == "notifications/cancelled" and isinstance(msg.params, dict):
+                cancelled = msg.params.get("requestId")
+                if isinstance(cancelled, int | str):
+                    session.cancelled(cancelled)
             await session.tunnel.from_agent(body)
             return web.Response(status=202)
-        assert msg.id is not None
-        stream = _Stream()
-        session.waiters[msg.id] = stream
-        if msg.progress_token is not None:
-            session.tokens[msg.progress_token] = stream
-        session.posts.append(stream)
-        response = _event_stream(session.id)
+        exchange = session.open_request(msg)
+        queue = exchange.attach()
         try:
-            await response.prepare(request)
             await session.tunnel.from_agent(body)
-            await self._pump(response, stream)
+            headers = {SESSION_HEADER: session.id}
+            return await respond(request, exchange, queue, json_ok=json_ok, headers=headers)
         finally:
             session.touch()  # idle from the end of its last exchange
-            session.posts.remove(stream)
-            if msg.progress_token is not None:
-                session.tokens.pop(msg.progress_token, None)
-            session.waiters.pop(msg.id, None)
-        return response
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
+        era = classify(request.headers, None, SESSION_HEADER in request.headers)
+        if isinstance(era, Rejection):
+            return _json_error(era.status, era.code, era.message, None, era.data)
+        if era is Era.STATELESS:
+            return web.Response(status=405, headers={"Allow": "POST"})
         found = self._session_of(request)
         if isinstance(found, web.Response):
             return found
         session = found
         if "text/event-stream" not in request.headers.get("Accept", ""):
             return web.Response(status=406, text="Accept must include text/event-stream")
-        old, stream = session.get_stream, _Stream()
-        if old is not None:
-            old.put(None)
-        session.get_stream = stream
-        while session.backlog:
-            stream.put(session.backlog.popleft())
-        response = _event_stream(session.id)
-        try:
-            await response.prepare(request)
-            await self._pump(response, stream)
-        finally:
-            if session.get_stream is stream:
-                session.get_stream = None
-        return response
+        last = request.headers.get("Last-Event-ID")
+        parsed = parse_event_id(last) if last is not None else None
+        exchange = session.find(parsed[0]) if parsed is not None else session.get_stream
+        if last is not None and (parsed is None or exchange is None):
+            return _json_error(400, -32600, "no stream to resume for this Last-Event-ID")
+        assert exchange is not None
+        after = parsed[1] if parsed is not None else None
+        if exchange is session.get_stream:
+            queue, prime = session.attach_get(after)
+        else:
+            prime = after or 0
+            queue = exchange.attach(prime)
+        headers = {SESSION_HEADER: session.id}
+        return await respond(
+            request,
+            exchange,
+            queue,
+            json_ok=False,
+            headers=headers,
+            prime=exchange.seq if after is None else after,
+        )
 
     async def _delete(self, request: web.Request) -> web.StreamResponse:
+        era = classify(request.headers, None, SESSION_HEADER in request.headers)
+        if isinstance(era, Rejection):
+            return _json_error(era.status, era.code, era.message, None, era.data)
+        if era is Era.STATELESS:
+            return web.Response(status=405, headers={"Allow": "POST"})
         found = self._session_of(request)
         if isinstance(found, web.Response):
             return found
         self.sessions.pop(found.id, None)
         found.close()
         return web.Response(status=200)
-
-    @staticmethod
-    async def _pump(response: web.StreamResponse, stream: _Stream) -> None:
-        while True:
-            line = await stream.queue.get()
-            if line is None:
-                break
-            with contextlib.suppress(ConnectionResetError):
-                await response.write(b"event: message\ndata: " + line + b"\n\n")
-        with contextlib.suppress(ConnectionResetError):
-            await response.write_eof()
-
-
-def _event_stream(session_id: str) -> web.StreamResponse:
-    """An SSE response bound to an MCP session (Streamable HTTP, POST and GET alike)."""
-    return web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            SESSION_HEADER: session_id,
-        }
-    )

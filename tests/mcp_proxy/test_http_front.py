@@ -179,3 +179,157 @@ async def test_idle_timeout_must_be_positive() -> None:
             HttpFront(pair.client, TOKEN, idle_timeout=0)
     finally:
         await pair.close()
+
+
+async def _legacy_session(http: httpx2.AsyncClient, url: str) -> str:
+    reply = await http.post(url, content=INIT)
+    # The client accepts JSON and the response is the only message: plain JSON, no stream.
+    assert reply.status_code == 200
+    assert reply.headers["Content-Type"].startswith("application/json")
+    sid = reply.headers["Mcp-Session-Id"]
+    done = await http.post(
+        url,
+        headers={"Mcp-Session-Id": sid},
+        content=b'{"jsonrpc":"2.0","method":"notifications/initialized"}',
+    )
+    assert done.status_code == 202
+    return sid
+
+
+async def test_sse_event_ids_and_resumption_after_a_dropped_stream(front: HttpFront) -> None:
+    call = (
+        b'{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"slow",'
+        b'"arguments":{"steps":3,"delay":0.3},"_meta":{"progressToken":"p"}}}'
+    )
+    async with asyncio.timeout(TIMEOUT), httpx2.AsyncClient(headers=AUTH, timeout=20) as http:
+        sid = await _legacy_session(http, front.url)
+        seen: list[str] = []
+        async with http.stream(
+            "POST", front.url, headers={"Mcp-Session-Id": sid}, content=call
+        ) as stream:
+            assert stream.headers["Content-Type"] == "text/event-stream"
+            async for line in stream.aiter_lines():
+                seen.append(line)
+                if line.startswith("data: {"):
+                    break  # the first progress event: drop the stream here
+        event_ids = [line[4:] for line in seen if line.startswith("id: ")]
+        assert event_ids[0].endswith("-0")  # the priming event
+        assert '"progress":1' in seen[-1]
+        last = event_ids[-1]
+        rest: list[str] = []
+        async with http.stream(
+            "GET",
+            front.url,
+            headers={"Mcp-Session-Id": sid, "Accept": "text/event-stream", "Last-Event-ID": last},
+        ) as resumed:
+            assert resumed.status_code == 200
+            async for line in resumed.aiter_lines():
+                rest.append(line)
+        data = [line for line in rest if line.startswith("data: {")]
+        assert '"progress":2' in data[0] and '"progress":3' in data[1]
+        assert '"id":5' in data[-1] and "done 3" in data[-1]  # nothing lost, nothing repeated
+        assert len(data) == 3
+        unknown = await http.get(
+            front.url,
+            headers={"Mcp-Session-Id": sid, "Accept": "text/event-stream", "Last-Event-ID": "x"},
+        )
+        assert unknown.status_code == 400
+
+
+async def test_protocol_version_is_validated(front: HttpFront) -> None:
+    async with asyncio.timeout(TIMEOUT), httpx2.AsyncClient(headers=AUTH, timeout=20) as http:
+        sid = await _legacy_session(http, front.url)
+        ping = b'{"jsonrpc":"2.0","id":2,"method":"ping"}'
+        ok = await http.post(
+            front.url,
+            headers={"Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-06-18"},
+            content=ping,
+        )
+        assert ok.status_code == 200 and ok.json()["result"] == {}
+        for method in ("POST", "GET", "DELETE"):
+            bogus = await http.request(
+                method,
+                front.url,
+                headers={"Mcp-Session-Id": sid, "MCP-Protocol-Version": "1999-01-01"},
+                content=ping if method == "POST" else b"",
+            )
+            assert bogus.status_code == 400
+            error = bogus.json()["error"]
+            assert error["code"] == -32022
+            assert "2025-11-25" in error["data"]["supported"]
+            assert "2026-07-28" in error["data"]["supported"]
+        # The 2026-07-28 era has no session stream and nothing to delete.
+        modern = {"MCP-Protocol-Version": "2026-07-28", "Accept": "text/event-stream"}
+        assert (await http.get(front.url, headers=modern)).status_code == 405
+        assert (await http.delete(front.url, headers=modern)).status_code == 405
+        # A pretty-printed body (raw newlines) is still one message to the tool.
+        pretty = b'{\n  "jsonrpc": "2.0",\n  "id": 3,\n  "method": "ping"\n}\n'
+        reply = await http.post(front.url, headers={"Mcp-Session-Id": sid}, content=pretty)
+        assert reply.status_code == 200 and reply.json() == {
+            "jsonrpc": "2.0",
+            "id": 3,
+            "result": {},
+        }
+
+
+async def test_stateless_raw_request_and_notification(front: HttpFront) -> None:
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {},
+    }
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "add", "arguments": {"a": 1, "b": 2}, "_meta": meta},
+    }
+    modern = {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": "add"}
+    async with asyncio.timeout(TIMEOUT), httpx2.AsyncClient(headers=AUTH, timeout=20) as http:
+        reply = await http.post(front.url, headers=modern, json=body)
+        assert reply.status_code == 200 and "Mcp-Session-Id" not in reply.headers
+        assert reply.json()["result"]["content"][0]["text"] == "3"
+        mismatch = await http.post(front.url, headers={**modern, "Mcp-Name": "echo"}, json=body)
+        assert mismatch.status_code == 400 and mismatch.json()["error"]["code"] == -32020
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
+        accepted = await http.post(front.url, headers=modern, json=note)
+        assert accepted.status_code == 202
+
+
+async def test_cors_preflight_needs_no_token_and_allowed_origins_get_cors_headers() -> None:
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=EVERYTHING))
+    allowed = "http://127.0.0.1:9"
+    http_front = HttpFront(pair.client, TOKEN, "127.0.0.1:0", allow_origins=[allowed])
+    await http_front.start()
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, mcp-protocol-version",
+    }
+    try:
+        async with asyncio.timeout(TIMEOUT), httpx2.AsyncClient(timeout=20) as http:
+            ok = await http.options(http_front.url, headers={**preflight, "Origin": allowed})
+            assert ok.status_code == 204
+            assert ok.headers["Access-Control-Allow-Origin"] == allowed
+            assert "authorization" in ok.headers["Access-Control-Allow-Headers"]
+            other = await http.options(
+                http_front.url, headers={**preflight, "Origin": "http://127.0.0.1:10"}
+            )
+            assert other.status_code == 403 and "Access-Control-Allow-Origin" not in other.headers
+            # A loopback origin outside the list is refused once a list is configured.
+            post = await http.post(
+                http_front.url, headers={**AUTH, "Origin": "http://127.0.0.1:10"}, content=INIT
+            )
+            assert post.status_code == 403
+            no_token = await http.post(
+                http_front.url, headers={"Origin": allowed, "Accept": AUTH["Accept"]}, content=INIT
+            )
+            assert no_token.status_code == 401
+            assert no_token.headers["Access-Control-Allow-Origin"] == allowed
+            init = await http.post(
+                http_front.url, headers={**AUTH, "Origin": allowed}, content=INIT
+            )
+            assert init.status_code == 200
+            assert init.headers["Access-Control-Allow-Origin"] == allowed
+            assert "Mcp-Session-Id" in init.headers["Access-Control-Expose-Headers"]
+    finally:
+        await http_front.stop()
+        await pair.close()

@@ -1,0 +1,169 @@
+"""One HTTP response's worth of MCP messages, as JSON or as an SSE stream (MCP "Streamable HTTP").
+
+An :class:`Exchange` collects the messages bound for one POST (its response
+and what precedes it) or one GET stream. :func:`respond` writes them out: as
+``application/json`` when the client accepts it and the response is the only
+message (so a result of any size avoids the client's SSE event limit), else as
+``text/event-stream``. The choice is deferred until the first message arrives,
+or until ``KEEPALIVE`` seconds passed without one; an open SSE stream then gets
+a comment line every ``KEEPALIVE`` seconds so proxies keep it open.
+
+Resumable exchanges (2025-11-25 sessions) number their events ``KEY-SEQ``,
+start with a priming event (an id and empty data), and keep their last
+``REPLAY_EVENTS`` events; a GET with ``Last-Event-ID: KEY-SEQ`` gets the
+events after SEQ, then the rest of the exchange live (2025-11-25 "Resumability
+and Redelivery"). Stateless exchanges (2026-07-28) carry no ids: a request's
+stream is cancelled by closing it, never resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+
+from aiohttp import web
+
+from mcp_proxy.jsonrpc import JsonRpcError, Kind, sniff
+
+__all__ = ["KEEPALIVE", "REPLAY_EVENTS", "Exchange", "Item", "parse_event_id", "respond"]
+
+KEEPALIVE = 15.0
+REPLAY_EVENTS = 256
+# JSON-RPC error codes a stateless response carries with a 4xx status (2026-07-28
+# "Streamable HTTP": the transport status mirrors request errors).
+ERROR_STATUS = {-32700: 400, -32600: 400, -32602: 400, -32020: 400, -32021: 400, -32022: 400}
+ERROR_STATUS[-32601] = 404
+
+Item = tuple[int, bytes] | None
+
+
+class Exchange:
+    """The messages of one response stream, numbered, with a bounded replay log if resumable."""
+
+    def __init__(self, key: str | None = None, keep: int = REPLAY_EVENTS) -> None:
+        self.key = key
+        self.seq = 0
+        self.done = False
+        self.events: deque[tuple[int, bytes]] = deque(maxlen=keep if key is not None else 0)
+        self.sink: asyncio.Queue[Item] | None = None
+
+    @property
+    def listening(self) -> bool:
+        """True while an HTTP response is attached to this exchange."""
+        return self.sink is not None
+
+    def emit(self, line: bytes) -> None:
+        self.seq += 1
+        if self.key is not None:
+            self.events.append((self.seq, line))
+        if self.sink is not None:
+            self.sink.put_nowait((self.seq, line))
+
+    def finish(self) -> None:
+        """No more messages: the attached response ends after what it holds."""
+        if self.done:
+            return
+        self.done = True
+        if self.sink is not None:
+            self.sink.put_nowait(None)
+
+    def attach(self, after: int = 0) -> asyncio.Queue[Item]:
+        """A fresh queue for a (re)connected response: events after ``after``, then live ones."""
+        if self.sink is not None:
+            self.sink.put_nowait(None)  # one listener at a time: the older one ends
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        for seq, line in self.events:
+            if seq > after:
+                queue.put_nowait((seq, line))
+        if self.done:
+            queue.put_nowait(None)
+        self.sink = queue
+        return queue
+
+    def detach(self, queue: asyncio.Queue[Item]) -> None:
+        if self.sink is queue:
+            self.sink = None
+
+
+def parse_event_id(value: str) -> tuple[str, int] | None:
+    """``KEY-SEQ`` as this module numbers events; None for anything else."""
+    key, sep, seq = value.rpartition("-")
+    if not sep or not key or not seq.isdigit():
+        return None
+    return key, int(seq)
+
+
+def _status_of(line: bytes, stateless: bool) -> int:
+    if not stateless:
+        return 200
+    try:
+        msg = sniff(line)
+    except JsonRpcError:
+        return 200
+    if msg.kind is Kind.ERROR and isinstance(msg.result, dict):
+        code = msg.result.get("code")
+        if isinstance(code, int):
+            return ERROR_STATUS.get(code, 200)
+    return 200
+
+
+async def respond(
+    request: web.Request,
+    exchange: Exchange,
+    queue: asyncio.Queue[Item],
+    *,
+    json_ok: bool,
+    headers: dict[str, str],
+    prime: int = 0,
+    keepalive: float = KEEPALIVE,
+) -> web.StreamResponse:
+    """Write ``exchange`` as JSON (one response and nothing else) or as SSE; detaches at the end."""
+    try:
+        first: Item | bool
+        try:
+            first = await asyncio.wait_for(queue.get(), keepalive) if json_ok else False
+        except TimeoutError:
+            first = False  # silent for a while: commit to SSE so keepalives can flow
+        # The response came and nothing else is owed: only the end marker is left queued.
+        if json_ok and isinstance(first, tuple) and exchange.done and queue.qsize() == 1:
+            return web.Response(
+                status=_status_of(first[1], exchange.key is None),
+                body=first[1],
+                content_type="application/json",
+                headers=headers,
+            )
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+        )
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionResetError):
+            if exchange.key is not None:
+                await response.write(f"id: {exchange.key}-{prime}\ndata: \n\n".encode())
+            if isinstance(first, tuple):
+                await response.write(_event(exchange.key, *first))
+            if first is not None:
+                await _pump(response, exchange.key, queue, keepalive)
+            await response.write_eof()
+        return response
+    finally:
+        exchange.detach(queue)
+
+
+async def _pump(
+    response: web.StreamResponse, key: str | None, queue: asyncio.Queue[Item], keepalive: float
+) -> None:
+    while True:
+        try:
+            item = await asyncio.wait_for(queue.get(), keepalive)
+        except TimeoutError:
+            await response.write(b": keepalive\n\n")
+            continue
+        if item is None:
+            return
+        await response.write(_event(key, *item))
+
+
+def _event(key: str | None, seq: int, line: bytes) -> bytes:
+    head = f"id: {key}-{seq}\n".encode() if key is not None else b""
+    return head + b"event: message\ndata: " + line + b"\n\n"
