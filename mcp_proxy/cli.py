@@ -4,6 +4,7 @@
 
     talos-proxy id --home DIR
     talos-proxy serve --home DIR --listen HOST:PORT --allow DID [--allow DID ...]
+    talos-proxy serve --home DIR --relay nats://HOST:PORT --allow DID ...  (no open port)
                       [--tools NAME[,NAME...]] [--policy FILE] [--audit strict|group]
                       [--audit-plaintext] [--env KEY=VALUE ...] [--pass-environment]
                       -- CMD [ARGS...]
@@ -54,7 +55,11 @@ def _parser() -> argparse.ArgumentParser:
 
     p_serve = sub.add_parser("serve", help="expose a stdio MCP server to authorised peers")
     p_serve.add_argument("--home", type=Path, required=True)
-    p_serve.add_argument("--listen", required=True, help="HOST:PORT for peer links")
+    p_serve.add_argument("--listen", help="HOST:PORT for peer links (or --relay, or both)")
+    p_serve.add_argument(
+        "--relay", action="append", default=[], metavar="nats://HOST:PORT",
+        help="NATS relay peers reach this tool through (talosd run --relay)",
+    )  # fmt: skip
     p_serve.add_argument("--allow", action="append", default=[], metavar="DID")
     p_serve.add_argument("--tools", help="comma-separated tool allow list for every caller")
     p_serve.add_argument("--policy", type=Path, help="TOML policy file (servers, per-DID tools)")
@@ -92,7 +97,15 @@ def _parser() -> argparse.ArgumentParser:
 
     p_conn = sub.add_parser("connect", help="be the MCP server an agent launches")
     p_conn.add_argument("--home", type=Path, required=True)
-    p_conn.add_argument("--peer", required=True, help="ws://HOST:PORT#DID of the serve side")
+    p_conn.add_argument(
+        "--peer",
+        required=True,
+        help="ws://HOST:PORT#DID of the serve side (its DID with --relay)",
+    )
+    p_conn.add_argument(
+        "--relay", action="append", default=[], metavar="nats://HOST:PORT",
+        help="NATS relay to reach the serve side through",
+    )  # fmt: skip
     p_conn.add_argument("--server", default="", help="server name when the peer offers several")
     p_conn.add_argument("--http", metavar="HOST:PORT", help="serve Streamable HTTP, not stdio")
     p_conn.add_argument(
@@ -135,7 +148,9 @@ async def _serve(args: argparse.Namespace) -> None:
     tools = None if args.tools is None else [t for t in args.tools.split(",") if t]
     policy_file = load_policy_file(args.policy) if args.policy is not None else None
     policy = Policy.build(allow=args.allow, tools=tools, command=command, policy_file=policy_file)
-    node = make_node(args.home, listen=args.listen)
+    if not args.listen and not args.relay:
+        raise SystemExit("serve needs --listen HOST:PORT, --relay nats://HOST:PORT, or both")
+    node = make_node(args.home, listen=args.listen, relays=args.relay)
     # Default deny at the link: a DID the policy does not name never gets a session.
     node.authorizer = policy.is_peer_allowed
     if args.max_sessions < 1:
@@ -157,7 +172,8 @@ async def _serve(args: argparse.Namespace) -> None:
     await auditor.start()
     server.auditor = auditor
     print(f"talos-proxy: did {node.did}", file=sys.stderr)
-    print(f"talos-proxy: serving on {node.listen_url}#{node.did}", file=sys.stderr, flush=True)
+    where = f"{node.listen_url}#{node.did}" if node.listen_url else f"relay {node.did}"
+    print(f"talos-proxy: serving on {where}", file=sys.stderr, flush=True)
     try:
         await _until_signalled()
     finally:
@@ -169,12 +185,17 @@ async def _serve(args: argparse.Namespace) -> None:
 async def _connect(args: argparse.Namespace) -> None:
     from talos.config import parse_peer_addr
 
-    peer = parse_peer_addr(args.peer)
-    node = make_node(args.home, listen=None)
-    client = TunnelClient(NodeTransport(node), peer.did, args.server, link_wait=args.link_wait)
+    relayed = args.relay and args.peer.startswith("did:")
+    peer_did = args.peer if relayed else parse_peer_addr(args.peer).did
+    node = make_node(args.home, listen=None, relays=args.relay)
+    client = TunnelClient(NodeTransport(node), peer_did, args.server, link_wait=args.link_wait)
     await node.start()
     print(f"talos-proxy: did {node.did}", file=sys.stderr, flush=True)
-    await node.connect(str(peer))
+    if relayed:
+        node.allow(peer_did)
+        node.reach(peer_did)  # through the relay: the DID has no direct address
+    else:
+        await node.connect(args.peer)
     try:
         if args.http:
             from mcp_proxy.http_front import HttpFront

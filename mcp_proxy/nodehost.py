@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,19 @@ def node_did(home: Path) -> str:
     return Wallet.load(Home(home).identity).did
 
 
-def make_node(home: Path, *, listen: str | None) -> Any:
-    """A not yet started Node for ``home``; listens only when asked, no control API."""
+def make_node(home: Path, *, listen: str | None, relays: Sequence[str] = ()) -> Any:
+    """A not yet started Node for ``home``; listens only when asked, no control API.
+
+    ``relays`` (nats://HOST:PORT) make it reachable through a NATS relay as well.
+    """
+    from talos.config import parse_relay_url
     from talos.node import Node
 
     ensure_home(home)
-    config = Home(home).load_config().model_copy(update={"listen": listen, "api": False})
+    update: dict[str, Any] = {"listen": listen, "api": False}
+    if relays:
+        update["relays"] = tuple(parse_relay_url(r) for r in relays)
+    config = Home(home).load_config().model_copy(update=update)
     return Node(home, config)
 
 
