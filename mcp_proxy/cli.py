@@ -7,7 +7,7 @@
     talos-proxy serve --home DIR --relay nats://HOST:PORT --allow DID ...  (no open port)
                       [--tools NAME[,NAME...]] [--policy FILE] [--audit strict|group]
                       [--audit-plaintext] [--env KEY=VALUE ...] [--pass-environment]
-                      -- CMD [ARGS...]
+                      (-- CMD [ARGS...] | --url URL [--header K=V ...])
     talos-proxy connect --home DIR --peer ws://HOST:PORT#DID [--server NAME] [--http HOST:PORT]
                         [--allow-origin ORIGIN ...] [--http-max-sessions N]
     talos-proxy audit --home DIR [--json] [--since 2h|ISO] [--peer DID] [--tool NAME]
@@ -33,7 +33,7 @@ import orjson
 from mcp_proxy.audit import AuditKey, AuditMode, Auditor, BlockLogSink
 from mcp_proxy.client import TunnelClient, serve_stdio
 from mcp_proxy.nodehost import http_token, make_node, node_did
-from mcp_proxy.policy import Policy, load_policy_file
+from mcp_proxy.policy import Policy, PolicyError, load_policy_file
 from mcp_proxy.server import MAX_SESSIONS_PER_PEER, TunnelServer
 from mcp_proxy.toolenv import DEFAULT_PASS, parse_env_assignments
 from mcp_proxy.transport import NodeTransport
@@ -83,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"tools inherit serve's whole environment (default: only {', '.join(DEFAULT_PASS)},"
         " the policy's pass_env and env, and --env)",
+    )
+    p_serve.add_argument("--url", default="", help="bridge to this Streamable HTTP MCP server")
+    p_serve.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="HTTP header sent with every --url request (repeatable)",
     )
     p_serve.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
@@ -141,13 +149,32 @@ async def _until_signalled() -> None:
     await stop.wait()
 
 
+def _headers(items: list[str]) -> dict[str, str]:
+    """``--header K=V`` values; a malformed one is a usage error naming it."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or any(c in item for c in "\r\n\x00"):
+            raise PolicyError(f"--header needs K=V, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 async def _serve(args: argparse.Namespace) -> None:
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
     tools = None if args.tools is None else [t for t in args.tools.split(",") if t]
     policy_file = load_policy_file(args.policy) if args.policy is not None else None
-    policy = Policy.build(allow=args.allow, tools=tools, command=command, policy_file=policy_file)
+    headers = _headers(args.header)
+    policy = Policy.build(
+        allow=args.allow,
+        tools=tools,
+        command=command,
+        policy_file=policy_file,
+        url=args.url,
+        headers=headers,
+    )
     if not args.listen and not args.relay:
         raise SystemExit("serve needs --listen HOST:PORT, --relay nats://HOST:PORT, or both")
     node = make_node(args.home, listen=args.listen, relays=args.relay)

@@ -4,6 +4,10 @@ Default deny. A DID is allowed when it is named by ``--allow`` or has a
 ``[peers."did:..."]`` table in the policy file; anyone else is refused at the
 link by the node's authorizer. A policy file (TOML) looks like::
 
+    [servers.remote]                    # or a Streamable HTTP server to bridge to
+    url = "https://mcp.example/mcp"
+    headers = { Authorization = "Bearer ..." }
+
     [servers.time]                      # name -> command, args, env
     command = "python"
     args = ["-m", "mcp_server_time"]
@@ -24,9 +28,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from talos_sdk.errors import UsageError
 
@@ -53,13 +58,23 @@ class PolicyDenied(UsageError):
 
 
 class ServerSpec(BaseModel):
-    """How to start one stdio MCP tool server."""
+    """One tool server: a stdio command to start, or a Streamable HTTP ``url`` to bridge to."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    command: str = Field(min_length=1)
+    command: str = ""
     args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     pass_env: tuple[str, ...] = ()
+    url: str = ""
+    headers: dict[str, str] = Field(default_factory=dict)  # sent with every upstream request
+
+    @model_validator(mode="after")
+    def _command_or_url(self) -> ServerSpec:
+        if bool(self.command) == bool(self.url):
+            raise ValueError("a server needs exactly one of command or url")
+        if self.url and urlsplit(self.url).scheme not in ("http", "https"):
+            raise ValueError(f"url must be http:// or https://, got {self.url!r}")
+        return self
 
 
 class PeerRule(BaseModel):
@@ -120,12 +135,21 @@ class Policy:
         tools: Iterable[str] | None = None,
         command: Iterable[str] = (),
         policy_file: PolicyFile | None = None,
+        url: str = "",
+        headers: Mapping[str, str] | None = None,
     ) -> Policy:
-        """Combine ``--allow``, ``--tools``, ``-- CMD ARGS`` and ``--policy FILE``."""
+        """Combine ``--allow``, ``--tools``, ``-- CMD ARGS`` or ``--url``, and ``--policy FILE``."""
         servers: dict[str, ServerSpec] = {}
         argv = list(command)
+        if argv and url:
+            raise PolicyError("give either -- CMD ARGS or --url, not both")
         if argv:
             servers[DEFAULT_SERVER] = ServerSpec(command=argv[0], args=tuple(argv[1:]))
+        if url:
+            try:
+                servers[DEFAULT_SERVER] = ServerSpec(url=url, headers=dict(headers or {}))
+            except ValidationError as exc:
+                raise PolicyError(f"--url: {exc.errors()[0]['msg']}") from None
         grants: dict[str, _Grant] = {}
         if policy_file is not None:
             for name, spec in policy_file.servers.items():

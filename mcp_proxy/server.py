@@ -29,8 +29,10 @@ from collections import deque
 from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from mcp_proxy.audit import AuditMode, Auditor, AuditRecord, Event
+from mcp_proxy.http_upstream import HttpUpstream
 from mcp_proxy.jsonrpc import (
     INTERNAL_ERROR,
     TOOL_DENIED,
@@ -83,7 +85,7 @@ class _Session:
         self.label = proc_label
         self.calls: dict[RequestId, _Call] = {}
         self.asks: dict[RequestId, _Call] = {}  # the tool's requests to the caller
-        self.proc: ToolProcess | None = None
+        self.proc: ToolProcess | HttpUpstream | None = None
         self.closing = False
         self.joiner = Joiner()
         self._strict_out: deque[bytes] = deque()
@@ -94,7 +96,7 @@ class _Session:
     def sender(self) -> FrameSender:
         return self.server.sender_for(self.peer)
 
-    async def start(self, proc: ToolProcess) -> None:
+    async def start(self, proc: ToolProcess | HttpUpstream) -> None:
         self.proc = proc
         await proc.start()
 
@@ -562,20 +564,33 @@ class TunnelServer:
             self._refuse(peer, sid, "refused", reason, Event.SESSION)
             return
         session = _Session(self, peer, sid, name, f"tool[{name}:{peer[-6:]}:{sid}]")
-        env = tool_environment(spec, self.environ, extra=self.env, pass_all=self.pass_environment)
-        proc = ToolProcess(
-            spec,
-            session.from_tool,
-            session.on_exit,
-            label=session.label,
-            grace=self.grace,
-            on_batch=session.flush,
-            env=env,
-        )
+        proc: ToolProcess | HttpUpstream
+        if spec.url:
+            proc = HttpUpstream(
+                spec.url,
+                spec.headers,
+                session.from_tool,
+                session.on_exit,
+                label=session.label,
+                on_batch=session.flush,
+            )
+        else:
+            env = tool_environment(
+                spec, self.environ, extra=self.env, pass_all=self.pass_environment
+            )
+            proc = ToolProcess(
+                spec,
+                session.from_tool,
+                session.on_exit,
+                label=session.label,
+                grace=self.grace,
+                on_batch=session.flush,
+                env=env,
+            )
         self.sessions[(peer, sid)] = session
         self.started_processes += 1
         await session.start(proc)
-        if proc.pid is not None:
+        if proc.pid is not None or spec.url:
             # Which tool process serves whom: command only (its arguments are the operator's).
             session._record(
                 Event.SESSION,
@@ -585,7 +600,7 @@ class TunnelServer:
                 b"",
                 b"",
                 "ok",
-                detail=os.path.basename(spec.command),
+                detail=os.path.basename(spec.command) or urlsplit(spec.url).netloc,
             )
 
     def session_failed(self, session: _Session, reason: str) -> None:
