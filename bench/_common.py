@@ -243,6 +243,8 @@ def format_value(m: Metric) -> tuple[str, str]:
     if m.unit == "B/s":
         return f"{m.value / 1e6:,.1f} MB/s", ""
     if m.unit == "B":
+        if m.value < 1e6:  # per-link memory and the like
+            return f"{m.value / 1e3:,.1f} kB", ""
         return f"{m.value / 1e6:,.1f} MB", ""
     if m.unit == "ops/s":
         return "", f"{format_rate(m.value)}/s"

@@ -26,8 +26,10 @@ import hashlib
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from functools import partial
 from pathlib import Path
 
@@ -159,6 +161,76 @@ def bench_validation(suite: Suite) -> None:
         )
 
 
+_VERIFY_CHILD = """
+import sys
+from talos.chain.verify import verify_chain
+report = verify_chain(sys.argv[1], sys.argv[2], workers=2, parallel_threshold=0)
+sys.exit(0 if report.ok and report.records == int(sys.argv[3]) else 1)
+"""
+
+
+def _anon_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def verify_peak_memory(path: Path, records: int) -> int:
+    """Peak anonymous memory (bytes) of ``verify_chain`` on 2 workers, parent + workers.
+
+    Sampled every 20 ms from outside (a sampling thread inside would make the
+    pool use a forkserver). Anonymous memory only: the pages of the LMDB map a
+    walk touches are page cache, shared and dropped under pressure, and they
+    grow with the file whatever the verifier keeps.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _VERIFY_CHILD, str(path), NODE.did, str(records)]
+    )
+    peak = 0
+    while proc.poll() is None:
+        try:
+            kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            kids = []
+        peak = max(peak, _anon_kib(proc.pid) + sum(_anon_kib(int(k)) for k in kids))
+        time.sleep(0.02)
+    if proc.returncode != 0:
+        raise RuntimeError(f"verify_chain child failed on {records} records")
+    return peak * 1024
+
+
+def bench_verify_memory(suite: Suite) -> None:
+    """Peak memory of a whole-log verify at two log sizes: flat means ratio ~1."""
+    small, large = (FAST_RECORDS, 4 * FAST_RECORDS) if suite.fast else (RECORDS, 4 * RECORDS)
+    if not suite.is_main_process or (suite.runner and suite.runner.args.pipe is not None):
+        return
+    mems = []
+    for records in (small, large):
+        path = Path(tempfile.mkdtemp(prefix=f"talos-bench-chain-mem-{records}-"))
+        atexit.register(shutil.rmtree, path, True)
+        build_log(path, records)
+        mems.append(verify_peak_memory(path, records))
+        shutil.rmtree(path, ignore_errors=True)
+    suite.record(
+        "chain.verify.small.rss",
+        f"verify_chain peak anonymous memory, {small} records (parent + 2 workers)",
+        mems[0],
+        "B",
+        row=False,
+    )
+    suite.record(
+        "chain.verify.large.rss",
+        f"verify_chain peak anonymous memory, {large} records (parent + 2 workers)",
+        mems[1],
+        "B",
+        raw="chain.verify.small.rss",
+    )
+
+
 def _raw_leaf(data: bytes) -> bytes:
     return hashlib.sha256(b"\x00" + data).digest()
 
@@ -217,6 +289,7 @@ def main() -> None:
     suite = Suite.create(__file__)
     bench_validation(suite)
     bench_merkle(suite)
+    bench_verify_memory(suite)
     suite.finish()
 
 

@@ -244,6 +244,12 @@ TARGETS: tuple[Target, ...] = (
         (AtLeastRatio("chain.validate.allcores", ("chain.validate.1core",), 1.7),),
     ),
     Target(
+        "chain verify memory flat in log size (4x the records)",
+        "1.24 GB at 1M records (the whole log read into dicts)",
+        "verify at a quarter of the records, same run",
+        (AtMost("chain.verify.large.rss", float("inf"), ("chain.verify.small.rss",), 1.25),),
+    ),
+    Target(
         "end-to-end message A → B, durable (fsync before ack), p50",
         "4–6 ms",
         "one LMDB sync commit 0.4 ms",

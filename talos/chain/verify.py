@@ -6,15 +6,22 @@ author, record count, Merkle root and node signature of every block; the
 sender signature of every record; the record index (``records``) names exactly
 the sealed records, each at its place.
 
-The parent reads raw bytes in one LMDB read snapshot and computes each
-block's expected ``prev_hash`` (so links across range boundaries are its job);
-the CPU work — decoding, hashing, Ed25519 — goes to worker *processes* for
-large logs. Processes, not threads: per-record Python work (decode, leaf
-hashing) holds the GIL, so threads do not scale it. Workers never open the
-store (no pages a live writer may be recycling, no second snapshot): the job
-list reaches them once, at pool start — inherited by ``fork`` without
-pickling, pickled once per worker under ``forkserver`` — and each task names only
-a contiguous height range of it, so no block bytes are pickled per task.
+Memory does not grow with the log: the parent walks ``blocks`` and
+``block_records`` with two cursors of one LMDB read snapshot, cuts the stream
+into chunks of about :data:`CHUNK_RECORDS` records (computing each block's
+expected ``prev_hash`` on the way, so links across chunks are its job) and
+hands them to worker *processes*, at most two per worker in flight. Processes,
+not threads: per-record Python work (decode, leaf hashing, Ed25519) holds the
+GIL. Workers never open the store (no pages a live writer may be recycling, no
+second snapshot): a chunk's bytes are pickled to them, about 0.5 MB per chunk.
+At a million records this keeps the verifier's own memory at a few MB where
+reading the log into dicts first took 1.24 GB.
+
+The record index is checked without a table of all record ids: each sealed
+record looks up its id in ``records`` (and, when the index names another
+place, reads the record there to tell a duplicate id from a wrong entry). The
+index entries that matched are counted; only if ``records`` holds more
+entries than that is it walked to name the extra ones.
 
 Hybrid nodes (ADR 0005): the caller passes the node's ML-DSA-65 public key,
 taken from its wallet (or a pin), never from the store being audited; blocks
@@ -24,12 +31,14 @@ missing) must be version 2 blocks under that key, blocks below it version 1.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import struct
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +52,7 @@ from talos.chain.block import (
     collect_block_defects,
 )
 from talos.chain.log import HYBRID_SINCE_KEY
-from talos.store import Store
+from talos.store import Store, Txn
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import MalformedFrameError, StorageError
 from talos_sdk.hybrid import HybridPublicKey
@@ -53,7 +62,12 @@ __all__ = ["Defect", "RecordIndexError", "VerifyReport", "verify_chain"]
 _LOC = struct.Struct(">QI")
 #: Below this many records one process is faster than starting workers.
 PARALLEL_THRESHOLD = 4096
-_CHUNKS_PER_WORKER = 4
+#: Records per chunk handed to a worker: ~0.1 s of Ed25519 on one core, so a
+#: slow (shared) core holds up little and the pickling (~0.5 MB) is amortised.
+CHUNK_RECORDS = 2048
+#: A run of missing heights longer than this is one defect, not one per height
+#: (a corrupt key far beyond the tip must not make the walk take forever).
+MAX_GAP_REPORTED = 4096
 
 
 class RecordIndexError(ChainDefect):
@@ -147,44 +161,141 @@ def _check_block(job: _Job, node_did: str, auth: tuple[HybridPublicKey, int] | N
 
 def _check_range(jobs: Sequence[_Job], node_did: str, auth: _Auth = None) -> list[_Result]:
     parsed = None
-    if auth is not None:  # parsed once per range (the key object does not pickle)
+    if auth is not None:  # parsed once per chunk (the key object does not pickle)
         parsed = (HybridPublicKey(public_key_from_did(node_did), auth[0]), auth[1])
     return [_check_block(job, node_did, parsed) for job in jobs]
 
 
-def _read_jobs(
-    store: Store,
-) -> tuple[list[_Job], dict[bytes, bytes], list[Defect], bytes | None, int]:
-    """Everything needed, from one snapshot: jobs per height, the index, layout defects."""
-    import hashlib
+class _LogWalk:
+    """The log as a stream of jobs in height order, from one read snapshot.
 
-    defects: list[Defect] = []
-    with store.read() as txn:
-        blocks: dict[int, bytes] = {}
-        for key, value in txn.items("blocks"):
-            if len(key) != 8:
-                defects.append(Defect("malformed", None, None, f"bad block key {key.hex()}"))
+    ``blocks`` and ``block_records`` are both keyed by height first, so two
+    cursors advancing together give each height its block and records.
+    """
+
+    def __init__(self, txn: Txn, defects: list[Defect]) -> None:
+        self._blocks = self._keyed(txn.items("blocks"), 8, "block", defects)
+        self._records = self._keyed(txn.items("block_records"), _LOC.size, "record", defects)
+        self._defects = defects
+        self.heights = 0
+        self.records = 0
+        self.head_hash: bytes | None = None
+
+    @staticmethod
+    def _keyed(
+        items: Iterator[tuple[bytes, bytes]], size: int, what: str, defects: list[Defect]
+    ) -> Iterator[tuple[int, int, bytes]]:
+        for key, value in items:
+            if len(key) != size:
+                defects.append(Defect("malformed", None, None, f"bad {what} key {key.hex()}"))
                 continue
-            blocks[int.from_bytes(key, "big")] = value
-        recs: dict[int, list[tuple[int, bytes]]] = {}
-        for key, value in txn.items("block_records"):
-            if len(key) != _LOC.size:
-                defects.append(Defect("malformed", None, None, f"bad record key {key.hex()}"))
+            height, index = (int.from_bytes(key, "big"), 0) if size == 8 else _LOC.unpack(key)
+            yield height, index, value
+
+    def jobs(self) -> Iterator[_Job]:
+        """One job per height from 0 to the highest block or record."""
+        block = next(self._blocks, None)
+        record = next(self._records, None)
+        height = 0
+        prev: bytes | None = GENESIS_PREV
+        while block is not None or record is not None:
+            present = min(x[0] for x in (block, record) if x is not None)
+            if present - height > MAX_GAP_REPORTED:
+                self._defects.append(
+                    Defect(
+                        "missing_block",
+                        height,
+                        None,
+                        f"no block stored at heights {height}..{present - 1}",
+                    )
+                )
+                height, prev = present, None
+            raw = None
+            if block is not None and block[0] == height:
+                raw = block[2]
+                block = next(self._blocks, None)
+            records: list[tuple[int, bytes]] = []
+            while record is not None and record[0] == height:
+                records.append((record[1], record[2]))
+                record = next(self._records, None)
+            yield height, raw, records, prev
+            self.records += len(records)
+            prev = None if raw is None else hashlib.sha256(raw).digest()
+            self.head_hash = prev
+            height += 1
+        self.heights = height
+
+    def chunks(self) -> Iterator[list[_Job]]:
+        """Consecutive jobs of about :data:`CHUNK_RECORDS` records each."""
+        chunk: list[_Job] = []
+        size = 0
+        for job in self.jobs():
+            chunk.append(job)
+            size += len(job[2]) or 1
+            if size >= CHUNK_RECORDS:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+
+class _IndexCheck:
+    """Checks ``records`` against the sealed records as their ids stream past."""
+
+    def __init__(self, txn: Txn, defects: list[Defect]) -> None:
+        self._txn = txn
+        self._defects = defects
+        self._matched = 0
+        # Ids whose index entry was already reported wrong (bounded by the defects).
+        self._reported: set[bytes] = set()
+
+    def check(self, ids: Sequence[tuple[bytes, int, int]]) -> None:
+        """Each sealed record must be indexed at its own place."""
+        get = self._txn.get
+        for record_id, h, i in ids:
+            loc = get("records", record_id)
+            if loc == _LOC.pack(h, i):
+                self._matched += 1
                 continue
-            h, i = _LOC.unpack(key)
-            recs.setdefault(h, []).append((i, value))
-        index = dict(txn.items("records"))
-        since_raw = txn.get("meta", HYBRID_SINCE_KEY)
-    since = int.from_bytes(since_raw, "big") if since_raw is not None and len(since_raw) == 8 else 0
-    top = max([*blocks, *recs], default=-1)
-    jobs: list[_Job] = []
-    prev: bytes | None = GENESIS_PREV
-    for h in range(top + 1):
-        raw = blocks.get(h)
-        jobs.append((h, raw, recs.get(h, []), prev))
-        prev = None if raw is None else hashlib.sha256(raw).digest()
-    head = None if top < 0 or blocks.get(top) is None else hashlib.sha256(blocks[top]).digest()
-    return jobs, index, defects, head, since
+            if loc is None:
+                self._report(record_id, h, i, "sealed record missing from the index")
+            elif self._id_at(loc) == record_id:
+                at = _LOC.unpack(loc)
+                self._report(
+                    record_id, h, i, f"record id also sealed at block {at[0]}, record {at[1]}"
+                )
+            else:
+                self._report(record_id, h, i, "index points elsewhere")
+
+    def finish(self) -> None:
+        """Name index entries that no sealed record matched, if there are any."""
+        if self._txn.count("records") == self._matched:
+            return
+        for record_id, loc in self._txn.items("records"):
+            if record_id in self._reported or self._id_at(loc) == record_id:
+                continue
+            where = _LOC.unpack(loc) if len(loc) == _LOC.size else (None, None)
+            self._defects.append(
+                Defect(
+                    "record_index",
+                    where[0],
+                    where[1],
+                    f"index names unknown record {record_id.hex()}",
+                )
+            )
+
+    def _report(self, record_id: bytes, h: int, i: int, message: str) -> None:
+        self._reported.add(record_id)
+        self._defects.append(Defect("record_index", h, i, message))
+
+    def _id_at(self, loc: bytes) -> bytes | None:
+        data = self._txn.get("block_records", loc) if len(loc) == _LOC.size else None
+        if data is None:
+            return None
+        try:
+            return Record.from_bytes(data).record_id
+        except MalformedFrameError:
+            return None
 
 
 def verify_chain(
@@ -205,110 +316,92 @@ def verify_chain(
     if mldsa65_public_key is not None:  # a bad key is the caller's mistake: fail now
         HybridPublicKey(public_key_from_did(node_did), mldsa65_public_key)
     if isinstance(store, Store):
-        jobs, index, defects, head, since = _read_jobs(store)
-    else:
-        if not (Path(store) / "data.mdb").is_file():
-            raise StorageError(f"no Talos store at {store} (expected {Path(store) / 'data.mdb'})")
-        with Store(Path(store)) as opened:
-            jobs, index, defects, head, since = _read_jobs(opened)
+        return _verify(store, node_did, workers, parallel_threshold, mldsa65_public_key)
+    if not (Path(store) / "data.mdb").is_file():
+        raise StorageError(f"no Talos store at {store} (expected {Path(store) / 'data.mdb'})")
+    with Store(Path(store)) as opened:
+        return _verify(opened, node_did, workers, parallel_threshold, mldsa65_public_key)
 
-    total = sum(len(j[2]) for j in jobs)
+
+def _verify(
+    store: Store,
+    node_did: str,
+    workers: int | None,
+    parallel_threshold: int,
+    mldsa65_public_key: bytes | None,
+) -> VerifyReport:
+    defects: list[Defect] = []
     n = workers if workers is not None else (os.cpu_count() or 1)
-    auth: _Auth = None if mldsa65_public_key is None else (bytes(mldsa65_public_key), since)
-    if total < parallel_threshold or n <= 1 or len(jobs) < 2:
-        n = 1
-        results = _check_range(jobs, node_did, auth)
-    else:
-        results = _parallel(jobs, node_did, n, auth)
-
-    located: dict[bytes, tuple[int, int]] = {}
-    for found, ids, _ in results:
-        defects.extend(found)
-        for record_id, h, i in ids:
-            if record_id in located:
-                h0, i0 = located[record_id]
-                defects.append(
-                    Defect(
-                        "record_index", h, i, f"record id also sealed at block {h0}, record {i0}"
-                    )
-                )
-            else:
-                located[record_id] = (h, i)
-    for record_id, (h, i) in located.items():
-        loc = index.get(record_id)
-        if loc is None:
-            defects.append(Defect("record_index", h, i, "sealed record missing from the index"))
-        elif loc != _LOC.pack(h, i):
-            defects.append(Defect("record_index", h, i, "index points elsewhere"))
-    for record_id, loc in index.items():
-        if record_id not in located:
-            where = _LOC.unpack(loc) if len(loc) == _LOC.size else (None, None)
-            defects.append(
-                Defect(
-                    "record_index",
-                    where[0],
-                    where[1],
-                    f"index names unknown record {record_id.hex()}",
-                )
-            )
+    with store.read() as txn:
+        since_raw = txn.get("meta", HYBRID_SINCE_KEY)
+        since = int.from_bytes(since_raw, "big") if since_raw and len(since_raw) == 8 else 0
+        auth: _Auth = None if mldsa65_public_key is None else (bytes(mldsa65_public_key), since)
+        if txn.count("block_records") < parallel_threshold or txn.count("blocks") < 2:
+            n = 1
+        walk = _LogWalk(txn, defects)
+        index = _IndexCheck(txn, defects)
+        chunks = walk.chunks()
+        results = (
+            _serial(chunks, node_did, auth) if n <= 1 else _parallel(chunks, node_did, n, auth)
+        )
+        for found, ids in results:
+            defects.extend(found)
+            index.check(ids)
+        index.finish()
     defects.sort(key=lambda d: (d.height if d.height is not None else -1, d.index or -1, d.code))
     return VerifyReport(
-        blocks=len(jobs),
-        records=total,
-        head_height=len(jobs) - 1,
-        head_hash=head,
+        blocks=walk.heights,
+        records=walk.records,
+        head_height=walk.heights - 1,
+        head_hash=walk.head_hash,
         defects=tuple(defects),
-        workers=n,
+        workers=max(n, 1),
     )
 
 
-def _chunks(jobs: Sequence[_Job], n: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` job ranges of about equal record count.
-
-    A few per worker rather than one: on a shared machine one core may be
-    slower, and whoever finishes first takes the next range.
-    """
-    target = max(1, sum(len(j[2]) or 1 for j in jobs) // (n * _CHUNKS_PER_WORKER))
-    out: list[tuple[int, int]] = []
-    start = size = 0
-    for i, job in enumerate(jobs):
-        size += len(job[2]) or 1
-        if size >= target:
-            out.append((start, i + 1))
-            start, size = i + 1, 0
-    if start < len(jobs):
-        out.append((start, len(jobs)))
-    return out
+def _serial(
+    chunks: Iterator[list[_Job]], node_did: str, auth: _Auth
+) -> Iterator[tuple[list[Defect], list[tuple[bytes, int, int]]]]:
+    for chunk in chunks:
+        for found, ids, _ in _check_range(chunk, node_did, auth):
+            yield found, ids
 
 
-# Set in each worker by _install (the pool initializer), read by _run_range.
-_WORK: tuple[Sequence[_Job], str, _Auth] | None = None
+# Set in each worker by _install (the pool initializer), read by _run_chunk.
+_WORK: tuple[str, _Auth] | None = None
 
 
-def _install(jobs: Sequence[_Job], node_did: str, auth: _Auth) -> None:
+def _install(node_did: str, auth: _Auth) -> None:
     global _WORK
-    _WORK = (jobs, node_did, auth)
+    _WORK = (node_did, auth)
 
 
-def _run_range(start: int, stop: int) -> list[_Result]:
+def _run_chunk(jobs: Sequence[_Job]) -> list[_Result]:
     if _WORK is None:  # only reachable if the initializer did not run
-        raise RuntimeError("chain verify worker started without its jobs")
-    jobs, node_did, auth = _WORK
-    return _check_range(jobs[start:stop], node_did, auth)
+        raise RuntimeError("chain verify worker started without its settings")
+    node_did, auth = _WORK
+    return _check_range(jobs, node_did, auth)
 
 
-def _parallel(jobs: list[_Job], node_did: str, n: int, auth: _Auth) -> list[_Result]:
-    ranges = _chunks(jobs, n)
-    # fork is cheapest: workers inherit the jobs and do not re-import the
-    # caller's __main__; with other threads alive (a running node) forking is
-    # unsafe, so use a forkserver then (the jobs are pickled once per worker).
+def _parallel(
+    chunks: Iterator[list[_Job]], node_did: str, n: int, auth: _Auth
+) -> Iterator[tuple[list[Defect], list[tuple[bytes, int, int]]]]:
+    # fork is cheapest (workers do not re-import the caller's __main__); with
+    # other threads alive (a running node) forking is unsafe, so use a
+    # forkserver then.
     method = "fork" if threading.active_count() == 1 else "forkserver"
     ctx = multiprocessing.get_context(method)
     with ProcessPoolExecutor(
-        max_workers=min(n, len(ranges)),
-        mp_context=ctx,
-        initializer=_install,
-        initargs=(jobs, node_did, auth),
+        max_workers=n, mp_context=ctx, initializer=_install, initargs=(node_did, auth)
     ) as pool:
-        parts = pool.map(_run_range, [r[0] for r in ranges], [r[1] for r in ranges])
-        return [r for part in parts for r in part]
+        # Two chunks per worker in flight: one being checked, one waiting, so no
+        # worker idles while the parent reads; results are taken in order.
+        pending: deque[Future[list[_Result]]] = deque()
+        for chunk in chunks:
+            pending.append(pool.submit(_run_chunk, chunk))
+            while len(pending) >= 2 * n:
+                for found, ids, _ in pending.popleft().result():
+                    yield found, ids
+        while pending:
+            for found, ids, _ in pending.popleft().result():
+                yield found, ids

@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterator
-from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
 from talos.chain.block import Block, Record
 from talos.chain.log import BlockLog, block_key, record_key
-from talos.chain.verify import Defect, _chunks, _run_range, verify_chain
+from talos.chain.verify import CHUNK_RECORDS, Defect, _LogWalk, _run_chunk, verify_chain
 from talos.store import Store
 from talos_sdk.errors import StorageError
 from talos_sdk.merkle import merkle_root
@@ -237,35 +236,90 @@ def test_parallel_with_threads_alive_uses_forkserver_and_agrees(
     )
 
 
-def test_chunks_are_contiguous_ranges_covering_every_height(tmp_path: Path) -> None:
-    """Workers get height ranges, not bytes: the ranges must tile the log exactly."""
+def test_walk_streams_contiguous_chunks_covering_every_height(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parent streams the log in chunks; together they must tile it exactly."""
+    import talos.chain.verify as verify_mod
+
+    monkeypatch.setattr(verify_mod, "CHUNK_RECORDS", 7)
     store = Store(tmp_path)
     log = BlockLog(store, NODE, max_records=3, clock=lambda: 1_700_000_000.0)
     for i in range(3 * 41):
         log.append(make_record(i))
     log.seal()
+    defects: list[Defect] = []
     with store.read() as txn:
         n_blocks = txn.count("blocks")
-    jobs = [(h, None, [(0, b"")] * (h % 4), None) for h in range(n_blocks)]
-    for workers in (1, 2, 3, 8):
-        ranges = _chunks(jobs, workers)
-        assert ranges[0][0] == 0 and ranges[-1][1] == len(jobs)
-        assert all(a[1] == b[0] for a, b in pairwise(ranges))
-        assert all(start < stop for start, stop in ranges)
-        assert len(ranges) <= workers * 4 + 1
+        walk = _LogWalk(txn, defects)
+        chunks = list(walk.chunks())
+    heights = [job[0] for chunk in chunks for job in chunk]
+    assert heights == list(range(n_blocks)) and not defects
+    # Bounded: a chunk closes as soon as it reaches the record count.
+    assert all(sum(len(j[2]) for j in chunk) < 7 + 3 for chunk in chunks)
+    assert (walk.heights, walk.records) == (n_blocks, 3 * 41)
+    assert all(job[3] is not None for chunk in chunks for job in chunk)  # every prev link known
     parallel = verify_chain(store, NODE.did, workers=3, parallel_threshold=0)
     assert parallel.ok and parallel.workers == 3
     assert (parallel.blocks, parallel.records) == (n_blocks, 3 * 41)
+    assert parallel.head_hash == log.heads().hash  # type: ignore[union-attr]
     store.close()
 
 
-def test_chunks_of_an_all_empty_log_still_cover_it() -> None:
-    empty: list[tuple[int, bytes]] = []
-    jobs = [(h, None, empty, None) for h in range(5)]
-    assert _chunks(jobs, 2) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+def test_default_chunk_is_a_bounded_slice_of_the_log() -> None:
+    assert 256 <= CHUNK_RECORDS <= 65536
 
 
-def test_range_runner_outside_a_pool_refuses() -> None:
-    """The worker entry point has no jobs unless the pool initializer installed them."""
-    with pytest.raises(RuntimeError, match="without its jobs"):
-        _run_range(0, 1)
+def test_duplicate_record_id_is_reported_once_at_the_copy_the_index_does_not_name(
+    chain: tuple[Store, BlockLog],
+) -> None:
+    store, _ = chain
+    with store.write() as txn:
+        copy = txn.get("block_records", record_key(0, 1))
+        assert copy is not None
+        txn.put("block_records", record_key(3, 2), copy)  # r1 sealed again in block 3
+    found = verify_chain(store, NODE.did, workers=1).defects
+    assert [(d.code, d.height, d.index, d.message) for d in found] == [
+        ("merkle_root", 3, None, "records do not hash to the header's Merkle root"),
+        ("record_index", 3, 2, "record id also sealed at block 0, record 1"),
+        ("record_index", 3, 2, f"index names unknown record {make_record(14).record_id.hex()}"),
+    ]
+    # The index names the later copy: the earlier one is the duplicate, and
+    # the index entry of the record that was overwritten is unknown now.
+    with store.write() as txn:
+        txn.put("records", make_record(1).record_id, record_key(3, 2))
+    found = verify_chain(store, NODE.did, workers=1).defects
+    assert [(d.code, d.height, d.index, d.message) for d in found if d.code == "record_index"] == [
+        ("record_index", 0, 1, "record id also sealed at block 3, record 2"),
+        (
+            "record_index",
+            3,
+            2,
+            f"index names unknown record {make_record(14).record_id.hex()}",
+        ),
+    ]
+
+
+def test_block_far_beyond_the_tip_is_one_gap_defect(chain: tuple[Store, BlockLog]) -> None:
+    """A stray key at height 2**40 must not make the walk visit every height."""
+    store, log = chain
+    tip = log.get_block(log.height)
+    assert tip is not None
+    with store.write() as txn:
+        txn.put("blocks", block_key(2**40), tip.to_bytes())
+    report = verify_chain(store, NODE.did, workers=1)
+    gap = [(d.code, d.height, d.message) for d in report.defects if d.code == "missing_block"]
+    assert gap == [("missing_block", BLOCKS, f"no block stored at heights {BLOCKS}..{2**40 - 1}")]
+    # The copied block itself is judged where its header says it is.
+    assert {(d.code, d.height) for d in report.defects} - {("missing_block", BLOCKS)} == {
+        ("height", BLOCKS - 1),
+        ("merkle_root", BLOCKS - 1),
+        ("record_count", BLOCKS - 1),
+    }  # no prev_link: the block before it is missing, there is no link to check
+    assert report.blocks == 2**40 + 1
+
+
+def test_chunk_runner_outside_a_pool_refuses() -> None:
+    """The worker entry point has no settings unless the pool initializer installed them."""
+    with pytest.raises(RuntimeError, match="without its settings"):
+        _run_chunk([])
