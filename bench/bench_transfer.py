@@ -112,7 +112,7 @@ async def _until(cond: Any, what: str, timeout: float = 60.0) -> Any:
 
 async def talos_transfer(source: Path, root: Path) -> tuple[float, int, int]:
     """Seconds for A -> B of ``source`` and the peak RSS (bytes) of sender and receiver."""
-    from talos.node import init_home
+    from talos.home import init_home
 
     a_home, b_home = root / "a", root / "b"
     did_a = init_home(a_home).did

@@ -29,6 +29,7 @@ from talos_sdk import (
     verify,
     verify_auth,
 )
+from talos_sdk.keyfile import load_wallet, save_wallet
 
 
 def main() -> None:
@@ -54,14 +55,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="talos-wallet-") as tmp:
         path = Path(tmp) / "alice.key"
-        alice.save(path, passphrase="correct horse battery staple")
+        save_wallet(alice, path, passphrase="correct horse battery staple")
         mode = stat.S_IMODE(path.stat().st_mode)
         print(f"saved key file, mode {mode:04o}")
-        loaded = Wallet.load(path, passphrase="correct horse battery staple")
+        loaded = load_wallet(path, passphrase="correct horse battery staple")
         assert loaded.did == alice.did
         print(f"loaded with the passphrase: {loaded.did == alice.did}")
         try:
-            Wallet.load(path, passphrase="wrong")
+            load_wallet(path, passphrase="wrong")
         except WrongPassphraseError as exc:
             print(f"wrong passphrase -> {type(exc).__name__}: {exc}")
         else:

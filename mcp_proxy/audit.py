@@ -52,6 +52,7 @@ from talos_sdk.errors import EncodingError, UsageError
 
 if TYPE_CHECKING:
     from talos.chain.log import BlockLog
+    from talos.store import Txn
 
 __all__ = [
     "AUDIT_KEY_FILE",
@@ -223,7 +224,7 @@ class BlockLogSink:
     def write(self, records: Sequence[AuditRecord]) -> None:
         from talos.chain.block import Record
 
-        with self.block_log.store.write(durable=False) as txn:
+        def append_all(txn: Txn) -> None:
             for rec in records:
                 self.block_log.append(
                     Record(
@@ -239,8 +240,11 @@ class BlockLogSink:
                     txn,
                 )
 
+        # Through the node's one store writer (talos/writer.py), never a second writer.
+        self.block_log.write(append_all, durable=False)
+
     def sync(self) -> None:
-        self.block_log.store.sync()
+        self.block_log.sync()
 
 
 class Auditor:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from talos.config import Home, NodeConfig
+from talos_sdk.keyfile import load_wallet
 
 __all__ = ["HTTP_TOKEN_FILE", "ensure_home", "http_token", "make_node", "node_did"]
 
@@ -24,7 +25,7 @@ def ensure_home(home: Path) -> None:
     """Create the identity if the home is new (``talosd init`` without the ceremony)."""
     if Home(home).exists():
         return
-    from talos.node import init_home
+    from talos.home import init_home
 
     init_home(home, NodeConfig(api=False))
     print(f"talos-proxy: created a new identity in {home}", file=sys.stderr)
@@ -32,10 +33,9 @@ def ensure_home(home: Path) -> None:
 
 def node_did(home: Path) -> str:
     """The DID of the identity in ``home`` (created if absent)."""
-    from talos_sdk.wallet import Wallet
 
     ensure_home(home)
-    return Wallet.load(Home(home).identity).did
+    return load_wallet(Home(home).identity).did
 
 
 def make_node(home: Path, *, listen: str | None, relays: Sequence[str] = ()) -> Any:

@@ -11,17 +11,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from talos.chain.log import Quarantined, UnknownRecordError
+from talos.chain.log import UnknownRecordError
+from talos.chain.verify import verify_chain
+from talos.transfer.cli import register_routes
+from talos.views import block_json, report_json
 from talos_sdk.errors import StorageFullError, TalosError, UsageError
 
 if TYPE_CHECKING:
     from talos.node import Node
+    from talos.transfer.manager import TransferManager
 
 __all__ = ["InboxResponse", "PeerAddRequest", "SendRequest", "SendResponse", "start_api"]
 
@@ -109,8 +113,8 @@ def _middleware(token: str) -> Any:
     return guard
 
 
-def build_app(node: Node, token: str) -> web.Application:
-    """The aiohttp application for ``node``."""
+def build_app(node: Node, token: str, transfers: TransferManager | None = None) -> web.Application:
+    """The aiohttp application for ``node``; ``/v1/files`` when given a transfer manager."""
     app = web.Application(middlewares=[_middleware(token)], client_max_size=4 << 20)
     routes = web.RouteTableDef()
 
@@ -194,8 +198,6 @@ def build_app(node: Node, token: str) -> web.Application:
 
     @routes.get("/v1/chain/verify")
     async def verify(request: web.Request) -> web.Response:
-        from talos.chain.verify import verify_chain
-
         await asyncio.to_thread(node.log.seal)
         report = await asyncio.to_thread(
             functools.partial(
@@ -221,55 +223,20 @@ def build_app(node: Node, token: str) -> web.Application:
         return _json(node.log.inclusion_proof(rid))
 
     app.add_routes(routes)
-    from talos.transfer.cli import register_routes  # file transfer owns /v1/files
-
-    register_routes(app, node)
+    if transfers is not None:
+        register_routes(app, transfers)  # file transfer owns /v1/files
     return app
 
 
-def block_json(block: Any) -> dict[str, Any]:
-    return {
-        "height": block.height,
-        "hash": block.hash().hex(),
-        "prev_hash": block.prev_hash.hex(),
-        "timestamp_ms": block.timestamp_ms,
-        "merkle_root": block.merkle_root.hex(),
-        "records": block.record_count,
-    }
-
-
-def report_json(report: Any, quarantined: Iterable[Quarantined] = ()) -> dict[str, Any]:
-    """A chain verify report; ``quarantined`` lists records the sealer refused (review #7)."""
-    return {
-        "ok": report.ok,
-        "blocks": report.blocks,
-        "records": report.records,
-        "head_height": report.head_height,
-        "head_hash": report.head_hash.hex() if report.head_hash else None,
-        "defects": [
-            {"code": d.code, "height": d.height, "index": d.index, "message": d.message}
-            for d in report.defects
-        ],
-        "quarantined": [_quarantined_json(q) for q in quarantined],
-    }
-
-
-def _quarantined_json(q: Quarantined) -> dict[str, Any]:
-    record = q.record
-    return {
-        "reason": q.reason,
-        "record_id": record.record_id.hex() if record is not None else None,
-        "sender": record.sender if record is not None else None,
-    }
-
-
-async def start_api(node: Node, host: str, port: int) -> tuple[web.AppRunner, str]:
+async def start_api(
+    node: Node, transfers: TransferManager | None, host: str, port: int
+) -> tuple[web.AppRunner, str]:
     """Serve the API; returns the runner (``await runner.cleanup()`` to stop) and its URL."""
     if host not in ("127.0.0.1", "::1", "localhost"):
         raise UsageError("the control API listens on loopback only")
     # Long-polls are woken by node.stop(); never let shutdown hang on a stuck client.
     runner = web.AppRunner(
-        build_app(node, node.home.api_token()), access_log=None, shutdown_timeout=2.0
+        build_app(node, node.home.api_token(), transfers), access_log=None, shutdown_timeout=2.0
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -58,7 +58,7 @@ def _require_identity(home: Home) -> None:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from talos.node import init_home
+    from talos.home import init_home
 
     home = _home(args)
     wallet = init_home(home.path, suite=args.suite)
@@ -73,7 +73,7 @@ def cmd_id(args: argparse.Namespace) -> int:
     if client is not None:
         info = client.call("GET", "/v1/id")
     else:
-        from talos.node import offline_identity
+        from talos.home import offline_identity
 
         info = offline_identity(home)
     if args.json:
@@ -84,9 +84,8 @@ def cmd_id(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from talos.daemon import Daemon
     from talos.logging import configure
-    from talos.node import Node
-    from talos.transfer.cli import set_files_dir
 
     home = _home(args)
     _require_identity(home)
@@ -118,13 +117,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     configure(config.log_format)
 
     async def run() -> None:
-        node = Node(home.path, config)
-        set_files_dir(node, args.files_dir)  # talos.transfer: --files-dir
+        daemon = Daemon(home.path, config, files_dir=args.files_dir)
+        node = daemon.node
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await node.start()
+        await daemon.start()
         try:
             if node.listen_url:
                 print(f"listening on {node.listen_url} did={node.did}", flush=True)
@@ -132,7 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(f"running did={node.did}", flush=True)
             await stop.wait()
         finally:
-            await node.stop()
+            await daemon.stop()
 
     runtime.run(run())
     return 0
@@ -146,7 +145,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
         if client is not None:
             res = client.call("POST", "/v1/peers", {"addr": args.addr})
         else:
-            from talos.node import offline_add_peer
+            from talos.home import offline_add_peer
 
             res = offline_add_peer(home, args.addr)
         print(f"added {res['did']}")
@@ -154,7 +153,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
     if client is not None:
         peers = client.call("GET", "/v1/peers")["peers"]
     else:
-        from talos.node import offline_peers
+        from talos.home import offline_peers
 
         peers = offline_peers(home)
     if args.json:
@@ -190,7 +189,7 @@ def cmd_send(args: argparse.Namespace) -> int:
             f"no node is running on {home.path}; --wait needs a running node "
             "(without --wait the message is queued for the next run)"
         )
-    from talos.node import offline_send
+    from talos.home import offline_send
 
     print(offline_send(home, args.did, args.text))
     return 0
@@ -215,7 +214,7 @@ def cmd_inbox(args: argparse.Namespace) -> int:
     if client is None:
         if args.follow:
             raise NodeNotRunningError(f"--follow needs a running node on {home.path}")
-        from talos.node import offline_inbox
+        from talos.home import offline_inbox
 
         _print_messages(offline_inbox(home, args.after), args.json, False)
         return 0
@@ -237,7 +236,7 @@ def cmd_chain(args: argparse.Namespace) -> int:
         if client is not None:
             report = client.call("GET", "/v1/chain/verify", timeout=600)
         else:
-            from talos.node import offline_verify
+            from talos.home import offline_verify
 
             report = offline_verify(home)
         if args.json:
@@ -271,7 +270,7 @@ def cmd_chain(args: argparse.Namespace) -> int:
         if client is not None:
             blocks = client.call("GET", "/v1/chain/show")["blocks"]
         else:
-            from talos.node import offline_blocks
+            from talos.home import offline_blocks
 
             blocks = offline_blocks(home)
         _out(blocks)
@@ -279,7 +278,7 @@ def cmd_chain(args: argparse.Namespace) -> int:
     if client is not None:
         proof = client.call("GET", f"/v1/chain/proof/{args.id}")
     else:
-        from talos.node import offline_proof
+        from talos.home import offline_proof
 
         proof = offline_proof(home, args.id)
     _out(proof)

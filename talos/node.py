@@ -34,10 +34,9 @@ import random
 import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -53,6 +52,7 @@ from talos.discovery import (
     Resolver,
     StaticResolver,
 )
+from talos.home import init_home
 from talos.link import heads as hd
 from talos.link import wire
 from talos.link.auth import AuthPolicy, check_bundle_auth, load_pin, store_pin
@@ -68,6 +68,7 @@ from talos.link.peer import (
 )
 from talos.logging import event
 from talos.metrics import Metrics
+from talos.pipeline import MessageTooLargeError, text_limit
 from talos.sessions import (
     MessageSignatureError,
     Opened,
@@ -76,18 +77,18 @@ from talos.sessions import (
     UnsignedMessageError,
 )
 from talos.store import Store, Txn
+from talos.writer import StoreWriter
 from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.errors import (
     DecryptionError,
     HandshakeError,
-    OversizeError,
     ProtocolError,
     SignatureError,
     StorageError,
     TalosError,
     UsageError,
 )
-from talos_sdk.wallet import Wallet
+from talos_sdk.keyfile import load_wallet
 
 __all__ = [
     "ConnectTimeoutError",
@@ -105,9 +106,6 @@ _RUNNING = b"running"
 CLOSE_TRY_AGAIN = 1013
 #: Consecutive undecryptable frames after which a session is re-keyed.
 _DESYNC_LIMIT = 16
-#: Bytes a sealed MSG frame adds to its text (ratchet header with ML-KEM material,
-#: both DIDs, signature, AEAD tag; measured up to ~1.6 KiB), with room to spare.
-MSG_OVERHEAD = 3072
 _T = TypeVar("_T")
 
 AppHandler = Callable[[str, bytes], Awaitable[None] | None]
@@ -120,39 +118,6 @@ class NotConnectedError(TalosError, ConnectionError):
 
 class ConnectTimeoutError(NotConnectedError, TimeoutError):
     """``wait_connected`` gave up."""
-
-
-class MessageTooLargeError(OversizeError, UsageError):
-    """A message text that cannot fit in one frame the receiver accepts (review #9)."""
-
-
-def text_limit(max_frame: int) -> int:
-    """The largest message text (UTF-8 bytes) whose MSG frame fits in ``max_frame``."""
-    return max(0, max_frame - MSG_OVERHEAD)
-
-
-def init_home(path: Path, config: NodeConfig | None = None, *, suite: str | None = None) -> Wallet:
-    """Create a node home: identity (0600), config, API token (0600). Refuses to overwrite.
-
-    ``suite="ed25519-mldsa65"`` makes a hybrid identity (issue 8, ADR 0005).
-    """
-    home = Home(path)
-    if home.exists():
-        raise UsageError(f"{home.identity} already exists; refusing to overwrite an identity")
-    # Owner-only: the home holds the identity and the store (docs/security.md).
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    config = config or NodeConfig()
-    wallet = Wallet.generate(suite=suite)
-    wallet.save(home.identity)
-    home.save_config(config)
-    home.create_api_token()
-    with Store(home.store_dir, map_size=config.map_size) as store:
-        manager = SessionManager(
-            store, wallet, pq=config.pq, one_time=config.one_time_prekeys, ratchet_every=1
-        )
-        with store.write() as txn:
-            manager.load(txn, discard=False)
-    return wallet
 
 
 @dataclass(slots=True)
@@ -229,13 +194,13 @@ class Node:
         self._committing = False
         self._inbox_event = asyncio.Event()
         self._server: Server | None = None
-        self._api: Any = None
-        self._writer: ThreadPoolExecutor | None = None
+        self._quiescing = False
+        self._writer: StoreWriter | None = None
+        self._pin_writes: dict[str, asyncio.Future[None]] = {}
         self._stopping = False
         self._handshaking = 0
         self.started = False
         self.listen_url: str | None = None
-        self.api_url: str | None = None
         self.unclean_start = False
         self.settings = LinkSettings(
             max_frame=self.config.max_frame,
@@ -244,14 +209,28 @@ class Node:
             auth=AuthPolicy(self.config.require_pq, self._pinned, self._pin),
         )
 
+    @property
+    def writer(self) -> StoreWriter:
+        """The one thread that writes this node's store (talos/writer.py); set by start()."""
+        if self._writer is None:
+            raise UsageError("the node is not started")
+        return self._writer
+
     def _pinned(self, did: str) -> bytes | None:
         with self.store.read() as txn:
             return load_pin(txn, did)
 
     def _pin(self, did: str, key: bytes) -> None:
-        # First hybrid contact only: durable before the link is used (ADR 0005).
-        with self.store.write(durable=True) as txn:
-            store_pin(txn, did, key)
+        """The link layer's synchronous pin callback: queue the write, do not wait here."""
+        self._pin_writes[did] = asyncio.ensure_future(self.pin_peer_key(did, key))
+
+    async def pin_peer_key(self, did: str, key: bytes) -> None:
+        """Pin ``did``'s ML-DSA-65 key durably, on the writer thread (ADR 0005).
+
+        The entry point for the link layer: a first hybrid contact is pinned
+        before its link carries anything (:meth:`_run_link` waits for it).
+        """
+        await self.writer.write(functools.partial(store_pin, did=did, key=key), kind="pin")
         event(_log, "peer_pinned", peer=did, suite="ed25519-mldsa65")
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -260,15 +239,18 @@ class Node:
         """Open the store, restore state, listen, dial configured peers, start the API."""
         if not self.home.exists():
             raise UsageError(f"no identity in {self.home.path}: run `talosd init` first")
-        self.wallet = Wallet.load(self.home.identity)
+        self.wallet = load_wallet(self.home.identity)
         self.did = self.wallet.did
-        self.store = Store(self.home.store_dir, map_size=self.config.map_size)
+        # Opening syncs, closing syncs: both off the loop like every other fsync.
+        self.store = await asyncio.to_thread(
+            Store, self.home.store_dir, map_size=self.config.map_size
+        )
         try:
             await self._open_state()
         except BaseException:
             if self._writer is not None:
-                self._writer.shutdown(wait=True)
-            self.store.close()
+                await asyncio.to_thread(self._writer.close)
+            await asyncio.to_thread(self.store.close)
             raise
         self._tasks += [
             asyncio.create_task(run_sealer(self.log), name="talos-sealer"),
@@ -315,15 +297,6 @@ class Node:
                 self._start_dialer(parse_peer_addr(addr))
         for addr in self.config.peers:
             await self.add_peer(addr)
-        if self.config.api:
-            from talos.api import start_api
-
-            self._api, self.api_url = await start_api(
-                self, self.config.api_host, self.config.api_port
-            )
-        self.home.write_node_info(
-            {"pid": os.getpid(), "did": self.did, "listen": self.listen_url, "api": self.api_url}
-        )
 
     async def _serve(self, host: str, port: int) -> Server:
         return await serve(
@@ -339,12 +312,17 @@ class Node:
         )
 
     async def _open_state(self) -> None:
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="talos-writer")
-        self.log = BlockLog(
-            self.store,
-            self.wallet,
-            max_records=self.config.seal_count,
-            max_delay_ms=int(self.config.seal_interval * 1000),
+        self._writer = StoreWriter(self.store)
+        # In a worker thread: a new hybrid log writes its first mark through the writer.
+        self.log = await asyncio.to_thread(
+            functools.partial(
+                BlockLog,
+                self.store,
+                self.wallet,
+                max_records=self.config.seal_count,
+                max_delay_ms=int(self.config.seal_interval * 1000),
+                writes=self.writer,
+            )
         )
         with self.store.read() as txn:
             self.unclean_start = txn.get("meta", _RUNNING) is not None
@@ -358,8 +336,10 @@ class Node:
             ratchet_max_age=self.config.ratchet_max_age,
         )
         # ADR 0001: after an unclean stop no ratchet state may be reused.
-        await self._write(lambda txn: self.sessions.load(txn, discard=self.unclean_start))
-        self._epoch = await self._write(self._mark_running)
+        await self.writer.write(
+            lambda txn: self.sessions.load(txn, discard=self.unclean_start), kind="start"
+        )
+        self._epoch = await self.writer.write(self._mark_running, kind="start")
         if self.unclean_start:
             event(_log, "unclean_shutdown_detected", level=logging.WARNING, action="sessions reset")
 
@@ -373,9 +353,7 @@ class Node:
         if not self.started or self._stopping:
             return
         self._stopping = True
-        self._inbox_event.set()  # wake long-polls so the API can close promptly
-        if self._api is not None:
-            await self._api.cleanup()
+        self.quiesce()
         for task in self._dialers.values():
             task.cancel()
         if self._server is not None:
@@ -398,20 +376,26 @@ class Node:
             if not fut.done():
                 fut.set_exception(UsageError("the node stopped before the message was queued"))
         try:
-            await self._write(self._final_flush)
+            await self.writer.write(self._final_flush, kind="stop")
         except StorageError as exc:
             event(_log, "final_flush_failed", level=logging.ERROR, error=str(exc))
         try:
             await asyncio.to_thread(self.log.seal)
         except StorageError as exc:
             event(_log, "final_seal_failed", level=logging.ERROR, error=str(exc))
-        assert self._writer is not None
-        self._writer.shutdown(wait=True)
-        self.store.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.home.node_file.unlink()
+        await asyncio.to_thread(self.writer.close)
+        await asyncio.to_thread(self.store.close)
         self.started = False
         event(_log, "node_stopped", did=self.did)
+
+    def quiesce(self) -> None:
+        """Wake every long-poll (:meth:`wait_inbox` returns at once from now on).
+
+        :meth:`stop` does this first; a composition root calls it before closing
+        the API that holds those polls (talos/daemon.py).
+        """
+        self._quiescing = True
+        self._inbox_event.set()
 
     def _final_flush(self, txn: Txn) -> None:
         self.sessions.persist(txn, self.sessions.snapshot_all())
@@ -423,50 +407,6 @@ class Node:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-    # --- writer thread -------------------------------------------------------------------------
-
-    async def _write(self, fn: Callable[[Txn], _T], durable: bool = True) -> _T:
-        """Run ``fn`` inside one write transaction on the writer thread."""
-        return await self._submit(fn, durable)
-
-    def _submit(
-        self,
-        fn: Callable[[Txn], _T],
-        durable: bool = True,
-        then: Callable[[asyncio.Future[_T]], None] | None = None,
-    ) -> asyncio.Future[_T]:
-        """Queue ``fn`` on the writer thread now (no loop pass before the work starts).
-
-        ``then`` runs in the same loop pass that settles the future. The ack
-        after a commit is on the critical path of every durable message, and
-        ``run_in_executor`` plus ``add_done_callback`` costs two loop passes
-        (settle, then schedule the callback) where one suffices.
-        """
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[_T] = loop.create_future()
-
-        def settle(result: _T | None, exc: BaseException | None) -> None:
-            if not fut.done():
-                if exc is None:
-                    fut.set_result(cast(_T, result))
-                else:
-                    fut.set_exception(exc)
-            if then is not None:
-                then(fut)
-
-        def job() -> None:
-            try:
-                with self.store.write(durable=durable) as txn:
-                    result = fn(txn)
-            except BaseException as exc:
-                loop.call_soon_threadsafe(settle, None, exc)
-                return
-            loop.call_soon_threadsafe(settle, result, None)
-
-        assert self._writer is not None
-        self._writer.submit(job)
-        return fut
 
     # --- peers and links -----------------------------------------------------------------------
 
@@ -484,7 +424,9 @@ class Node:
             raise UsageError("that address is this node's own DID")
         changed = self._known.get(peer.did) != str(peer)
         if changed:
-            await self._write(lambda txn: txn.put("peers", peer.did.encode(), str(peer).encode()))
+            await self.writer.write(
+                lambda txn: txn.put("peers", peer.did.encode(), str(peer).encode()), kind="peers"
+            )
             self._known[peer.did] = str(peer)
         running = self._dialers.get(peer.did)
         if not self._stopping and (changed or running is None or running.done()):
@@ -645,13 +587,17 @@ class Node:
         if task is not None:
             self._link_tasks.add(task)
         try:
+            pinning = self._pin_writes.pop(link.peer_did, None)
+            if pinning is not None:
+                await pinning  # first hybrid contact: the pin is durable before use
             offer = self.sessions.offer(link.peer_did)
             offer = wire.SessionOffer(offer.bundle, offer.session_id, self.config.max_frame)
             await link.send(wire.encode(offer))
             await self._read_loop(peer, link)
         except ConnectionClosed:
             pass
-        except ProtocolError as exc:
+        except (ProtocolError, HandshakeError, StorageError) as exc:
+            # A protocol fault, or a pin that could not be stored: the link goes.
             event(_log, "link_protocol_error", level=logging.WARNING, peer=peer.did, error=str(exc))
             with contextlib.suppress(ConnectionClosed):
                 await link.close(CLOSE_PROTOCOL, str(exc))
@@ -759,7 +705,9 @@ class Node:
         self.metrics.inc("session_resyncs")
         peer.decrypt_failures = 0
         self.sessions.drop(peer.did)
-        await self._write(lambda txn: self.sessions.persist_establish(txn, peer.did))
+        await self.writer.write(
+            lambda txn: self.sessions.persist_establish(txn, peer.did), kind="session"
+        )
         with contextlib.suppress(ConnectionClosed):
             await link.close(CLOSE_PROTOCOL, "session out of sync; re-keying")
 
@@ -774,7 +722,9 @@ class Node:
         if offer.max_frame:
             peer.max_frame = offer.max_frame
         if init is not None:
-            await self._write(lambda txn: self.sessions.persist_establish(txn, peer.did))
+            await self.writer.write(
+                lambda txn: self.sessions.persist_establish(txn, peer.did), kind="session"
+            )
             await link.send(wire.encode(init))
             return  # ready once the peer's SESSION_ACK shows it accepted the init
         if self.sessions.has(peer.did):
@@ -801,7 +751,9 @@ class Node:
         except TalosError as exc:
             await self._setup_failed(peer, link, exc)
             return
-        await self._write(lambda txn: self.sessions.persist_establish(txn, peer.did))
+        await self.writer.write(
+            lambda txn: self.sessions.persist_establish(txn, peer.did), kind="session"
+        )
         await link.send(wire.encode(ack))
         peer.tx.rewind()  # anything sealed with a replaced session is lost: resend
         self._set_ready(peer)
@@ -869,9 +821,10 @@ class Node:
             peer.fresh = [r for r in peer.fresh if r.seq > seq]
         records = [peer.records.pop(s) for s in sorted(s for s in peer.records if s <= seq)]
         self._spawn(
-            self._write(
+            self.writer.write(
                 functools.partial(_ack_txn, log=self.log, did=peer.did, seq=seq, records=records),
                 durable=False,
+                kind="ack",
             )
         )
 
@@ -903,9 +856,11 @@ class Node:
         peers = {item.peer for item in batch}
         snaps = self.sessions.snapshot(peers)
         self._committing = True
-        self._submit(
+        self.writer.submit(
             functools.partial(self._commit_batch, batch=batch, snaps=snaps),
             then=functools.partial(self._committed, batch, peers),
+            kind="receive",
+            size=len(batch),
         )
 
     def _committed(
@@ -960,8 +915,10 @@ class Node:
             snaps = self.sessions.snapshot_dirty()
             if snaps:
                 try:
-                    await self._write(
-                        functools.partial(self.sessions.persist, snaps=snaps), durable=False
+                    await self.writer.write(
+                        functools.partial(self.sessions.persist, snaps=snaps),
+                        durable=False,
+                        kind="session",
                     )
                 except StorageError as exc:
                     event(_log, "session_flush_failed", level=logging.ERROR, error=str(exc))
@@ -1020,9 +977,11 @@ class Node:
         """Group commit of the outbox: sends arriving while one commit runs share the next."""
         batch, self._outgoing = self._outgoing, []
         self._outbox_busy = True
-        self._submit(
+        self.writer.submit(
             functools.partial(self._enqueue_batch, rows=[r for r, _ in batch]),
             then=functools.partial(self._outbox_committed, batch),
+            kind="outbox",
+            size=len(batch),
         )
 
     def _outbox_committed(
@@ -1079,7 +1038,9 @@ class Node:
             if not fut.done():
                 fut.set_exception(exc)
         self._spawn(
-            self._write(functools.partial(_skip_row, row=row, prev=self._prev(peer, row.prev)))
+            self.writer.write(
+                functools.partial(_skip_row, row=row, prev=self._prev(peer, row.prev)), kind="skip"
+            )
         )
         return False
 
@@ -1218,10 +1179,11 @@ class Node:
         head_interval while its log grows, and on every new link).
         """
         self.metrics.inc("heads_in")
-        self._submit(
+        self.writer.submit(
             functools.partial(_judge_head, did=peer.did, presented=presented),
             durable=False,
             then=functools.partial(self._head_judged, peer.did),
+            kind="head",
         )
 
     def _head_judged(self, did: str, fut: asyncio.Future[hd.Equivocation | None]) -> None:
@@ -1371,7 +1333,7 @@ class Node:
     def inbox(self, after: int = 0, limit: int = 1000) -> list[pl.InboxEntry]:
         """Inbox entries with arrival number > ``after``."""
         with self.store.read() as txn:
-            return list(_take(iter_inbox(txn, after), limit))
+            return list(_take(pl.iter_inbox(txn, after), limit))
 
     async def wait_inbox(self, after: int, timeout: float) -> list[pl.InboxEntry]:
         """Like :meth:`inbox` but wait up to ``timeout`` for something new."""
@@ -1380,7 +1342,7 @@ class Node:
             signal = self._inbox_event
             entries = self.inbox(after)
             left = deadline - time.monotonic()
-            if entries or left <= 0 or self._stopping:
+            if entries or left <= 0 or self._quiescing:
                 return entries
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
@@ -1476,11 +1438,6 @@ def _ack_txn(txn: Txn, log: BlockLog, did: str, seq: int, records: list[Record])
         log.append(record, txn)
 
 
-def iter_inbox(txn: Txn, after: int = 0) -> Iterable[pl.InboxEntry]:
-    for key, value in txn.items("inbox", _U64.pack(after + 1)):
-        yield pl.decode_inbox(key, value)
-
-
 def _take(it: Iterable[_T], n: int) -> list[_T]:
     out: list[_T] = []
     for x in it:
@@ -1488,89 +1445,3 @@ def _take(it: Iterable[_T], n: int) -> list[_T]:
         if len(out) >= n:
             break
     return out
-
-
-# --- offline access for the CLI (the node is not running; the store lock proves it) ------------
-
-
-def _offline_store(home: Home) -> Store:
-    return Store(home.store_dir, map_size=home.load_config().map_size)
-
-
-def offline_identity(home: Home) -> dict[str, Any]:
-    """``talosd id`` without a running node: wallet file plus stored prekeys."""
-    from talos.sessions import load_secrets
-
-    wallet = Wallet.load(home.identity)
-    with _offline_store(home) as store, store.read() as txn:
-        secrets = load_secrets(txn)
-    out: dict[str, Any] = {"did": wallet.did, "x25519": None, "suites": [], "listen": None}
-    if secrets is not None:
-        out["x25519"] = secrets.identity.public.hex()
-        out["suites"] = list(secrets.suites)
-    return out
-
-
-def offline_add_peer(home: Home, addr: str) -> dict[str, str]:
-    peer = parse_peer_addr(addr)
-    with _offline_store(home) as store, store.write() as txn:
-        txn.put("peers", peer.did.encode(), str(peer).encode())
-    return {"did": peer.did, "addr": str(peer)}
-
-
-def offline_peers(home: Home) -> list[dict[str, Any]]:
-    with _offline_store(home) as store, store.read() as txn:
-        return [
-            {"did": k.decode(), "addr": v.decode() or None, "connected": False}
-            for k, v in txn.items("peers")
-        ]
-
-
-def offline_send(home: Home, did: str, text: str) -> str:
-    """Queue a message durably for the node's next run; returns its id."""
-    from talos_sdk.did import public_key_from_did
-
-    public_key_from_did(did)
-    limit = text_limit(home.load_config().max_frame)
-    if len(text.encode()) > limit:
-        raise MessageTooLargeError(f"message above the {limit}-byte limit of this node's frames")
-    msg_id = os.urandom(pl.MSG_ID_LEN)
-    with _offline_store(home) as store, store.write(durable=True) as txn:
-        # A fresh epoch: the last run may have crashed with numbers on the wire (ADR 0007).
-        epoch = pl.bump_epoch(txn)
-        pl.enqueue(txn, did, msg_id, int(time.time() * 1000), text, epoch)
-    return msg_id.hex()
-
-
-def offline_inbox(home: Home, after: int = 0) -> list[dict[str, object]]:
-    with _offline_store(home) as store, store.read() as txn:
-        return [e.to_json() for e in iter_inbox(txn, after)]
-
-
-def offline_verify(home: Home) -> dict[str, Any]:
-    from talos.api import report_json
-    from talos.chain.verify import verify_chain
-
-    wallet = Wallet.load(home.identity)
-    with _offline_store(home) as store:
-        # The ML-DSA key comes from the wallet, never from the store being audited.
-        report = verify_chain(store, wallet.did, mldsa65_public_key=wallet.mldsa_public_key)
-        return report_json(report, BlockLog(store, wallet).quarantined())
-
-
-def offline_blocks(home: Home) -> list[dict[str, Any]]:
-    from talos.api import block_json
-
-    wallet = Wallet.load(home.identity)
-    with _offline_store(home) as store:
-        return [block_json(b) for b in BlockLog(store, wallet).iter_blocks()]
-
-
-def offline_proof(home: Home, record_id: str) -> dict[str, Any]:
-    try:
-        rid = bytes.fromhex(record_id)
-    except ValueError:
-        raise UsageError("record id must be hex") from None
-    wallet = Wallet.load(home.identity)
-    with _offline_store(home) as store:
-        return BlockLog(store, wallet).inclusion_proof(rid)

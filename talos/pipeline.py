@@ -43,10 +43,12 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from talos.store import Txn
-from talos_sdk.errors import MalformedFrameError, UsageError
+from talos_sdk.errors import MalformedFrameError, OversizeError, UsageError
 
 __all__ = [
+    "MSG_OVERHEAD",
     "InboxEntry",
+    "MessageTooLargeError",
     "OutboxEntry",
     "ReceiverState",
     "SenderState",
@@ -58,11 +60,14 @@ __all__ = [
     "encode_inbox",
     "encode_outbox",
     "epoch_of",
+    "inbox_key",
+    "iter_inbox",
     "iter_outbox",
     "make_seq",
     "next_seq",
     "outbox_key",
     "put_row",
+    "text_limit",
 ]
 
 _U64 = struct.Struct(">Q")
@@ -75,6 +80,22 @@ _EPOCH_KEY: Final = b"epoch"
 #: Epochs skipped after restoring a backup (docs/operations.md "Backups and restore"):
 #: more than the runs the original home can have had since, so no number repeats.
 RESTORE_EPOCH_STEP: Final = 1 << 16
+
+
+#: Bytes a sealed MSG frame adds to its text (ratchet header with ML-KEM material,
+#: both DIDs, signature, AEAD tag; measured up to ~1.6 KiB), with room to spare
+#: (docs/PROTOCOL.md "Message size").
+MSG_OVERHEAD: Final = 3072
+
+
+class MessageTooLargeError(OversizeError, UsageError):
+    """A message text that cannot fit in one frame the receiver accepts (docs/PROTOCOL.md
+    "Message size"): the caller's misuse, so a :class:`UsageError` (the API answers 400)."""
+
+
+def text_limit(max_frame: int) -> int:
+    """The largest message text (UTF-8 bytes) whose MSG frame fits in ``max_frame``."""
+    return max(0, max_frame - MSG_OVERHEAD)
 
 
 def make_seq(epoch: int, n: int) -> int:
@@ -179,6 +200,17 @@ def iter_outbox(txn: Txn, peer: str, after_seq: int = 0) -> Iterator[OutboxEntry
         if not key.startswith(prefix) or len(key) != len(prefix) + 8:
             return
         yield decode_outbox(key, value)
+
+
+def inbox_key(n: int) -> bytes:
+    """The inbox key of the ``n``-th arrival."""
+    return _U64.pack(n)
+
+
+def iter_inbox(txn: Txn, after: int = 0) -> Iterator[InboxEntry]:
+    """Inbox entries with arrival number above ``after``, in arrival order."""
+    for key, value in txn.items("inbox", inbox_key(after + 1)):
+        yield decode_inbox(key, value)
 
 
 def encode_inbox(msg_id: bytes, sender: str, seq: int, ts_ms: int, text: str) -> bytes:

@@ -19,7 +19,8 @@ Suite ``ed25519-mldsa65`` (:class:`~talos_sdk.wallet.HybridWallet`) stores the s
 the hybrid key fingerprint, checked against the key after loading.
 
 :func:`encode_key_file` / :func:`decode_key_file` are pure (bytes <-> wallet);
-:func:`write_private_file` / :func:`read_private_file` do the file I/O.
+:func:`write_private_file` / :func:`read_private_file` do the file I/O, and
+:func:`save_wallet` / :func:`load_wallet` are the one-call forms.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ __all__ = [
     "DEFAULT_SCRYPT_N",
     "decode_key_file",
     "encode_key_file",
+    "load_wallet",
     "read_private_file",
     "register_suite",
+    "save_wallet",
     "write_private_file",
 ]
 
@@ -286,3 +289,22 @@ def read_private_file(path: Path) -> bytes:
     if len(data) > _MAX_FILE:
         raise KeyFileError(f"{path} is larger than {_MAX_FILE} bytes; not a key file")
     return data
+
+
+def save_wallet(
+    wallet: Wallet,
+    path: str | os.PathLike[str],
+    passphrase: str | bytes | None = None,
+    *,
+    overwrite: bool = False,
+    rng: Callable[[int], bytes] = os.urandom,
+) -> None:
+    """Write ``wallet`` to a 0600 key file at ``path`` (refuses to overwrite unless asked)."""
+    write_private_file(
+        Path(path), encode_key_file(wallet, passphrase, rng=rng), overwrite=overwrite
+    )
+
+
+def load_wallet(path: str | os.PathLike[str], passphrase: str | bytes | None = None) -> Wallet:
+    """Read a key file written by :func:`save_wallet`."""
+    return decode_key_file(read_private_file(Path(path)), passphrase)

@@ -5,8 +5,9 @@ pynacl, which measured faster here than OpenSSL for both sign and verify. The
 expanded secret key and public key are derived once at construction so a call
 to :meth:`Wallet.sign` is one libsodium call and a slice.
 
-Key files (persistence) live in :mod:`talos_sdk.keyfile`; ``save``/``load`` here
-are thin wrappers so the common case stays one call.
+Key files (persistence) live in :mod:`talos_sdk.keyfile`
+(:func:`~talos_sdk.keyfile.save_wallet` / :func:`~talos_sdk.keyfile.load_wallet`),
+which imports this module and never the other way round.
 
 Suite ``ed25519-mldsa65`` (issue 8, :class:`HybridWallet`) adds an ML-DSA-65 key
 derived from the same seed (:mod:`talos_sdk.hybrid`). :meth:`Wallet.sign` stays
@@ -19,7 +20,6 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import ClassVar, Self, TypeVar
 
 from nacl.bindings import crypto_sign, crypto_sign_open, crypto_sign_seed_keypair
@@ -149,28 +149,6 @@ class Wallet:
     def key_file_header(self) -> dict[str, str]:
         """Extra clear-text key-file fields that the loader checks against the key."""
         return {}
-
-    def save(
-        self,
-        path: str | os.PathLike[str],
-        passphrase: str | bytes | None = None,
-        *,
-        overwrite: bool = False,
-        rng: Rng = os.urandom,
-    ) -> None:
-        """Write this wallet to a 0600 key file (see :mod:`talos_sdk.keyfile`)."""
-        from talos_sdk.keyfile import encode_key_file, write_private_file
-
-        write_private_file(
-            Path(path), encode_key_file(self, passphrase, rng=rng), overwrite=overwrite
-        )
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str], passphrase: str | bytes | None = None) -> Wallet:
-        """Read a key file written by :meth:`save`."""
-        from talos_sdk.keyfile import decode_key_file, read_private_file
-
-        return decode_key_file(read_private_file(Path(path)), passphrase)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(suite={self.suite!r}, did={self._did!r})"

@@ -46,6 +46,7 @@ from talos.chain.block import (
     verify_inclusion_proof,
 )
 from talos.store import Store, Txn
+from talos.writer import DirectWrites, Writes
 from talos_sdk.errors import MalformedFrameError, UsageError
 from talos_sdk.hybrid import HybridPublicKey
 from talos_sdk.merkle import inclusion_proof as merkle_inclusion_proof
@@ -133,10 +134,14 @@ class BlockLog:
         max_records: int = 256,
         max_delay_ms: int = 50,
         clock: Callable[[], float] = time.time,
+        writes: Writes | None = None,
     ) -> None:
         if max_records < 1 or max_delay_ms < 0:
             raise UsageError("max_records must be >= 1 and max_delay_ms >= 0")
         self.store = store
+        # A running node passes its StoreWriter: every write of the log then runs on
+        # the node's one writer thread (talos/writer.py); offline tools write directly.
+        self._writes: Writes = writes if writes is not None else DirectWrites(store)
         self.wallet = wallet
         self.node_did = wallet.did
         self.max_records = max_records
@@ -159,8 +164,8 @@ class BlockLog:
             if since is None:
                 # Recorded before the first hybrid block, so a later rewrite of
                 # hybrid blocks as classical ones is a defect, not a silent downgrade.
-                with store.write(durable=True) as wtxn:
-                    wtxn.put("meta", HYBRID_SINCE_KEY, _U64.pack(self.height + 1))
+                mark = _U64.pack(self.height + 1)
+                self._writes.run(lambda t: t.put("meta", HYBRID_SINCE_KEY, mark), kind="log")
         # Records that survived a restart are due max_delay_ms after it.
         self._oldest_ms: int | None = self._now_ms() if self._pending else None
 
@@ -176,8 +181,7 @@ class BlockLog:
         it is written in its own transaction, group-committed unless ``durable``.
         """
         if txn is None:
-            with self.store.write(durable=durable) as own:
-                self._append(record, own)
+            self._writes.run(lambda own: self._append(record, own), durable=durable, kind="log")
         else:
             self._append(record, txn)
 
@@ -191,6 +195,17 @@ class BlockLog:
             if self._oldest_ms is None:
                 self._oldest_ms = self._now_ms()
         txn.put("pending", _U64.pack(seq), record.encoded)
+
+    def write(self, fn: Callable[[Txn], None], *, durable: bool = False) -> None:
+        """Run ``fn(txn)`` (e.g. several :meth:`append` calls) in one write transaction.
+
+        Blocking: call from a worker thread when a node's writer is in use.
+        """
+        self._writes.run(fn, durable=durable, kind="log")
+
+    def sync(self) -> None:
+        """Make every earlier write durable (blocking, like :meth:`write`)."""
+        self._writes.run(_no_write, durable=True, kind="sync")
 
     @property
     def pending_count(self) -> int:
@@ -254,8 +269,10 @@ class BlockLog:
             good.append((key, record))
 
         block: Block | None = None
+        remaining = 0
         if batch:
-            with self.store.write(durable=True) as txn:
+
+            def write(txn: Txn) -> tuple[Block | None, int]:
                 keep: list[Record] = []
                 for key, record in good:
                     if txn.get("records", record.record_id) is not None:
@@ -266,13 +283,12 @@ class BlockLog:
                     txn.put("quarantine", key, _quarantine_value(why, data))
                 for key, _ in batch:
                     txn.delete("pending", key)
-                if keep:
-                    block = self._write_block(txn, keep)
-                remaining = txn.count("pending")
+                written = self._write_block(txn, keep) if keep else None
+                return written, txn.count("pending")
+
+            block, remaining = self._writes.run(write, durable=True, kind="seal")
             if block is not None:
                 self._tip = block
-        else:
-            remaining = 0
         with self._lock:
             # Appends counted since we started are kept; the store tells the rest.
             self._pending = remaining + max(0, self._pending - counted)
@@ -396,6 +412,10 @@ class BlockLog:
         """Records refused at sealing, oldest first."""
         with self.store.read() as txn:
             return [_quarantine_entry(v) for _, v in txn.items("quarantine")]
+
+
+def _no_write(txn: Txn) -> None:
+    return None
 
 
 def _records_of(txn: Txn, height: int) -> Iterator[tuple[bytes, bytes]]:

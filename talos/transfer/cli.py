@@ -1,10 +1,12 @@
-"""``talosd send-file`` / ``talosd files`` and the control-API routes behind them (issue 5).
+"""``talosd send-file`` / ``talosd files`` and the control-API routes behind them
+(docs/PROTOCOL.md "File transfer").
 
-Hooked into the node with one line each: ``register_routes(app, node)`` in
-talos/api.py (the manager starts and stops with the API application) and
-``register_cli(sub, add)`` in talos/cli.py. Settings come from the optional
-``<home>/transfer.json`` (:class:`~talos.transfer.manager.TransferConfig`);
-received files land in ``<home>/files/`` unless it names another ``files_dir``.
+Hooked in with one line each: ``register_routes(app, manager)`` in talos/api.py
+(the manager itself is built, started and stopped by talos/daemon.py, with or
+without the API) and ``register_cli(sub, add)`` in talos/cli.py. Settings come
+from the optional ``<home>/transfer.json``
+(:class:`~talos.transfer.manager.TransferConfig`); received files land in
+``<home>/files/`` unless ``--files-dir`` or that file names another folder.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict
 
-from talos.transfer.manager import TransferConfig, TransferManager
+from talos.transfer.manager import TransferManager
 from talos.transfer.protocol import TransferState, is_final
 
-__all__ = ["load_config", "register_cli", "register_routes", "set_files_dir"]
+__all__ = ["register_cli", "register_routes"]
 
 MANAGER_KEY: web.AppKey[TransferManager] = web.AppKey("transfers", TransferManager)
 
@@ -38,14 +40,6 @@ class SendRequest(BaseModel):
     name: str | None = None
 
 
-def load_config(home: Path) -> TransferConfig:
-    """``<home>/transfer.json`` if present, else the defaults."""
-    path = home / "transfer.json"
-    if path.exists():
-        return TransferConfig.model_validate_json(path.read_bytes())
-    return TransferConfig()
-
-
 def _view(manager: TransferManager, tid: str) -> dict[str, Any]:
     info = manager.get(tid)
     data = info.to_public()
@@ -57,32 +51,9 @@ def _view(manager: TransferManager, tid: str) -> dict[str, Any]:
     return data
 
 
-_FILES_DIR_ATTR = "transfer_files_dir"
-
-
-def set_files_dir(node: Any, files_dir: str | Path | None) -> None:
-    """``talosd run --files-dir DIR``: received files land in DIR (beats ``transfer.json``)."""
-    if files_dir is not None:
-        setattr(node, _FILES_DIR_ATTR, Path(files_dir).expanduser().resolve())
-
-
-def register_routes(app: web.Application, node: Any) -> None:
-    """Add the ``/v1/files`` routes; the manager starts and stops with ``app``."""
-
-    async def start(app: web.Application) -> None:
-        home = Path(node.home.path)
-        config = load_config(home)
-        files_dir = getattr(node, _FILES_DIR_ATTR, None) or config.files_dir or home / "files"
-        manager = TransferManager(node, files_dir, config)
-        await manager.start()
-        app[MANAGER_KEY] = manager
-
-    async def stop(app: web.Application) -> None:
-        if MANAGER_KEY in app:
-            await app[MANAGER_KEY].stop()
-
-    app.on_startup.append(start)
-    app.on_cleanup.append(stop)
+def register_routes(app: web.Application, manager: TransferManager) -> None:
+    """Add the ``/v1/files`` routes over ``manager`` (started and stopped by its owner)."""
+    app[MANAGER_KEY] = manager
 
     def reply(data: Any, status: int = 200) -> web.Response:
         return web.Response(text=json.dumps(data), status=status, content_type="application/json")

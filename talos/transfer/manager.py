@@ -25,7 +25,6 @@ import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -62,6 +61,7 @@ from talos.transfer.protocol import (
 )
 from talos.transfer.receiver import IncomingAttempt, IncomingFile
 from talos.transfer.sender import OutgoingAttempt, Signer, file_size
+from talos.writer import StoreWriter
 from talos_sdk.errors import (
     DecryptionError,
     HandshakeError,
@@ -128,6 +128,9 @@ class AppNode(Protocol):
 
     @property
     def store(self) -> Store: ...
+
+    @property
+    def writer(self) -> StoreWriter: ...
 
     @property
     def wallet(self) -> Any: ...
@@ -226,9 +229,8 @@ class TransferManager:
         self.on_progress: Callable[[bytes, int], None] | None = None
         self.bytes_sent: dict[bytes, int] = {}
         self._stopped = False
-        # Rows go to the store on this one thread, in order, so an fsync never blocks the
-        # loop; rows queued but not yet committed are served from _unwritten.
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="talos-transfers")
+        # Rows go to the store through the node's one writer, in order, so an fsync never
+        # blocks the loop; rows queued but not yet committed are served from _unwritten.
         self._unwritten: dict[bytes, TransferInfo] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -262,7 +264,7 @@ class TransferManager:
             await self._settle_checkpoint(inc)
             inc.file.close()
         self._incoming.clear()
-        await asyncio.to_thread(self._writer.shutdown)  # every queued row is committed
+        await self.node.writer.drain()  # every queued row is committed
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -316,17 +318,15 @@ class TransferManager:
         key = bytes.fromhex(info.tid)
         self._unwritten[key] = info
 
-        def write() -> None:
-            with self.node.store.write(durable=durable) as txn:
-                txn.put(_DB, key, info.encode())
+        row = info.encode()
 
         def written(_: object) -> None:
             if self._unwritten.get(key) is info:
                 del self._unwritten[key]
 
-        fut = asyncio.get_running_loop().run_in_executor(self._writer, write)
-        fut.add_done_callback(written)
-        await fut
+        await self.node.writer.submit(
+            lambda txn: txn.put(_DB, key, row), durable=durable, then=written, kind="transfer"
+        )
         if notify:
             self._notify(info)
         return info
@@ -876,7 +876,9 @@ class TransferManager:
             extra=info.name.encode(),
         )
         try:
-            await asyncio.to_thread(self.block_log.append, record, durable=True)
+            await self.node.writer.write(
+                lambda txn: self.block_log.append(record, txn), kind="transfer"
+            )
         except TalosError as exc:
             log.error("transfer %s: block log record not written: %s", info.tid, exc)
 

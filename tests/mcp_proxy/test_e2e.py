@@ -324,7 +324,7 @@ async def test_policy_file_named_servers_and_strict_audit_in_the_block_log(tmp_p
     from talos.chain.log import BlockLog
     from talos.config import Home
     from talos.store import Store
-    from talos_sdk.wallet import Wallet
+    from talos_sdk.keyfile import load_wallet
 
     client_did = did_of(tmp_path / "c")
     policy = tmp_path / "policy.toml"
@@ -362,7 +362,7 @@ tools = ["get_current_time"]
     home = Home(serve_home)
     store = Store(home.store_dir)
     try:
-        log = BlockLog(store, Wallet.load(home.identity))
+        log = BlockLog(store, load_wallet(home.identity))
         records = [
             r for h in range(log.height + 1) for r in log.block_records(h) if r.kind == "mcp"
         ]

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from talos.config import NodeConfig
-from talos.node import Node, init_home
+from talos.home import init_home
+from talos.node import Node
 
 FAST = {
     "listen": "127.0.0.1:0",

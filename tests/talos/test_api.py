@@ -1,4 +1,5 @@
-"""The control API against real nodes on 127.0.0.1 (talos/api.py)."""
+"""The control API against real nodes on 127.0.0.1 (talos/api.py), each built by the
+composition root (talos/daemon.py) as ``talosd run`` builds it."""
 
 from __future__ import annotations
 
@@ -11,20 +12,32 @@ from typing import Any
 import aiohttp
 import pytest
 
+from talos.daemon import Daemon
 from talos.node import Node
 from talos_sdk.wallet import Wallet
-from tests.talos.nodes import link, make_home, started, until
+from tests.talos.nodes import link, make_home, until
+
+API_URLS: dict[str, str] = {}
+
+
+async def _daemon(tmp_path: Path, name: str) -> Daemon:
+    daemon = Daemon(*make_home(tmp_path, name, api=True))
+    await daemon.start()
+    assert daemon.api_url is not None
+    API_URLS[daemon.node.did] = daemon.api_url
+    return daemon
 
 
 @pytest.fixture
 async def nodes(tmp_path: Path) -> AsyncIterator[tuple[Node, Node, aiohttp.ClientSession]]:
-    a = await started(*make_home(tmp_path, "a", api=True))
-    b = await started(*make_home(tmp_path, "b", api=True))
+    da = await _daemon(tmp_path, "a")
+    db = await _daemon(tmp_path, "b")
+    a, b = da.node, db.node
     headers = {"Authorization": f"Bearer {a.home.api_token()}"}
-    async with aiohttp.ClientSession(base_url=a.api_url, headers=headers) as http:
+    async with aiohttp.ClientSession(base_url=API_URLS[a.did], headers=headers) as http:
         yield a, b, http
-    await a.stop()
-    await b.stop()
+    await da.stop()
+    await db.stop()
 
 
 async def call(http: aiohttp.ClientSession, method: str, path: str, **kw: Any) -> tuple[int, Any]:
@@ -36,7 +49,7 @@ async def call(http: aiohttp.ClientSession, method: str, path: str, **kw: Any) -
 
 async def test_token_is_required(nodes: tuple[Node, Node, aiohttp.ClientSession]) -> None:
     a, _, _ = nodes
-    async with asyncio.timeout(10), aiohttp.ClientSession(base_url=a.api_url) as anon:
+    async with asyncio.timeout(10), aiohttp.ClientSession(base_url=API_URLS[a.did]) as anon:
         assert (await call(anon, "GET", "/healthz"))[0] == 200
         for path in ("/v1/status", "/metrics", "/v1/inbox"):
             status, body = await call(anon, "GET", path)
@@ -91,7 +104,7 @@ async def test_routes_end_to_end(
 
 def b_http(b: Node) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {b.home.api_token()}"}
-    return aiohttp.ClientSession(base_url=b.api_url, headers=headers)
+    return aiohttp.ClientSession(base_url=API_URLS[b.did], headers=headers)
 
 
 async def test_bad_requests_get_clear_errors(

@@ -15,7 +15,7 @@ from talos.chain.block import Record
 from talos.chain.log import BlockLog
 from talos.client import ApiClient, ApiError
 from talos.store import Store
-from talos_sdk.wallet import Wallet
+from talos_sdk.keyfile import load_wallet
 from tests.talos.daemons import ENV, TALOSD, Daemon, fast_config, talosd, wait_for
 
 
@@ -156,7 +156,7 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
     # names it in a warning line and still exits 0 (it never entered the chain).
     forged_id = b"\x07" * 16
     with Store(home_b / "store") as store:
-        wallet = Wallet.load(home_b / "identity.key")
+        wallet = load_wallet(home_b / "identity.key")
         log = BlockLog(store, wallet)
         log.append(
             Record("msg", forged_id, did_a, wallet.did, b"commitment", b"\0" * 64, 1),

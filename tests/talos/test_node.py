@@ -18,6 +18,7 @@ from talos.link.peer import Link
 from talos.node import ConnectTimeoutError, Node, NotConnectedError
 from talos.pipeline import make_seq
 from talos_sdk.errors import BundleError, DIDError, UsageError
+from talos_sdk.keyfile import load_wallet
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import addr, link, make_home, started, until
 
@@ -72,21 +73,22 @@ async def test_frames_arriving_during_a_commit_share_the_next_one(
     """Group commit, made deterministic by holding A's first receive commit (review #11a)."""
     a, b = pair
     gate = threading.Event()
-    real = a._commit_batch
     sizes: list[int] = []
 
-    def first_held(txn: Any, **kwargs: Any) -> None:
-        sizes.append(len(kwargs["batch"]))
+    def first_held(kind: str, size: int) -> None:
+        sizes.append(size)
         if len(sizes) == 1:
             assert gate.wait(20), "held commit never released"
-        real(txn, **kwargs)
 
     try:
         async with asyncio.timeout(30):
             await link(a, b)
-            monkeypatch.setattr(a, "_commit_batch", first_held)
+            a.writer.before("receive", first_held)
             sends = [asyncio.create_task(b.send_message(a.did, f"r{i}")) for i in range(20)]
-            await until(lambda: len(a._incoming) == 19, what="r1..r19 behind the held commit")
+            await until(
+                lambda: a.status()["queues"]["incoming_batch"] == 19,
+                what="r1..r19 behind the held commit",
+            )
             gate.set()
             await asyncio.gather(*sends)
             await until(lambda: len(a.inbox()) == 20, what="the second commit")
@@ -374,13 +376,13 @@ async def test_failed_start_is_clear_and_leaves_the_home_usable(
 
 async def test_offline_send_is_delivered_on_the_next_run(tmp_path: Path) -> None:
     from talos.config import Home
-    from talos.node import offline_add_peer, offline_inbox, offline_peers, offline_send
+    from talos.home import offline_add_peer, offline_inbox, offline_peers, offline_send
 
     home_a, cfg_a = make_home(tmp_path, "a")
     home_b, cfg_b = make_home(tmp_path, "b")
     async with asyncio.timeout(20):
         b = await started(home_b, cfg_b)
-        a_did = Wallet.load(home_a / "identity.key").did
+        a_did = load_wallet(home_a / "identity.key").did
         b.allow(a_did)
         offline_add_peer(Home(home_a), addr(b))
         assert offline_peers(Home(home_a))[0]["did"] == b.did
@@ -452,12 +454,13 @@ async def test_failed_session_init_closes_the_link_and_sets_up_again(
 async def test_message_above_the_receivers_frame_bound(tmp_path: Path) -> None:
     """Review #9: the sender learns B's bound from its offer and refuses what cannot fit."""
     from talos.config import Home
-    from talos.node import MessageTooLargeError, offline_send, text_limit
+    from talos.home import offline_send
+    from talos.pipeline import MessageTooLargeError, text_limit
     from talos_sdk.errors import OversizeError
 
     home_a, cfg_a = make_home(tmp_path, "a")
     b = await started(*make_home(tmp_path, "b", max_frame=64 * 1024))
-    a_did = Wallet.load(home_a / "identity.key").did
+    a_did = load_wallet(home_a / "identity.key").did
     b.allow(a_did)
     big = "x" * (text_limit(64 * 1024) + 1)
     # Queued while A is stopped, so nobody knew B's bound: A must fail it, not retry forever.

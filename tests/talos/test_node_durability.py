@@ -9,7 +9,6 @@ committed LMDB state, the ``running`` marker), and a new node runs from the copy
 from __future__ import annotations
 
 import asyncio
-import functools
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from talos.config import NodeConfig
 from talos.link import heads as hd
 from talos.node import Node
 from talos.store import Store
+from talos.writer import StoreWriter
 from talos_sdk.errors import StorageFullError
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import addr, link, make_home, started, until
@@ -39,13 +39,17 @@ def gate() -> Iterator[threading.Event]:
     event.set()
 
 
-def held(gate: threading.Event, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        assert gate.wait(20), "held write never released"
-        return fn(*args, **kwargs)
+def held(gate: threading.Event) -> Callable[[str, int], None]:
+    """A StoreWriter hook that holds every write of its kind until ``gate`` is set."""
 
-    return wrapper
+    def hook(kind: str, size: int) -> None:
+        assert gate.wait(20), f"held {kind} write never released"
+
+    return hook
+
+
+def writer(node: Node) -> StoreWriter:
+    return node.writer
 
 
 def crash_copy(home: Path, to: Path) -> None:
@@ -68,11 +72,11 @@ async def test_sender_crash_after_transmit_before_outbox_commit(
         async with asyncio.timeout(30):
             await link(a, b)
             # A's writer stalls at the ack txn of m1: m1 stays in A's durable outbox.
-            monkeypatch.setattr(node_mod, "_ack_txn", held(gate, node_mod._ack_txn))
+            writer(a).before("ack", held(gate))
             # B's commit (hence its ack) waits until m1's outbox row is durable at A;
             # an earlier ack would rightly keep the row from ever being written.
             b_gate = threading.Event()
-            monkeypatch.setattr(b, "_commit_batch", held(b_gate, b._commit_batch))
+            writer(b).before("receive", held(b_gate))
             try:
                 sent = asyncio.create_task(a.send_message(b.did, "m1"))
                 await until(lambda: outbox(a) == 1, what="m1 in A's outbox")
@@ -119,7 +123,7 @@ async def test_receiver_crash_before_commit_gets_the_resend(
         async with asyncio.timeout(30):
             await link(a, b)
             await a.send_message(b.did, "before", wait=True)
-            monkeypatch.setattr(b, "_commit_batch", held(gate, b._commit_batch))
+            writer(b).before("receive", held(gate))
             # Without --wait, send returns once A's own outbox commit is durable.
             msg_id = await a.send_message(b.did, "in flight")
             with a.store.read() as txn:
@@ -253,23 +257,24 @@ async def test_failed_receive_commit_does_not_ack_the_frames_queued_behind_it(
     """Review #1: m0's commit fails while m1..m4 wait; none of them may be acked."""
     a = await started(*make_home(tmp_path, "a"))
     b = await started(*make_home(tmp_path, "b"))
-    real = b._commit_batch
     calls: list[int] = []
 
-    def first_fails(txn: Any, **kwargs: Any) -> None:
-        calls.append(len(kwargs["batch"]))
+    def first_fails(kind: str, size: int) -> None:
+        calls.append(size)
         if len(calls) == 1:
             assert gate.wait(20), "held write never released"
             raise StorageFullError("injected: map full")
-        real(txn, **kwargs)
 
     try:
         async with asyncio.timeout(30):
             await link(a, b)
-            monkeypatch.setattr(b, "_commit_batch", first_fails)
+            writer(b).before("receive", first_fails)
             sends = [asyncio.create_task(a.send_message(b.did, f"m{i}")) for i in range(5)]
             # m0 is alone in the held commit; m1..m4 are accepted into the next batch.
-            await until(lambda: len(b._incoming) == 4, what="m1..m4 queued behind m0")
+            await until(
+                lambda: b.status()["queues"]["incoming_batch"] == 4,
+                what="m1..m4 queued behind m0",
+            )
             gate.set()
             await asyncio.gather(*sends)
             await until(lambda: b.metrics.counters.get("commit_failures") == 1, what="failure")
@@ -295,7 +300,7 @@ async def test_heads_are_judged_off_the_read_loop(
     try:
         async with asyncio.timeout(30):
             await link(a, b)
-            monkeypatch.setattr(node_mod, "_judge_head", held(gate, node_mod._judge_head))
+            writer(b).before("head", held(gate))
             await a.send_app(b.did, hd.HEAD_CHANNEL, _forged_head(a.wallet, 5, b"\x05" * 32))
             await a.send_app(b.did, "echo", b"behind the head")
             await until(lambda: got == [b"behind the head"], what="frame past a held head write")

@@ -17,11 +17,13 @@ import pytest
 from talos.chain.verify import verify_chain
 from talos.cli import main as talosd
 from talos.config import NodeConfig
+from talos.home import init_home
 from talos.link import heads as hd
 from talos.link.auth import CLOSE_DOWNGRADE, CLOSE_PQ_REQUIRED, load_pin
 from talos.link.peer import LinkSettings, PeerRefused, dial_link
-from talos.node import Node, init_home
+from talos.node import Node
 from talos_sdk.hybrid import SUITE_ED25519, SUITE_HYBRID
+from talos_sdk.keyfile import load_wallet
 from talos_sdk.wallet import HybridWallet, Wallet
 from tests.talos.nodes import link, make_config, started, until
 
@@ -68,7 +70,7 @@ async def test_hybrid_pair_uses_both_signatures(tmp_path: Path, nodes: dict[str,
         )
         assert len(bytes.fromhex(_kept_head(b, a.did)["signature"])) == 3373  # type: ignore[index]
         for node in (a, b):
-            node.log.seal()
+            await asyncio.to_thread(node.log.seal)
             report = verify_chain(
                 node.store, node.did, workers=1, mldsa65_public_key=node.wallet.mldsa_public_key
             )
@@ -166,7 +168,7 @@ def test_cli_init_hybrid_identity(tmp_path: Path, capsys: pytest.CaptureFixture[
     path = tmp_path / "home"
     assert talosd(["init", "--home", str(path), "--suite", "ed25519-mldsa65"]) == 0
     did = capsys.readouterr().out.strip()
-    wallet = Wallet.load(path / "identity.key")
+    wallet = load_wallet(path / "identity.key")
     assert isinstance(wallet, HybridWallet) and wallet.did == did
     with pytest.raises(SystemExit):
         talosd(["init", "--home", str(tmp_path / "x"), "--suite", "rsa"])

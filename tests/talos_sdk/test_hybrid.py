@@ -38,7 +38,7 @@ from talos_sdk.hybrid import (
     decide_peer_pin,
     derive_mldsa65_seed,
 )
-from talos_sdk.keyfile import decode_key_file, encode_key_file
+from talos_sdk.keyfile import decode_key_file, encode_key_file, load_wallet, save_wallet
 from talos_sdk.wallet import HybridWallet, Wallet, verify, verify_auth
 
 VECTORS: list[dict[str, Any]] = json.loads(
@@ -263,11 +263,11 @@ def test_hybrid_objects_do_not_leak_or_pickle() -> None:
 
 
 def test_hybrid_key_file_round_trips(tmp_path: Path) -> None:
-    A.save(tmp_path / "plain.key")
-    A.save(tmp_path / "sealed.key", "pw")
+    save_wallet(A, tmp_path / "plain.key")
+    save_wallet(A, tmp_path / "sealed.key", "pw")
     doc = json.loads((tmp_path / "plain.key").read_text())
     assert doc["suite"] == SUITE_HYBRID and doc["key_id"] == A.hybrid_public_key.fingerprint
-    for loaded in (Wallet.load(tmp_path / "plain.key"), Wallet.load(tmp_path / "sealed.key", "pw")):
+    for loaded in (load_wallet(tmp_path / "plain.key"), load_wallet(tmp_path / "sealed.key", "pw")):
         assert isinstance(loaded, HybridWallet)
         assert loaded.hybrid_public_key == A.hybrid_public_key
         assert loaded.verify_auth(MSG, SIG)

@@ -17,8 +17,10 @@ from talos_sdk.keyfile import (
     DEFAULT_SCRYPT_N,
     decode_key_file,
     encode_key_file,
+    load_wallet,
     read_private_file,
     register_suite,
+    save_wallet,
     write_private_file,
 )
 from talos_sdk.wallet import Wallet
@@ -37,30 +39,30 @@ def _mode(path: Path) -> int:
 def test_save_load_plain(tmp_path: Path) -> None:
     w = Wallet.generate()
     path = tmp_path / "id.key"
-    w.save(path)
+    save_wallet(w, path)
     assert _mode(path) == 0o600
     doc = json.loads(path.read_text())
     assert doc["format"] == "talos-key" and doc["version"] == 1 and doc["did"] == w.did
-    loaded = Wallet.load(path)
+    loaded = load_wallet(path)
     assert loaded.seed == w.seed and loaded.did == w.did
 
 
 def test_save_load_encrypted_default_cost(tmp_path: Path) -> None:
     w = Wallet.generate()
     path = tmp_path / "id.key"
-    w.save(path, "correct horse")
+    save_wallet(w, path, "correct horse")
     assert _mode(path) == 0o600
     text = path.read_text()
     assert base64.b64encode(w.seed).decode() not in text
     assert json.loads(text)["kdf"]["n"] == DEFAULT_SCRYPT_N
-    assert Wallet.load(path, "correct horse").seed == w.seed
-    assert Wallet.load(str(path), b"correct horse").seed == w.seed
+    assert load_wallet(path, "correct horse").seed == w.seed
+    assert load_wallet(str(path), b"correct horse").seed == w.seed
 
 
 def test_mode_is_0600_even_with_permissive_umask(tmp_path: Path) -> None:
     old = os.umask(0)
     try:
-        Wallet.generate().save(tmp_path / "k")
+        save_wallet(Wallet.generate(), tmp_path / "k")
     finally:
         os.umask(old)
     assert _mode(tmp_path / "k") == 0o600
@@ -204,12 +206,12 @@ def test_bad_passphrase_arguments() -> None:
 def test_refuses_to_overwrite(tmp_path: Path) -> None:
     path = tmp_path / "id.key"
     first, second = Wallet.generate(), Wallet.generate()
-    first.save(path)
+    save_wallet(first, path)
     with pytest.raises(KeyFileError, match="already exists; pass overwrite=True"):
-        second.save(path)
-    assert Wallet.load(path).did == first.did
-    second.save(path, overwrite=True)
-    assert Wallet.load(path).did == second.did
+        save_wallet(second, path)
+    assert load_wallet(path).did == first.did
+    save_wallet(second, path, overwrite=True)
+    assert load_wallet(path).did == second.did
     assert _mode(path) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["id.key"]  # no temp files left
 
@@ -221,13 +223,13 @@ def test_write_into_missing_directory(tmp_path: Path) -> None:
 
 def test_read_errors(tmp_path: Path) -> None:
     with pytest.raises(KeyFileError, match="no key file at"):
-        Wallet.load(tmp_path / "missing.key")
+        load_wallet(tmp_path / "missing.key")
     with pytest.raises(KeyFileError, match="cannot read key file"):
         read_private_file(tmp_path)  # a directory
     big = tmp_path / "big.key"
     big.write_bytes(b" " * (64 * 1024 + 1))
     with pytest.raises(KeyFileError, match="larger than"):
-        Wallet.load(big)
+        load_wallet(big)
 
 
 class _LabWallet(Wallet):

@@ -1,7 +1,8 @@
 """Two in-process app-channel endpoints with real LMDB stores and real block logs.
 
 A *transport* for the manager tests (ordered delivery of app payloads, link
-up/down callbacks), standing in for talos.node.Node until the node lands; the
+up/down callbacks): a second implementation of the app-host contract the
+manager needs from talos.node.Node, with the node's real store writer; the
 bytes themselves move over the real bulk TCP path on 127.0.0.1.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from talos.chain.log import BlockLog
 from talos.store import Store
+from talos.writer import StoreWriter
 from talos_sdk.wallet import Wallet
 
 
@@ -29,7 +31,8 @@ class Endpoint:
         self.wallet = wallet
         self.did = wallet.did
         self.store = Store(home / "store")
-        self.log = BlockLog(self.store, wallet)
+        self.writer = StoreWriter(self.store)
+        self.log = BlockLog(self.store, wallet, writes=self.writer)
         self.apps: dict[str, Callable[[str, bytes], Awaitable[None] | None]] = {}
         self.link_callbacks: list[Callable[[str, bool], None]] = []
         self.other: Endpoint | None = None
@@ -66,6 +69,7 @@ class Endpoint:
     async def close(self) -> None:
         self.pump.cancel()
         await asyncio.gather(self.pump, return_exceptions=True)
+        await asyncio.to_thread(self.writer.close)
         self.store.close()
 
 

@@ -110,7 +110,7 @@ async def test_send_and_receive(net: Net, size: int) -> None:
     assert public["status"] == "complete"
     assert "key" not in public
     for endpoint in (net.a, net.b):
-        endpoint.log.seal()
+        await asyncio.to_thread(endpoint.log.seal)
         blocks = list(endpoint.log.iter_blocks())
         records = [r for blk in blocks for r in endpoint.log.block_records(blk.height)]
         files = [r for r in records if r.kind == "file"]

@@ -152,7 +152,7 @@ async def test_file_between_real_nodes_logged_on_both(
     assert inc.sha256 == out.sha256 == digest
     assert inc.signature == out.signature != ""
     for side in (a, b):
-        side.node.log.seal()
+        await asyncio.to_thread(side.node.log.seal)
         log = side.node.log
         records = [r for blk in log.iter_blocks() for r in log.block_records(blk.height)]
         files = [r for r in records if r.kind == "file"]

@@ -1,0 +1,99 @@
+"""The composition root of ``talosd run`` (docs/ARCHITECTURE.md "Composition").
+
+Builds and wires the parts of a running node in one place: the
+:class:`~talos.node.Node` (links, sessions, pipeline, block log), the
+:class:`~talos.transfer.manager.TransferManager` on the node's app channel, and
+the control API over both. Transfer runs whether or not the API does; the API
+only adds routes over the manager it is handed. Stop order is the reverse of
+start: the API first (long-polls woken), then transfers, then the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from talos.config import Home, NodeConfig
+from talos.node import Node
+from talos.transfer.manager import TransferConfig, TransferManager
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+__all__ = ["Daemon", "load_transfer_config"]
+
+
+def load_transfer_config(home: Path) -> TransferConfig:
+    """``<home>/transfer.json`` if present, else the defaults."""
+    path = home / "transfer.json"
+    if path.exists():
+        return TransferConfig.model_validate_json(path.read_bytes())
+    return TransferConfig()
+
+
+class Daemon:
+    """A node with its transfer manager and (if configured) its control API."""
+
+    def __init__(
+        self,
+        home: Path,
+        config: NodeConfig | None = None,
+        *,
+        files_dir: Path | str | None = None,
+        transfer: TransferConfig | None = None,
+    ) -> None:
+        self.home = Home(Path(home))
+        self.node = Node(self.home.path, config)
+        self.transfer_config = transfer or load_transfer_config(self.home.path)
+        chosen = files_dir or self.transfer_config.files_dir or self.home.path / "files"
+        self.files_dir = Path(chosen).expanduser().resolve()
+        self.transfers: TransferManager | None = None
+        self.api_url: str | None = None
+        self._api: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        """Node, then transfers, then the API; a failure undoes what started."""
+        await self.node.start()
+        try:
+            self.transfers = TransferManager(self.node, self.files_dir, self.transfer_config)
+            await self.transfers.start()
+            config = self.node.config
+            if config.api:
+                from talos.api import start_api
+
+                self._api, self.api_url = await start_api(
+                    self.node, self.transfers, config.api_host, config.api_port
+                )
+        except BaseException:
+            await self.stop()
+            raise
+        self.home.write_node_info(
+            {
+                "pid": os.getpid(),
+                "did": self.node.did,
+                "listen": self.node.listen_url,
+                "api": self.api_url,
+            }
+        )
+
+    async def stop(self) -> None:
+        """API, transfers, node; the node file goes last (clients read it to find us)."""
+        self.node.quiesce()  # long-polls return now, so the API can close promptly
+        if self._api is not None:
+            runner, self._api = self._api, None
+            await runner.cleanup()
+        if self.transfers is not None:
+            transfers, self.transfers = self.transfers, None
+            await transfers.stop()
+        await self.node.stop()
+        with contextlib.suppress(FileNotFoundError):
+            self.home.node_file.unlink()
+
+    async def __aenter__(self) -> Daemon:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,142 @@
+"""A node home without a running node: creating it, and the offline ``talosd`` commands.
+
+``talosd init`` builds a home here; ``talosd id|peers|send|inbox|chain`` use
+the helpers below when no node runs (the store's ``flock`` proves it: a
+running node holds it, docs/operations.md "Homes"). Each helper opens the
+store, does one transaction and closes it again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from talos import pipeline as pl
+from talos.chain.log import BlockLog
+from talos.chain.verify import verify_chain
+from talos.config import Home, NodeConfig, parse_peer_addr
+from talos.sessions import SessionManager, load_secrets
+from talos.store import Store
+from talos.views import block_json, report_json
+from talos_sdk.did import public_key_from_did
+from talos_sdk.errors import UsageError
+from talos_sdk.keyfile import load_wallet, save_wallet
+from talos_sdk.wallet import Wallet
+
+__all__ = [
+    "init_home",
+    "offline_add_peer",
+    "offline_blocks",
+    "offline_identity",
+    "offline_inbox",
+    "offline_peers",
+    "offline_proof",
+    "offline_send",
+    "offline_verify",
+]
+
+
+def init_home(path: Path, config: NodeConfig | None = None, *, suite: str | None = None) -> Wallet:
+    """Create a node home: identity (0600), config, API token (0600). Refuses to overwrite.
+
+    ``suite="ed25519-mldsa65"`` makes a hybrid identity (docs/adr/0005-hybrid-signatures.md).
+    """
+    home = Home(path)
+    if home.exists():
+        raise UsageError(f"{home.identity} already exists; refusing to overwrite an identity")
+    # Owner-only: the home holds the identity and the store (docs/security.md).
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    config = config or NodeConfig()
+    wallet = Wallet.generate(suite=suite)
+    save_wallet(wallet, home.identity)
+    home.save_config(config)
+    home.create_api_token()
+    with Store(home.store_dir, map_size=config.map_size) as store:
+        manager = SessionManager(
+            store, wallet, pq=config.pq, one_time=config.one_time_prekeys, ratchet_every=1
+        )
+        with store.write() as txn:
+            manager.load(txn, discard=False)
+    return wallet
+
+
+def _offline_store(home: Home) -> Store:
+    return Store(home.store_dir, map_size=home.load_config().map_size)
+
+
+def offline_identity(home: Home) -> dict[str, Any]:
+    """``talosd id`` without a running node: wallet file plus stored prekeys."""
+    wallet = load_wallet(home.identity)
+    with _offline_store(home) as store, store.read() as txn:
+        secrets = load_secrets(txn)
+    out: dict[str, Any] = {"did": wallet.did, "x25519": None, "suites": [], "listen": None}
+    if secrets is not None:
+        out["x25519"] = secrets.identity.public.hex()
+        out["suites"] = list(secrets.suites)
+    return out
+
+
+def offline_add_peer(home: Home, addr: str) -> dict[str, str]:
+    """``talosd peers add`` while stopped: the next run dials it."""
+    peer = parse_peer_addr(addr)
+    with _offline_store(home) as store, store.write() as txn:
+        txn.put("peers", peer.did.encode(), str(peer).encode())
+    return {"did": peer.did, "addr": str(peer)}
+
+
+def offline_peers(home: Home) -> list[dict[str, Any]]:
+    """The peers table (nobody is connected while the node is stopped)."""
+    with _offline_store(home) as store, store.read() as txn:
+        return [
+            {"did": k.decode(), "addr": v.decode() or None, "connected": False}
+            for k, v in txn.items("peers")
+        ]
+
+
+def offline_send(home: Home, did: str, text: str) -> str:
+    """Queue a message durably for the node's next run; returns its id."""
+    public_key_from_did(did)
+    limit = pl.text_limit(home.load_config().max_frame)
+    if len(text.encode()) > limit:
+        raise pl.MessageTooLargeError(f"message above the {limit}-byte limit of this node's frames")
+    msg_id = os.urandom(pl.MSG_ID_LEN)
+    with _offline_store(home) as store, store.write(durable=True) as txn:
+        # A fresh epoch: the last run may have crashed with numbers on the wire (ADR 0007).
+        epoch = pl.bump_epoch(txn)
+        pl.enqueue(txn, did, msg_id, int(time.time() * 1000), text, epoch)
+    return msg_id.hex()
+
+
+def offline_inbox(home: Home, after: int = 0) -> list[dict[str, object]]:
+    """``talosd inbox`` while stopped."""
+    with _offline_store(home) as store, store.read() as txn:
+        return [e.to_json() for e in pl.iter_inbox(txn, after)]
+
+
+def offline_verify(home: Home) -> dict[str, Any]:
+    """``talosd chain verify`` while stopped, as the API's JSON report."""
+    wallet = load_wallet(home.identity)
+    with _offline_store(home) as store:
+        # The ML-DSA key comes from the wallet, never from the store being audited.
+        report = verify_chain(store, wallet.did, mldsa65_public_key=wallet.mldsa_public_key)
+        return report_json(report, BlockLog(store, wallet).quarantined())
+
+
+def offline_blocks(home: Home) -> list[dict[str, Any]]:
+    """``talosd chain show`` while stopped."""
+    wallet = load_wallet(home.identity)
+    with _offline_store(home) as store:
+        return [block_json(b) for b in BlockLog(store, wallet).iter_blocks()]
+
+
+def offline_proof(home: Home, record_id: str) -> dict[str, Any]:
+    """``talosd chain proof ID`` while stopped."""
+    try:
+        rid = bytes.fromhex(record_id)
+    except ValueError:
+        raise UsageError("record id must be hex") from None
+    wallet = load_wallet(home.identity)
+    with _offline_store(home) as store:
+        return BlockLog(store, wallet).inclusion_proof(rid)
