@@ -123,7 +123,7 @@ async def talos_transfer(source: Path, root: Path) -> tuple[float, int, int]:
         listen = (await b.wait_line(r"listening on (\S+) did=")).group(1)
         a_argv = [*TALOSD, "run", "--home", str(a_home), "--peer", f"{listen}#{did_b}"]
         async with child(a_argv, "talosd run (A)") as a:
-            await a.wait_line(r"did=")
+            await a.wait_line(r"^running did=")  # printed once node.json names the API
             api = _api(a_home)
 
             def linked() -> bool:
