@@ -1,8 +1,9 @@
 """The product's import graph has no cycles (docs/ARCHITECTURE.md "Layers").
 
 Every ``import`` statement of talos_sdk, talos and mcp_proxy counts, also the
-ones inside functions and under ``TYPE_CHECKING``: a deferred import hides a
-circle from the interpreter, not from the reader. Edges run module to module
+ones inside functions: a deferred import hides a circle from the interpreter,
+not from the reader. Imports under ``if TYPE_CHECKING:`` are left out: they
+name a type for the checker and load nothing. Edges run module to module
 (``from pkg import mod`` is an edge to ``pkg.mod`` when that is a module).
 """
 
@@ -48,14 +49,30 @@ def _targets(node: ast.AST, here: str, is_package: bool, modules: dict[str, Path
                 yield base
 
 
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside ``if TYPE_CHECKING:`` blocks."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for stmt in node.body:
+                skip.update(id(n) for n in ast.walk(stmt))
+    return skip
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Module -> product modules it imports (any import statement anywhere in it)."""
+    """Module -> product modules it imports (any import statement but type-only ones)."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
         is_package = path.name == "__init__.py"
-        edges = {t for node in ast.walk(tree) for t in _targets(node, name, is_package, modules)}
+        skip = _type_only(tree)
+        edges = {
+            t
+            for node in ast.walk(tree)
+            if id(node) not in skip
+            for t in _targets(node, name, is_package, modules)
+        }
         edges.discard(name)
         graph[name] = edges
     return graph
@@ -114,3 +131,9 @@ def test_layers_import_downward_only() -> None:
             assert not {e for e in edges if not e.startswith("talos_sdk")}, module
         elif module.startswith("talos"):
             assert not {e for e in edges if e.startswith("mcp_proxy")}, module
+
+
+def test_type_only_imports_are_left_out() -> None:
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import talos.node\n")
+    imports = [n for n in ast.walk(tree) if isinstance(n, ast.Import)]
+    assert {id(n) for n in imports} <= _type_only(tree)

@@ -32,7 +32,7 @@ from typing import Any, Final, Protocol
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from talos.store import Store
+from talos.store import Store, Txn
 from talos.transfer import bulk
 from talos.transfer.protocol import (
     APP_NAME,
@@ -552,12 +552,11 @@ class TransferManager:
         if len(drop) < excess:
             return False
 
-        def forget() -> None:
-            with self.node.store.write() as txn:
-                for key in drop:
-                    txn.delete(_DB, key)
+        def forget(txn: Txn) -> None:
+            for key in drop:
+                txn.delete(_DB, key)
 
-        await asyncio.get_running_loop().run_in_executor(self._writer, forget)
+        await self.node.writer.write(forget, kind="transfer")
         return True
 
     async def _on_offer(self, peer: str, msg: Offer) -> None:
