@@ -6,7 +6,7 @@ Shows (DESIGN.md "Protocol decisions: Identity"; docs/PROTOCOL.md):
 2. The did:key of a wallet and how it round-trips to the raw public key.
 3. ``wallet.sign`` / ``wallet.verify`` and the module ``verify(did, data, sig)``
    that needs nothing but the sender's DID.
-4. ``save`` / ``Wallet.load`` with a passphrase; a wrong passphrase raises
+4. ``save_wallet`` / ``load_wallet`` with a passphrase; a wrong passphrase raises
    ``WrongPassphraseError``; the key file is created 0600.
 5. The hybrid Ed25519 + ML-DSA-65 suite (``HybridWallet``): same DID for the
    same seed, a post-quantum signature for identity-bearing data.

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import random
@@ -53,7 +52,8 @@ from talos_sdk.errors import (
 )
 
 if TYPE_CHECKING:
-    from talos.node import Node, _Peer
+    from talos.node import Node
+    from talos.node_base import Peer as _Peer
 
 __all__ = ["RELAY_SCHEMES", "NodeRelay", "RelayResolver", "is_relay_address"]
 
@@ -220,11 +220,10 @@ class NodeRelay:
                 if peer.link is not None:
                     return posted
                 after = row.seq
-                if not node._fits(peer, row):
-                    continue
-                prev = node._prev(peer, row.prev)
-                if prev != row.prev:
-                    row = dataclasses.replace(row, prev=prev)
+                ready = node.prepare_row(peer, row)
+                if ready is None:
+                    continue  # the peer can never accept it: failed for good
+                row = ready
                 body, record = node.sessions.seal_message(did, row)
                 frame = link_wire.encode(link_wire.Msg(row.seq, body))
                 envelope = seal_envelope(did, node.did, frame, os.urandom(32))

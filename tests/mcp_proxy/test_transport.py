@@ -73,7 +73,7 @@ async def test_without_flush_now_the_queue_leaves_on_the_next_pass(ends: Ends) -
 
 
 async def test_a_busy_link_hands_over_to_a_task_that_coalesces_the_backlog(ends: Ends) -> None:
-    peer_link = ends.a._peers[ends.b.did].link
+    peer_link = ends.a.peer_state(ends.b.did).link
     assert peer_link is not None
     async with asyncio.timeout(TIMEOUT):
         peer_link.ws.pause_writing()  # as the transport does above its high-water mark

@@ -236,7 +236,7 @@ async def test_try_send_app_sends_inline_in_order_with_send_app(
         with pytest.raises(UsageError, match="frame bound"):
             a.try_send_app(b.did, "echo", b"x" * (a.config.max_frame + 1))
         # A paused socket: nothing is sealed or sent, the caller falls back to send_app.
-        peer_link = a._peers[b.did].link
+        peer_link = a.peer_state(b.did).link
         assert peer_link is not None
         peer_link.ws.pause_writing()
         assert not a.try_send_app(b.did, "echo", b"held")
@@ -322,7 +322,7 @@ async def test_both_sides_dialling_keep_exactly_one_link(pair: tuple[Node, Node]
         assert [e.text for e in a.inbox()] == [f"b{i}" for i in range(20)] + ["end"]
         # Both sides hold the same single WebSocket (when both links came up, the
         # one dialled by the smaller DID survived on both sides).
-        la, lb = a._peers[b.did].link, b._peers[a.did].link
+        la, lb = a.peer_state(b.did).link, b.peer_state(a.did).link
         assert la is not None and lb is not None
         assert la.role != lb.role
         assert la.ws.local_address == lb.ws.remote_address
@@ -482,7 +482,7 @@ async def test_message_above_the_receivers_frame_bound(tmp_path: Path) -> None:
             await a.send_message(b.did, big[:-1], wait=True)
             assert len(b.inbox()[-1].text) == len(big) - 1
             assert b.metrics.counters.get("frames_rejected", 0) == 0
-            assert a._peers[b.did].link is not None and a.metrics.counters["links_up"] == 1
+            assert a.peer_state(b.did).link is not None and a.metrics.counters["links_up"] == 1
     finally:
         await a.stop()
         await b.stop()

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from talos import node as node_mod
+from talos.chain import heads as hd
 from talos.chain.block import head_signing_bytes, head_statement
 from talos.chain.log import block_key
 from talos.chain.verify import verify_chain
 from talos.config import NodeConfig
-from talos.link import heads as hd
 from talos.node import Node
 from talos.store import Store
 from talos.writer import StoreWriter
@@ -83,7 +83,7 @@ async def test_sender_crash_after_transmit_before_outbox_commit(
             finally:
                 b_gate.set()
             await sent
-            await until(lambda: a._peers[b.did].tx.acked > 0, what="m1 acked")
+            await until(lambda: a.peer_state(b.did).tx.acked > 0, what="m1 acked")
             # "lost" leaves A before its outbox row commits (it queues behind the stall):
             # B commits it, the caller never hears back, A's disk never has it.
             lost = asyncio.create_task(a.send_message(b.did, "lost"))
@@ -95,7 +95,7 @@ async def test_sender_crash_after_transmit_before_outbox_commit(
 
             a2 = await started(tmp_path / "a2", cfg_a)
             try:
-                assert a2.unclean_start and a2._epoch == 2
+                assert a2.unclean_start and a2.epoch == 2
                 with a2.store.read() as txn:
                     assert [r.text for r in node_mod.pl.iter_outbox(txn, b.did)] == ["m1"]
                 await a2.add_peer(addr(b))
@@ -129,7 +129,7 @@ async def test_receiver_crash_before_commit_gets_the_resend(
             with a.store.read() as txn:
                 texts = [r.text for r in node_mod.pl.iter_outbox(txn, b.did)]
             assert texts[-1] == "in flight"
-            rx = b._peers[a.did].rx
+            rx = b.peer_state(a.did).rx
             await until(lambda: rx.accepted > rx.delivered, what="B opened it, commit held")
             crash_copy(home_b, tmp_path / "b2")
             port = b.listen_url.rsplit(":", 1)[1]  # type: ignore[union-attr]
@@ -200,9 +200,9 @@ async def test_signed_heads_are_kept_and_a_rewritten_log_is_flagged(tmp_path: Pa
             await a.send_message(b.did, "one", wait=True)
             await until(lambda: a.log.pending_count >= 1, what="A's record")
             (block,) = await asyncio.to_thread(a.log.seal)
-            await until(lambda: a.did in b.peer_heads(), what="A's head kept by B")
-            assert b.peer_heads()[a.did]["hash"] == block.hash().hex()
-            assert b.equivocations() == []
+            await until(lambda: a.did in b.heads.peer_heads(), what="A's head kept by B")
+            assert b.heads.peer_heads()[a.did]["hash"] == block.hash().hex()
+            assert b.heads.equivocations() == []
             await a.stop()
             # A quietly rewrites history: drops its sealed block and seals another one
             # at the same height.
@@ -214,12 +214,12 @@ async def test_signed_heads_are_kept_and_a_rewritten_log_is_flagged(tmp_path: Pa
             await until(lambda: a.log.pending_count >= 1, what="A's new record")
             (again,) = await asyncio.to_thread(a.log.seal)
             assert again.height == block.height and again.hash() != block.hash()
-            await until(lambda: len(b.equivocations()) == 1, what="equivocation recorded")
+            await until(lambda: len(b.heads.equivocations()) == 1, what="equivocation recorded")
             (alert,) = b.status()["equivocations"]
             assert alert["node"] == a.did
             assert alert["reason"] == "same height, different block hash"
             assert alert["presented"]["hash"] == again.hash().hex()
-            assert b.peer_heads()[a.did]["hash"] == block.hash().hex()  # the first one stays
+            assert b.heads.peer_heads()[a.did]["hash"] == block.hash().hex()  # the first one stays
             assert b.metrics.counters["head_equivocations"] == 1
     finally:
         await a.stop()
@@ -233,19 +233,19 @@ async def test_forged_and_lower_heads(tmp_path: Path) -> None:
         async with asyncio.timeout(30):
             await link(a, b)
             await a.send_app(b.did, hd.HEAD_CHANNEL, _forged_head(a.wallet, 5, b"\x05" * 32))
-            await until(lambda: a.did in b.peer_heads(), what="head 5 kept")
+            await until(lambda: a.did in b.heads.peer_heads(), what="head 5 kept")
             # Signed by someone else: the frame is rejected, nothing is kept or flagged.
             other = Wallet.generate()
             await a.send_app(b.did, hd.HEAD_CHANNEL, _forged_head(other, 9, b"\x09" * 32))
             await until(
                 lambda: b.metrics.counters.get("frames_rejected", 0) == 1, what="forgery refused"
             )
-            assert b.peer_heads()[a.did]["height"] == 5
+            assert b.heads.peer_heads()[a.did]["height"] == 5
             # A signed head below one A already signed: history was cut back.
             await a.send_app(b.did, hd.HEAD_CHANNEL, _forged_head(a.wallet, 3, b"\x03" * 32))
-            await until(lambda: len(b.equivocations()) == 1, what="lower head flagged")
-            assert b.equivocations()[0]["reason"] == "height below one already signed"
-            assert b.peer_heads()[a.did]["height"] == 5
+            await until(lambda: len(b.heads.equivocations()) == 1, what="lower head flagged")
+            assert b.heads.equivocations()[0]["reason"] == "height below one already signed"
+            assert b.heads.peer_heads()[a.did]["height"] == 5
     finally:
         await a.stop()
         await b.stop()
@@ -304,9 +304,9 @@ async def test_heads_are_judged_off_the_read_loop(
             await a.send_app(b.did, hd.HEAD_CHANNEL, _forged_head(a.wallet, 5, b"\x05" * 32))
             await a.send_app(b.did, "echo", b"behind the head")
             await until(lambda: got == [b"behind the head"], what="frame past a held head write")
-            assert b.peer_heads() == {}  # the head write is still held
+            assert b.heads.peer_heads() == {}  # the head write is still held
             gate.set()
-            await until(lambda: a.did in b.peer_heads(), what="head kept")
+            await until(lambda: a.did in b.heads.peer_heads(), what="head kept")
     finally:
         await a.stop()
         await b.stop()
@@ -322,12 +322,12 @@ def test_equivocation_rows_per_peer_are_capped(tmp_path: Path) -> None:
 
     with Store(tmp_path / "s", map_size=1 << 22) as store:
         with store.write() as txn:
-            assert node_mod._judge_head(txn, did, head(5, 0)) is None
+            assert hd.judge_and_store(txn, did, head(5, 0)) is None
             for i in range(1, hd.MAX_EQUIVOCATIONS_KEPT + 5):
-                assert node_mod._judge_head(txn, did, head(5, i)) is not None
+                assert hd.judge_and_store(txn, did, head(5, i)) is not None
         with store.read() as txn:
             prefix = hd.equiv_prefix(did)
-            rows = list(node_mod._prefixed(txn.items("meta", prefix), prefix))
+            rows = [k for k, _ in txn.items("meta", prefix) if k.startswith(prefix)]
             count = txn.get("meta", hd.equiv_count_key(did))
         assert len(rows) == hd.MAX_EQUIVOCATIONS_KEPT
         assert count is not None and int.from_bytes(count, "big") == hd.MAX_EQUIVOCATIONS_KEPT + 4

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from talos.chain import heads as hd
 from talos.chain.verify import verify_chain
 from talos.cli import main as talosd
 from talos.config import NodeConfig
 from talos.home import init_home
-from talos.link import heads as hd
 from talos.link.auth import CLOSE_DOWNGRADE, CLOSE_PQ_REQUIRED, load_pin
 from talos.link.peer import LinkSettings, PeerRefused, dial_link
 from talos.node import Node

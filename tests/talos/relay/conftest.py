@@ -21,13 +21,13 @@ class RelayNet:
         self.server: NatsServer | None = None
 
     def home(self, name: str, **overrides: object) -> tuple[Path, NodeConfig]:
-        from talos_sdk.wallet import Wallet
+        from talos_sdk.keyfile import load_wallet
 
         assert self.server is not None
         settings: dict[str, object] = {"listen": None, "relays": (self.server.url,)}
         settings.update(overrides)
         home, config = make_home(self.root, name, **settings)
-        did = Wallet.load(home / "identity.key").did
+        did = load_wallet(home / "identity.key").did
         self.server.reload([did])
         self.homes[name] = (home, config)
         return home, config

@@ -211,7 +211,7 @@ async def test_link_drop_resumes_from_committed_offset(
             tid = await a.manager.send_file(b.node.did, src)
             await relay.cut.wait()
             # the bulk connection died: take the peer link down with it
-            ws_link = a.node._peers[b.node.did].link
+            ws_link = a.node.peer_state(b.node.did).link
             assert ws_link is not None
             await ws_link.close()
             inc = await b.manager.wait(tid)

@@ -1,9 +1,11 @@
-"""Signed heads exchanged between linked nodes (DESIGN.md "block log": "Nodes may
-exchange signed heads so a node cannot quietly rewrite history").
+"""Signed heads exchanged between linked nodes: the rules and the rows
+(docs/DESIGN.md "Block log"; docs/PROTOCOL.md "Block log").
 
-Pure and sans-I/O. A node sends its latest signed head statement
-(:func:`talos.chain.block.head_statement`) on the reserved app channel
-:data:`HEAD_CHANNEL` when a link comes up and whenever its log grows. The peer
+Pure: bytes and LMDB transactions handed in, no loop, no clock. The service
+that sends and receives them is :mod:`talos.chain.head_gossip`. A node sends
+its latest signed head statement (:func:`talos.chain.block.head_statement`) on
+the reserved app channel :data:`HEAD_CHANNEL` when a link comes up and
+whenever its log grows. The peer
 checks the signature and compares the statement with the latest head it kept
 for that node: a head at the same height with another hash, or below a height
 already seen, is an equivocation — the node rewrote or forked its history.
@@ -20,17 +22,21 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
 from talos.chain.block import verify_head_statement
+from talos.store import Txn
 from talos_sdk.canonical import canonical_json_bytes
 from talos_sdk.errors import MalformedFrameError, ProtocolError
 
 __all__ = [
     "HEAD_CHANNEL",
     "MAX_EQUIVOCATIONS_KEPT",
+    "MAX_HEAD_BYTES",
     "Equivocation",
+    "ForgedHeadError",
     "PeerHead",
     "decode_head",
     "encode_head",
@@ -39,6 +45,11 @@ __all__ = [
     "equiv_prefix",
     "head_key",
     "judge",
+    "judge_and_store",
+    "load_head",
+    "stored_equivocation_counts",
+    "stored_equivocations",
+    "stored_heads",
 ]
 
 HEAD_CHANNEL: Final = "talos.head"
@@ -135,3 +146,51 @@ def load_head(raw: bytes | None, did: str) -> PeerHead | None:
         return None
     statement = json.loads(raw)
     return PeerHead(did, int(statement["height"]), str(statement["hash"]), statement)
+
+
+def _prefixed(txn: Txn, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    for key, value in txn.items("meta", prefix):
+        if not key.startswith(prefix):
+            return
+        yield key, value
+
+
+def judge_and_store(txn: Txn, did: str, presented: PeerHead) -> Equivocation | None:
+    """Compare with the kept head, keep the better one, record a conflict (capped per peer)."""
+    kept = load_head(txn.get("meta", head_key(did)), did)
+    keep, conflict = judge(kept, presented)
+    if keep is not kept:
+        txn.put("meta", head_key(did), encode_head(keep.statement))
+    if conflict is not None:
+        count_key = equiv_count_key(did)
+        raw = txn.get("meta", count_key)
+        if raw is not None:
+            n = _U64.unpack(raw)[0]
+        else:  # a store from before the count: its rows are the count
+            n = sum(1 for _ in _prefixed(txn, equiv_prefix(did)))
+        if n < MAX_EQUIVOCATIONS_KEPT:
+            txn.put("meta", equiv_key(did, n), encode_head(conflict.to_json()))
+        txn.put("meta", count_key, _U64.pack(n + 1))
+    return conflict
+
+
+def stored_heads(txn: Txn) -> dict[str, dict[str, Any]]:
+    """The latest verified head statement kept for each peer."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in _prefixed(txn, b"head:"):
+        did = key[5:].decode()
+        head = load_head(value, did)
+        if head is not None:
+            out[did] = head.statement
+    return out
+
+
+def stored_equivocation_counts(txn: Txn) -> dict[str, int]:
+    """Alerts seen per peer, including those past the stored ones."""
+    prefix = equiv_count_key("")
+    return {k[len(prefix) :].decode(): _U64.unpack(v)[0] for k, v in _prefixed(txn, prefix)}
+
+
+def stored_equivocations(txn: Txn) -> list[dict[str, Any]]:
+    """Every equivocation alert stored, oldest first per peer."""
+    return [json.loads(value) for _, value in _prefixed(txn, equiv_prefix())]

@@ -1,11 +1,11 @@
-"""Signed head statements between peers (talos/link/heads.py): parse, verify, judge."""
+"""Signed head statements between peers (talos/chain/heads.py): parse, verify, judge."""
 
 from __future__ import annotations
 
 import pytest
 
+from talos.chain import heads as hd
 from talos.chain.block import head_signing_bytes, head_statement
-from talos.link import heads as hd
 from talos_sdk.errors import MalformedFrameError
 from talos_sdk.wallet import Wallet
 

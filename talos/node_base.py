@@ -1,0 +1,102 @@
+"""What the parts of a running node share (docs/ARCHITECTURE.md "Node internals").
+
+:class:`~talos.node.Node` is assembled from three parts that each hold one
+concern: links and session setup (:mod:`talos.node_links`), the message
+pipeline's asyncio side (:mod:`talos.node_delivery`) and the lifecycle plus
+the public contract (:mod:`talos.node`). They share the state declared here;
+the rules themselves live in the sans-I/O :class:`~talos.peer_pipeline.PeerPipeline`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from talos.chain.log import BlockLog
+from talos.config import NodeConfig
+from talos.discovery import Resolver
+from talos.link.peer import Link, LinkSettings
+from talos.metrics import Metrics
+from talos.peer_pipeline import PeerPipeline
+from talos.pipeline import OutboxEntry
+from talos.sessions import Opened, SessionManager
+from talos.store import Store
+from talos_sdk.wallet import Wallet
+
+if TYPE_CHECKING:
+    from talos.writer import StoreWriter
+
+__all__ = ["AppHandler", "Incoming", "LinkCallback", "NodeBase", "Peer"]
+
+AppHandler = Callable[[str, bytes], Awaitable[None] | None]
+LinkCallback = Callable[[str, bool], None]
+
+
+@dataclass(slots=True)
+class Incoming:
+    """An opened message waiting for the next receive commit."""
+
+    peer: str
+    opened: Opened
+
+
+@dataclass(slots=True)
+class Peer(PeerPipeline):
+    """One peer: its sans-I/O message pipeline plus the link and the events tasks wait on."""
+
+    link: Link | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+    pumping: bool = False
+    dirty: bool = False
+
+
+class NodeBase:
+    """State shared by the node's parts (assigned by ``Node.__init__`` and ``Node.start``)."""
+
+    did: str
+    wallet: Wallet
+    config: NodeConfig
+    metrics: Metrics
+    sessions: SessionManager
+    store: Store
+    log: BlockLog
+    settings: LinkSettings
+    resolver: Resolver
+    authorizer: Callable[[str], bool]
+    relay: Any
+    started: bool
+    _clock: Callable[[], float]
+    _peers: dict[str, Peer]
+    _stopping: bool
+    _epoch: int
+    _apps: dict[str, AppHandler]
+    _link_callbacks: list[LinkCallback]
+    _link_tasks: set[asyncio.Task[Any]]
+    _dialers: dict[str, asyncio.Task[None]]
+    _handshaking: int
+    _pin_writes: dict[str, asyncio.Future[None]]
+    _incoming: list[Incoming]
+    _outgoing: list[tuple[OutboxEntry, asyncio.Future[None]]]
+    _outbox_busy: bool
+    _committing: bool
+    _inbox_event: asyncio.Event
+
+    if TYPE_CHECKING:
+        # Defined by one part, used by another.
+        @property
+        def writer(self) -> StoreWriter: ...
+
+        def _peer(self, did: str) -> Peer: ...
+
+        def _spawn(self, coro: Awaitable[Any]) -> None: ...
+
+        def _ensure_dialer(self, did: str) -> None: ...
+
+        def _kick(self, peer: Peer) -> None: ...
+
+        def _on_msg(self, peer: Peer, frame: Any) -> None: ...
+
+        def _on_ack(self, peer: Peer, seq: int) -> None: ...

@@ -1,0 +1,391 @@
+r"""The message pipeline's asyncio side (docs/ARCHITECTURE.md "Message path").
+
+The rules are the sans-I/O :class:`~talos.peer_pipeline.PeerPipeline`; this
+part does the waiting and the writing around them. Nothing is acknowledged
+before it is committed (docs/DESIGN.md "Storage")::
+
+    send_message -> seq (epoch, n) in memory -> seal (signed commitment) -> MSG frame
+                 \-> outbox (durable, group-committed, overlapping the transmission)
+    MSG -> open -> batch -> one durable txn (inbox + log record + delivered seq
+           + session state) -> ACK (cumulative) -> sender drops outbox rows and
+           logs its own records of the acked messages
+
+Why transmitting before the outbox commit is safe:
+docs/adr/0007-epoch-sequence-numbers.md. Part of :class:`~talos.node.Node`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import struct
+import time
+from collections.abc import Iterable
+from typing import TypeVar
+
+from websockets.exceptions import ConnectionClosed
+
+from talos import pipeline as pl
+from talos.chain.block import Record
+from talos.chain.log import BlockLog
+from talos.link import wire
+from talos.link.peer import Link
+from talos.logging import event
+from talos.node_base import Incoming, NodeBase, Peer
+from talos.peer_pipeline import UNSENT_BATCH, Failed, Received, Retry
+from talos.pipeline import MessageTooLargeError
+from talos.sessions import MessageSignatureError, UnsignedMessageError
+from talos.store import Txn
+from talos_sdk.errors import ProtocolError, StorageError, UsageError
+
+__all__ = ["NodeDelivery", "take"]
+
+_log = logging.getLogger("talos.node")
+_U64 = struct.Struct(">Q")
+_T = TypeVar("_T")
+
+
+class NodeDelivery(NodeBase):
+    """Durable messages: receive commits, acks, the outbox, per-link senders, retries."""
+
+    def _on_msg(self, peer: Peer, frame: wire.Msg) -> None:
+        try:
+            opened = self.sessions.open_message(peer.did, frame.body)
+        except MessageSignatureError as exc:
+            unsigned = isinstance(exc, UnsignedMessageError)
+            self.metrics.inc("messages_unsigned" if unsigned else "messages_bad_signature")
+            raise
+        if opened.seq != frame.seq:
+            raise ProtocolError("MSG header sequence differs from the sealed one")
+        verdict = peer.receive(opened.seq, opened.prev)
+        if verdict is Received.ACCEPT:
+            self._incoming.append(Incoming(peer.did, opened))
+            self._start_commit()
+            self.metrics.inc("messages_in")
+        elif verdict is Received.GAP:
+            self.metrics.inc("messages_gap")
+        else:
+            self.metrics.inc("messages_duplicate")
+            if verdict is Received.REACK:
+                self._send_ack(peer)
+
+    def _send_ack(self, peer: Peer) -> None:
+        link = peer.link
+        if link is None:
+            return
+        data = wire.encode(wire.Ack(peer.rx.delivered))
+        # Inline from the commit's done callback: a task would cost the sender a loop pass.
+        with contextlib.suppress(ConnectionClosed):
+            if link.send_nowait(data):
+                return
+        self._spawn(self._send_quiet(link, data))
+
+    @staticmethod
+    async def _send_quiet(link: Link, data: bytes) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await link.send(data)
+
+    def _on_ack(self, peer: Peer, seq: int) -> None:
+        acked = peer.on_ack(seq, self._epoch, time.monotonic())
+        if acked is None:
+            return
+        for latency in acked.latencies:
+            self.metrics.ack_latency.observe(latency)
+        self._spawn(
+            self.writer.write(
+                functools.partial(
+                    _ack_txn, log=self.log, did=peer.did, seq=seq, records=acked.records
+                ),
+                durable=False,
+                kind="ack",
+            )
+        )
+
+    def _start_commit(self) -> None:
+        """Group commit: everything that arrived since the last commit goes in one txn.
+
+        Started straight from the frame handler when no commit runs (no extra loop
+        pass); frames arriving meanwhile wait for the next one.
+        """
+        if self._committing or not self._incoming or self._stopping:
+            return
+        batch, self._incoming = self._incoming, []
+        peers = {item.peer for item in batch}
+        snaps = self.sessions.snapshot(peers)
+        self._committing = True
+        self.writer.submit(
+            functools.partial(self._commit_batch, batch=batch, snaps=snaps),
+            then=functools.partial(self._committed, batch, peers),
+            kind="receive",
+            size=len(batch),
+        )
+
+    def _committed(self, batch: list[Incoming], peers: set[str], fut: asyncio.Future[None]) -> None:
+        self._committing = False
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.metrics.inc("commit_failures")
+            level = logging.ERROR
+            event(_log, "commit_failed", level=level, error=repr(exc), count=len(batch))
+            for did in peers:
+                self._peers[did].commit_failed()
+            # Frames queued meanwhile were accepted after the lost ones: committing
+            # them would ack past messages never stored. The sender resends them all.
+            dropped = [i for i in self._incoming if i.peer in peers]
+            if dropped:
+                self._incoming = [i for i in self._incoming if i.peer not in peers]
+                self.metrics.inc("messages_dropped_after_failure", len(dropped))
+        else:
+            self.metrics.inc("commits")
+            for did in peers:
+                self._peers[did].committed(i.opened.seq for i in batch if i.peer == did)
+            for did in peers:
+                self._send_ack(self._peers[did])
+            self._inbox_event.set()
+            self._inbox_event = asyncio.Event()
+        self._start_commit()
+
+    def _commit_batch(self, txn: Txn, batch: list[Incoming], snaps: dict[str, bytes]) -> None:
+        last = txn.last("inbox")
+        n = _U64.unpack(last[0])[0] + 1 if last is not None else 1
+        top: dict[str, int] = {}
+        for item in batch:
+            o = item.opened
+            txn.put(
+                "inbox", _U64.pack(n), pl.encode_inbox(o.msg_id, item.peer, o.seq, o.ts_ms, o.text)
+            )
+            self.log.append(o.record, txn)
+            top[item.peer] = o.seq
+            n += 1
+        for did, seq in top.items():
+            pl.put_u64(txn, "meta", pl.meta_in(did), seq)
+        self.sessions.persist(txn, snaps)
+
+    async def _flush_loop(self) -> None:
+        """Session state between message commits, not synced (ADR 0001)."""
+        while True:
+            await asyncio.sleep(self.config.session_flush_interval)
+            snaps = self.sessions.snapshot_dirty()
+            if snaps:
+                try:
+                    await self.writer.write(
+                        functools.partial(self.sessions.persist, snaps=snaps),
+                        durable=False,
+                        kind="session",
+                    )
+                except StorageError as exc:
+                    event(_log, "session_flush_failed", level=logging.ERROR, error=str(exc))
+
+    async def send_message(self, did: str, text: str, wait: bool = False) -> str:
+        """Queue ``text`` for ``did`` durably; return the message id (hex).
+
+        With ``wait`` return only once the peer acknowledged its commit.
+        """
+        if not self.started or self._stopping:
+            raise UsageError("the node is not running")
+        if did == self.did:
+            raise UsageError("cannot send a message to this node itself")
+        if not isinstance(text, str):
+            raise UsageError("message text must be a string")
+        from talos_sdk.did import public_key_from_did
+
+        public_key_from_did(did)  # a clear DIDError for a malformed recipient
+        peer = self._peer(did)
+        # ADR 0007: the number is unique across crashes, so the frame may leave
+        # before its outbox row is durable; the caller hears back only after.
+        row = peer.assign(text, os.urandom(pl.MSG_ID_LEN), int(self._clock() * 1000), self._epoch)
+        seq = row.seq
+        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._outgoing.append((row, committed))
+        waiter = peer.tx.wait_for(seq) if wait else None
+        # Frame first, then the commit: the writer thread's Python work would
+        # otherwise take the GIL from the seal and the socket write.
+        sent = await self._send_now(peer, row)
+        if not self._outbox_busy and self._outgoing:
+            self._flush_outbox()
+        if not sent:
+            self._kick(peer)
+            self._ensure_dialer(did)
+        await committed
+        self.metrics.inc("messages_out")
+        if waiter is not None:
+            await waiter
+        return row.msg_id.hex()
+
+    def _flush_outbox(self) -> None:
+        """Group commit of the outbox: sends arriving while one commit runs share the next."""
+        batch, self._outgoing = self._outgoing, []
+        self._outbox_busy = True
+        self.writer.submit(
+            functools.partial(self._enqueue_batch, rows=[r for r, _ in batch]),
+            then=functools.partial(self._outbox_committed, batch),
+            kind="outbox",
+            size=len(batch),
+        )
+
+    def _outbox_committed(
+        self, batch: list[tuple[pl.OutboxEntry, asyncio.Future[None]]], fut: asyncio.Future[None]
+    ) -> None:
+        self._outbox_busy = False
+        exc = None if fut.cancelled() else fut.exception()
+        for row, waiter in batch:
+            if waiter.done():
+                continue
+            if exc is not None:
+                # The rows stay sendable: later numbers name them as prev. The
+                # caller gets the error and no id (ADR 0007, "failed commit").
+                waiter.set_exception(exc)
+                continue
+            self._peers[row.peer].outbox_committed(row.seq)
+            waiter.set_result(None)
+        if self._outgoing and not self._stopping:
+            self._flush_outbox()
+
+    def prepare_row(self, peer: Peer, row: pl.OutboxEntry) -> pl.OutboxEntry | None:
+        """``row`` as it goes on the wire (any link or the relay's mailbox), or None when
+        the peer can never accept it: then it is failed for good (counted, logged, its
+        waiters told, its outbox row deleted and its successor given its ``prev``)."""
+        ready = peer.prepare(row)
+        if not isinstance(ready, Failed):
+            return ready
+        self.metrics.inc("messages_failed")
+        event(
+            _log,
+            "message_failed",
+            level=logging.WARNING,
+            peer=peer.did,
+            msg_id=row.msg_id.hex(),
+            reason=f"above the peer's {ready.limit}-byte message limit",
+        )
+        exc = MessageTooLargeError(f"message {row.msg_id.hex()} can never fit {peer.did}'s frames")
+        for fut in peer.tx.waiters.pop(row.seq, []):
+            if not fut.done():
+                fut.set_exception(exc)
+        self._spawn(
+            self.writer.write(functools.partial(_skip_row, row=row, prev=ready.prev), kind="skip")
+        )
+        return None
+
+    async def _send_now(self, peer: Peer, row: pl.OutboxEntry) -> bool:
+        """Send ``row`` from the caller's task when it is next and the socket has room."""
+        link = peer.link
+        if (
+            peer.pumping
+            or link is None
+            or not peer.ready.is_set()
+            or not peer.is_next(row)
+            or not link.can_send_now
+        ):
+            return False
+        peer.pumping = True
+        try:
+            await self._send_row(peer, link, row)
+        except ConnectionClosed:
+            pass
+        finally:
+            peer.pumping = False
+        return True
+
+    async def _send_row(self, peer: Peer, link: Link, row: pl.OutboxEntry) -> None:
+        ready = self.prepare_row(peer, row)
+        if ready is None:
+            return
+        body, record = self.sessions.seal_message(peer.did, ready)
+        peer.on_sent(ready, record, time.monotonic())
+        row = ready
+        await link.send(wire.encode(wire.Msg(row.seq, body)))
+
+    def _enqueue_batch(self, txn: Txn, rows: list[pl.OutboxEntry]) -> None:
+        """Writer thread: outbox rows, minus those the peer acked already (ack raced us)."""
+        for row in rows:
+            peer = self._peers.get(row.peer)
+            keep = peer.for_outbox(row) if peer is not None else row
+            if keep is None:
+                pl.note_assigned(txn, row.peer, row.seq)
+            else:
+                pl.put_row(txn, keep)
+
+    def _kick(self, peer: Peer) -> None:
+        peer.dirty = True
+        if not peer.pumping and peer.ready.is_set():
+            peer.pumping = True
+            self._spawn(self._pump(peer))
+
+    async def _pump(self, peer: Peer) -> None:
+        """Send every outbox row this link has not sent yet, in order."""
+        try:
+            while peer.dirty and peer.ready.is_set():
+                peer.dirty = False
+                link = peer.link
+                if link is None:
+                    return
+                rows = self._unsent(peer)
+                for row in rows:
+                    if peer.link is not link or not peer.ready.is_set():
+                        return
+                    if row.seq <= peer.tx.sent:
+                        continue
+                    await self._send_row(peer, link, row)
+        except ConnectionClosed:
+            pass
+        finally:
+            peer.pumping = False
+
+    def _unsent(self, peer: Peer) -> list[pl.OutboxEntry]:
+        """Rows after ``tx.sent``: committed ones from LMDB, then those still committing."""
+        rows = peer.unsent_from_memory()
+        if rows is not None:
+            return rows  # nothing committed is pending
+        with self.store.read() as txn:
+            stored = take(pl.iter_outbox(txn, peer.did, peer.tx.sent), UNSENT_BATCH)
+        rows, more = peer.unsent_after_store(stored)
+        if more:
+            peer.dirty = True
+        return rows
+
+    async def _retry_loop(self) -> None:
+        """Resend from the oldest unacked message when a link makes no progress."""
+        interval = self.config.retry_interval
+        while True:
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            for peer in self._peers.values():
+                ready, linked = peer.ready.is_set(), peer.link is not None
+                decision = peer.retry(now, interval, ready=ready, linked=linked)
+                if decision is Retry.RESEND:
+                    event(_log, "resend", peer=peer.did, from_seq=peer.tx.acked + 1)
+                    self._kick(peer)
+                elif decision is Retry.KICK:
+                    self._kick(peer)  # rows queued while the link was coming up
+                elif decision is Retry.DIAL:
+                    self._ensure_dialer(peer.did)  # outbox rows for a DID we do not dial
+
+
+def _skip_row(txn: Txn, row: pl.OutboxEntry, prev: int) -> None:
+    """Writer thread: drop a failed row; its successor now follows ``prev`` (review #9)."""
+    txn.delete("outbox", pl.outbox_key(row.peer, row.seq))
+    nxt = next(pl.iter_outbox(txn, row.peer, row.seq), None)
+    if nxt is not None and nxt.prev == row.seq:
+        pl.put_row(txn, dataclasses.replace(nxt, prev=prev))
+
+
+def _ack_txn(txn: Txn, log: BlockLog, did: str, seq: int, records: list[Record]) -> None:
+    """Drop acked outbox rows and log our own records of them (DESIGN.md "block log")."""
+    pl.drop_acked(txn, did, seq)
+    for record in records:
+        log.append(record, txn)
+
+
+def take(it: Iterable[_T], n: int) -> list[_T]:
+    out: list[_T] = []
+    for x in it:
+        out.append(x)
+        if len(out) >= n:
+            break
+    return out

@@ -1,0 +1,129 @@
+"""talos/peer_pipeline.py through a connected pair of pipelines, no sockets, no store
+(docs/adr/0007-epoch-sequence-numbers.md; docs/PROTOCOL.md "Message size")."""
+
+from __future__ import annotations
+
+import pytest
+
+from talos import pipeline as pl
+from talos.peer_pipeline import DESYNC_LIMIT, Failed, PeerPipeline, Received, Retry
+from talos_sdk.errors import ProtocolError
+from tests.talos.pipeline_pair import B_DID, MAX_FRAME, PipelinePair
+
+
+def test_in_order_messages_are_accepted_committed_and_acked() -> None:
+    pair = PipelinePair()
+    rows = [pair.send(f"m{i}") for i in range(3)]
+    assert [r.seq for r in rows] == [pl.make_seq(1, n) for n in (1, 2, 3)]
+    assert [pair.transmit(r) for r in rows] == [Received.ACCEPT] * 3
+    ack = pair.commit()
+    assert ack == rows[-1].seq and pair.delivered == ["m0", "m1", "m2"]
+    acked = pair.ack(ack)
+    assert acked is not None and [r.record_id for r in acked.records] == [r.msg_id for r in rows]
+    assert len(acked.latencies) == 3 and pair.a.tx.acked == ack
+    assert pair.ack(ack) is None  # an old ack does not move anything
+
+
+def test_duplicates_are_reacked_or_left_to_their_batch() -> None:
+    pair = PipelinePair()
+    row = pair.send("once")
+    assert pair.transmit(row) is Received.ACCEPT
+    assert pair.deliver(row) is Received.IN_BATCH  # its commit will ack it
+    pair.commit()
+    assert pair.deliver(row) is Received.REACK
+    assert pair.delivered == ["once"]
+
+
+def test_a_gap_is_dropped_and_the_resend_fills_it() -> None:
+    pair = PipelinePair()
+    lost, second = pair.send("lost"), pair.send("second")
+    pair.lose(lost)
+    assert pair.transmit(second) is Received.GAP
+    pair.now += 10
+    assert pair.a.retry(pair.now, 5.0, ready=True, linked=True) is Retry.RESEND
+    assert [r.text for r in pair.unsent()] == ["lost", "second"]
+    assert [pair.transmit(r) for r in pair.unsent()] == [Received.ACCEPT, Received.ACCEPT]
+    assert pair.ack(pair.commit()) is not None and pair.delivered == ["lost", "second"]
+
+
+def test_a_failed_receive_commit_accepts_the_resend() -> None:
+    pair = PipelinePair()
+    row = pair.send("m")
+    pair.transmit(row)
+    pair.fail_commit()
+    pair.a.link_down()  # the sender resends everything unacknowledged on the next link
+    assert pair.transmit(pair.unsent()[0]) is Received.ACCEPT
+    assert pair.commit() == row.seq
+
+
+def test_a_row_too_large_for_the_peer_fails_and_its_successor_takes_its_prev() -> None:
+    pair = PipelinePair()
+    pair.a.peer_max_frame = MAX_FRAME
+    first = pair.send("first")
+    pair.a.peer_max_frame = pl.MSG_OVERHEAD + 10  # the peer's offer says: 10-byte texts
+    big, after = pair.send("x" * 5), pair.send("y" * 5)
+    big = pl.OutboxEntry(big.peer, big.seq, big.msg_id, big.ts_ms, "x" * 50, big.prev)
+    assert pair.transmit(first) is Received.ACCEPT
+    failed = pair.transmit(big)
+    assert isinstance(failed, Failed) and failed.prev == first.seq and failed.limit == 10
+    assert pair.transmit(big) is None  # failed already
+    assert pair.a.for_outbox(big) is None  # only its number is noted
+    assert pair.a.for_outbox(after) is not None and pair.a.for_outbox(after).prev == first.seq
+    assert pair.transmit(after) is Received.ACCEPT  # prev rewritten past the failed row
+    pair.commit()
+    assert pair.delivered == ["first", "y" * 5]
+
+
+def test_assign_refuses_a_text_above_both_bounds() -> None:
+    pair = PipelinePair()
+    pair.a.peer_max_frame = pl.MSG_OVERHEAD + 4
+    with pytest.raises(pl.MessageTooLargeError, match="5 bytes above the 4-byte limit"):
+        pair.send("12345")
+    assert pair.a.last_assigned == 0  # no number was spent
+
+
+def test_acks_for_unsent_messages_are_a_protocol_error_unless_from_an_older_epoch() -> None:
+    pair = PipelinePair(epoch=3)
+    row = pair.send("m")
+    pair.transmit(row)
+    with pytest.raises(ProtocolError, match="not sent yet"):
+        pair.ack(row.seq + 1)
+    # A crashed earlier run may have sent epoch-2 numbers it never committed (ADR 0007).
+    old = PipelinePair(epoch=3)
+    assert old.ack(pl.make_seq(2, 7)) is not None
+
+
+def test_restore_takes_the_acked_number_from_the_oldest_outbox_row() -> None:
+    row = pl.OutboxEntry(B_DID, pl.make_seq(1, 5), b"\1" * 16, 0, "t", pl.make_seq(1, 4))
+    p = PeerPipeline.restore(
+        B_DID, first_unacked=row, assigned=pl.make_seq(1, 9), delivered=3, own_max_frame=MAX_FRAME
+    )
+    assert p.tx.acked == p.tx.sent == pl.make_seq(1, 4)
+    assert p.last_assigned == pl.make_seq(1, 9) and p.rx.delivered == 3
+
+
+def test_retry_decisions() -> None:
+    pair = PipelinePair()
+    assert pair.a.retry(0, 5, ready=True, linked=True) is Retry.KICK
+    assert pair.a.retry(0, 5, ready=False, linked=True) is Retry.NONE
+    pair.send("queued")
+    assert pair.a.retry(0, 5, ready=False, linked=False) is Retry.DIAL
+    pair.transmit(pair.unsent()[0])
+    assert pair.a.retry(1, 5, ready=True, linked=True) is Retry.NONE  # in flight, recent
+
+
+def test_session_resync_after_many_undecryptable_frames() -> None:
+    p = PipelinePair().a
+    assert not any(p.decrypt_failed() for _ in range(DESYNC_LIMIT - 1))
+    p.frame_opened()
+    assert not any(p.decrypt_failed() for _ in range(DESYNC_LIMIT - 1))
+    assert p.decrypt_failed()
+
+
+def test_unsent_reads_the_store_once_committed_rows_are_pending() -> None:
+    pair = PipelinePair()
+    rows = [pair.send(f"m{i}") for i in range(3)]
+    pair.a.outbox_committed(rows[1].seq)  # m0, m1 are in the store now
+    assert pair.a.unsent_from_memory() is None
+    got, more = pair.a.unsent_after_store(rows[:2])
+    assert got == rows and not more
