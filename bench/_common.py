@@ -1,4 +1,4 @@
-"""Shared machinery of the bench/ suite (issue 6; DESIGN.md "Performance targets").
+"""Shared machinery of the bench/ suite (docs/DESIGN.md "Performance targets").
 
 Every figure we publish is measured next to the raw call it wraps, in the same
 run, so the ratio -- not the absolute number -- is what counts. A script builds

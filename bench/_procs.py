@@ -1,4 +1,4 @@
-"""Child processes for the benches that need running nodes (issue 6, second half).
+"""Child processes for the benches that need running nodes (bench/README.md).
 
 Every child runs in its own session (process group), so stopping it also stops
 whatever it spawned (``talos-proxy serve`` starts the tool process); a bench

@@ -1,4 +1,4 @@
-"""Block log validation and Merkle proofs (issue 6; DESIGN.md "block validation").
+"""Block log validation and Merkle proofs (docs/DESIGN.md "Block validation").
 
 Rows: ``verify_chain`` over a sealed log of signed message records, per
 record, on one core and on all cores (the parallel path ``talosd chain verify``

@@ -1,11 +1,12 @@
-"""Crypto primitives: our wrappers beside the raw cryptography / PyNaCl calls (issue 6).
+"""Crypto primitives: our wrappers beside the raw cryptography / PyNaCl calls
+(docs/DESIGN.md "Performance targets").
 
 Run ``python bench/bench_crypto.py`` (any pyperf option works; ``--fast`` for a
-smoke run). Rows follow DESIGN.md "Performance targets": Wallet sign/verify
+smoke run). Rows follow docs/DESIGN.md "Performance targets": Wallet sign/verify
 against the faster of libsodium and OpenSSL Ed25519, ChaCha20-Poly1305 on a
 35-byte frame, plus the floors the protocol is built on (X25519, SHA-256,
 ML-KEM-768, ML-DSA-65); our stream sealer beside ChaCha20-Poly1305; hybrid
-Ed25519 + ML-DSA-65 sign/verify beside the sum of its two raw calls (issue 8).
+Ed25519 + ML-DSA-65 sign/verify beside the sum of its two raw calls (ADR 0005).
 """
 
 from __future__ import annotations

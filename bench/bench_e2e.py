@@ -1,4 +1,4 @@
-"""Durable message latency A -> B between two real nodes (issue 6; DESIGN.md "Performance targets").
+"""Durable message latency A -> B between two real nodes (docs/DESIGN.md "Performance targets").
 
 Node B is a real ``talosd run`` subprocess, node A runs in this process, so the
 two nodes use both cores as in a deployment. A times ``send_message(wait=True)``

@@ -1,4 +1,5 @@
-"""Double Ratchet sessions (issue 6; DESIGN.md "Session.encrypt", "Session create pair").
+"""Double Ratchet sessions (docs/DESIGN.md "Performance targets": Session.encrypt,
+Session.create_pair).
 
 Rows: ``Session.create_pair`` for both suites (fresh identities, prekeys and
 X3DH included) beside one raw X25519 exchange; ``Session.encrypt`` at 35 B and

@@ -1,4 +1,4 @@
-"""Encodings beside json / orjson / struct baselines (issue 6).
+"""Encodings beside json / orjson / struct baselines (docs/DESIGN.md "Performance targets").
 
 Rows: ``canonical_json_bytes`` (RFC 8785) on the small commitment-sized object
 the node signs, beside the orjson call its fast path wraps and stdlib ``json``;
@@ -29,7 +29,7 @@ from talos_sdk.canonical import canonical_json_bytes
 
 DID_A = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
 DID_B = "did:key:z6MkpTHR8VNsBxYAAWHut2Geadd9jSwuBV8xRoAnwWsdvktH"
-# What a sender signs for each message (DESIGN.md "Signing"): small, all strings and ints.
+# What a sender signs for each message (docs/DESIGN.md "Signing"): small, all strings and ints.
 SMALL: dict[str, Any] = {
     "type": "talos.msg/1",
     "sender": DID_A,

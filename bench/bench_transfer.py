@@ -1,6 +1,6 @@
 """Encrypted file transfer between two ``talosd run`` processes vs a plain websocket copy.
 
-Issue 6; DESIGN.md "Performance targets" (file transfer row). Both nodes are
+docs/DESIGN.md "Performance targets" (file transfer row). Both nodes are
 real subprocesses on 127.0.0.1: A sends, B auto-accepts (``transfer.json``).
 The clock runs from ``POST /v1/files`` (what ``talosd send-file`` does; the
 sender hashes while it streams) to the sender seeing ``complete`` (B verified

@@ -1,4 +1,5 @@
-"""MCP through the Talos tunnel vs the same server on raw stdio (issue 6; DESIGN.md targets).
+"""MCP through the Talos tunnel vs the same server on raw stdio
+(docs/DESIGN.md "Performance targets").
 
 ``talos-proxy serve`` and ``talos-proxy connect`` run as real subprocesses on
 127.0.0.1; the tool is bench/mcp_ping_server.py, a minimal stdio MCP server, so
@@ -10,7 +11,7 @@ server spawned directly on stdio in the same run:
   added latency = tunnel - raw (targets: p50 <= +0.6 ms, p99 <= +2 ms, lean client);
 * lean requests/s sequential (>= 1,000 /s) and with 64 in flight (>= 8,000 /s);
 * the same sequential figures with ``serve --audit strict`` (one durable
-  audit commit per call, DESIGN.md "Notes"): shown, not a target.
+  audit commit per call, docs/DESIGN.md "Notes"): shown, not a target.
 
     python bench/bench_tunnel.py [--fast] [--count N] [--burst M]
 """

@@ -1,4 +1,4 @@
-"""A lean newline-delimited JSON-RPC 2.0 client for throughput benches (DESIGN.md, "Notes").
+"""A lean newline-delimited JSON-RPC 2.0 client for throughput benches (docs/DESIGN.md, "Notes").
 
 The official MCP SDK client tops out near 2,000 requests/s by itself, so the
 tunnel benches drive servers with this instead: one reader task matches

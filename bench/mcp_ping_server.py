@@ -1,4 +1,4 @@
-"""A minimal stdio MCP server for the tunnel bench (issue 6; MCP spec "Transports: stdio").
+"""A minimal stdio MCP server for the tunnel bench (MCP spec "Transports: stdio").
 
 Answers ``initialize`` (echoing the client's protocol version), ``ping``,
 ``tools/list`` and ``tools/call`` of one ``echo`` tool; notifications are

@@ -1,9 +1,9 @@
-"""Run every bench script and regenerate docs/BENCHMARKS.md (issue 6).
+"""Run every bench script and regenerate docs/BENCHMARKS.md (docs/DESIGN.md "Performance targets").
 
 ``python bench/run_all.py`` runs each ``bench/bench_*.py`` in turn (pyperf
 settings chosen so the whole suite stays within a few minutes on 2 cores),
 then writes docs/BENCHMARKS.md from the results JSON files: the machine, each
-DESIGN.md target with its measured figure, its raw floor from the same run, the
+docs/DESIGN.md target with its measured figure, its raw floor from the same run, the
 ratio and pass/miss, every figure of every script, and PNG plots of the latency
 distributions (docs/img/). Every number in that document comes from here.
 
@@ -97,14 +97,14 @@ def _cell(text: str) -> str:
 
 
 def targets_section(metrics: dict[str, Metric]) -> list[str]:
-    """DESIGN.md's targets, checked against the figures measured in this run."""
+    """docs/DESIGN.md's targets, checked against the figures measured in this run."""
     lines = [
-        '## Targets (DESIGN.md "Performance targets")',
+        '## Targets (docs/DESIGN.md "Performance targets")',
         "",
         "Measured and raw floor come from the same run; the ratio is ours ÷ raw "
-        '(rates) or ours ÷ floor (latency). Seed and "floor here" are copied from DESIGN.md.',
+        '(rates) or ours ÷ floor (latency). Seed and "floor here" are copied from docs/DESIGN.md.',
         "",
-        "| what | seed | floor here (DESIGN.md) | measured | raw floor (this run) | ratio "
+        "| what | seed | floor here (docs/DESIGN.md) | measured | raw floor (this run) | ratio "
         "| target | result |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]

@@ -1,7 +1,7 @@
-"""The performance targets of DESIGN.md "Performance targets", as data.
+"""The performance targets of docs/DESIGN.md "Performance targets", as data.
 
 Each :class:`Target` row carries the seed figure we set out to beat, the floor
-measured on this class of machine (both as text, copied from DESIGN.md) and
+measured on this class of machine (both as text, copied from docs/DESIGN.md) and
 one or more criteria that ``run_all.py`` checks against the figures MEASURED in
 this run (``bench/results/*.json``). A criterion names metric keys written by
 the bench scripts; a key that no script has written yet reads "not measured
@@ -134,7 +134,7 @@ Criterion = AtLeastRatio | AtLeastRate | AtMost
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One row of DESIGN.md's targets table."""
+    """One row of docs/DESIGN.md's targets table."""
 
     what: str
     seed: str

@@ -1,1 +1,1 @@
-"""mcp_proxy: the MCP tunnel over Talos nodes (DESIGN.md layer 3)."""
+"""mcp_proxy: the MCP tunnel over Talos nodes (docs/DESIGN.md layer 3)."""

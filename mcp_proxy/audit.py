@@ -1,4 +1,4 @@
-"""Audit of the tunnel (DESIGN.md "MCP tunnel": every call audited; "group commit").
+"""Audit of the tunnel (docs/DESIGN.md "MCP tunnel": every call audited; "group commit").
 
 docs/PROTOCOL.md "MCP tunnel, audit record" defines the record. Every event
 of a serve side becomes an :class:`AuditRecord`:
@@ -94,7 +94,7 @@ class Event(enum.StrEnum):
 
 
 def _stable_json(value: Any) -> bytes:
-    """RFC 8785 bytes (DESIGN.md "Canonical encoding") so any JCS library recomputes them.
+    """RFC 8785 bytes (docs/DESIGN.md "Canonical encoding") so any JCS library recomputes them.
 
     JSON-RPC may carry integers JCS cannot represent exactly (beyond 2**53); such a
     value falls back to sorted-key JSON rather than losing the audit record.

@@ -1,4 +1,5 @@
-"""The talos Node a proxy embeds: its own home, identity created on first use (DESIGN.md layer 3).
+"""The talos Node a proxy embeds: its own home, identity created on first use
+(docs/DESIGN.md "Layers", layer 3).
 
 Only the contract of docs/ARCHITECTURE.md ("Node contract") is used. The
 node's control API is off: a proxy talks to its node in-process.

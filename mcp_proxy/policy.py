@@ -1,4 +1,4 @@
-"""Who may use which tool server and which tools (DESIGN.md "MCP tunnel": authorised by policy).
+"""Who may use which tool server and which tools (docs/DESIGN.md "MCP tunnel").
 
 Default deny. A DID is allowed when it is named by ``--allow`` or has a
 ``[peers."did:..."]`` table in the policy file; anyone else is refused at the

@@ -1,4 +1,4 @@
-"""The ``talos-proxy serve`` side: tunnel sessions onto local stdio tool processes (DESIGN.md).
+"""The ``talos-proxy serve`` side: tunnel sessions onto local stdio tool processes (docs/DESIGN.md).
 
 For each client session a peer opens, the policy picks a server, a fresh tool
 process is started (MCP servers are stateful), and JSON-RPC messages move

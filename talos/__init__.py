@@ -1,1 +1,1 @@
-"""talos: the Talos peer node (DESIGN.md layer 2)."""
+"""talos: the Talos peer node (docs/DESIGN.md layer 2)."""

@@ -1,4 +1,4 @@
-"""The local control API (DESIGN.md layer 2): aiohttp on loopback, bearer token.
+"""The local control API (docs/DESIGN.md layer 2): aiohttp on loopback, bearer token.
 
 The token lives in ``<home>/api.token`` (0600); every route but ``/healthz``
 needs ``Authorization: Bearer <token>`` (RFC 6750), compared in constant time.

@@ -1,5 +1,5 @@
 """The app-host protocol: what a service on the node's app channel may use
-(docs/ARCHITECTURE.md "App host").
+(docs/ARCHITECTURE.md "Module map and contracts").
 
 File transfer (talos/transfer/), the MCP tunnel (mcp_proxy/transport.py) and
 head gossip (talos/chain/head_gossip.py) are all *app-channel services*: they

@@ -1,4 +1,4 @@
-"""``talosd``: the node's command line (DESIGN.md "Who uses it").
+"""``talosd``: the node's command line (docs/DESIGN.md "Who uses it").
 
 Commands that need the running node talk to its control API (talos/client.py);
 those that make sense offline (id, peers, send, inbox, chain) open the home's

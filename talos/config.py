@@ -1,4 +1,4 @@
-"""Node configuration and the layout of a node home (DESIGN.md "Who uses it").
+"""Node configuration and the layout of a node home (docs/DESIGN.md "Who uses it").
 
 A home folder holds everything one node owns::
 

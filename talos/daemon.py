@@ -1,4 +1,4 @@
-"""The composition root of ``talosd run`` (docs/ARCHITECTURE.md "Composition").
+"""The composition root of ``talosd run`` (docs/ARCHITECTURE.md "Module map and contracts").
 
 Builds and wires the parts of a running node in one place: the
 :class:`~talos.node.Node` (links, sessions, pipeline, block log), the

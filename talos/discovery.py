@@ -1,4 +1,4 @@
-"""Peer discovery: where a DID can be dialled (DESIGN.md "Discovery and scale").
+"""Peer discovery: where a DID can be dialled (docs/DESIGN.md "Discovery and scale").
 
 The node asks one small interface, ``resolve(did) -> addresses``, so sources
 can be added without touching the pipeline. An address is ``ws://HOST:PORT``

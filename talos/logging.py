@@ -1,4 +1,5 @@
-"""Structured logs: one event per line as ``key=value`` pairs or JSON (DESIGN.md "Conventions").
+"""Structured logs: one event per line as ``key=value`` pairs or JSON
+(docs/DESIGN.md "Conventions").
 
 Callers pass an event name and fields; nothing here ever formats keys,
 plaintext or tool arguments, and callers only pass identifiers and sizes.

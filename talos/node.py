@@ -1,23 +1,13 @@
-r"""The running node (docs/ARCHITECTURE.md "Node contract"; DESIGN.md layer 2).
+"""The running node (docs/ARCHITECTURE.md "Node contract"; docs/DESIGN.md "Layers").
 
-Asyncio glue only: protocol rules live in pure modules (link frames, handshake,
-pipeline rules, sessions over the SDK). One event loop owns the links, the
-sessions and the in-memory pipeline state; every LMDB write runs on ONE writer
-thread so that a durable commit (fsync) never blocks the loop and frames keep
-arriving while it runs — which is what makes group commit happen under load.
-
-Message path (DESIGN.md "Storage": nothing is acknowledged before it is
-committed)::
-
-    send_message -> seq (epoch, n) in memory -> seal (signed commitment) -> MSG frame
-                 \-> outbox (durable, group-committed, overlapping the transmission)
-    MSG -> open -> batch -> one durable txn (inbox + log record + delivered seq
-           + session state) -> ACK (cumulative) -> sender drops outbox rows and
-           logs its own records of the acked messages
-
-Why transmitting before the outbox commit is safe: docs/adr/0007-epoch-sequence-numbers.md.
-
-Crash safety of ratchet state is described in docs/adr/0001-session-persistence.md.
+:class:`Node` is the lifecycle (open the store, restore state, listen, stop
+cleanly) and the public contract callers use; it is assembled from the link
+part (:mod:`talos.node_links`) and the delivery part
+(:mod:`talos.node_delivery`), which share the state of :mod:`talos.node_base`.
+Protocol rules live in pure modules (link frames, handshake,
+:class:`~talos.peer_pipeline.PeerPipeline`, sessions over the SDK); every LMDB
+write runs on the node's one :class:`~talos.writer.StoreWriter` thread.
+Crash safety of ratchet state: docs/adr/0001-session-persistence.md.
 """
 
 from __future__ import annotations
@@ -115,7 +105,7 @@ class Node(NodeLinks, NodeDelivery):
         self._link_callbacks: list[LinkCallback] = []
         self._peers: dict[str, Peer] = {}
         self._known: dict[str, str] = {}  # DID -> address ("" when only allowed)
-        # DESIGN.md "Discovery and scale": where a DID without a link is dialled;
+        # docs/DESIGN.md "Discovery and scale": where a DID without a link is dialled;
         # the relay (if any) comes last, so a direct address is tried first.
         sources: list[Resolver] = [StaticResolver(lambda: self._known), LearnedResolver()]
         if self.config.relays:
@@ -408,7 +398,8 @@ class Node(NodeLinks, NodeDelivery):
             return txn.count("quarantine")
 
     async def _quarantine_loop(self) -> None:
-        """Say loudly when the sealer quarantines a record (review #7): nothing else reads it."""
+        """Say loudly when the sealer quarantines a record: nothing else reads it
+        (test_a_quarantined_record_is_counted_and_shown)."""
         seen = self.quarantined_count()
         if seen:
             event(_log, "records_quarantined", level=logging.WARNING, total=seen, new=0)

@@ -1,4 +1,4 @@
-"""What the parts of a running node share (docs/ARCHITECTURE.md "Node internals").
+"""What the parts of a running node share (docs/ARCHITECTURE.md "Module map and contracts").
 
 :class:`~talos.node.Node` is assembled from three parts that each hold one
 concern: links and session setup (:mod:`talos.node_links`), the message

@@ -1,4 +1,4 @@
-"""The durable message pipeline: outbox, inbox, per-peer order and acks (DESIGN.md "Storage").
+"""The durable message pipeline: outbox, inbox, per-peer order and acks (docs/DESIGN.md "Storage").
 
 Bookkeeping plus the LMDB row layouts; the node (talos/node.py) does the I/O.
 No sockets, storage or clock here; the one tie to asyncio is
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from talos.store import Txn
-from talos_sdk.errors import MalformedFrameError, OversizeError, UsageError
+from talos_sdk.errors import StorageError, UsageError
 
 __all__ = [
     "MSG_OVERHEAD",
@@ -88,9 +88,10 @@ RESTORE_EPOCH_STEP: Final = 1 << 16
 MSG_OVERHEAD: Final = 3072
 
 
-class MessageTooLargeError(OversizeError, UsageError):
+class MessageTooLargeError(UsageError):
     """A message text that cannot fit in one frame the receiver accepts (docs/PROTOCOL.md
-    "Message size"): the caller's misuse, so a :class:`UsageError` (the API answers 400)."""
+    "Message size"): the caller's misuse, not a peer's protocol fault, so a
+    :class:`UsageError` only (the API answers 400)."""
 
 
 def text_limit(max_frame: int) -> int:
@@ -224,7 +225,7 @@ def decode_inbox(key: bytes, value: bytes) -> InboxEntry:
         did = value[_IN.size : _IN.size + n].decode()
         text = value[_IN.size + n :].decode()
     except (struct.error, UnicodeDecodeError) as exc:
-        raise MalformedFrameError(f"corrupt inbox row: {exc}") from None
+        raise StorageError(f"corrupt inbox row: {exc}") from None
     return InboxEntry(_U64.unpack(key)[0], msg_id, did, seq, ts, text)
 
 

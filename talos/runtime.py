@@ -1,4 +1,4 @@
-"""The event loop the node's processes run on (DESIGN.md "Performance targets").
+"""The event loop the node's processes run on (docs/DESIGN.md "Performance targets").
 
 ``talosd run`` and ``talos-proxy`` spend most of a tunnel round trip or a
 durable ack in event-loop passes and transport writes; uvloop makes both

@@ -20,10 +20,10 @@ Message frames are sealed with :class:`talos_sdk.frames.RatchetFrameCrypto`
 ``msg id (16) || prev seq u64 || text`` so the ``prev`` link the receiver
 orders by (talos/pipeline.py) is authenticated and committed to. Sealing also
 returns the sender's own audit record (same commitment bytes and signature the
-receiver logs; DESIGN.md "block log"). App-channel frames are sealed with
+receiver logs; docs/DESIGN.md "block log"). App-channel frames are sealed with
 the session alone, unsigned: the link is authenticated and the AEAD
 authenticates the sender, and a per-frame Ed25519 signature would cost more
-than the frame (DESIGN.md performance targets).
+than the frame (docs/DESIGN.md performance targets).
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ class SessionManager:
         self._dirty.add(peer)
         if frame.type != MSG_FRAME_TYPE:
             raise ProtocolError(f"expected a message frame, got type {frame.type}")
-        # The audit record needs the sender's valid signature (DESIGN.md "block
+        # The audit record needs the sender's valid signature (docs/DESIGN.md "block
         # log"): a message that could not be sealed into a block is not taken.
         if not commitment.signature:
             raise UnsignedMessageError("message frame is unsigned; messages must be signed")

@@ -1,4 +1,4 @@
-"""The node's one LMDB environment and its named databases (DESIGN.md "Storage").
+"""The node's one LMDB environment and its named databases (docs/DESIGN.md "Storage").
 
 Every durable thing a node keeps lives in ``<home>/store/`` as named LMDB
 databases inside one environment, so one transaction can cover e.g. an inbox

@@ -1,7 +1,7 @@
 """JSON views of the node's state, shared by the control API and the offline CLI.
 
 Plain dicts, no I/O: the API (talos/api.py) serialises them, ``talosd``
-prints them. Field names are the API's (docs/ARCHITECTURE.md "Control API").
+prints them. Field names are the API's (docs/ARCHITECTURE.md "Module map and contracts").
 """
 
 from __future__ import annotations

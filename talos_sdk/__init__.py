@@ -1,4 +1,4 @@
-"""talos_sdk: the Talos protocol as a pure, synchronous library (DESIGN.md layer 1).
+"""talos_sdk: the Talos protocol as a pure, synchronous library (docs/DESIGN.md layer 1).
 
 Identity (:class:`Wallet`, did:key), RFC 8785 canonical JSON, prekey bundles,
 X3DH (classical and ML-KEM-768 hybrid), the Double Ratchet :class:`Session`,

@@ -1,6 +1,6 @@
 """base58btc encoding with the Bitcoin alphabet (draft-msporny-base58, multibase ``z``).
 
-Used by did:key (DESIGN.md "Identity"). Leading zero bytes map one-to-one to
+Used by did:key (docs/DESIGN.md "Identity"). Leading zero bytes map one-to-one to
 leading ``1`` characters, so the encoding is a bijection on byte strings.
 """
 

@@ -1,6 +1,6 @@
 """Big-endian integers and length-prefixed fields: the one codec of Talos' binary layouts.
 
-DESIGN.md "Canonical encoding": frames and stored records are binary, every
+docs/DESIGN.md "Canonical encoding": frames and stored records are binary, every
 variable field carries its length in front (u8, u16 or u32, big-endian as in
 network byte order). Layouts themselves stay in their modules (docs/PROTOCOL.md
 documents each); this module only reads and writes the pieces, so a cut-short

@@ -8,7 +8,7 @@ domain-separated, length-prefixed binary encoding of everything but the OPKs:
 plain Ed25519 for a classical identity (bundle version 1), or the hybrid
 Ed25519 + ML-DSA-65 signature of :mod:`talos_sdk.hybrid` for a hybrid identity
 (version 2, which also carries the ML-DSA-65 public key inside the signed body,
-so the key a peer pins is one the identity vouched for; issue 8, ADR 0005).
+so the key a peer pins is one the identity vouched for; ADR 0005).
 :class:`PrekeySecrets` holds the private halves and serialises them for the node.
 
 X25519 runs on libsodium (``nacl.bindings``), keys stay raw 32-byte strings:

@@ -1,4 +1,4 @@
-"""RFC 8785 JSON Canonicalization Scheme (JCS): the bytes Talos signs (DESIGN.md "Protocol").
+"""RFC 8785 JSON Canonicalization Scheme (JCS): the bytes Talos signs (docs/DESIGN.md "Protocol").
 
 Two paths give identical bytes (a hypothesis test holds them to it):
 

@@ -1,4 +1,4 @@
-"""did:key identifiers for Ed25519 keys (W3C CCG did:key method, DESIGN.md "Identity").
+"""did:key identifiers for Ed25519 keys (W3C CCG did:key method, docs/DESIGN.md "Identity").
 
 A Talos DID is ``did:key:z`` + base58btc(varint(0xed) || public key), i.e. the
 multicodec ``ed25519-pub`` prefix ``0xed 0x01`` followed by the 32 raw key bytes,

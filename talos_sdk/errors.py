@@ -1,4 +1,4 @@
-"""The one exception tree of Talos (DESIGN.md "Conventions").
+"""The one exception tree of Talos (docs/DESIGN.md "Conventions").
 
 Every error Talos raises on purpose derives from :class:`TalosError`. Errors
 that mean *the caller misused the API* are kept apart from errors that mean
@@ -8,25 +8,62 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     TalosError
     ├── UsageError                 caller passed something invalid (also ValueError)
     │   ├── EncodingError          not representable as RFC 8785 JSON / bad bytes form
-    │   └── DIDError               not a well-formed did:key we support
+    │   ├── DIDError               not a well-formed did:key we support
+    │   ├── MessageTooLargeError   text above both nodes' frame bound (talos/pipeline.py)
+    │   ├── UnknownRecordError     no sealed record with that id (talos/chain/log.py; also KeyError)
+    │   ├── BadAddressError        not a usable ws:// peer address (talos/discovery.py)
+    │   ├── PolicyError            a policy file that cannot be used (mcp_proxy/policy.py)
+    │   └── PolicyDenied           the policy refuses this caller / tool (mcp_proxy/policy.py)
     ├── KeyFileError               a key file cannot be read or written
     │   └── WrongPassphraseError   passphrase does not open the key file
     ├── ProtocolError              the peer sent something the protocol forbids
     │   ├── MalformedFrameError    bytes do not parse as the frame they claim to be
+    │   │   └── TunnelFrameError   an MCP tunnel frame (mcp_proxy/tunnel_wire.py)
     │   ├── OversizeError          a frame / message above the negotiated bound
     │   ├── BundleError            prekey bundle: bad signature, unknown suite, reused OPK
-    │   └── HandshakeError         link challenge-response failed or peer refused
+    │   ├── HandshakeError         link challenge-response failed or peer refused
+    │   │   ├── Refusal            we refuse the peer (talos/link/handshake.py)
+    │   │   ├── PeerRefused        the peer refused us (talos/link/peer.py)
+    │   │   └── PeerSuiteError     suite or hybrid key not acceptable (talos_sdk/hybrid.py)
+    │   │       ├── DowngradeError
+    │   │       ├── PinnedKeyChangedError
+    │   │       └── PostQuantumRequiredError
+    │   ├── PartyMismatchError     a frame names other parties (talos_sdk/frames.py)
+    │   ├── UnknownSessionError    no session with that peer (talos/sessions.py)
+    │   ├── MessageSignatureError  a MSG without a valid sender signature (talos/sessions.py)
+    │   │   ├── UnsignedMessageError
+    │   │   └── BadMessageSignatureError
+    │   ├── ForgedHeadError        a head not signed by the link peer (talos/chain/heads.py)
+    │   ├── StreamBroken           a relay stream out of order / oversize (talos/relay/wire.py)
+    │   ├── JsonRpcError           a JSON-RPC message we must refuse (mcp_proxy/jsonrpc.py)
+    │   └── TransferProtocolError  file transfer (talos/transfer/protocol.py)
+    │       ├── CreditExceededError    chunk beyond the granted credit (transfer/manager.py)
+    │       ├── IntegrityError         size or SHA-256 mismatch (transfer/receiver.py)
+    │       └── SourceChangedError     the file changed while sending (transfer/sender.py)
     ├── DecryptionError            opaque: tampered, replayed, wrong key, wrong AD
     ├── SignatureError             a signature that must verify did not
-    ├── StorageError               the node's store failed (node layer)
-    │   └── StorageFullError       LMDB map full: nothing was written
+    ├── StorageError               the node's store failed, or a stored row is corrupt
+    │   ├── StorageFullError       LMDB map full: nothing was written
+    │   └── NoSpaceError           the disk cannot hold a received file (transfer/receiver.py)
     ├── ChainError                 the block log has a defect (node layer)
+    │   └── ChainDefect            one defect found by verification (talos/chain/block.py)
+    │       ├── MalformedChainDataError  (also a MalformedFrameError: records come from peers)
+    │       ├── BlockHeightError, BlockLinkError, BlockNodeError, RecordCountError
+    │       ├── MerkleRootError, BlockSignatureError, RecordSignatureError
+    │       └── RecordIndexError       (talos/chain/verify.py)
+    ├── NotConnectedError          no ready link to that peer (talos/node.py; also ConnectionError)
+    │   └── ConnectTimeoutError    wait_connected gave up (also TimeoutError)
+    ├── LinkDownError              the tunnel's peer is not linked (mcp_proxy/transport.py)
+    ├── ApiError                   the control API answered an error (talos/client.py)
+    ├── NodeNotRunningError        no node runs on that home (talos/client.py)
     └── RelayError                 the NATS relay (node layer, talos/relay/client.py)
         ├── RelayUnavailableError  not connected, or the peer is not on it (also ConnectionError)
         ├── MailboxUnavailableError  the recipient has no mailbox on the relay
         └── MailboxFullError       the recipient's mailbox is at its limits
 
 Upper layers (``talos``, ``mcp_proxy``) subclass these; they do not start new roots.
+Every exception class of the product appears above
+(tests/test_errors_tree.py checks it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Frame sealing with the sender's signed commitment inside (docs/PROTOCOL.md "Frames").
 
-DESIGN.md "Signing": the sender signs a :class:`Commitment` to each frame (type,
+docs/DESIGN.md "Signing": the sender signs a :class:`Commitment` to each frame (type,
 sender, recipient, sequence, time, SHA-256 of the payload); the signature travels
 inside the Double Ratchet ciphertext. The receiver's hot path relies on the AEAD;
 :func:`verify_commitment` is a separate call so the node can defer and batch it.

@@ -1,4 +1,4 @@
-"""Key files: a wallet's private seed at rest (DESIGN.md "Conventions": created 0600).
+"""Key files: a wallet's private seed at rest (docs/DESIGN.md "Conventions": created 0600).
 
 Format, version 1, JSON::
 

@@ -1,4 +1,4 @@
-"""The node's identity: an Ed25519 signing key and its did:key (DESIGN.md "Identity").
+"""The node's identity: an Ed25519 signing key and its did:key (docs/DESIGN.md "Identity").
 
 Signatures are plain 64-byte Ed25519 (RFC 8032) made with libsodium through
 pynacl, which measured faster here than OpenSSL for both sign and verify. The
@@ -9,7 +9,7 @@ Key files (persistence) live in :mod:`talos_sdk.keyfile`
 (:func:`~talos_sdk.keyfile.save_wallet` / :func:`~talos_sdk.keyfile.load_wallet`),
 which imports this module and never the other way round.
 
-Suite ``ed25519-mldsa65`` (issue 8, :class:`HybridWallet`) adds an ML-DSA-65 key
+Suite ``ed25519-mldsa65`` (ADR 0005, :class:`HybridWallet`) adds an ML-DSA-65 key
 derived from the same seed (:mod:`talos_sdk.hybrid`). :meth:`Wallet.sign` stays
 plain Ed25519 for per-message frames; :meth:`Wallet.sign_auth` is the hybrid
 signature where the suite is hybrid (bundles, link proofs, block and log heads).

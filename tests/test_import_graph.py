@@ -1,4 +1,4 @@
-"""The product's import graph has no cycles (docs/ARCHITECTURE.md "Layers").
+"""The product's import graph has no cycles (docs/DESIGN.md "Layers").
 
 Every ``import`` statement of talos_sdk, talos and mcp_proxy counts, also the
 ones inside functions: a deferred import hides a circle from the interpreter,

@@ -1,4 +1,4 @@
-"""Records, blocks and the rules that make a block valid (DESIGN.md "block log").
+"""Records, blocks and the rules that make a block valid (docs/DESIGN.md "block log").
 
 Pure: no I/O, no clock. docs/PROTOCOL.md "Block log" is the normative text;
 this module is its implementation.
@@ -20,7 +20,7 @@ Block = header || signature of the node over the header::
     | 32 merkle_root | u32 record_count | u16 len node DID [| 32 key_id]
 
 Version 1 (classical node): no ``key_id``, 64-byte Ed25519 signature. Version 2
-(hybrid node, issue 8 / ADR 0005): ``key_id`` is the node's hybrid key id and
+(hybrid node, ADR 0005): ``key_id`` is the node's hybrid key id and
 the signature is the 3373-byte Ed25519 + ML-DSA-65 one (``Wallet.sign_auth``).
 The ML-DSA-65 key itself is not in the block: a verifier must bring it (from
 the node's wallet or a pin), else a forger of Ed25519 could bring their own.

@@ -1,6 +1,6 @@
 """Which signature suite a link peer authenticates with, and the pins that keep it honest.
 
-Issue 8 / docs/adr/0005-hybrid-signatures.md, docs/PROTOCOL.md "Link protocol"
+docs/adr/0005-hybrid-signatures.md, docs/PROTOCOL.md "Link protocol"
 (handshake) and "Hybrid signatures" (pinning table). Pure: the node hands in
 how to read and store pins, this module decides.
 

@@ -1,10 +1,10 @@
-"""Mutual challenge-response at the start of every link (DESIGN.md "Peer links").
+"""Mutual challenge-response at the start of every link (docs/DESIGN.md "Peer links").
 
 Pure and sans-I/O, in the style of websockets' ``protocol.py``: the asyncio link
 feeds decoded frames in and sends what comes back. Both sides send a
 :class:`~talos.link.wire.Hello` (DID, fresh 32-byte nonce, supported suites).
 Each then signs, with its identity (``Wallet.sign_auth``: Ed25519, or Ed25519 +
-ML-DSA-65 for a hybrid identity, issue 8)::
+ML-DSA-65 for a hybrid identity, docs/adr/0005-hybrid-signatures.md)::
 
     LABEL || b"/proof/" || role || SHA-256(transcript)
     transcript = LABEL || lp(initiator DID) || lp(responder DID)

@@ -1,4 +1,4 @@
-"""One authenticated WebSocket link to a peer (DESIGN.md "Peer links").
+"""One authenticated WebSocket link to a peer (docs/DESIGN.md "Peer links").
 
 The asyncio side of :mod:`talos.link.handshake`: it only moves bytes and
 enforces time limits. WebSocket settings: compression off (frames are
@@ -52,7 +52,7 @@ __all__ = [
 #: Below the asyncio default low-water mark: a send this far under it never blocks.
 _SEND_NOW_LIMIT = 16 * 1024
 #: Frames websockets buffers per connection before it stops reading the socket:
-#: 16 x max_frame (16 MiB at the default), not 256 MiB, per link (review #6b).
+#: 16 x max_frame (16 MiB at the default), not 256 MiB, per link (docs/PROTOCOL.md "Link protocol").
 MAX_QUEUE = 16
 
 

@@ -1,4 +1,4 @@
-"""Link frame layout (docs/PROTOCOL.md "Link protocol"; DESIGN.md "Peer links").
+"""Link frame layout (docs/PROTOCOL.md "Link protocol"; docs/DESIGN.md "Peer links").
 
 Pure and sans-I/O. One WebSocket binary message carries exactly one link frame:
 a type byte followed by that type's fields. Hot-path frames (``MSG``, ``ACK``,
@@ -57,7 +57,7 @@ _I = struct.Struct(">I")
 class Hello:
     """First frame of each side: who I claim to be, a fresh nonce, my suites.
 
-    ``mldsa65`` is a hybrid identity's ML-DSA-65 public key (issue 8, sent as an
+    ``mldsa65`` is a hybrid identity's ML-DSA-65 public key (ADR 0005, sent as an
     optional 4th field), empty for a classical one.
     """
 
@@ -88,7 +88,7 @@ class SessionOffer:
 
     ``max_frame`` (optional 3rd field, u32; 0 = not said) is the largest link
     frame this side accepts, so the peer can refuse a message that would never
-    fit instead of resending it forever (review #9).
+    fit instead of resending it forever (docs/PROTOCOL.md "Message size").
     """
 
     bundle: bytes

@@ -1,1 +1,1 @@
-"""File transfer between peers (issue 5; docs/PROTOCOL.md "File transfer")."""
+"""File transfer between peers (docs/PROTOCOL.md "File transfer"; ADR 0004)."""

@@ -1,4 +1,4 @@
-"""File transfer glue to the node (issue 5; docs/PROTOCOL.md "File transfer").
+"""File transfer glue to the node (docs/PROTOCOL.md "File transfer"; ADR 0004).
 
 :class:`TransferManager` speaks the control messages of
 :mod:`talos.transfer.protocol` on the node's ratchet-sealed app channel
@@ -685,7 +685,7 @@ class TransferManager:
         """Per-chunk hook (receiving thread or loop): start a checkpoint when one is due.
 
         The checkpoint fsyncs in a worker thread while chunks keep arriving and
-        being written; the stream never waits for it (issue 5). Only the offset
+        being written; the stream never waits for it (ADR 0004). Only the offset
         written before that fsync started is recorded, after it completed.
         """
         loop = asyncio.get_running_loop()
@@ -770,7 +770,7 @@ class TransferManager:
             await self._attempt_failed(tid, inc, exc)
 
     def _on_chunk(self, peer: str, msg: Chunk) -> None:
-        """Queue one fallback chunk, within the credit granted (issue 5 "backpressure").
+        """Queue one fallback chunk, within the credit granted (docs/PROTOCOL.md "File transfer").
 
         A sender that ignores its credit would otherwise grow this queue without
         bound; the first chunk beyond it ends the transfer with a clear error.

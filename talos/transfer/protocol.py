@@ -64,7 +64,7 @@ TID_LEN: Final = 16
 KEY_LEN: Final = 32
 TOKEN_LEN: Final = 32
 NONCE_LEN: Final = 32
-#: Bulk path writes 1 MiB sealed chunks (issue 5: large writes).
+#: Bulk path writes 1 MiB sealed chunks (docs/adr/0004-bulk-transfer-path.md: large writes).
 BULK_CHUNK: Final = 1 << 20
 #: App-channel fallback keeps each sealed chunk well under the link frame bound.
 FALLBACK_CHUNK: Final = 256 << 10

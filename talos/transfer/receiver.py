@@ -5,7 +5,7 @@ Synchronous on purpose: the asyncio layer runs these calls in a worker thread
 so the event loop keeps reading the socket while the previous chunk is opened,
 hashed and written.
 
-Visibility rule (issue 5): bytes land in ``<files>/.partial/<tid>.part``
+Visibility rule (docs/adr/0004-bulk-transfer-path.md): bytes land in ``<files>/.partial/<tid>.part``
 (a hidden folder, 0700); only after the whole-file SHA-256 matched and the
 data was fsync'd does :meth:`IncomingFile.finish` ``link()`` it under its
 final name, which never overwrites (``link`` fails on any existing entry,

@@ -1,6 +1,6 @@
 """The bench/ scripts cannot rot: each runs in --fast mode as a real subprocess.
 
-Nothing here asserts a timing (issue 6): the scripts must exit 0, print their
+Nothing here asserts a timing (bench/README.md): the scripts must exit 0, print their
 table and write a results file that run_all.py can turn into the report. The
 target checks of bench/targets.py are tested on fixed figures.
 """
@@ -75,7 +75,7 @@ def test_run_all_fast_writes_report_without_touching_docs(tmp_path: Path) -> Non
     assert "## Machine" in text and "## Targets" in text
     assert "### bench_crypto (smoke run" in text
     assert "OpenSSL Ed25519 sign 64 B" in text
-    # One report row per criterion of every DESIGN.md target.
+    # One report row per criterion of every docs/DESIGN.md target.
     assert text.count("| ≥ ") + text.count("| ≤ ") >= sum(len(t.criteria) for t in TARGETS)
     docs_after = (
         (REPO / "docs" / "BENCHMARKS.md").read_bytes()

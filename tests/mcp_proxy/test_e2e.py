@@ -1,4 +1,5 @@
-"""Issue 4 through the real pieces: mcp SDK client -> talos-proxy connect -> talos nodes over
+"""The MCP tunnel (ADR 0003) through the real pieces: mcp SDK client -> talos-proxy connect
+-> talos nodes over
 WebSocket on 127.0.0.1 -> talos-proxy serve -> a real MCP tool (everything_server, mcp-server-time).
 """
 
@@ -382,7 +383,7 @@ tools = ["get_current_time"]
 
 
 async def test_messages_above_one_link_frame_cross_intact(tmp_path: Path) -> None:
-    # 2 MiB each way: the node's link frames are bounded at 1 MiB (review #4).
+    # 2 MiB each way: the node's link frames are bounded at 1 MiB (docs/adr/0003-mcp-tunnel.md).
     client_did = did_of(tmp_path / "c")
     size = 2 * 1024 * 1024
     async with (

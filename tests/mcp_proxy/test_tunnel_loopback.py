@@ -270,7 +270,7 @@ async def test_split_messages_cross_and_an_oversize_one_fails_the_session() -> N
 
 
 async def test_tools_call_sent_as_a_notification_never_reaches_the_tool() -> None:
-    # Review #5: without an id, a tools/call skipped the policy and went straight to the tool.
+    # Without an id, a tools/call skipped the policy and went straight to the tool.
     sink = MemorySink()
     auditor = Auditor(sink)
     await auditor.start()
@@ -298,7 +298,7 @@ async def test_tools_call_sent_as_a_notification_never_reaches_the_tool() -> Non
 
 
 async def test_a_tool_that_stops_reading_pauses_the_link() -> None:
-    # Review #6c: the tool's stdin buffer stays bounded; frames wait in the link instead.
+    # The tool's stdin buffer stays bounded; frames wait in the link instead.
     deaf = [sys.executable, "-m", "tests.tools.bad_server", "deaf"]
     pair = Pair(Policy.build(allow=[CLIENT_DID], command=deaf))
     agent = Agent(pair.client)

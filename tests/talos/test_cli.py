@@ -152,7 +152,7 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
     res = talosd("chain", "verify", "--home", str(home_b))
     assert res.returncode == 0, res.stderr
     assert "WARNING" not in res.stderr
-    # Review #7: a record with a forged signature is quarantined at sealing; verify
+    # A record with a forged signature is quarantined at sealing; verify
     # names it in a warning line and still exits 0 (it never entered the chain).
     forged_id = b"\x07" * 16
     with Store(home_b / "store") as store:

@@ -1,6 +1,6 @@
 """Peer discovery resolvers and their use by a real node (talos/discovery.py).
 
-DESIGN.md "Discovery and scale": one ``resolve(DID) -> addresses`` interface.
+docs/DESIGN.md "Discovery and scale": one ``resolve(DID) -> addresses`` interface.
 The node test runs two real nodes on 127.0.0.1 with ephemeral ports.
 """
 

@@ -70,7 +70,7 @@ async def test_many_messages_pipelined_keep_order_exactly_once(pair: tuple[Node,
 async def test_frames_arriving_during_a_commit_share_the_next_one(
     pair: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Group commit, made deterministic by holding A's first receive commit (review #11a)."""
+    """Group commit, made deterministic by holding A's first receive commit."""
     a, b = pair
     gate = threading.Event()
     sizes: list[int] = []
@@ -403,7 +403,7 @@ async def _three_by_did(root: Path) -> tuple[Node, Node, Node]:
 
 
 async def test_two_peers_set_up_sessions_with_one_node_at_once(tmp_path: Path) -> None:
-    """Review #2: both initiators answer the hub's offers at once; both sessions come up."""
+    """Both initiators answer the hub's offers at once; both sessions come up."""
     b, c, hub = await _three_by_did(tmp_path)
     try:
         async with asyncio.timeout(20):
@@ -427,7 +427,7 @@ async def test_two_peers_set_up_sessions_with_one_node_at_once(tmp_path: Path) -
 async def test_failed_session_init_closes_the_link_and_sets_up_again(
     pair: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Review #2: a refused SESSION_INIT must not leave the initiator on a dead session."""
+    """A refused SESSION_INIT must not leave the initiator on a dead session."""
     a, b = sorted(pair, key=lambda n: n.did)  # b responds
     real = b.sessions.on_init
     refused: list[str] = []
@@ -452,7 +452,7 @@ async def test_failed_session_init_closes_the_link_and_sets_up_again(
 
 
 async def test_message_above_the_receivers_frame_bound(tmp_path: Path) -> None:
-    """Review #9: the sender learns B's bound from its offer and refuses what cannot fit."""
+    """The sender learns B's bound from its offer and refuses what cannot fit."""
     from talos.config import Home
     from talos.home import offline_send
     from talos.pipeline import MessageTooLargeError, text_limit

@@ -1,5 +1,5 @@
 """A hostile but authenticated peer against a real node: every bad frame is dropped,
-counted and logged; the node and its other links keep working (DESIGN.md "done")."""
+counted and logged; the node and its other links keep working (docs/DESIGN.md "done")."""
 
 from __future__ import annotations
 
@@ -339,7 +339,7 @@ async def test_message_frame_with_a_bad_signature_is_refused(victim: Node, rogue
 
 
 async def test_handshakes_in_progress_are_bounded(victim: Node, rogue: Rogue) -> None:
-    """Review #6b: unauthenticated connections cannot pile up; the excess gets 1013."""
+    """Unauthenticated connections cannot pile up; the excess gets 1013."""
     import dataclasses
 
     from websockets.asyncio.client import connect

@@ -254,7 +254,7 @@ async def test_forged_and_lower_heads(tmp_path: Path) -> None:
 async def test_failed_receive_commit_does_not_ack_the_frames_queued_behind_it(
     tmp_path: Path, gate: threading.Event, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Review #1: m0's commit fails while m1..m4 wait; none of them may be acked."""
+    """M0's commit fails while m1..m4 wait; none of them may be acked."""
     a = await started(*make_home(tmp_path, "a"))
     b = await started(*make_home(tmp_path, "b"))
     calls: list[int] = []
@@ -292,7 +292,7 @@ async def test_failed_receive_commit_does_not_ack_the_frames_queued_behind_it(
 async def test_heads_are_judged_off_the_read_loop(
     tmp_path: Path, gate: threading.Event, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Review #13: a head's store write never holds up the frames behind it."""
+    """A head's store write never holds up the frames behind it."""
     a = await started(*make_home(tmp_path, "a"))
     b = await started(*make_home(tmp_path, "b"))
     got: list[bytes] = []
@@ -313,7 +313,7 @@ async def test_heads_are_judged_off_the_read_loop(
 
 
 def test_equivocation_rows_per_peer_are_capped(tmp_path: Path) -> None:
-    """Review #13: a peer sending conflicting heads forever fills one count, not the disk."""
+    """A peer sending conflicting heads forever fills one count, not the disk."""
     did = Wallet.generate().did
 
     def head(height: int, tag: int) -> hd.PeerHead:

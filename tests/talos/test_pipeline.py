@@ -11,7 +11,7 @@ import pytest
 
 from talos import pipeline as pl
 from talos.store import Store
-from talos_sdk.errors import MalformedFrameError, UsageError
+from talos_sdk.errors import StorageError, UsageError
 
 A = "did:key:z6MkA"
 B = "did:key:z6MkB"
@@ -68,7 +68,7 @@ def test_inbox_row_round_trip() -> None:
 
 
 def test_corrupt_inbox_row() -> None:
-    with pytest.raises(MalformedFrameError, match="corrupt inbox row"):
+    with pytest.raises(StorageError, match="corrupt inbox row"):
         pl.decode_inbox((1).to_bytes(8, "big"), b"short")
 
 

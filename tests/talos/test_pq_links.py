@@ -1,4 +1,4 @@
-"""Hybrid Ed25519 + ML-DSA-65 authentication between real nodes on 127.0.0.1 (issue 8).
+"""Hybrid Ed25519 + ML-DSA-65 authentication between real nodes on 127.0.0.1 (ADR 0005).
 
 Real LMDB homes, real WebSocket links on ephemeral ports, real handshakes: a
 hybrid pair uses both signatures and pins, a hybrid and a classical node still

@@ -163,7 +163,7 @@ def test_app_and_message_frames_cannot_be_swapped(sides: tuple[Side, Side]) -> N
 
 
 def test_each_peer_is_offered_its_own_one_time_prekey(tmp_path: Path) -> None:
-    """Review #2: two initiators answering offers at once never share an OPK."""
+    """Two initiators answering offers at once never share an OPK."""
     wallets = sorted((Wallet.generate() for _ in range(3)), key=lambda w: w.did)
     hub = Side(tmp_path, "hub", wallets[2])  # largest DID: responds to both
     b, c = Side(tmp_path, "b", wallets[0]), Side(tmp_path, "c", wallets[1])

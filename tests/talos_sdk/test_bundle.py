@@ -212,7 +212,7 @@ def test_byte_reader_reports_truncation() -> None:
         r.var16()
 
 
-# --- hybrid (Ed25519 + ML-DSA-65) bundles: issue 8, docs/PROTOCOL.md "Prekey bundles" ---
+# --- hybrid (Ed25519 + ML-DSA-65) bundles: ADR 0005, docs/PROTOCOL.md "Prekey bundles" ---
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Hybrid-signed block logs (issue 8, ADR 0005): talos/chain/block.py, log.py, verify.py."""
+"""Hybrid-signed block logs (ADR 0005): talos/chain/block.py, log.py, verify.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hybrid link authentication: talos/link/auth.py with handshake.py and wire.py (issue 8)."""
+"""Hybrid link authentication (ADR 0005): talos/link/auth.py with handshake.py and wire.py."""
 
 from __future__ import annotations
 

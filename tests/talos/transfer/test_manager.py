@@ -145,7 +145,7 @@ async def test_fallback_over_app_channel(net: Net) -> None:
 async def test_sender_ignoring_credit_fails_the_transfer(
     net: Net, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fallback sender that ignores Credit cannot grow the receiver's queue (issue 5)."""
+    """A fallback sender that ignores Credit cannot grow the receiver's queue (ADR 0004)."""
     assert net.receiver.listener is not None
     await net.receiver.listener.close()
     net.receiver.listener = None
