@@ -432,9 +432,11 @@ _TRANSITIONS: dict[tuple[TransferState, Event], TransferState] = {
     (S.OFFERED, E.HOLD): S.PENDING,
     (S.OFFERED, E.ACCEPT): S.ACTIVE,
     (S.OFFERED, E.REJECT): S.REJECTED,
+    (S.OFFERED, E.FAIL): S.FAILED,  # e.g. the source cannot be read, quota, a bad offer
     (S.PENDING, E.ACCEPT): S.ACTIVE,
     (S.PENDING, E.REJECT): S.REJECTED,
     (S.PENDING, E.HOLD): S.PENDING,
+    (S.PENDING, E.FAIL): S.FAILED,
     (S.ACTIVE, E.ACCEPT): S.ACTIVE,  # resume: a new attempt
     (S.ACTIVE, E.DONE): S.COMPLETE,
     (S.ACTIVE, E.FAIL): S.FAILED,

@@ -165,6 +165,11 @@ def test_state_table() -> None:
         next_state(TransferState.COMPLETE, Event.ACCEPT)
     with pytest.raises(TransferProtocolError):
         next_state(TransferState.REJECTED, Event.DONE)
+    # A transfer fails from any open state (the manager has no other way to end one).
+    for open_state in (TransferState.OFFERED, TransferState.PENDING, TransferState.ACTIVE):
+        assert next_state(open_state, Event.FAIL) is TransferState.FAILED
+    with pytest.raises(TransferProtocolError):
+        next_state(TransferState.COMPLETE, Event.FAIL)
 
 
 @pytest.mark.parametrize(

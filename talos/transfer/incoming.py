@@ -1,0 +1,380 @@
+"""Receiving files: offers, quota and row caps, attempts, checkpoints, verification
+(docs/PROTOCOL.md "File transfer"; docs/adr/0004-bulk-transfer-path.md).
+Part of :class:`~talos.transfer.manager.TransferManager`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+from talos.store import Txn
+from talos.transfer import bulk
+from talos.transfer.protocol import (
+    Accept,
+    Chunk,
+    Credit,
+    Done,
+    Event,
+    Failed,
+    Offer,
+    Pending,
+    Reject,
+    TransferProtocolError,
+    TransferState,
+    file_commitment,
+    is_final,
+    safe_name,
+)
+from talos.transfer.receiver import IncomingAttempt, IncomingFile
+from talos.transfer.records import (
+    _DB,
+    _OPEN_IN,
+    MAX_ATTEMPTS,
+    MAX_OPEN_OFFERS,
+    IncomingState,
+    TransferBase,
+    TransferInfo,
+    log,
+)
+from talos_sdk.errors import (
+    DecryptionError,
+    StorageError,
+    TalosError,
+    UsageError,
+)
+from talos_sdk.wallet import verify as verify_signature
+
+__all__ = ["CreditExceededError", "IncomingTransfers"]
+
+
+class CreditExceededError(TransferProtocolError):
+    """The sender sent a fallback chunk beyond the credit the receiver granted."""
+
+
+class IncomingTransfers(TransferBase):
+    """The receiving side of the transfer manager."""
+
+    def _charge(self, size: int) -> int:
+        """What a file of ``size`` bytes costs against the quota: tiny and empty files
+        still cost a row and an inode, so each counts at least ``min_file_bytes``."""
+        return max(size, self.config.min_file_bytes)
+
+    def _quota_used(self, rows: Iterable[TransferInfo]) -> int:
+        held = (TransferState.PENDING, TransferState.ACTIVE, TransferState.COMPLETE)
+        return sum(self._charge(i.size) for i in rows if i.direction == "in" and i.state in held)
+
+    async def _make_room(self, peer: str, rows: Iterable[TransferInfo]) -> bool:
+        """Keep ``peer``'s incoming rows under ``max_rows_per_peer`` by forgetting its
+        oldest ended transfers that hold no file; False if no room can be made."""
+        mine = [i for i in rows if i.peer == peer and i.direction == "in"]
+        excess = len(mine) - self.config.max_rows_per_peer + 1
+        if excess <= 0:
+            return True
+        ended = (TransferState.FAILED, TransferState.REJECTED, TransferState.CANCELLED)
+        drop = [bytes.fromhex(i.tid) for i in mine if i.state in ended][:excess]
+        if len(drop) < excess:
+            return False
+
+        def forget(txn: Txn) -> None:
+            for key in drop:
+                txn.delete(_DB, key)
+
+        await self.node.writer.write(forget, kind="transfer")
+        return True
+
+    async def _on_offer(self, peer: str, msg: Offer) -> None:
+        try:
+            info: TransferInfo | None = self.get(msg.tid)
+        except UsageError:
+            info = None
+        if info is not None:
+            if info.peer != peer or info.direction != "in":
+                return  # a tid collision or another peer replaying it: ignore
+            await self._answer_known(info)
+            return
+        name = safe_name(msg.name)
+        now = int(time.time() * 1000)
+        info = TransferInfo(
+            tid=msg.tid.hex(),
+            direction="in",
+            peer=peer,
+            name=name,
+            size=msg.size,
+            sha256="",  # from the sender's commit chunk, once verified
+            key=msg.key.hex(),
+            created_ms=now,
+        )
+        reason = ""
+        rows = self.list()
+        if sum(i.peer == peer and i.direction == "in" and i.state in _OPEN_IN for i in rows) >= (
+            MAX_OPEN_OFFERS
+        ):
+            reason = f"too many open offers from this peer (limit {MAX_OPEN_OFFERS})"
+        elif self._quota_used(rows) + self._charge(msg.size) > self.config.quota_bytes:
+            reason = (
+                f"quota exceeded: {msg.size} bytes offered (counts as "
+                f"{self._charge(msg.size)}), quota {self.config.quota_bytes}"
+            )
+        elif not await self._make_room(peer, rows):
+            reason = (
+                f"too many transfers kept from this peer "
+                f"(limit {self.config.max_rows_per_peer}, none ended without a file)"
+            )
+        elif shutil.disk_usage(self.files_dir).free < msg.size:
+            reason = f"not enough disk space for {msg.size} bytes"
+        if reason:
+            # No row for a refusal: a peer's offers cannot grow the store without bound.
+            log.info("transfer %s from %s refused: %s", info.tid, peer, reason)
+            await self._send(peer, Reject(msg.tid, reason))
+            return
+        info = await self._save(info)
+        if peer in self.config.auto_accept:
+            await self._start_attempt(info)
+        else:
+            await self._move(info, Event.HOLD)
+            await self._send(peer, Pending(msg.tid))
+
+    async def _answer_known(self, info: TransferInfo) -> None:
+        tid = bytes.fromhex(info.tid)
+        if info.state is TransferState.COMPLETE:
+            await self._send(info.peer, Done(tid))
+        elif info.state is TransferState.PENDING:
+            await self._send(info.peer, Pending(tid))
+        elif info.state is TransferState.ACTIVE:
+            await self._start_attempt(info)
+        else:
+            await self._send(info.peer, Reject(tid, info.error or info.state.value))
+
+    async def accept(self, tid: str | bytes) -> TransferInfo:
+        """Accept a pending incoming transfer (``talosd files accept ID``)."""
+        info = self.get(tid)
+        if info.direction != "in" or info.state is not TransferState.PENDING:
+            raise UsageError(f"transfer {info.tid} is not a pending incoming transfer")
+        await self._start_attempt(info)
+        return self.get(tid)
+
+    async def reject(self, tid: str | bytes, reason: str = "declined") -> TransferInfo:
+        """Refuse a pending incoming transfer."""
+        info = self.get(tid)
+        if info.direction != "in" or info.state is not TransferState.PENDING:
+            raise UsageError(f"transfer {info.tid} is not a pending incoming transfer")
+        info = await self._move(info, Event.REJECT, error=reason)
+        await self._send(info.peer, Reject(bytes.fromhex(info.tid), reason))
+        return info
+
+    async def _start_attempt(self, info: TransferInfo) -> None:
+        tid = bytes.fromhex(info.tid)
+        await self._end_incoming(tid)
+        if info.attempts >= MAX_ATTEMPTS:
+            await self._fail_in(info, f"gave up after {info.attempts} attempts")
+            return
+        epoch = info.epoch + 1
+        try:
+            file = await asyncio.to_thread(
+                IncomingFile, self.files_dir, tid, info.size, info.offset
+            )
+        except StorageError as exc:
+            await self._fail_in(info, str(exc))
+            return
+        attempt = IncomingAttempt(file, bytes.fromhex(info.key), tid, epoch)
+        info = await self._move(info, Event.ACCEPT, epoch=epoch, attempts=info.attempts + 1)
+        window = self.config.window
+        # +1: room for the credit-violation error behind a full window
+        inc = IncomingState(file, attempt, asyncio.Queue(maxsize=window + 1), granted=window)
+        self._incoming[tid] = inc
+        port, token, host = 0, b"", ""
+        if self.listener is not None:
+            token = os.urandom(32)
+            port, host = self.listener.port, self.config.bulk_host
+            self.listener.expect(tid, token, lambda s: self._receive_bulk(tid, inc, s))
+        inc.task = asyncio.ensure_future(self._receive_fallback(tid, inc))
+        accept = Accept(tid, info.offset, epoch, self.config.window, port, token, host)
+        await self._send(info.peer, accept)
+
+    async def _end_incoming(self, tid: bytes) -> None:
+        inc = self._incoming.pop(tid, None)
+        if self.listener is not None:
+            self.listener.forget(tid)
+        if inc is None:
+            return
+        if inc.task is not None and inc.task is not asyncio.current_task():
+            inc.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await inc.task
+        await self._settle_checkpoint(inc)
+        inc.file.close()
+
+    def _checkpoint_trigger(self, tid: bytes, inc: IncomingState) -> Callable[[], None]:
+        """Per-chunk hook (receiving thread or loop): start a checkpoint when one is due.
+
+        The checkpoint fsyncs in a worker thread while chunks keep arriving and
+        being written; the stream never waits for it (ADR 0004). Only the offset
+        written before that fsync started is recorded, after it completed.
+        """
+        loop = asyncio.get_running_loop()
+        every = self.config.checkpoint_bytes
+
+        def trigger() -> None:
+            if not inc.syncing and inc.file.written - inc.file.synced >= every:
+                inc.syncing = True
+                loop.call_soon_threadsafe(self._start_checkpoint, tid, inc)
+
+        return trigger
+
+    def _start_checkpoint(self, tid: bytes, inc: IncomingState) -> None:
+        inc.sync_task = asyncio.ensure_future(self._checkpoint(tid, inc))
+
+    async def _checkpoint(self, tid: bytes, inc: IncomingState) -> None:
+        try:
+            offset = await asyncio.to_thread(inc.file.sync)
+        except StorageError as exc:  # the next write reports it to the attempt
+            log.warning("transfer %s checkpoint failed: %s", tid.hex(), exc)
+            return
+        finally:
+            inc.syncing = False
+        self.progress[tid] = offset
+        if self._incoming.get(tid) is inc:
+            await self._save(replace(self.get(tid), offset=offset))
+        if self.on_progress is not None:
+            self.on_progress(tid, offset)
+
+    @staticmethod
+    async def _settle_checkpoint(inc: IncomingState) -> None:
+        """Wait for an in-flight checkpoint before the file is finished or closed."""
+        task = inc.sync_task
+        if task is not None and task is not asyncio.current_task():
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _receive_bulk(self, tid: bytes, inc: IncomingState, stream: bulk.BulkStream) -> None:
+        if inc.task is not None:  # the bulk path won: no fallback chunks for this attempt
+            inc.task.cancel()
+        inc.task = asyncio.current_task()
+        try:
+            await bulk.receive_chunks(
+                stream,
+                inc.attempt.process_into,
+                self.config.window,
+                self._checkpoint_trigger(tid, inc),
+            )
+            verified = await self._finish(tid, inc)
+            await bulk.send_verdict(stream, verified)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._attempt_failed(tid, inc, exc)
+            await bulk.send_verdict(stream, False)
+        finally:
+            await stream.close()
+
+    async def _receive_fallback(self, tid: bytes, inc: IncomingState) -> None:
+        window = self.config.window
+        processed = 0
+        peer = self.get(tid).peer
+        trigger = self._checkpoint_trigger(tid, inc)
+        try:
+            while True:
+                sealed = await inc.queue.get()
+                if sealed is None:
+                    return
+                if isinstance(sealed, Exception):
+                    raise sealed
+                final = await asyncio.to_thread(inc.attempt.process, sealed)
+                processed += 1
+                trigger()
+                if final:
+                    await self._finish(tid, inc)
+                    return
+                if processed + window - inc.granted >= max(1, window // 4):
+                    inc.granted = processed + window
+                    await self._send(peer, Credit(tid, inc.attempt.epoch, inc.granted))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._attempt_failed(tid, inc, exc)
+
+    def _on_chunk(self, peer: str, msg: Chunk) -> None:
+        """Queue one fallback chunk, within the credit granted (docs/PROTOCOL.md "File transfer").
+
+        A sender that ignores its credit would otherwise grow this queue without
+        bound; the first chunk beyond it ends the transfer with a clear error.
+        """
+        inc = self._incoming.get(msg.tid)
+        if inc is None or inc.attempt.epoch != msg.epoch or self.get(msg.tid).peer != peer:
+            return
+        if inc.received < 0:
+            return  # already refused; the worker is failing the transfer
+        if msg.index >= inc.granted or inc.received >= inc.granted:
+            error = CreditExceededError(
+                f"sender exceeded its credit: chunk {max(msg.index, inc.received)} "
+                f"sent with credit for {inc.granted} chunks"
+            )
+            inc.received = -1
+            inc.queue.put_nowait(error)
+            return
+        inc.received += 1
+        inc.queue.put_nowait(msg.sealed)
+
+    async def _finish(self, tid: bytes, inc: IncomingState) -> bool:
+        """Check the sender's commit (signature, then SHA-256) and make the file visible."""
+        await self._settle_checkpoint(inc)
+        info = self.get(tid)
+        assert inc.attempt.commit is not None  # set with the final chunk
+        digest, signature = inc.attempt.commit
+        commitment = file_commitment(tid, digest, info.size, info.peer, self.node.did)
+        try:
+            if not verify_signature(info.peer, commitment, signature):
+                raise TransferProtocolError("the sender's commit signature does not verify")
+            path = await asyncio.to_thread(inc.file.finish, digest, info.name)
+        except (TransferProtocolError, StorageError) as exc:
+            await self._fail_in(info, str(exc))
+            return False
+        self._incoming.pop(tid, None)
+        if self.listener is not None:
+            self.listener.forget(tid)
+        info = await self._move(
+            info,
+            Event.DONE,
+            notify=False,  # not before the block-log record is written
+            offset=info.size,
+            path=str(path),
+            sha256=digest.hex(),
+            signature=signature.hex(),
+        )
+        await self._record(info, sender=info.peer, recipient=self.node.did)
+        self._notify(info)
+        await self._send(info.peer, Done(tid))
+        return True
+
+    async def _attempt_failed(self, tid: bytes, inc: IncomingState, exc: BaseException) -> None:
+        info = self.get(tid)
+        if isinstance(
+            exc, DecryptionError | OSError | ConnectionError | asyncio.IncompleteReadError
+        ):
+            # The bytes were damaged or cut in transit: keep what is committed, let the sender
+            # come back for another attempt from there.
+            log.warning("transfer %s attempt %d failed: %r", info.tid, info.epoch, exc)
+            if self._incoming.get(tid) is inc:
+                await self._end_incoming(tid)
+            return
+        reason = str(exc) if isinstance(exc, TalosError) else f"internal error: {exc!r}"
+        await self._fail_in(info, reason)
+
+    async def _fail_in(self, info: TransferInfo, reason: str) -> None:
+        tid = bytes.fromhex(info.tid)
+        inc = self._incoming.pop(tid, None)
+        if self.listener is not None:
+            self.listener.forget(tid)
+        if inc is not None:
+            await self._settle_checkpoint(inc)
+            inc.file.discard()
+        else:
+            (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
+        if not is_final(info.state):
+            await self._move(info, Event.FAIL, error=reason)
+        await self._send(info.peer, Failed(tid, reason))

@@ -1,0 +1,213 @@
+"""Sending files: offers, attempts over the bulk path or the app channel, credits,
+resumes (docs/PROTOCOL.md "File transfer"; docs/adr/0004-bulk-transfer-path.md).
+Part of :class:`~talos.transfer.manager.TransferManager`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from talos.transfer import bulk
+from talos.transfer.protocol import (
+    APP_NAME,
+    BULK_CHUNK,
+    FALLBACK_CHUNK,
+    TID_LEN,
+    Accept,
+    Cancel,
+    Chunk,
+    Credit,
+    Event,
+    Offer,
+    encode_message,
+    file_commitment,
+    is_final,
+)
+from talos.transfer.records import (
+    TransferBase,
+    TransferInfo,
+    log,
+)
+from talos.transfer.sender import OutgoingAttempt, Signer, file_size
+from talos_sdk.errors import (
+    HandshakeError,
+    TalosError,
+    UsageError,
+)
+
+__all__ = ["OutgoingTransfers"]
+
+
+class OutgoingTransfers(TransferBase):
+    """The sending side of the transfer manager."""
+
+    async def send_file(self, did: str, path: Path | str, name: str | None = None) -> str:
+        """Offer ``path`` to ``did`` (as ``name``, default its base name); returns the id (hex).
+
+        The transfer resumes by itself after a link drop or a restart of either node.
+        """
+        path = Path(path).resolve()
+        try:
+            # No hashing pass here: the digest is computed while the bytes stream.
+            size = await asyncio.to_thread(file_size, path)
+        except OSError as exc:
+            raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+        now = int(time.time() * 1000)
+        tid = os.urandom(TID_LEN)
+        info = TransferInfo(
+            tid=tid.hex(),
+            direction="out",
+            peer=did,
+            name=path.name if name is None else name,
+            size=size,
+            sha256="",  # known once the stream's commit chunk is sealed
+            key=os.urandom(32).hex(),
+            path=str(path),
+            created_ms=now,
+        )
+        await self._save(info)
+        if self.node.is_connected(did):
+            await self._offer(bytes.fromhex(info.tid))
+        return info.tid
+
+    async def _offer(self, tid: bytes) -> None:
+        info = self.get(tid)
+        if is_final(info.state):
+            return
+        await self._send(info.peer, Offer(tid, info.size, bytes.fromhex(info.key), info.name))
+
+    async def _on_accept(self, peer: str, msg: Accept, info: TransferInfo) -> None:
+        if info.direction != "out" or is_final(info.state):
+            return
+        if not 0 <= msg.offset <= info.size:
+            await self._fail_out(info, f"receiver asked to resume at {msg.offset}")
+            return
+        info = await self._move(info, Event.ACCEPT, epoch=msg.epoch, offset=msg.offset)
+        old = self._sending.pop(msg.tid, None)
+        if old is not None:
+            old.cancel()
+        task = asyncio.ensure_future(self._run_send(info, msg))
+        self._sending[msg.tid] = task
+        task.add_done_callback(functools.partial(self._sent_done, msg.tid))
+
+    def _sent_done(self, tid: bytes, task: asyncio.Task[None]) -> None:
+        if self._sending.get(tid) is task:
+            del self._sending[tid]
+
+    async def _run_send(self, info: TransferInfo, msg: Accept) -> None:
+        tid = msg.tid
+        try:
+            if msg.bulk_port and await self._send_bulk(info, msg):
+                return
+            await self._send_fallback(info, msg)
+        except asyncio.CancelledError:
+            raise
+        except TalosError as exc:  # source changed, etc.: the transfer cannot go on
+            await self._fail_out(self.get(tid), str(exc))
+            await self._send(info.peer, Cancel(tid, str(exc)))
+        except (OSError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            log.info("transfer %s attempt %d broke: %s", tid.hex(), msg.epoch, exc)
+            await self._retry_later(tid)
+        finally:
+            # Deregister now, not in a done callback: a link-up handled in between
+            # would see a send still "running" and not re-offer.
+            if self._sending.get(tid) is asyncio.current_task():
+                del self._sending[tid]
+
+    async def _retry_later(self, tid: bytes) -> None:
+        await asyncio.sleep(self.config.retry_delay)
+        info = self.get(tid)
+        if not is_final(info.state) and self.node.is_connected(info.peer):
+            await self._offer(tid)
+
+    def _count(self, tid: bytes) -> Callable[[int], None]:
+        def on_sent(n: int) -> None:
+            self.bytes_sent[tid] = self.bytes_sent.get(tid, 0) + n
+
+        return on_sent
+
+    def _signer(self, info: TransferInfo) -> Signer:
+        """Sign the file commitment for the commit chunk, persisting it before it is sent.
+
+        Called from the sending thread; the digest and signature are saved on
+        the loop (the store's writer) and the thread waits for that, so a DONE
+        that arrives later, even after a restart, finds them recorded.
+        """
+        loop = asyncio.get_running_loop()
+        tid = bytes.fromhex(info.tid)
+
+        async def save(digest: bytes, signature: bytes) -> None:
+            current = self.get(tid)
+            await self._save(replace(current, sha256=digest.hex(), signature=signature.hex()))
+
+        def sign(digest: bytes) -> bytes:
+            commitment = file_commitment(tid, digest, info.size, self.node.did, info.peer)
+            signature: bytes = self.node.wallet.sign(commitment)
+            asyncio.run_coroutine_threadsafe(save(digest, signature), loop).result()
+            return signature
+
+        return sign
+
+    async def _send_bulk(self, info: TransferInfo, msg: Accept) -> bool:
+        """True if the bulk path carried the attempt to a verdict; False to fall back."""
+        out = OutgoingAttempt(
+            Path(info.path), info.size, bytes.fromhex(info.key), msg.tid, msg.epoch, msg.offset,
+            BULK_CHUNK, self._signer(info),
+        )  # fmt: skip
+        try:
+            try:
+                stream = await bulk.connect_bulk(msg.bulk_host, msg.bulk_port, msg.tid, msg.token)
+            except (OSError, TimeoutError, HandshakeError) as exc:
+                log.info("bulk path to %s unavailable (%s); using the app channel", info.peer, exc)
+                return False
+            try:
+                verified = await bulk.send_chunks(
+                    stream, out.seal_next_into, out.sealed_max, msg.window, self._count(msg.tid)
+                )
+            finally:
+                await stream.close()
+        finally:
+            out.close()
+        if not verified:
+            await self._retry_later(msg.tid)
+        return True
+
+    async def _send_fallback(self, info: TransferInfo, msg: Accept) -> None:
+        tid = msg.tid
+        event = asyncio.Event()
+        self._credit[tid] = (msg.window, event)
+        out = OutgoingAttempt(
+            Path(info.path), info.size, bytes.fromhex(info.key), tid, msg.epoch, msg.offset,
+            FALLBACK_CHUNK, self._signer(info),
+        )  # fmt: skip
+        count = self._count(tid)
+        try:
+            while not out.finished:
+                index = out.index
+                while index >= self._credit[tid][0]:
+                    event.clear()
+                    await event.wait()
+                sealed = await asyncio.to_thread(out.next_sealed)
+                await self.node.send_app(
+                    info.peer, APP_NAME, encode_message(Chunk(tid, msg.epoch, index, sealed))
+                )
+                count(len(sealed))
+        finally:
+            out.close()
+            self._credit.pop(tid, None)
+
+    def _on_credit(self, msg: Credit) -> None:
+        entry = self._credit.get(msg.tid)
+        if entry is not None and msg.upto > entry[0]:
+            self._credit[msg.tid] = (msg.upto, entry[1])
+            entry[1].set()
+
+    async def _fail_out(self, info: TransferInfo, reason: str) -> None:
+        if not is_final(info.state):
+            await self._move(info, Event.FAIL, error=reason)

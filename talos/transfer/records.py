@@ -1,0 +1,257 @@
+"""Transfer rows and what the parts of the transfer manager share
+(docs/PROTOCOL.md "File transfer").
+
+:class:`TransferInfo` is one row of the store's ``transfers`` database;
+:class:`TransferBase` holds the manager's shared state and its row access
+(read, write through the node's one writer, wait for a final state).
+Sending is :mod:`talos.transfer.outgoing`, receiving
+:mod:`talos.transfer.incoming`, the app channel and lifecycle
+:mod:`talos.transfer.manager`, the API routes :mod:`talos.transfer.cli`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from talos.apphost import AppHost
+from talos.transfer import bulk
+from talos.transfer.protocol import (
+    APP_NAME,
+    Event,
+    TransferMessage,
+    TransferState,
+    encode_message,
+    is_final,
+    next_state,
+)
+from talos.transfer.receiver import IncomingAttempt, IncomingFile
+from talos_sdk.errors import (
+    TalosError,
+    UsageError,
+)
+
+__all__ = [
+    "MAX_ATTEMPTS",
+    "MAX_OPEN_OFFERS",
+    "AppNode",
+    "IncomingState",
+    "TransferBase",
+    "TransferConfig",
+    "TransferInfo",
+]
+
+log = logging.getLogger("talos.transfer")
+
+MAX_ATTEMPTS: Final = 5
+#: Open incoming offers (offered, pending, active) one peer may hold; more are refused.
+MAX_OPEN_OFFERS: Final = 64
+_DB: Final = "transfers"
+_OPEN_IN: Final = (TransferState.OFFERED, TransferState.PENDING, TransferState.ACTIVE)
+
+
+class TransferConfig(BaseModel):
+    """File-transfer settings of a node (pydantic: read from CLI flags / JSON)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    files_dir: Path | None = Field(default=None, description="where received files land")
+    auto_accept: tuple[str, ...] = Field(default=(), description="DIDs whose offers need no accept")
+    quota_bytes: int = Field(default=64 << 30, ge=0, description="bytes of incoming files held")
+    min_file_bytes: int = Field(
+        default=64 << 10,
+        ge=1,
+        description="what each incoming file counts against the quota at least (its row, inode)",
+    )
+    max_rows_per_peer: int = Field(
+        default=10_000,
+        ge=1,
+        description="incoming transfer rows kept per peer; the oldest ended ones are dropped",
+    )
+    bulk: bool = True
+    bulk_host: str = "127.0.0.1"
+    bulk_port: int = Field(default=0, ge=0, le=65535)
+    window: int = Field(default=8, ge=1, le=1024, description="chunks in flight")
+    checkpoint_bytes: int = Field(default=32 << 20, ge=1 << 16)
+    retry_delay: float = Field(default=0.2, gt=0)
+
+
+class AppNode(AppHost, Protocol):
+    """What the manager needs from :class:`talos.node.Node`: an app host that signs."""
+
+    @property
+    def wallet(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TransferInfo:
+    """One transfer as persisted in the ``transfers`` database."""
+
+    tid: str
+    direction: str  # "in" | "out"
+    peer: str
+    name: str
+    size: int
+    sha256: str
+    key: str = ""  # hex; never leaves the node (not in to_public)
+    signature: str = ""  # hex; the sender's signature over file_commitment
+    state: TransferState = TransferState.OFFERED
+    offset: int = 0  # in: bytes committed (fsync'd + recorded); out: bytes acknowledged
+    epoch: int = 0
+    attempts: int = 0
+    path: str = ""
+    error: str = ""
+    created_ms: int = 0
+    updated_ms: int = 0
+
+    def to_public(self) -> dict[str, Any]:
+        """JSON view for the CLI / control API (no key)."""
+        data = asdict(self)
+        del data["key"], data["signature"]
+        data["state"] = self.state.value
+        data["status"] = self.state.value
+        data["from"] = self.peer if self.direction == "in" else ""
+        data["to"] = self.peer if self.direction == "out" else ""
+        return data
+
+    def encode(self) -> bytes:
+        data = asdict(self)
+        data["state"] = self.state.value
+        return orjson.dumps(data)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> TransferInfo:
+        data = orjson.loads(raw)
+        data["state"] = TransferState(data["state"])
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class IncomingState:
+    """Live receiving state of one attempt."""
+
+    file: IncomingFile
+    attempt: IncomingAttempt
+    #: fallback chunks waiting for the worker thread; at most ``granted - received``
+    queue: asyncio.Queue[bytes | Exception | None]
+    #: fallback chunks the sender may have sent so far (the credit granted)
+    granted: int
+    #: fallback chunks taken in by :meth:`TransferManager._on_chunk`
+    received: int = 0
+    task: asyncio.Task[None] | None = None
+    #: set by the receiving thread when it asks for a checkpoint, cleared when it is done
+    syncing: bool = False
+    sync_task: asyncio.Task[None] | None = None
+
+
+class TransferBase:
+    """The manager's shared state and row access (see the module docstring)."""
+
+    node: AppNode
+    config: TransferConfig
+    files_dir: Path
+    listener: bulk.BulkListener | None
+    block_log: Any
+    _incoming: dict[bytes, IncomingState]
+    _sending: dict[bytes, asyncio.Task[None]]
+    _credit: dict[bytes, tuple[int, asyncio.Event]]
+    _waiters: dict[bytes, list[asyncio.Future[TransferInfo]]]
+    _tasks: set[asyncio.Task[Any]]
+    progress: dict[bytes, int]
+    on_progress: Callable[[bytes, int], None] | None
+    bytes_sent: dict[bytes, int]
+    _stopped: bool
+    _unwritten: dict[bytes, TransferInfo]
+
+    if TYPE_CHECKING:
+        # Defined by another part of the manager.
+        def _spawn(self, coro: Awaitable[Any]) -> None: ...
+
+        async def _record(self, info: TransferInfo, sender: str, recipient: str) -> None: ...
+
+        async def _offer(self, tid: bytes) -> None: ...
+
+    def get(self, tid: str | bytes) -> TransferInfo:
+        """The transfer with id ``tid`` (hex or bytes); :class:`UsageError` if unknown."""
+        key = bytes.fromhex(tid) if isinstance(tid, str) else tid
+        queued = self._unwritten.get(key)
+        if queued is not None:
+            return queued
+        with self.node.store.read() as txn:
+            raw = txn.get(_DB, key)
+        if raw is None:
+            raise UsageError(f"no transfer with id {key.hex()}")
+        return TransferInfo.decode(raw)
+
+    def list(self) -> list[TransferInfo]:
+        """Every transfer, oldest first."""
+        with self.node.store.read() as txn:
+            rows = {k: TransferInfo.decode(v) for k, v in txn.items(_DB)}
+        rows.update(self._unwritten)
+        return sorted(rows.values(), key=lambda i: (i.created_ms, i.tid))
+
+    async def _save(
+        self, info: TransferInfo, durable: bool = True, *, notify: bool = True
+    ) -> TransferInfo:
+        """Persist ``info``; returns once committed (and fsync'd if ``durable``).
+
+        The row is visible to :meth:`get` at once, so read-modify-write steps on
+        the loop stay ordered; the LMDB write lock and the fsync are taken on
+        the manager's writer thread, never on the loop.
+        """
+        info = replace(info, updated_ms=int(time.time() * 1000))
+        key = bytes.fromhex(info.tid)
+        self._unwritten[key] = info
+
+        row = info.encode()
+
+        def written(_: object) -> None:
+            if self._unwritten.get(key) is info:
+                del self._unwritten[key]
+
+        await self.node.writer.submit(
+            lambda txn: txn.put(_DB, key, row), durable=durable, then=written, kind="transfer"
+        )
+        if notify:
+            self._notify(info)
+        return info
+
+    def _notify(self, info: TransferInfo) -> None:
+        """Wake :meth:`wait` callers once ``info`` is final."""
+        if is_final(info.state):
+            for waiter in self._waiters.pop(bytes.fromhex(info.tid), []):
+                if not waiter.done():
+                    waiter.set_result(info)
+
+    async def _move(
+        self, info: TransferInfo, event: Event, *, notify: bool = True, **changes: Any
+    ) -> TransferInfo:
+        info = replace(info, state=next_state(info.state, event), **changes)
+        return await self._save(info, notify=notify)
+
+    async def wait(self, tid: str | bytes, timeout: float | None = None) -> TransferInfo:
+        """Until the transfer reaches a final state (even one not offered yet); returns it."""
+        key = bytes.fromhex(tid) if isinstance(tid, str) else tid
+        with contextlib.suppress(UsageError):  # not offered yet: wait for it to appear
+            info = self.get(key)
+            if is_final(info.state):
+                return info
+        fut: asyncio.Future[TransferInfo] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(key, []).append(fut)
+        async with asyncio.timeout(timeout):
+            return await fut
+
+    async def _send(self, did: str, msg: TransferMessage) -> None:
+        try:
+            await self.node.send_app(did, APP_NAME, encode_message(msg))
+        except (TalosError, OSError, ConnectionError) as exc:
+            log.info("transfer message to %s not sent: %s", did, exc)
