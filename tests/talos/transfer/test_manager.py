@@ -297,7 +297,10 @@ async def test_open_offers_per_peer_are_capped(net: Net) -> None:
     await net.receiver.reject(tids[0])
     async with asyncio.timeout(LIMIT):
         tid = await net.sender.send_file(net.b.did, src)
-        while net.receiver.list()[-1].tid != tid:
+        # The row appears as OFFERED and moves to PENDING a moment later: wait for that.
+        while net.receiver.list()[-1].tid != tid or (
+            net.receiver.get(tid).state is TransferState.OFFERED
+        ):
             await asyncio.sleep(0.005)
     assert net.receiver.get(tid).state is TransferState.PENDING
 
