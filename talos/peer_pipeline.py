@@ -141,7 +141,8 @@ class PeerPipeline:
     def assign(self, text: str, msg_id: bytes, ts_ms: int, epoch: int) -> pl.OutboxEntry:
         """Number a new message (MessageTooLargeError if it cannot fit); it is sendable now."""
         limit = self.text_limit()
-        size = len(text.encode())
+        data = text.encode()  # the only encoding: the row carries these bytes from here on
+        size = len(data)
         if size > limit:
             raise pl.MessageTooLargeError(
                 f"message of {size} bytes above the {limit}-byte limit for {self.did}"
@@ -150,7 +151,7 @@ class PeerPipeline:
         prev = self.last_assigned
         seq = pl.next_seq(prev, epoch)
         self.last_assigned = seq
-        row = pl.OutboxEntry(self.did, seq, msg_id, ts_ms, text, prev)
+        row = pl.OutboxEntry(self.did, seq, msg_id, ts_ms, text, prev, data)
         self.fresh.append(row)
         return row
 
@@ -174,7 +175,7 @@ class PeerPipeline:
         was failed already (its row may still be in the store)."""
         if row.seq in self.skipped:
             return None
-        if self.peer_max_frame and len(row.text.encode()) > pl.text_limit(self.peer_max_frame):
+        if self.peer_max_frame and len(row.data) > pl.text_limit(self.peer_max_frame):
             prev = self.prev_of(row.prev)
             self.skipped[row.seq] = row.prev
             self.fresh = [r for r in self.fresh if r.seq != row.seq]

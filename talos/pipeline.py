@@ -153,10 +153,14 @@ class OutboxEntry:
     ts_ms: int
     text: str
     prev: int = -1  # the seq assigned before this one; -1 means ``seq - 1``
+    #: ``text`` as UTF-8, encoded once: the size checks, the seal and the outbox row use it.
+    data: bytes = field(default=b"", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.prev < 0:
             object.__setattr__(self, "prev", self.seq - 1)
+        if not self.data and self.text:
+            object.__setattr__(self, "data", self.text.encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,16 +186,17 @@ def outbox_key(peer: str, seq: int) -> bytes:
     return outbox_prefix(peer) + _U64.pack(seq)
 
 
-def encode_outbox(msg_id: bytes, ts_ms: int, prev: int, text: str) -> bytes:
-    return _OUT.pack(msg_id, ts_ms, prev) + text.encode()
+def encode_outbox(msg_id: bytes, ts_ms: int, prev: int, text: str | bytes) -> bytes:
+    data = text.encode() if isinstance(text, str) else text
+    return _OUT.pack(msg_id, ts_ms, prev) + data
 
 
 def decode_outbox(key: bytes, value: bytes) -> OutboxEntry:
     # The seq is the last 8 bytes: it may itself contain 0x00 bytes.
     msg_id, ts, prev = _OUT.unpack_from(value)
-    return OutboxEntry(
-        key[:-9].decode(), _U64.unpack(key[-8:])[0], msg_id, ts, value[_OUT.size :].decode(), prev
-    )
+    data = value[_OUT.size :]
+    seq = _U64.unpack(key[-8:])[0]
+    return OutboxEntry(key[:-9].decode(), seq, msg_id, ts, data.decode(), prev, data)
 
 
 def iter_outbox(txn: Txn, peer: str, after_seq: int = 0) -> Iterator[OutboxEntry]:
@@ -256,7 +261,7 @@ def enqueue(txn: Txn, peer: str, msg_id: bytes, ts_ms: int, text: str, epoch: in
 
 def put_row(txn: Txn, row: OutboxEntry) -> None:
     """Write an outbox row whose seq the caller assigned, and remember it as the last."""
-    value = encode_outbox(row.msg_id, row.ts_ms, row.prev, row.text)
+    value = encode_outbox(row.msg_id, row.ts_ms, row.prev, row.data)
     txn.put("outbox", outbox_key(row.peer, row.seq), value)
     note_assigned(txn, row.peer, row.seq)
 

@@ -371,7 +371,7 @@ class SessionManager:
             recipient=peer,
             sequence=row.seq,
             timestamp=row.ts_ms,
-            payload=row.msg_id + _U64.pack(row.prev) + row.text.encode(),
+            payload=b"".join((row.msg_id, _U64.pack(row.prev), row.data)),
         )
         self._dirty.add(peer)
         body = self._crypto(entry).seal(frame, sign=True)

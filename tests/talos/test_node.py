@@ -456,7 +456,6 @@ async def test_message_above_the_receivers_frame_bound(tmp_path: Path) -> None:
     from talos.config import Home
     from talos.home import offline_send
     from talos.pipeline import MessageTooLargeError, text_limit
-    from talos_sdk.errors import OversizeError
 
     home_a, cfg_a = make_home(tmp_path, "a")
     b = await started(*make_home(tmp_path, "b", max_frame=64 * 1024))
@@ -476,7 +475,7 @@ async def test_message_above_the_receivers_frame_bound(tmp_path: Path) -> None:
             assert [e.text for e in b.inbox()] == ["after the big one"]
             await until(lambda: a.status()["queues"]["outbox"] == 0, what="acks")
             assert a.metrics.counters["messages_failed"] == 1
-            with pytest.raises(OversizeError, match="above the 62464-byte limit"):
+            with pytest.raises(MessageTooLargeError, match="above the 62464-byte limit"):
                 await a.send_message(b.did, big)
             # The bound is exact: the largest text that is allowed does arrive.
             await a.send_message(b.did, big[:-1], wait=True)
