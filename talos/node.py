@@ -29,6 +29,7 @@ from websockets.exceptions import ConnectionClosed
 from talos import pipeline as pl
 from talos.chain.head_gossip import HeadGossip
 from talos.chain.log import BlockLog, run_sealer
+from talos.chain.quarantine_watch import watch_quarantine
 from talos.config import Home, NodeConfig, PeerAddr, parse_listen, parse_peer_addr
 from talos.discovery import (
     ChainResolver,
@@ -188,7 +189,10 @@ class Node(NodeLinks, NodeDelivery):
             asyncio.create_task(self._flush_loop(), name="talos-session-flush"),
             asyncio.create_task(self._retry_loop(), name="talos-retry"),
             asyncio.create_task(self.heads.run(), name="talos-heads"),
-            asyncio.create_task(self._quarantine_loop(), name="talos-quarantine"),
+            asyncio.create_task(
+                watch_quarantine(self.log, self.metrics, self.config.seal_interval),
+                name="talos-quarantine",
+            ),
         ]
         self.metrics.gauge(
             "peers_connected", lambda: sum(p.ready.is_set() for p in self._peers.values())
@@ -396,31 +400,6 @@ class Node(NodeLinks, NodeDelivery):
         """Records the sealer refused (bad signature, malformed, duplicate id)."""
         with self.store.read() as txn:
             return txn.count("quarantine")
-
-    async def _quarantine_loop(self) -> None:
-        """Say loudly when the sealer quarantines a record: nothing else reads it
-        (test_a_quarantined_record_is_counted_and_shown)."""
-        seen = self.quarantined_count()
-        if seen:
-            event(_log, "records_quarantined", level=logging.WARNING, total=seen, new=0)
-        while True:
-            await asyncio.sleep(self.config.seal_interval)
-            now = self.quarantined_count()
-            if now <= seen:
-                continue
-            fresh = self.log.quarantined()[seen:]
-            self.metrics.inc("records_quarantined", now - seen)
-            for q in fresh:
-                record = q.record
-                event(
-                    _log,
-                    "record_quarantined",
-                    level=logging.WARNING,
-                    reason=q.reason,
-                    record_id=record.record_id.hex() if record is not None else None,
-                    sender=record.sender if record is not None else None,
-                )
-            seen = now
 
     # --- application channels ------------------------------------------------------------------
 
