@@ -231,6 +231,108 @@ def bench_verify_memory(suite: Suite) -> None:
     )
 
 
+SUSTAINED_RECORDS = 1_000_000
+FAST_SUSTAINED_RECORDS = 2_000
+WINDOW = 10_000  # records per measured window, at the start and at the end
+GROUP = 16  # records per write transaction, as a node's group commit appends them
+
+
+def _io_counters() -> dict[str, int]:
+    """This process's /proc/self/io: write_bytes (to the device) and wchar (to write(2))."""
+    out = {}
+    for line in Path("/proc/self/io").read_text().splitlines():
+        key, value = line.split(":")
+        out[key] = int(value)
+    return out
+
+
+def sustained_append_seal(path: Path, records: int, window: int) -> list[tuple[float, ...]]:
+    """Append ``records`` unsigned node records in groups, sealing as a node does.
+
+    Returns, for the first and the last ``window`` records: device bytes
+    written per record, write(2) bytes per record, append seconds per record
+    and append + seal seconds per record. Records are node-authored (no sender
+    signature to check at sealing), ~400 bytes each, so the figures are the
+    log's storage cost rather than Ed25519's.
+    """
+    extra = bytes(200)
+    windows: list[tuple[float, ...]] = []
+    with Store(path, map_size=16 << 30) as store:
+        log = BlockLog(store, NODE, max_records=BLOCK)
+        marks = {window, records} if records > window else {records}
+        start_at = {0, records - window}
+        io0, t0, appending = _io_counters(), time.perf_counter(), 0.0
+        for first in range(0, records, GROUP):
+            if first in start_at:
+                io0, t0, appending = _io_counters(), time.perf_counter(), 0.0
+            batch = [
+                Record(
+                    kind="mcp",
+                    record_id=hashlib.sha256(i.to_bytes(8, "big")).digest()[:16],
+                    sender=NODE.did,
+                    recipient=SENDER.did,
+                    commitment=b"talos.mcp/1|" + i.to_bytes(8, "big") + bytes(32),
+                    signature=b"",
+                    timestamp_ms=1_732_000_000_000 + i,
+                    extra=extra,
+                )
+                for i in range(first, min(first + GROUP, records))
+            ]
+            a = time.perf_counter()
+            with store.write(durable=False) as txn:
+                for record in batch:
+                    log.append(record, txn)
+            appending += time.perf_counter() - a
+            log.seal_if_due()
+            done = first + len(batch)
+            if done in marks:
+                log.seal()
+                io1, t1 = _io_counters(), time.perf_counter()
+                windows.append(
+                    (
+                        (io1["write_bytes"] - io0["write_bytes"]) / window,
+                        (io1["wchar"] - io0["wchar"]) / window,
+                        appending / window,
+                        (t1 - t0) / window,
+                    )
+                )
+    return windows
+
+
+def bench_sustained(suite: Suite) -> None:
+    """Block log append + seal to a million records: write volume and time per record, flat?"""
+    if not suite.is_main_process or (suite.runner and suite.runner.args.pipe is not None):
+        return
+    records = FAST_SUSTAINED_RECORDS if suite.fast else SUSTAINED_RECORDS
+    window = min(WINDOW, records // 4) // GROUP * GROUP
+    path = Path(tempfile.mkdtemp(prefix="talos-bench-chain-sustained-"))
+    atexit.register(shutil.rmtree, path, True)
+    early, late = sustained_append_seal(path, records, window)
+    shutil.rmtree(path, ignore_errors=True)
+    names = (
+        ("write_bytes", "device bytes written per record (write_bytes)", "B"),
+        ("wchar", "bytes passed to write(2) per record", "B"),
+        ("append", "append per record (groups of 16)", "s"),
+        ("total", "append + seal per record", "s"),
+    )
+    late_at = f"records {records - window:,}-{records:,}"
+    for i, (name, label, unit) in enumerate(names):
+        suite.record(
+            f"chain.sustained.{name}.first",
+            f"block log {label}, records 0-{window:,}",
+            max(early[i], 1e-9),
+            unit,
+            row=False,
+        )
+        suite.record(
+            f"chain.sustained.{name}.last",
+            f"block log {label}, {late_at}",
+            max(late[i], 1e-9),
+            unit,
+            raw=f"chain.sustained.{name}.first",
+        )
+
+
 def _raw_leaf(data: bytes) -> bytes:
     return hashlib.sha256(b"\x00" + data).digest()
 
@@ -290,6 +392,7 @@ def main() -> None:
     bench_validation(suite)
     bench_merkle(suite)
     bench_verify_memory(suite)
+    bench_sustained(suite)
     suite.finish()
 
 

@@ -10,8 +10,8 @@ flight per peer), so the hub receives from all of them concurrently.
 Figures at each step:
 
 - messages/s into the hub, all linked peers together (wall time of the step);
-- hub memory per link: growth of the hub's resident set from before the first
-  link to after this step's links are up, divided by the links;
+- hub memory per link: growth of the hub's resident set while this step's
+  links come up (before its messages), divided by the links added;
 - CPU per message at each end: the hub's user + system time during the step
   (``/proc/<pid>/stat``) and the peers' own ``getrusage`` time, summed, each
   divided by the messages of the step.
@@ -146,15 +146,19 @@ async def measure(suite: Suite, sizes: Sequence[int], messages: int, in_flight: 
             ]
             await asyncio.gather(*(p.wait_line("^started$", LINK_TIMEOUT) for p in peers))
             await asyncio.sleep(0.5)  # the hub settles after start-up
-            base_rss = _rss_of(hub.pid)
             linked = 0
             for k in sizes:
+                # Memory per link: the hub's growth while this step's links come
+                # up, before its messages (traffic grows the heap too).
+                before = _rss_of(hub.pid)
                 await _tell(peers[linked:k], "link")
                 await asyncio.gather(
                     *(p.wait_line("^linked$", LINK_TIMEOUT) for p in peers[linked:k])
                 )
+                await asyncio.sleep(0.5)
+                link_mem = max(_rss_of(hub.pid) - before, 1) / (k - linked)
                 linked = k
-                await step(suite, sizes[0], k, hub, peers[:k], base_rss, messages, in_flight)
+                await step(suite, sizes[0], k, hub, peers[:k], link_mem, messages, in_flight)
             await _tell(peers, "stop")
             await asyncio.gather(*(p.proc.wait() for p in peers))
 
@@ -165,14 +169,13 @@ async def step(
     k: int,
     hub: Child,
     peers: Sequence[Child],
-    base_rss: int,
+    link_mem: float,
     messages: int,
     in_flight: int,
 ) -> None:
     """One step: k linked peers send ``messages`` in all to the hub; record its rows."""
     per_peer = max(1, messages // k)
     total = per_peer * k
-    link_mem = max(_rss_of(hub.pid) - base_rss, 1) / k
     tag = f"k{k}"
     hub_cpu0, start = _cpu_of(hub.pid), time.perf_counter()
     await _tell(peers, f"send {tag} {per_peer} {in_flight}")
@@ -196,7 +199,7 @@ async def step(
     )
     suite.record(
         key("link_mem"),
-        f"hub memory per link, {k} links",
+        f"hub memory per new link, up to {k} links",
         link_mem,
         "B",
         raw=base and base("link_mem", first),
