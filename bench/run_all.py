@@ -96,7 +96,39 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def targets_section(metrics: dict[str, Metric]) -> list[str]:
+def previous_report(path: Path) -> tuple[dict[str, list[str]], dict[tuple[str, str], str]]:
+    """What an earlier report held: its per-script figure sections and its target rows.
+
+    ``--only`` re-measures some scripts; a script with no results file here
+    keeps its section (with its own "measured" date) and its target rows from
+    the report being replaced, so a partial run never drops figures.
+    """
+    sections: dict[str, list[str]] = {}
+    rows: dict[tuple[str, str], str] = {}
+    if not path.exists():
+        return sections, rows
+    current: list[str] | None = None
+    in_targets = False
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            current = None
+            in_targets = line.startswith("## Targets")
+            continue
+        if line.startswith("### "):
+            name = line[4:].split(" ", 1)[0]
+            current = sections.setdefault(name, [])
+        if current is not None:
+            current.append(line)
+        elif in_targets and line.startswith("| ") and not line.startswith("| ---"):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            if len(cells) == 8:
+                rows[(cells[0], cells[6])] = line
+    return sections, rows
+
+
+def targets_section(
+    metrics: dict[str, Metric], previous: dict[tuple[str, str], str] | None = None
+) -> list[str]:
     """docs/DESIGN.md's targets, checked against the figures measured in this run."""
     lines = [
         '## Targets (docs/DESIGN.md "Performance targets")',
@@ -112,6 +144,16 @@ def targets_section(metrics: dict[str, Metric]) -> list[str]:
     for t in TARGETS:
         for c in t.criteria:
             check = c.check(metrics)
+            kept = (previous or {}).get((_cell(t.what), _cell(c.text)))
+            if check.ok is None and kept is not None:
+                lines.append(kept)
+                if "**pass**" in kept:
+                    passed += 1
+                elif "**miss**" in kept:
+                    missed += 1
+                else:
+                    pending += 1
+                continue
             if check.ok is None:
                 verdict, pending = "not measured yet", pending + 1
             elif check.ok:
@@ -133,10 +175,19 @@ def targets_section(metrics: dict[str, Metric]) -> list[str]:
     return lines
 
 
-def figures_section(results: dict[str, dict[str, Any]]) -> list[str]:
+def figures_section(
+    results: dict[str, dict[str, Any]], previous: dict[str, list[str]] | None = None
+) -> list[str]:
     """Every figure of every script, each of ours beside its raw floor."""
     lines = ["## All figures", ""]
-    for name, doc in results.items():
+    kept = {n: sec for n, sec in (previous or {}).items() if n not in results}
+    for name in sorted({*results, *kept}):
+        if name in kept:
+            lines += kept[name]
+            if lines[-1] != "":
+                lines.append("")
+            continue
+        doc = results[name]
         note = " (smoke run: --fast, not meaningful)" if doc.get("fast") else ""
         lines += [
             f"### {name}{note}",
@@ -203,8 +254,10 @@ def render(
     command: str,
     plots: Sequence[Path],
     output: Path,
+    keep_previous: bool = False,
 ) -> str:
-    """The whole BENCHMARKS.md text."""
+    """The whole BENCHMARKS.md text (``keep_previous``: see :func:`previous_report`)."""
+    old_sections, old_rows = previous_report(output) if keep_previous else ({}, {})
     machine = next(iter(results.values()))["machine"] if results else machine_description()
     lines = [
         "# Benchmarks",
@@ -221,14 +274,14 @@ def render(
         "| --- | --- |",
         *(f"| {k} | {_cell(v)} |" for k, v in machine.items()),
         "",
-        *targets_section(merged_metrics(results)),
+        *targets_section(merged_metrics(results), old_rows),
     ]
     if plots:
         lines += ["## Latency distributions", ""]
         for p in plots:
             rel = p.relative_to(output.parent) if p.is_relative_to(output.parent) else p
             lines += [f"![{p.stem}]({rel.as_posix()})", ""]
-    lines += figures_section(results)
+    lines += figures_section(results, old_sections)
     if failures:
         lines += ["## Scripts that produced no figures in this run", ""]
         lines += [f"- `{n}`: {why}" for n, why in sorted(failures.items())]
@@ -265,9 +318,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = load_all(sorted({*discover(), *names}))
     img_dir = IMG_DIR if output == DEFAULT_OUTPUT else output.parent / "img"
     plots = plot_latency(results, img_dir)
+    if args.only and output.exists():  # kept sections keep their plots too
+        kept = previous_report(output)[0].keys() - results.keys()
+        plots += [p for n in sorted(kept) if (p := img_dir / f"{n}_latency.png").exists()]
     command = "python bench/run_all.py" + (" --fast" if args.fast else "")
+    if args.only:
+        command += " --only " + " ".join(args.only)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(render(results, failures, command, plots, output))
+    text = render(results, failures, command, plots, output, keep_previous=bool(args.only))
+    output.write_text(text)
     print(f"wrote {output}")
     for name, why in failures.items():
         print(f"FAILED {name}: {why}", file=sys.stderr)

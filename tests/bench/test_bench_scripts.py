@@ -188,3 +188,31 @@ def test_run_all_plots_latency_samples_and_checks_latency_targets(
     # p50 ~0.5 ms is under 1 ms but above 2 x (0.1 + 0.1) ms: the report says miss.
     e2e_row = next(line for line in text.splitlines() if line.startswith("| end-to-end"))
     assert "**miss**" in e2e_row and "2.50× floor" in e2e_row
+
+
+def test_run_all_only_keeps_the_sections_and_target_rows_it_did_not_remeasure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import _common
+
+    results = tmp_path / "results"
+    monkeypatch.setattr(_common, "RESULTS_DIR", results)
+    storage = {"store.append.batch": _m("store.append.batch", 1e-6)}
+    storage["store.append.batch.raw"] = _m("store.append.batch.raw", 1e-6)
+    _common.write_results("bench_fake_storage", False, storage, [_common.Row("store.append.batch")])
+    _common.write_results("bench_fake_other", False, {"x": _m("x", 2e-6)}, [_common.Row("x")])
+    out = tmp_path / "BENCHMARKS.md"
+    args = [str(BENCH / "run_all.py"), "--no-run", "--output", str(out), "--only"]
+    first = _run([*args, "bench_fake_storage", "bench_fake_other"], results, tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = out.read_text()
+    row = next(line for line in before.splitlines() if line.startswith("| LMDB block store write"))
+    assert "**pass**" in row
+    # The storage results are gone (as if not re-measured); only the other script reruns.
+    (results / "bench_fake_storage.json").unlink()
+    second = _run([*args, "bench_fake_other"], results, tmp_path)
+    assert second.returncode == 0, second.stderr
+    after = out.read_text()
+    assert "### bench_fake_storage" in after and "### bench_fake_other" in after
+    assert row in after.splitlines()
+    assert "--only bench_fake_other" in after
