@@ -196,6 +196,10 @@ def build_app(node: Node, token: str, transfers: TransferManager | None = None) 
             return _json({"height": -1, "hash": None, "statement": None})
         return _json({"height": head.height, "hash": head.hash.hex(), "statement": head.statement})
 
+    @routes.get("/v1/chain/peer-heads")
+    async def peer_heads(request: web.Request) -> web.Response:
+        return _json(await asyncio.to_thread(node.peer_heads))
+
     @routes.get("/v1/chain/verify")
     async def verify(request: web.Request) -> web.Response:
         await asyncio.to_thread(node.log.seal)

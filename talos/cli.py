@@ -239,6 +239,8 @@ def cmd_chain(args: argparse.Namespace) -> int:
             from talos.home import offline_verify
 
             report = offline_verify(home)
+        if args.heads is not None:
+            _witness(home, client, args.heads, report)
         if args.json:
             _out(report)
         for d in report["defects"]:
@@ -265,6 +267,14 @@ def cmd_chain(args: argparse.Namespace) -> int:
             return 1
         if not args.json:
             print(f"chain ok: {report['blocks']} blocks, {report['records']} records")
+            if "witness" in report:
+                print(f"heads held by others: {report['witness']['checked']} match")
+        return 0
+    if args.chain_cmd == "heads":
+        if client is not None:
+            _out(client.call("GET", "/v1/chain/peer-heads"))
+        else:
+            _out(_offline_peer_heads(home))
         return 0
     if args.chain_cmd == "show":
         if client is not None:
@@ -283,6 +293,54 @@ def cmd_chain(args: argparse.Namespace) -> int:
         proof = offline_proof(home, args.id)
     _out(proof)
     return 0
+
+
+def _witness(home: Home, client: ApiClient | None, path: str, report: dict[str, Any]) -> None:
+    """Check the log against signed heads of this node that others hold (``--heads FILE``)."""
+    from talos.chain.witness import check_heads, statements_of
+    from talos_sdk.wallet import Wallet
+
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError:
+        raise UsageError(f"{path} is not JSON") from None
+    if client is not None:
+        blocks = client.call("GET", "/v1/chain/show")["blocks"]
+    else:
+        from talos.node import offline_blocks
+
+        blocks = offline_blocks(home)
+    wallet = Wallet.load(home.identity)
+    witness = check_heads(
+        wallet.did,
+        statements_of(document),
+        {int(b["height"]): str(b["hash"]) for b in blocks},
+        wallet.mldsa_public_key,
+    )
+    report["witness"] = witness.to_json()
+    report["defects"] += report["witness"]["defects"]
+    report["ok"] = report["ok"] and not witness.defects
+    if witness.skipped:
+        print(
+            f"WARNING: {witness.skipped} head statement(s) in {path} are not this node's"
+            " or do not verify; skipped",
+            file=sys.stderr,
+        )
+
+
+def _offline_peer_heads(home: Home) -> dict[str, Any]:
+    """The latest signed head kept for each peer (``meta`` rows ``head:DID``)."""
+    from talos.store import Store
+
+    out: dict[str, Any] = {}
+    with Store(home.store_dir, map_size=home.load_config().map_size) as store, store.read() as txn:
+        for key, value in txn.items("meta", b"head:"):
+            if not key.startswith(b"head:"):
+                break
+            out[key[5:].decode()] = json.loads(value)
+    return out
 
 
 # --- parser ------------------------------------------------------------------------------------
@@ -368,6 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cv.add_argument("--json", action="store_true")
     cv.add_argument("--home", default=argparse.SUPPRESS)
+    cv.add_argument(
+        "--heads",
+        metavar="FILE",
+        help="also check the log against this node's signed heads held by others"
+        " (JSON: a statement, a list, or `talosd chain heads` output of a peer)",
+    )
+    ch = csub.add_parser("heads", help="print the latest signed head kept for each peer (JSON)")
+    ch.add_argument("--home", default=argparse.SUPPRESS)
     cs = csub.add_parser("show")
     cs.add_argument("--home", default=argparse.SUPPRESS)
     cp = csub.add_parser("proof")

@@ -1,0 +1,85 @@
+"""mcp_proxy.audit_log: reading audit records back from a real block log, filters, --since."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from mcp_proxy.audit import Auditor, AuditRecord, BlockLogSink, Event
+from mcp_proxy.audit_log import AuditFilter, format_entry, parse_since, read_entries, select
+from mcp_proxy.nodehost import ensure_home
+from talos.chain.log import BlockLog
+from talos.config import Home
+from talos.store import Store
+from talos_sdk.errors import UsageError
+from talos_sdk.wallet import Wallet
+
+NOW = 1_800_000_000.0
+
+
+def test_since_forms() -> None:
+    assert parse_since("15m", NOW) == int((NOW - 900) * 1000)
+    assert parse_since("2h", NOW) == int((NOW - 7200) * 1000)
+    assert parse_since("1700000000000") == 1_700_000_000_000
+    assert parse_since("2023-11-14T22:13:20Z") == 1_700_000_000_000
+    for bad in ("yesterday", "2023-11-14T22:13:20", "5w"):
+        with pytest.raises(UsageError, match="--since"):
+            parse_since(bad, NOW)
+
+
+def record(i: int, **kw: object) -> AuditRecord:
+    base: dict[str, object] = {
+        "caller": "did:key:z6MkA" if i % 2 else "did:key:z6MkB",
+        "server": "default",
+        "method": "tools/call",
+        "tool": "echo" if i % 3 else "add",
+        "request_id": i,
+        "params_hmac": b"\x01" * 32,
+        "result_hmac": b"\x02" * 32,
+        "latency_us": 10,
+        "outcome": "ok",
+        "timestamp_ms": 1_700_000_000_000 + i * 1000,
+    }
+    base.update(kw)
+    return AuditRecord(**base)  # type: ignore[arg-type]
+
+
+async def test_sealed_and_pending_records_are_read_and_filtered(tmp_path: Path) -> None:
+    ensure_home(tmp_path)
+    home = Home(tmp_path)
+    store = Store(home.store_dir)
+    log = BlockLog(store, Wallet.load(home.identity))
+    auditor = Auditor(BlockLogSink(log, log.node_did))
+    await auditor.start()
+    for i in range(6):
+        auditor.submit(record(i))
+    auditor.submit(
+        record(6, event=Event.SESSION, method="exit", tool=None, outcome="exited", detail="x")
+    )
+    await auditor.stop()
+    log.seal()
+    auditor = Auditor(BlockLogSink(log, log.node_did))
+    await auditor.start()
+    auditor.submit(record(7, outcome="denied"))  # stays pending: not sealed
+    await auditor.stop()
+    store.close()
+
+    entries = await asyncio.to_thread(read_entries, tmp_path)
+    assert [e.body["id"] for e in entries] == list(range(8))
+    assert entries[0].height == 0 and entries[-1].height is None
+    pick = lambda f: [e.body["id"] for e in select(entries, f)]  # noqa: E731
+    assert pick(AuditFilter(peer="did:key:z6MkA")) == [1, 3, 5, 7]
+    assert pick(AuditFilter(tool="add")) == [0, 3]
+    assert pick(AuditFilter(outcome="denied")) == [7]
+    assert pick(AuditFilter(event="session")) == [6]
+    assert pick(AuditFilter(since_ms=1_700_000_005_000)) == [5, 6, 7]
+    line = format_entry(entries[6])
+    assert "session" in line and "exited" in line and "(x)" in line and "block 0" in line
+    assert "pending" in format_entry(entries[7])
+
+
+def test_not_a_home(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="not a talos home"):
+        read_entries(tmp_path / "nothing")

@@ -1,0 +1,282 @@
+"""Bad input through real processes: ``talos-proxy connect`` (stdio and ``--http``) and
+``talos-proxy serve`` subprocesses on 127.0.0.1, real tools (tests/tools/bad_server.py reads
+lines like the MCP SDK; everything_server is an MCP SDK server), ``talos-proxy audit``.
+
+Each case checks the three promises of ADR 0003: the caller gets exactly one clear
+JSON-RPC reply per request, the tool never sees an unjudged message, the audit log says
+what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from mcp_proxy.jsonrpc import INTERNAL_ERROR, PARSE_ERROR, TOOL_DENIED
+from tests.mcp_proxy.e2e import ENV, PROXY, REPO, did_of, serving
+
+TIMEOUT = 120
+BASE = b'{"jsonrpc":"2.0","id":%d,"method":"tools/list","params":{"x":[1,"a"],"y":{"z":null}}}'
+HIDDEN = b'{"jsonrpc":"2.0","id":777,"method":"tools/call","params":{"name":"crash"}}'
+
+
+def bad_tool(mode: str) -> list[str]:
+    return [sys.executable, "-m", "tests.tools.bad_server", mode]
+
+
+class StdioAgent:
+    """A raw agent on ``talos-proxy connect``'s stdin/stdout: bytes in, parsed lines out."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self.proc, self.stdin, self.stdout = proc, proc.stdin, proc.stdout
+
+    async def send(self, line: bytes) -> None:
+        self.stdin.write(line + b"\n")
+        await self.stdin.drain()
+
+    async def recv(self) -> dict[str, Any]:
+        line = await self.stdout.readline()
+        assert line.endswith(b"\n") and b"\r" not in line, line
+        reply: dict[str, Any] = orjson.loads(line)
+        return reply
+
+    async def request(self, line: bytes) -> dict[str, Any]:
+        await self.send(line)
+        return await self.recv()
+
+
+@contextlib.asynccontextmanager
+async def stdio_agent(home: Path, address: str) -> AsyncIterator[StdioAgent]:
+    proc = await asyncio.create_subprocess_exec(
+        *PROXY,
+        "connect",
+        "--home",
+        str(home),
+        "--peer",
+        address,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        env=ENV,
+    )
+    try:
+        yield StdioAgent(proc)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), 20)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def audit_of(home: Path, *filters: str) -> list[dict[str, Any]]:
+    proc = await asyncio.create_subprocess_exec(
+        *PROXY,
+        "audit",
+        "--home",
+        str(home),
+        "--json",
+        *filters,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=ENV,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return [orjson.loads(line) for line in out.splitlines()]
+
+
+def seen(reply: dict[str, Any]) -> list[Any]:
+    return list(reply["result"]["seen"])
+
+
+async def test_cr_and_lf_at_every_position_over_stdio(tmp_path: Path) -> None:
+    client_did = did_of(tmp_path / "c")
+    args = ["--allow", client_did, "--tools", "echo"]
+    judged: list[Any] = []
+    async with (
+        asyncio.timeout(TIMEOUT),
+        serving(tmp_path / "s", args, bad_tool("record")) as serve,
+        stdio_agent(tmp_path / "c", serve.address) as agent,
+    ):
+        for i in range(1, len(BASE % 1000)):
+            rid = 1000 + i
+            base = BASE % rid
+            line = base[:i] + b"\r" + base[i:]
+            reply = await agent.request(line)
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                # Inside a string or a number a raw CR is not JSON: refused, one error.
+                assert reply["error"]["code"] == PARSE_ERROR and reply["id"] is None
+                continue
+            judged.append(obj)
+            assert reply["id"] == obj["id"]
+            assert seen(reply) == judged  # the tool read exactly the judged messages, in order
+        # LF ends a stdio line: each piece is judged on its own, the hidden call is denied.
+        await agent.send(b'{"jsonrpc":"2.0","id":5,"method":"tools/list","params":{"x":')
+        await agent.send(HIDDEN)
+        await agent.send(b"}}")
+        # Parse errors are answered by connect itself, the denial by serve: any order.
+        replies = [await agent.recv() for _ in range(3)]
+        codes = sorted((str(r["id"]), r["error"]["code"]) for r in replies)
+        assert codes == [("777", TOOL_DENIED), ("None", PARSE_ERROR), ("None", PARSE_ERROR)]
+        last = await agent.request(b'{"jsonrpc":"2.0","id":"end","method":"ping"}')
+        assert seen(last)[:-1] == judged  # nothing else reached the tool
+    audit = await audit_of(tmp_path / "s", "--tool", "crash")
+    assert [(a["event"], a["outcome"], a["id"]) for a in audit] == [("call", "denied", 777)]
+
+
+async def test_a_tool_reply_with_raw_cr_reaches_the_agent_as_one_line(tmp_path: Path) -> None:
+    client_did = did_of(tmp_path / "c")
+    async with (
+        asyncio.timeout(TIMEOUT),
+        serving(tmp_path / "s", ["--allow", client_did], bad_tool("cr-reply")) as serve,
+        stdio_agent(tmp_path / "c", serve.address) as agent,
+    ):
+        reply = await agent.request(b'{"jsonrpc":"2.0","id":1,"method":"ping"}')
+        hidden = reply["result"]["x"]
+        assert reply["id"] == 1 and hidden["error"]["message"] == "h"  # nested, not a message
+        # Exactly one line came for it: the next request's reply is the next line.
+        assert (await agent.request(b'{"jsonrpc":"2.0","id":2,"method":"ping"}'))["id"] == 2
+
+
+async def test_dying_and_garbled_tools_give_one_clear_error_per_request(tmp_path: Path) -> None:
+    client_did = did_of(tmp_path / "c")
+    init = b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}'
+    call = b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"x"}}'
+    cases = {
+        "crash-mid-call": "tool process exited (code 7)",
+        "huge-line": f"tool output line above {16 * 1024 * 1024} bytes",
+        "exit-at-start": "tool process exited (code 4)",
+        "garbage": "malformed response",
+    }
+    for mode, reason in cases.items():
+        home = tmp_path / mode
+        async with (
+            asyncio.timeout(TIMEOUT),
+            serving(home, ["--allow", client_did], bad_tool(mode)) as serve,
+            stdio_agent(tmp_path / "c", serve.address) as agent,
+        ):
+            first = await agent.request(init)
+            if mode == "exit-at-start":
+                assert first["id"] == 1 and reason in first["error"]["message"]
+                replies = [first]
+            else:
+                assert first["id"] == 1
+                replies = [await agent.request(call)]
+                assert replies[0]["id"] == 2 and replies[0]["error"]["code"] == INTERNAL_ERROR
+                assert reason in replies[0]["error"]["message"], (mode, replies)
+            # Whatever else the tool or the tunnel did, the next line is the next reply.
+            after = await agent.request(b'{"jsonrpc":"2.0","id":3,"method":"ping"}')
+            assert after["id"] == 3
+        audit = await audit_of(home)
+        outcomes = {(a["event"], a["method"], a["outcome"]) for a in audit}
+        assert ("session", "open", "ok") in outcomes, (mode, outcomes)
+        if mode == "garbage":
+            assert ("call", "tools/call", "malformed") in outcomes
+        else:
+            assert ("session", "exit", "exited") in outcomes, (mode, outcomes)
+            exited = [a for a in audit if a["outcome"] == "tool-exited"]
+            assert exited and all(reason in a["detail"] for a in exited), (mode, audit)
+
+
+async def test_cr_and_lf_at_every_position_over_http(tmp_path: Path) -> None:
+    import httpx2
+
+    client_did = did_of(tmp_path / "c")
+    async with (
+        asyncio.timeout(TIMEOUT),
+        serving(tmp_path / "s", ["--allow", client_did], bad_tool("record")) as serve,
+        http_connect(tmp_path / "c", serve.address) as (url, token),
+    ):
+        headers = {
+            "Authorization": f"Bearer {token}",
+            "Accept": "application/json, text/event-stream",
+            "Content-Type": "application/json",
+        }
+        async with httpx2.AsyncClient(headers=headers, timeout=60) as http:
+            init = await http.post(url, content=b'{"jsonrpc":"2.0","id":0,"method":"initialize"}')
+            headers["Mcp-Session-Id"] = init.headers["Mcp-Session-Id"]
+            judged: list[Any] = [{"jsonrpc": "2.0", "id": 0, "method": "initialize"}]
+            for brk in (b"\r", b"\n", b"\r\n"):
+                for i in range(1, len(BASE % 1000)):
+                    rid = 1000 + i
+                    base = BASE % rid
+                    body = base[:i] + brk + base[i:]
+                    reply = await http.post(url, content=body, headers=headers)
+                    try:
+                        obj = orjson.loads(body)
+                    except orjson.JSONDecodeError:
+                        assert reply.status_code == 400
+                        assert reply.json()["error"]["code"] == PARSE_ERROR
+                        continue
+                    judged.append(obj)
+                    (message,) = sse_messages(reply.content)
+                    assert message["id"] == rid and seen(message) == judged
+
+
+def sse_messages(body: bytes) -> list[dict[str, Any]]:
+    """The JSON-RPC messages of an SSE body; each event's data is one line (no raw CR/LF)."""
+    out = []
+    for event in body.split(b"\n\n"):
+        lines = [ln for ln in event.split(b"\n") if ln]
+        if not lines:
+            continue
+        assert lines[0] == b"event: message" and lines[1].startswith(b"data: "), event
+        assert len(lines) == 2 and b"\r" not in lines[1], event
+        out.append(orjson.loads(lines[1][6:]))
+    return out
+
+
+@contextlib.asynccontextmanager
+async def http_connect(home: Path, address: str) -> AsyncIterator[tuple[str, str]]:
+    proc = await asyncio.create_subprocess_exec(
+        *PROXY,
+        "connect",
+        "--home",
+        str(home),
+        "--peer",
+        address,
+        "--http",
+        "127.0.0.1:0",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=ENV,
+    )
+    assert proc.stderr is not None
+    drain: asyncio.Task[bytes] | None = None
+    try:
+        url = ""
+        while not url:
+            line = (await proc.stderr.readline()).decode()
+            assert line, "connect --http exited early"
+            if match := re.search(r"Streamable HTTP on (\S+)", line):
+                url = match.group(1)
+        drain = asyncio.create_task(proc.stderr.read())
+        yield url, (home / "proxy-http.token").read_text().strip()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), 15)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if drain is not None:
+            drain.cancel()
