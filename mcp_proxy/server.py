@@ -24,14 +24,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 from collections import deque
 from collections.abc import Awaitable, Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from mcp_proxy.audit import AuditMode, Auditor, AuditRecord, Event
+from mcp_proxy.audit import AuditMode, Auditor, Event
 from mcp_proxy.http_upstream import HttpUpstream
 from mcp_proxy.jsonrpc import (
     INTERNAL_ERROR,
@@ -39,12 +37,12 @@ from mcp_proxy.jsonrpc import (
     JsonRpcError,
     Kind,
     RequestId,
-    Sniffed,
     encode,
     error_reply,
     sniff,
 )
 from mcp_proxy.policy import Policy, PolicyDenied
+from mcp_proxy.session_audit import Call, SessionAudit, refused_outside_a_session
 from mcp_proxy.toolenv import tool_environment
 from mcp_proxy.toolproc import ToolProcess
 from mcp_proxy.transport import FrameSender, TunnelTransport
@@ -61,17 +59,6 @@ MAX_SESSIONS_PER_PEER = 16
 INBOX_FRAMES = 8
 
 
-@dataclass(slots=True)
-class _Call:
-    """A request in flight (the caller's to the tool, or the tool's to the caller)."""
-
-    method: str
-    tool: str | None
-    params_hmac: bytes
-    started: float
-    plaintext: bytes
-
-
 class _Session:
     """One remote client session and its tool process."""
 
@@ -83,9 +70,10 @@ class _Session:
         self.sid = sid
         self.name = name
         self.label = proc_label
-        self.calls: dict[RequestId, _Call] = {}
-        self.asks: dict[RequestId, _Call] = {}  # the tool's requests to the caller
+        self.calls: dict[RequestId, Call] = {}
+        self.asks: dict[RequestId, Call] = {}  # the tool's requests to the caller
         self.proc: ToolProcess | HttpUpstream | None = None
+        self.audit = SessionAudit(server.auditor, peer, name, sid, self._pid)
         self.closing = False
         self.joiner = Joiner()
         self._strict_out: deque[bytes] = deque()
@@ -100,17 +88,8 @@ class _Session:
         self.proc = proc
         await proc.start()
 
-    def _new_call(self, msg: Sniffed, wire: bytes) -> _Call:
-        auditor = self.server.auditor
-        if auditor is None:
-            return _Call(msg.method or "", msg.tool, b"", time.perf_counter(), b"")
-        return _Call(
-            msg.method or "",
-            msg.tool,
-            auditor.key.digest(msg.params),
-            time.perf_counter(),
-            wire if auditor.plaintext else b"",
-        )
+    def _pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
     # --- client -> tool -----------------------------------------------------------------------
 
@@ -122,17 +101,17 @@ class _Session:
             wire = encode(msg)
         except JsonRpcError as exc:
             self.sender.message(self.sid, error_reply(exc.request_id, exc.code, str(exc)))
-            self.refusal(exc.request_id, "invalid", str(exc))
+            self.audit.refusal(exc.request_id, "invalid", str(exc))
             return
         kind = msg.kind
         if kind is Kind.REQUEST:
             assert msg.id is not None and msg.method is not None
-            call = self._new_call(msg, wire)
+            call = self.audit.new_call(msg, wire)
             if msg.tool is not None and not self.server.policy.tool_allowed(self.peer, msg.tool):
                 reply = error_reply(
                     msg.id, TOOL_DENIED, f"tool {msg.tool!r} not allowed for {self.peer}"
                 )
-                self._audit(msg.id, call, b"", "denied")
+                self.audit.call(msg.id, call, "denied")
                 self._emit(reply)
                 return
             if msg.id in self.calls:
@@ -140,7 +119,7 @@ class _Session:
                 self.sender.message(
                     self.sid, error_reply(msg.id, -32600, "Invalid Request: id already in use")
                 )
-                self.refusal(msg.id, "invalid", "request id already in use")
+                self.audit.refusal(msg.id, "invalid", "request id already in use")
                 return
             self.calls[msg.id] = call
             proc.send(wire, msg.id)
@@ -149,29 +128,17 @@ class _Session:
             ask = self.asks.pop(msg.id, None) if msg.id is not None else None
             if ask is None:
                 log.warning("%s: caller answered no pending tool request; dropped", self.label)
-                self.refusal(msg.id, "unmatched-response", "answers no pending tool request")
+                self.audit.refusal(msg.id, "unmatched-response", "answers no pending tool request")
                 return
-            ok = kind is Kind.RESPONSE
-            auditor = self.server.auditor
-            if auditor is not None:
-                self._record(
-                    Event.REQUEST,
-                    ask.method,
-                    None,
-                    msg.id,
-                    ask.params_hmac,
-                    auditor.key.digest(msg.result),
-                    "ok" if ok else "error",
-                    ask.started,
-                    plaintext=(ask.plaintext + b"\n" + wire) if auditor.plaintext else b"",
-                )
+            outcome = "ok" if kind is Kind.RESPONSE else "error"
+            self.audit.call(msg.id, ask, outcome, msg.result, wire, event=Event.REQUEST)
             proc.send(wire)
             return
         if msg.method == "tools/call":
             # Not a request, so nothing could answer a denial: refuse whatever the policy says,
             # so no kind of message runs a tool unchecked.
             log.warning("%s: tools/call sent as a notification refused", self.label)
-            self._audit(None, self._new_call(msg, wire), b"", "refused-notification")
+            self.audit.call(None, self.audit.new_call(msg, wire), "refused-notification")
             return
         if msg.method == "notifications/cancelled":
             params = msg.params if isinstance(msg.params, dict) else {}
@@ -180,7 +147,7 @@ class _Session:
                 # The tool may rightly never answer a cancelled request (MCP "Cancellation").
                 call = self.calls.pop(cancelled)
                 proc.settle(cancelled)
-                self._audit(cancelled, call, b"", "cancelled")
+                self.audit.call(cancelled, call, "cancelled")
         proc.send(wire)
 
     # --- tool -> client -----------------------------------------------------------------------
@@ -202,7 +169,7 @@ class _Session:
                 reply = error_reply(
                     exc.request_id, INTERNAL_ERROR, f"tool sent a malformed response: {exc}"
                 )
-                self._audit(exc.request_id, call, b"", "malformed")
+                self.audit.call(exc.request_id, call, "malformed")
                 self._emit(reply)
             return
         kind = msg.kind
@@ -221,12 +188,10 @@ class _Session:
             outcome = "ok" if ok else "error"
             if ok and isinstance(msg.result, dict) and msg.result.get("isError") is True:
                 outcome = "tool-error"
-            auditor = self.server.auditor
-            if auditor is not None:
-                self._audit(msg.id, call, auditor.key.digest(msg.result), outcome, wire)
+            self.audit.call(msg.id, call, outcome, msg.result, wire)
         elif kind is Kind.REQUEST and msg.id is not None:
             # Sampling, elicitation, roots: audited when the caller answers.
-            self.asks[msg.id] = self._new_call(msg, wire)
+            self.asks[msg.id] = self.audit.new_call(msg, wire)
         self._emit(wire)
 
     def _emit(self, line: bytes) -> None:
@@ -257,114 +222,18 @@ class _Session:
                 sender.message(self.sid, line)
             sender.flush_now()
 
-    # --- audit --------------------------------------------------------------------------------
-
-    def _record(
-        self,
-        event: Event,
-        method: str,
-        tool: str | None,
-        request_id: RequestId | None,
-        params_hmac: bytes,
-        result_hmac: bytes,
-        outcome: str,
-        started: float | None = None,
-        *,
-        detail: str = "",
-        plaintext: bytes = b"",
-    ) -> None:
-        auditor = self.server.auditor
-        if auditor is None:
-            return
-        latency = 0 if started is None else int((time.perf_counter() - started) * 1e6)
-        proc = self.proc
-        auditor.submit(
-            AuditRecord(
-                caller=self.peer,
-                server=self.name,
-                method=method,
-                tool=tool,
-                request_id=request_id,
-                params_hmac=params_hmac,
-                result_hmac=result_hmac,
-                latency_us=latency,
-                outcome=outcome,
-                timestamp_ms=int(time.time() * 1000),
-                plaintext=plaintext,
-                event=event,
-                session=self.sid,
-                pid=proc.pid if proc is not None else None,
-                detail=detail,
-            )
-        )
-
-    def _audit(
-        self,
-        request_id: RequestId | None,
-        call: _Call,
-        result_hmac: bytes,
-        outcome: str,
-        reply: bytes = b"",
-        detail: str = "",
-    ) -> None:
-        auditor = self.server.auditor
-        if auditor is None:
-            return
-        self._record(
-            Event.CALL,
-            call.method,
-            call.tool,
-            request_id,
-            call.params_hmac,
-            result_hmac,
-            outcome,
-            call.started,
-            detail=detail,
-            plaintext=(call.plaintext + b"\n" + reply) if auditor.plaintext else b"",
-        )
-
-    def refusal(self, request_id: RequestId | None, outcome: str, detail: str) -> None:
-        self._record(Event.REFUSAL, "", None, request_id, b"", b"", outcome, detail=detail)
-
-    def _end_calls(self, outcome: str, detail: str) -> None:
-        """Audit every call still in flight as ended by ``outcome`` (the session is going)."""
-        calls, self.calls = self.calls, {}
-        for request_id, call in calls.items():
-            self._audit(request_id, call, b"", outcome, detail=detail)
-        asks, self.asks = self.asks, {}
-        for request_id, ask in asks.items():
-            self._record(
-                Event.REQUEST,
-                ask.method,
-                None,
-                request_id,
-                ask.params_hmac,
-                b"",
-                outcome,
-                ask.started,
-                detail=detail,
-            )
-
     # --- end ----------------------------------------------------------------------------------
 
     def on_exit(self, code: int) -> None:
         proc = self.proc
         reason = proc.exit_reason if proc is not None else f"tool process exited (code {code})"
-        self._record(
-            Event.SESSION,
-            "exit",
-            None,
-            None,
-            b"",
-            b"",
-            "stopped" if self.closing else "exited",
-            detail=reason,
-        )
+        self.audit.event(Event.SESSION, "exit", "stopped" if self.closing else "exited", reason)
         if self.closing:
             return
         # One report with the real reason; the client answers each pending request from it,
         # so the process's own per-request errors are not sent as well.
-        self._end_calls("tool-exited", reason)
+        calls, self.calls, asks, self.asks = self.calls, {}, self.asks, {}
+        self.audit.ended(calls, asks, "tool-exited", reason)
         if proc is not None:
             proc.pending.clear()
         self.server.session_failed(self, reason)
@@ -373,8 +242,9 @@ class _Session:
         """End the session (caller closed, link lost, proxy stopping) and stop its tool."""
         if not self.closing:
             self.closing = True
-            self._end_calls("closed", reason)
-            self._record(Event.SESSION, "close", None, None, b"", b"", "ok", detail=reason)
+            calls, self.calls, asks, self.asks = self.calls, {}, self.asks, {}
+            self.audit.ended(calls, asks, "closed", reason)
+            self.audit.event(Event.SESSION, "close", "ok", reason)
         if self.proc is not None:
             await self.proc.terminate()
         if self._strict_task is not None:
@@ -510,27 +380,7 @@ class TunnelServer:
     def _refuse(
         self, peer: str, sid: int, outcome: str, detail: str, event: Event = Event.REFUSAL
     ) -> None:
-        """Audit something refused outside any live session (no tool ever saw it)."""
-        if self.auditor is None:
-            return
-        method = "open" if event is Event.SESSION else ""
-        self.auditor.submit(
-            AuditRecord(
-                caller=peer,
-                server="",
-                method=method,
-                tool=None,
-                request_id=None,
-                params_hmac=b"",
-                result_hmac=b"",
-                latency_us=0,
-                outcome=outcome,
-                timestamp_ms=int(time.time() * 1000),
-                event=event,
-                session=sid,
-                detail=detail,
-            )
-        )
+        refused_outside_a_session(self.auditor, peer, sid, outcome, detail, event)
 
     def _take(self, session: _Session, frame: TunnelFrame) -> None:
         """Hand a MESSAGES frame's lines to the session, rejoining split messages (PART)."""
@@ -542,7 +392,7 @@ class TunnelServer:
         except OversizeError as exc:
             # No id is known for a message never seen whole: the session fails, naming the bound.
             log.warning("%s: %s; session ended", session.label, exc)
-            session.refusal(None, "oversize", str(exc))
+            session.audit.refusal(None, "oversize", str(exc))
             self.session_failed(session, str(exc))
             return
         for line in lines:
@@ -592,16 +442,8 @@ class TunnelServer:
         await session.start(proc)
         if proc.pid is not None or spec.url:
             # Which tool process serves whom: command only (its arguments are the operator's).
-            session._record(
-                Event.SESSION,
-                "open",
-                None,
-                None,
-                b"",
-                b"",
-                "ok",
-                detail=os.path.basename(spec.command) or urlsplit(spec.url).netloc,
-            )
+            detail = os.path.basename(spec.command) or urlsplit(spec.url).netloc
+            session.audit.event(Event.SESSION, "open", "ok", detail)
 
     def session_failed(self, session: _Session, reason: str) -> None:
         """Report the session failed to its peer (once) and stop its tool."""

@@ -226,8 +226,16 @@ async def test_cr_and_lf_at_every_position_over_http(tmp_path: Path) -> None:
                         assert reply.json()["error"]["code"] == PARSE_ERROR
                         continue
                     judged.append(obj)
-                    (message,) = sse_messages(reply.content)
+                    (message,) = http_messages(reply)
                     assert message["id"] == rid and seen(message) == judged
+
+
+def http_messages(reply: Any) -> list[dict[str, Any]]:
+    """The JSON-RPC messages of a POST's answer: a JSON body or an SSE stream."""
+    if reply.headers["Content-Type"].startswith("application/json"):
+        assert b"\r" not in reply.content and b"\n" not in reply.content.rstrip(b"\n")
+        return [orjson.loads(reply.content)]
+    return sse_messages(reply.content)
 
 
 def sse_messages(body: bytes) -> list[dict[str, Any]]:

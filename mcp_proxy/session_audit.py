@@ -1,0 +1,177 @@
+"""The audit records of one tunnel session (docs/PROTOCOL.md "MCP tunnel, audit record").
+
+:class:`SessionAudit` turns what the serve side sees -- a call and its reply, a
+request of the tool and the caller's answer, open, close, exit, a refusal --
+into :class:`mcp_proxy.audit.AuditRecord` values for the :class:`Auditor`.
+Parameters and results enter a record only as HMACs under the node's audit key.
+Without an auditor every method does nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mcp_proxy.audit import Auditor, AuditRecord, Event
+from mcp_proxy.jsonrpc import RequestId, Sniffed
+
+__all__ = ["Call", "SessionAudit", "refused_outside_a_session"]
+
+
+@dataclass(slots=True)
+class Call:
+    """A request in flight (the caller's to the tool, or the tool's to the caller)."""
+
+    method: str
+    tool: str | None
+    params_hmac: bytes
+    started: float
+    plaintext: bytes
+
+
+def _record(
+    auditor: Auditor,
+    caller: str,
+    server: str,
+    session: int,
+    pid: int | None,
+    event: Event,
+    method: str,
+    *,
+    tool: str | None = None,
+    request_id: RequestId | None = None,
+    params_hmac: bytes = b"",
+    result_hmac: bytes = b"",
+    outcome: str,
+    started: float | None = None,
+    detail: str = "",
+    plaintext: bytes = b"",
+) -> None:
+    latency = 0 if started is None else int((time.perf_counter() - started) * 1e6)
+    auditor.submit(
+        AuditRecord(
+            caller=caller,
+            server=server,
+            method=method,
+            tool=tool,
+            request_id=request_id,
+            params_hmac=params_hmac,
+            result_hmac=result_hmac,
+            latency_us=latency,
+            outcome=outcome,
+            timestamp_ms=int(time.time() * 1000),
+            plaintext=plaintext,
+            event=event,
+            session=session,
+            pid=pid,
+            detail=detail,
+        )
+    )
+
+
+def refused_outside_a_session(
+    auditor: Auditor | None,
+    peer: str,
+    sid: int,
+    outcome: str,
+    detail: str,
+    event: Event = Event.REFUSAL,
+) -> None:
+    """Audit what was refused with no live session (an OPEN, a frame for no session)."""
+    if auditor is not None:
+        method = "open" if event is Event.SESSION else ""
+        _record(auditor, peer, "", sid, None, event, method, outcome=outcome, detail=detail)
+
+
+class SessionAudit:
+    """Records of one session: caller ``peer``, server ``name``, tunnel id ``sid``."""
+
+    __slots__ = ("auditor", "name", "peer", "pid", "sid")
+
+    def __init__(
+        self,
+        auditor: Auditor | None,
+        peer: str,
+        name: str,
+        sid: int,
+        pid: Callable[[], int | None],
+    ) -> None:
+        self.auditor = auditor
+        self.peer = peer
+        self.name = name
+        self.sid = sid
+        self.pid = pid
+
+    def new_call(self, msg: Sniffed, wire: bytes) -> Call:
+        """Remember a request for its record: method, tool, keyed digest of its params."""
+        auditor = self.auditor
+        if auditor is None:
+            return Call(msg.method or "", msg.tool, b"", time.perf_counter(), b"")
+        return Call(
+            msg.method or "",
+            msg.tool,
+            auditor.key.digest(msg.params),
+            time.perf_counter(),
+            wire if auditor.plaintext else b"",
+        )
+
+    def event(self, event: Event, method: str, outcome: str, detail: str = "") -> None:
+        if self.auditor is not None:
+            _record(
+                self.auditor, self.peer, self.name, self.sid, self.pid(), event, method,
+                outcome=outcome, detail=detail,
+            )  # fmt: skip
+
+    def call(
+        self,
+        request_id: RequestId | None,
+        call: Call,
+        outcome: str,
+        result: Any = None,
+        reply: bytes = b"",
+        detail: str = "",
+        event: Event = Event.CALL,
+    ) -> None:
+        """A request ended: ``outcome``, the reply's result (digested) and bytes (plaintext)."""
+        auditor = self.auditor
+        if auditor is None:
+            return
+        _record(
+            auditor,
+            self.peer,
+            self.name,
+            self.sid,
+            self.pid(),
+            event,
+            call.method,
+            tool=call.tool,
+            request_id=request_id,
+            params_hmac=call.params_hmac,
+            result_hmac=auditor.key.digest(result),
+            outcome=outcome,
+            started=call.started,
+            detail=detail,
+            plaintext=(call.plaintext + b"\n" + reply) if auditor.plaintext else b"",
+        )
+
+    def refusal(self, request_id: RequestId | None, outcome: str, detail: str) -> None:
+        if self.auditor is not None:
+            _record(
+                self.auditor, self.peer, self.name, self.sid, self.pid(), Event.REFUSAL, "",
+                request_id=request_id, outcome=outcome, detail=detail,
+            )  # fmt: skip
+
+    def ended(
+        self,
+        calls: Mapping[RequestId, Call],
+        asks: Mapping[RequestId, Call],
+        outcome: str,
+        detail: str,
+    ) -> None:
+        """Every request still in flight ended with the session (``outcome``, why)."""
+        for request_id, call in calls.items():
+            self.call(request_id, call, outcome, detail=detail)
+        for request_id, ask in asks.items():
+            self.call(request_id, ask, outcome, detail=detail, event=Event.REQUEST)
