@@ -198,7 +198,7 @@ def build_app(node: Node, token: str, transfers: TransferManager | None = None) 
 
     @routes.get("/v1/chain/peer-heads")
     async def peer_heads(request: web.Request) -> web.Response:
-        return _json(await asyncio.to_thread(node.peer_heads))
+        return _json(await asyncio.to_thread(node.heads.peer_heads))
 
     @routes.get("/v1/chain/verify")
     async def verify(request: web.Request) -> web.Response:

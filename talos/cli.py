@@ -298,7 +298,7 @@ def cmd_chain(args: argparse.Namespace) -> int:
 def _witness(home: Home, client: ApiClient | None, path: str, report: dict[str, Any]) -> None:
     """Check the log against signed heads of this node that others hold (``--heads FILE``)."""
     from talos.chain.witness import check_heads, statements_of
-    from talos_sdk.wallet import Wallet
+    from talos_sdk.keyfile import load_wallet
 
     try:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -309,10 +309,10 @@ def _witness(home: Home, client: ApiClient | None, path: str, report: dict[str, 
     if client is not None:
         blocks = client.call("GET", "/v1/chain/show")["blocks"]
     else:
-        from talos.node import offline_blocks
+        from talos.home import offline_blocks
 
         blocks = offline_blocks(home)
-    wallet = Wallet.load(home.identity)
+    wallet = load_wallet(home.identity)
     witness = check_heads(
         wallet.did,
         statements_of(document),

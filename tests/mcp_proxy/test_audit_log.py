@@ -14,7 +14,7 @@ from talos.chain.log import BlockLog
 from talos.config import Home
 from talos.store import Store
 from talos_sdk.errors import UsageError
-from talos_sdk.wallet import Wallet
+from talos_sdk.keyfile import load_wallet
 
 NOW = 1_800_000_000.0
 
@@ -50,7 +50,7 @@ async def test_sealed_and_pending_records_are_read_and_filtered(tmp_path: Path) 
     ensure_home(tmp_path)
     home = Home(tmp_path)
     store = Store(home.store_dir)
-    log = BlockLog(store, Wallet.load(home.identity))
+    log = BlockLog(store, load_wallet(home.identity))
     auditor = Auditor(BlockLogSink(log, log.node_did))
     await auditor.start()
     for i in range(6):

@@ -84,7 +84,9 @@ async def test_a_peer_cannot_reach_another_peers_session_and_lf_is_judged(tmp_pa
             assert b"\n" not in reply_frame.messages[0]
             assert reply["result"]["seen"] == [orjson.loads(line)]
             # Serve's signed head reaches mallory's node, which keeps it.
-            await until(lambda: serve_did in node.peer_heads(), timeout=60, what="a signed head")
+            await until(
+                lambda: serve_did in node.heads.peer_heads(), timeout=60, what="a signed head"
+            )
         finally:
             await node.stop()
     refusals = await audit_of(serve_home, "--event", "refusal", "--peer", mallory_did)
