@@ -97,6 +97,7 @@ class AtMost:
     limit: float
     floors: tuple[str, ...] = ()
     floor_factor: float | None = None
+    size: bool = False  # bytes rather than seconds (keys ending in "rss" are sizes too)
 
     @property
     def text(self) -> str:
@@ -109,7 +110,9 @@ class AtMost:
         return ", ".join(parts)
 
     def _fmt(self, v: float) -> str:
-        return f"{v / MB:,.0f} MB" if self.key.endswith("rss") else format_seconds(v)
+        if self.size or self.key.endswith("rss"):
+            return f"{v / 1e3:,.1f} kB" if v < MB else f"{v / MB:,.0f} MB"
+        return format_seconds(v)
 
     def check(self, metrics: Mapping[str, Metric]) -> Check:
         """Compare with the absolute limit and, if given, a multiple of the summed floors."""
@@ -248,6 +251,37 @@ TARGETS: tuple[Target, ...] = (
         "1.24 GB at 1M records (the whole log read into dicts)",
         "verify at a quarter of the records, same run",
         (AtMost("chain.verify.large.rss", float("inf"), ("chain.verify.small.rss",), 1.25),),
+    ),
+    Target(
+        "block log append + seal: bytes written per record flat (last 10k of 1M vs first 10k)",
+        "41.9 KB written per 376-byte record at 1M",
+        "the first 10k records, same run",
+        (
+            AtMost(
+                "chain.sustained.wchar.last",
+                float("inf"),
+                ("chain.sustained.wchar.first",),
+                1.25,
+                size=True,
+            ),
+            AtMost(
+                "chain.sustained.write_bytes.last",
+                float("inf"),
+                ("chain.sustained.write_bytes.first",),
+                1.25,
+                size=True,
+            ),
+        ),
+    ),
+    Target(
+        "block log append time flat (last 10k of 1M vs first 10k)",
+        "6.4 → 12.9 µs per append",
+        "the first 10k records, same run",
+        (
+            AtMost(
+                "chain.sustained.append.last", float("inf"), ("chain.sustained.append.first",), 1.25
+            ),
+        ),
     ),
     Target(
         "end-to-end message A → B, durable (fsync before ack), p50",
