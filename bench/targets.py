@@ -213,6 +213,18 @@ TARGETS: tuple[Target, ...] = (
         (AtLeastRate("session.create_pair.x25519-mlkem768", 1_500, floor="x25519.exchange"),),
     ),
     Target(
+        "link frame seal + open, 35 B",
+        "—",
+        "raw ChaCha20-Poly1305 encrypt + decrypt",
+        (AtLeastRatio("link.seal_open.35B", ("link.seal_open.35B.raw",), 0.5),),
+    ),
+    Target(
+        "link frame seal + open, 64 KiB",
+        "—",
+        "raw ChaCha20-Poly1305 encrypt + decrypt",
+        (AtLeastRatio("link.seal_open.64KiB", ("link.seal_open.64KiB.raw",), 0.9),),
+    ),
+    Target(
         "canonical_json_bytes (small object)",
         "297k ops/s",
         "—",

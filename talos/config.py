@@ -59,7 +59,7 @@ class NodeConfig(BaseModel):
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=0, ge=0, le=65535)
     map_size: int = Field(default=1 << 30, ge=1 << 20)
-    max_frame: int = Field(default=1 << 20, ge=1024)
+    max_frame: int = Field(default=1 << 20, ge=16 * 1024)  # wire.MIN_MAX_FRAME
     ratchet_every: int = Field(
         default=1,
         ge=1,

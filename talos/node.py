@@ -38,7 +38,8 @@ from talos.discovery import (
     StaticResolver,
 )
 from talos.home import init_home
-from talos.link.auth import AuthPolicy, load_pin, store_pin
+from talos.link.admission import Admission
+from talos.link.auth import AuthPolicy
 from talos.link.handshake import CLOSE_SHUTDOWN
 from talos.link.peer import (
     MAX_QUEUE,
@@ -49,6 +50,7 @@ from talos.metrics import Metrics
 from talos.node_base import AppHandler, Incoming, LinkCallback, Peer
 from talos.node_delivery import NodeDelivery, take
 from talos.node_links import CLOSE_TRY_AGAIN, NodeLinks
+from talos.pins import load_pin, store_pin
 from talos.pipeline import MessageTooLargeError, text_limit
 from talos.sessions import (
     SessionManager,
@@ -128,9 +130,7 @@ class Node(NodeLinks, NodeDelivery):
         self._server: Server | None = None
         self._quiescing = False
         self._writer: StoreWriter | None = None
-        self._pin_writes: dict[str, asyncio.Future[None]] = {}
         self._stopping = False
-        self._handshaking = 0
         self.started = False
         self.listen_url: str | None = None
         self.unclean_start = False
@@ -138,7 +138,11 @@ class Node(NodeLinks, NodeDelivery):
             max_frame=self.config.max_frame,
             ping_interval=self.config.ping_interval,
             handshake_timeout=self.config.handshake_timeout,
-            auth=AuthPolicy(self.config.require_pq, self._pinned, self._pin),
+            auth=AuthPolicy(self.config.require_pq, self._pinned),
+            pq=self.config.pq,
+        )
+        self._admission = Admission(
+            self.settings.max_handshakes, self.settings.max_handshakes_per_address
         )
 
     @property
@@ -152,15 +156,11 @@ class Node(NodeLinks, NodeDelivery):
         with self.store.read() as txn:
             return load_pin(txn, did)
 
-    def _pin(self, did: str, key: bytes) -> None:
-        """The link layer's synchronous pin callback: queue the write, do not wait here."""
-        self._pin_writes[did] = asyncio.ensure_future(self.pin_peer_key(did, key))
-
     async def pin_peer_key(self, did: str, key: bytes) -> None:
         """Pin ``did``'s ML-DSA-65 key durably, on the writer thread (ADR 0005).
 
-        The entry point for the link layer: a first hybrid contact is pinned
-        before its link carries anything (:meth:`_run_link` waits for it).
+        A first hybrid contact (``Link.new_pin``) is pinned before its link
+        carries anything (:meth:`_run_link` waits for it).
         """
         await self.writer.write(functools.partial(store_pin, did=did, key=key), kind="pin")
         event(_log, "peer_pinned", peer=did, suite="ed25519-mldsa65")
@@ -469,6 +469,15 @@ class Node(NodeLinks, NodeDelivery):
     def is_connected(self, did: str) -> bool:
         peer = self._peers.get(did)
         return peer is not None and peer.ready.is_set()
+
+    def channel_binding(self, did: str) -> bytes:
+        """The handshake hash of the current link to ``did`` (b"" without one).
+
+        What a token sent over the link is bound to (docs/PROTOCOL.md "Link handshake").
+        """
+        peer = self._peers.get(did)
+        link = peer.link if peer is not None else None
+        return link.transcript_hash if link is not None else b""
 
     async def wait_connected(self, did: str, timeout: float) -> None:
         """Wait until the link to ``did`` and its session are up."""

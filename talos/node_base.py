@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from talos.chain.log import BlockLog
 from talos.config import NodeConfig
 from talos.discovery import Resolver
+from talos.link.admission import Admission
 from talos.link.peer import Link, LinkSettings
 from talos.metrics import Metrics
 from talos.peer_pipeline import PeerPipeline
@@ -76,8 +77,7 @@ class NodeBase:
     _link_callbacks: list[LinkCallback]
     _link_tasks: set[asyncio.Task[Any]]
     _dialers: dict[str, asyncio.Task[None]]
-    _handshaking: int
-    _pin_writes: dict[str, asyncio.Future[None]]
+    _admission: Admission
     _incoming: list[Incoming]
     _outgoing: list[tuple[OutboxEntry, asyncio.Future[None]]]
     _outbox_busy: bool
@@ -100,3 +100,5 @@ class NodeBase:
         def _on_msg(self, peer: Peer, frame: Any) -> None: ...
 
         def _on_ack(self, peer: Peer, seq: int) -> None: ...
+
+        async def pin_peer_key(self, did: str, key: bytes) -> None: ...

@@ -1,7 +1,8 @@
 """Links and session setup of a running node (docs/PROTOCOL.md "Link protocol").
 
 Dialling with backoff at the addresses the resolver gives, accepting (at most
-``max_handshakes`` authenticating at once), the duplicate-link rule, one read
+``max_handshakes`` authenticating at once, ``max_handshakes_per_address`` from
+one address: talos/link/admission.py), the duplicate-link rule, one read
 loop per link that hands each frame to its handler, and the SESSION_OFFER /
 INIT / ACK exchange that makes a link's session ready. Part of
 :class:`~talos.node.Node` (see :mod:`talos.node_base`).
@@ -24,7 +25,8 @@ from websockets.exceptions import ConnectionClosed
 from talos.config import PeerAddr
 from talos.discovery import SOURCE_DIALLED
 from talos.link import wire
-from talos.link.auth import check_bundle_auth
+from talos.link.admission import Backoff, prefer_new_link
+from talos.link.auth import CLOSE_DOWNGRADE, check_bundle_auth
 from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_PROTOCOL, CLOSE_SHUTDOWN, Role
 from talos.link.peer import FrameStream, Link, PeerRefused, accept_link, dial_link
 from talos.logging import event
@@ -86,7 +88,7 @@ class NodeLinks(NodeBase):
             self._start_dialer(PeerAddr(urls[0], did))
 
     async def _dial_loop(self, addr: PeerAddr) -> None:
-        delay = self.config.reconnect_initial
+        backoff = Backoff(self.config.reconnect_initial, self.config.reconnect_max)
         while not self._stopping:
             peer = self._peer(addr.did)
             if peer.link is not None:
@@ -103,18 +105,21 @@ class NodeLinks(NodeBase):
                 event(_log, "dial_failed", level=level, peer=addr.did, error=repr(exc))
                 addr = self._next_addr(addr)
                 # Exponential backoff with full jitter, capped (AWS architecture blog).
-                await asyncio.sleep(random.uniform(0.5, 1.0) * delay)
-                delay = min(delay * 2, self.config.reconnect_max)
+                await asyncio.sleep(random.uniform(0.5, 1.0) * backoff.failed())
                 continue
-            delay = self.config.reconnect_initial
             if link.via == "direct":
                 with contextlib.suppress(TalosError):  # a bad learned address must not drop it
                     self.resolver.learn(addr.did, addr.url, SOURCE_DIALLED)
-            await self._run_link(link)
+            ready = await self._run_link(link)
             if link.via != "direct":  # after a relayed link, a direct address goes first again
                 urls = self._resolve(addr.did)
                 addr = PeerAddr(urls[0], addr.did) if urls else addr
-            await asyncio.sleep(random.uniform(0, self.config.reconnect_initial))
+            if ready:
+                backoff.ready()
+                await asyncio.sleep(random.uniform(0, self.config.reconnect_initial))
+            else:
+                # Authenticated but never ready (session setup failed): keep backing off.
+                await asyncio.sleep(random.uniform(0.5, 1.0) * backoff.failed())
 
     async def _dial(self, addr: PeerAddr) -> Link:
         """A link to ``addr``: a WebSocket, or a stream through the relay (talos/relay)."""
@@ -136,13 +141,21 @@ class NodeLinks(NodeBase):
         if self._stopping:
             await ws.close(CLOSE_SHUTDOWN, "node shutting down")
             return
-        if self._handshaking >= self.settings.max_handshakes:
+        # Relayed handshakes all come from the relay: they share its quota.
+        remote = ws.remote_address if isinstance(ws, ServerConnection) else None
+        address = str(remote[0]) if remote else getattr(ws, "via", "")
+        if not self._admission.enter(address):
             # Each one may buffer frames before it proves anything: bound them all.
             self.metrics.inc("handshakes_refused")
-            event(_log, "handshake_refused", level=logging.WARNING, limit=self._handshaking)
+            event(
+                _log,
+                "handshake_refused",
+                level=logging.WARNING,
+                limit=self._admission.total,
+                address=address,
+            )
             await ws.close(CLOSE_TRY_AGAIN, "too many link handshakes in progress")
             return
-        self._handshaking += 1
         try:
             link = await accept_link(ws, self.wallet, self.authorizer, self.settings)
         except HandshakeError as exc:
@@ -150,7 +163,7 @@ class NodeLinks(NodeBase):
             event(_log, "link_refused", level=logging.WARNING, reason=str(exc))
             return
         finally:
-            self._handshaking -= 1
+            self._admission.leave(address)
         await self._run_link(link)
 
     def _prefer(self, new: Link, old: Link) -> bool:
@@ -159,33 +172,38 @@ class NodeLinks(NodeBase):
         def dialer(link: Link) -> str:
             return self.did if link.role is Role.INITIATOR else link.peer_did
 
-        if new.via != old.via:
-            return new.via == "direct"  # a direct link beats a relayed one, on both sides
-        if dialer(new) == dialer(old):
-            return True  # a redial replaces a link that died without us noticing
-        return dialer(new) == min(self.did, new.peer_did)
+        direct = (new.via == "direct", old.via == "direct")
+        return prefer_new_link(self.did, new.peer_did, dialer(new), dialer(old), *direct)
 
-    async def _run_link(self, link: Link) -> None:
-        """Own ``link`` until it closes: session setup, then the read loop."""
+    async def _run_link(self, link: Link) -> bool:
+        """Own ``link`` until it closes: session setup, then the read loop.
+
+        True if its session became ready (the dialler's backoff resets only then).
+        """
         peer = self._peer(link.peer_did)
+        if link.new_pin is not None:
+            try:  # first hybrid contact: the pin is durable before the link is used
+                await self.pin_peer_key(link.peer_did, link.new_pin)
+            except TalosError as exc:  # e.g. another link pinned a different key meanwhile
+                event(_log, "pin_failed", level=logging.WARNING, peer=peer.did, error=str(exc))
+                await link.close(CLOSE_DOWNGRADE, "pinned key could not be stored")
+                return False
         old = peer.link
         if old is not None and old.open:
             if not self._prefer(link, old):
                 await link.close(CLOSE_DUPLICATE, "duplicate link")
-                return
+                return False
             self._spawn(old.close(CLOSE_DUPLICATE, "replaced by a newer link"))
         self._set_down(peer)
         peer.link = link
         peer.down.clear()
         self.metrics.inc("links_up")
-        event(_log, "link_up", peer=link.peer_did, role=link.role.name.lower())
+        event(_log, "link_up", peer=link.peer_did, role=link.role.name.lower(), kem=link.kem)
+        was_ready = False
         task = asyncio.current_task()
         if task is not None:
             self._link_tasks.add(task)
         try:
-            pinning = self._pin_writes.pop(link.peer_did, None)
-            if pinning is not None:
-                await pinning  # first hybrid contact: the pin is durable before use
             offer = self.sessions.offer(link.peer_did)
             offer = wire.SessionOffer(offer.bundle, offer.session_id, self.config.max_frame)
             await link.send(wire.encode(offer))
@@ -200,11 +218,16 @@ class NodeLinks(NodeBase):
         finally:
             if task is not None:
                 self._link_tasks.discard(task)
+            if link.unauthentic:
+                self.metrics.inc("frames_unauthentic")
+                event(_log, "link_frame_unauthentic", level=logging.WARNING, peer=peer.did)
             if peer.link is link:
+                was_ready = peer.ready.is_set()
                 peer.link = None
                 self._set_down(peer)
                 peer.down.set()
             event(_log, "link_down", peer=peer.did, code=link.ws.close_code)
+        return was_ready
 
     def _set_down(self, peer: Peer) -> None:
         was_up = peer.ready.is_set()
@@ -304,7 +327,7 @@ class NodeLinks(NodeBase):
         try:
             # The bundle must be signed in the suite the link proved (no downgrade).
             check_bundle_auth(PrekeyBundle.from_bytes(offer.bundle).verify(), link.peer_mldsa65)
-            init = self.sessions.on_offer(peer.did, offer, link.suites)
+            init = self.sessions.on_offer(peer.did, offer, link.suites, link.transcript_hash)
         except TalosError as exc:
             await self._setup_failed(peer, link, exc)
             return
@@ -336,7 +359,7 @@ class NodeLinks(NodeBase):
 
     async def _on_session_init(self, peer: Peer, link: Link, init: wire.SessionInit) -> None:
         try:
-            ack = self.sessions.on_init(peer.did, init)
+            ack = self.sessions.on_init(peer.did, init, link.transcript_hash)
         except TalosError as exc:
             await self._setup_failed(peer, link, exc)
             return
@@ -349,7 +372,7 @@ class NodeLinks(NodeBase):
 
     async def _on_session_ack(self, peer: Peer, link: Link, ack: wire.SessionAck) -> None:
         try:
-            self.sessions.on_ack(peer.did, ack)
+            self.sessions.on_ack(peer.did, ack, link.transcript_hash)
         except TalosError as exc:
             await self._setup_failed(peer, link, exc)
             return

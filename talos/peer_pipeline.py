@@ -98,6 +98,8 @@ class PeerPipeline:
     #: The largest link frame the peer accepts (its SESSION_OFFER); 0 = not said yet.
     peer_max_frame: int = 0
     max_sent: int = 0
+    #: The highest seq sent on the current link: acks count only up to it.
+    link_sent: int = 0
     last_progress: float = 0.0
     decrypt_failures: int = 0
     #: Rows with a number whose outbox commit has not finished (sendable already).
@@ -190,6 +192,7 @@ class PeerPipeline:
             self.last_progress = now
         self.tx.sent = row.seq
         self.max_sent = max(self.max_sent, row.seq)
+        self.link_sent = max(self.link_sent, row.seq)
         self.sent_at.setdefault(row.seq, now)
 
     def for_outbox(self, row: pl.OutboxEntry) -> pl.OutboxEntry | None:
@@ -227,6 +230,9 @@ class PeerPipeline:
         """
         if seq > self.max_sent and not 0 < pl.epoch_of(seq) < epoch:
             raise ProtocolError(f"ack {seq} for a message not sent yet")
+        # Never drop an outbox row this link has not sent: a cumulative ack past
+        # it (an earlier epoch's) counts only up to what this link carried.
+        seq = min(seq, self.link_sent)
         if not self.tx.on_ack(seq):
             return None
         self.last_progress = now
@@ -272,6 +278,7 @@ class PeerPipeline:
     def link_down(self) -> None:
         """This link's transmissions are void: resend everything unacknowledged on the next."""
         self.tx.rewind()
+        self.link_sent = 0
 
     def session_ready(self, now: float) -> None:
         self.last_progress = now

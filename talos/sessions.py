@@ -268,9 +268,18 @@ class SessionManager:
         return free[0]
 
     def on_offer(
-        self, peer: str, offer: wire.SessionOffer, suites: tuple[str, ...]
+        self,
+        peer: str,
+        offer: wire.SessionOffer,
+        suites: tuple[str, ...],
+        binding: bytes = b"",
     ) -> wire.SessionInit | None:
-        """Resume, initiate (returns the SessionInit to send), or wait for the peer's init."""
+        """Resume, initiate (returns the SessionInit to send), or wait for the peer's init.
+
+        ``binding`` is the link's handshake hash (docs/PROTOCOL.md "Link
+        handshake"): it is the associated data of the init's and the ack's
+        ratchet messages, so a session setup only completes on the link it began on.
+        """
         bundle = PrekeyBundle.from_bytes(offer.bundle)
         bundle.verify()
         if bundle.did != peer:
@@ -293,12 +302,12 @@ class SessionManager:
             ratchet_max_age=self._ratchet_max_age,
             clock=self._clock,
         )
-        first = session.encrypt(b"")
+        first = session.encrypt(b"", binding)
         sid = _sid(first)
         self._install(peer, sid, session)
         return wire.SessionInit(sid, first)
 
-    def on_init(self, peer: str, init: wire.SessionInit) -> wire.SessionAck:
+    def on_init(self, peer: str, init: wire.SessionInit, binding: bytes = b"") -> wire.SessionAck:
         """Accept the peer's X3DH initial message, replacing any session we hold."""
         if _sid(init.payload) != init.session_id:
             raise MalformedFrameError("session id does not match the initial message")
@@ -308,6 +317,7 @@ class SessionManager:
             self._wallet,
             self.secrets,
             init.payload,
+            ad=binding,
             ratchet_every=self._ratchet_every,
             ratchet_max_age=self._ratchet_max_age,
             clock=self._clock,
@@ -315,10 +325,10 @@ class SessionManager:
         if session.peer_did != peer:
             raise ProtocolError("X3DH initiator is not the link peer")
         self._install(peer, init.session_id, session)
-        return wire.SessionAck(session.encrypt(b""))
+        return wire.SessionAck(session.encrypt(b"", binding))
 
-    def on_ack(self, peer: str, ack: wire.SessionAck) -> None:
-        self._get(peer).session.decrypt(ack.body)
+    def on_ack(self, peer: str, ack: wire.SessionAck, binding: bytes = b"") -> None:
+        self._get(peer).session.decrypt(ack.body, binding)
         self._dirty.add(peer)
 
     def _apply_policy(self, session: Session) -> None:

@@ -1,44 +1,52 @@
-"""Mutual challenge-response at the start of every link (docs/DESIGN.md "Peer links").
+"""The link handshake: Noise XX with identities in its encrypted payloads.
 
-Pure and sans-I/O, in the style of websockets' ``protocol.py``: the asyncio link
-feeds decoded frames in and sends what comes back. Both sides send a
-:class:`~talos.link.wire.Hello` (DID, fresh 32-byte nonce, supported suites).
-Each then signs, with its identity (``Wallet.sign_auth``: Ed25519, or Ed25519 +
-ML-DSA-65 for a hybrid identity, docs/adr/0005-hybrid-signatures.md)::
+docs/PROTOCOL.md "Link handshake", docs/adr/0009-noise-link-channel.md. Pure and
+sans-I/O in the style of websockets' ``protocol.py``: the asyncio link feeds
+each received WebSocket message to :meth:`LinkHandshake.receive` and sends
+what comes back; the order of messages lives here::
 
-    LABEL || b"/proof/" || role || SHA-256(transcript)
-    transcript = LABEL || lp(initiator DID) || lp(responder DID)
-                 || initiator nonce || responder nonce
-                 || lp(initiator suites) || lp(responder suites)
-                 [|| lp(initiator ML-DSA key) || lp(responder ML-DSA key)]
+    initiator -> responder   SUITE (1 byte) || Noise message 1   (-> e [, e1])
+    responder -> initiator   Noise message 2, payload = responder identity
+    initiator -> responder   Noise message 3, payload = initiator identity
+    responder -> initiator   sealed ACCEPT (or a sealed REFUSE), first channel frame
 
-The bracketed part is present when either side sent an ML-DSA-65 key, so a
-man in the middle who strips a hybrid offer breaks both proofs; two classical
-nodes keep the original transcript. Which suite a peer must prove, and its pin,
-are :class:`talos.link.auth.AuthPolicy`'s decision (4008 / 4009 refusals).
+SUITE 0 runs ``Noise_XX_25519_ChaChaPoly_SHA256``, SUITE 1 the hybrid
+``Noise_XXhfs_25519+MLKEM768_ChaChaPoly_SHA256`` (ML-KEM-768 mixed into the
+keys). The prologue is ``LABEL || SUITE``, so a rewritten SUITE byte makes the
+two sides' handshake hashes differ and message 2 fails to decrypt: no downgrade.
 
-On the wire: initiator HELLO, responder HELLO, initiator PROOF, responder
-PROOF (sent only once the initiator's proof verified, so it also means
-"accepted"). A proof binds both nonces (no replay), both DIDs (no relaying to a third
-party) and the signer's role (no reflecting a proof back at its author). The
-peer's proof is checked against the key inside the DID it claims: holding
-another key and claiming a DID fails here. Every failure is a :class:`Refusal`
-carrying the WebSocket close code to use; nothing is trusted before it.
+An identity payload is the did:key, the optional ML-DSA-65 public key, the
+session suites and a signature (``Wallet.sign_auth``: Ed25519, or Ed25519 +
+ML-DSA-65 for a hybrid identity) over ``LABEL || "/identity/" || role || h ||
+SHA-256(fields)``, ``h`` being the Noise handshake hash just before the
+payload, which already covers both ephemerals and the sender's static key. So
+the signature binds the identity to this handshake and this Noise static key,
+and a payload cannot be replayed into another handshake or reflected back. A
+passive observer sees ephemeral keys and ciphertext only. Every failure is a
+:class:`Refusal` carrying the WebSocket close code; nothing is trusted before it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Final, Protocol
 
-from talos.link.auth import AuthPolicy, close_code_for
-from talos.link.wire import NONCE_LEN, Hello, Proof
-from talos_sdk.errors import HandshakeError, TalosError
-from talos_sdk.hybrid import SUITE_ED25519, PeerSuiteError
+from talos.link import wire
+from talos.link.auth import CLOSE_PQ_REQUIRED, AuthPolicy, close_code_for
+from talos.link.channel import LinkChannel
+from talos_sdk.errors import DecryptionError, HandshakeError, MalformedFrameError, TalosError
+from talos_sdk.hybrid import (
+    MLDSA65_PUBLIC_KEY_SIZE,
+    SUITE_ED25519,
+    PeerSuiteError,
+    PinnedKeyChangedError,
+)
+from talos_sdk.noise import HandshakeState
 from talos_sdk.wallet import verify_auth
 
 __all__ = [
@@ -51,15 +59,24 @@ __all__ = [
     "CLOSE_UNAUTHORIZED",
     "LABEL",
     "SUITES",
+    "SUITE_CLASSICAL",
+    "SUITE_HYBRID",
     "Authenticated",
     "LinkHandshake",
+    "PeerRefused",
     "Refusal",
     "Role",
 ]
 
-LABEL: Final = b"talos/link/v1"
+LABEL: Final = b"talos/link/v2"
 #: Session suites in order of preference (hybrid post-quantum first).
 SUITES: Final = ("x25519-mlkem768", "x25519")
+#: The SUITE byte of handshake message 1 and the Noise pattern it selects.
+SUITE_CLASSICAL: Final = 0
+SUITE_HYBRID: Final = 1
+_PATTERNS: Final = {SUITE_CLASSICAL: "XX", SUITE_HYBRID: "XXhfs"}
+_PAYLOAD_VERSION: Final = 1
+_MAX_DID: Final = 256
 
 # WebSocket private-use close codes (RFC 6455 section 7.4.2: 4000-4999).
 CLOSE_PROTOCOL: Final = 4000
@@ -69,6 +86,8 @@ CLOSE_PINNED_MISMATCH: Final = 4004
 CLOSE_NO_SUITE: Final = 4005
 CLOSE_DUPLICATE: Final = 4006
 CLOSE_SHUTDOWN: Final = 4007
+
+_H = struct.Struct(">H")
 
 
 class Signer(Protocol):
@@ -91,8 +110,8 @@ def _mldsa_key(signer: Signer) -> bytes:
     return key or b""
 
 
-#: Classical proof check ``verify(did, data, signature)`` (a test hook); hybrid
-#: proofs always go through ``talos_sdk.wallet.verify_auth``.
+#: Classical identity check ``verify(did, data, signature)`` (a test hook); hybrid
+#: signatures always go through ``talos_sdk.wallet.verify_auth``.
 Verifier = Callable[[str, bytes, bytes], bool]
 
 
@@ -104,10 +123,25 @@ class Role(IntEnum):
 
 
 class Refusal(HandshakeError):
-    """The handshake failed; ``code`` is the close code, ``reason`` goes to the peer."""
+    """We refuse the link: ``code`` is the close code, ``reason`` goes to the peer.
+
+    ``reason`` never names a DID (a close reason travels in the clear); the
+    exception text adds ``detail`` for our own log. ``farewell`` is a sealed
+    REFUSE frame to send first when the channel already exists.
+    """
+
+    def __init__(self, code: int, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.code = code
+        self.reason = reason
+        self.farewell: bytes | None = None
+
+
+class PeerRefused(HandshakeError):
+    """The remote side refused us (sealed REFUSE frame or close code)."""
 
     def __init__(self, code: int, reason: str) -> None:
-        super().__init__(reason)
+        super().__init__(f"peer refused the link ({code}): {reason}")
         self.code = code
         self.reason = reason
 
@@ -117,14 +151,67 @@ class Authenticated:
     """Outcome of a successful handshake."""
 
     peer_did: str
-    suites: tuple[str, ...]  # suites both sides support, our preference order
-    transcript_hash: bytes
+    suites: tuple[str, ...]  # session suites both sides support, our preference order
+    transcript_hash: bytes  # the Noise handshake hash: the channel binding value
     auth_suite: str = SUITE_ED25519  # what the peer proved with: ed25519 or ed25519-mldsa65
     peer_mldsa65: bytes | None = None  # its ML-DSA-65 key (pinned) when hybrid
+    #: The ML-DSA-65 key to pin now (first hybrid contact); the caller stores it.
+    new_pin: bytes | None = None
+    kem: str = "x25519"  # the handshake's key exchange: x25519 or x25519-mlkem768
+
+
+@dataclass(frozen=True, slots=True)
+class _Identity:
+    did: str
+    mldsa65: bytes
+    suites: tuple[str, ...]
+    signature: bytes
+    fields: bytes
 
 
 def _lp(data: bytes) -> bytes:
-    return struct.pack(">H", len(data)) + data
+    return _H.pack(len(data)) + data
+
+
+def _parse_identity(payload: bytes) -> _Identity:
+    pos = 1
+    parts: list[bytes] = []
+    if not payload or payload[0] != _PAYLOAD_VERSION:
+        raise MalformedFrameError("unknown identity payload version")
+    for _ in range(4):
+        if pos + 2 > len(payload):
+            raise MalformedFrameError("truncated identity payload")
+        (n,) = _H.unpack_from(payload, pos)
+        pos += 2
+        if pos + n > len(payload):
+            raise MalformedFrameError("identity field longer than payload")
+        parts.append(payload[pos : pos + n])
+        if len(parts) == 3:
+            fields_end = pos + n
+        pos += n
+    if pos != len(payload):
+        raise MalformedFrameError("trailing bytes after identity payload")
+    did_raw, mldsa, suites_raw, signature = parts
+    if not 0 < len(did_raw) <= _MAX_DID:
+        raise MalformedFrameError("identity DID length out of range")
+    if mldsa and len(mldsa) != MLDSA65_PUBLIC_KEY_SIZE:
+        raise MalformedFrameError(f"ML-DSA-65 key must be {MLDSA65_PUBLIC_KEY_SIZE} bytes")
+    try:
+        did, suites_text = did_raw.decode(), suites_raw.decode()
+    except UnicodeDecodeError:
+        raise MalformedFrameError("identity payload is not UTF-8") from None
+    suites = tuple(s for s in suites_text.split(",") if s)
+    return _Identity(did, mldsa, suites, signature, payload[:fields_end])
+
+
+def _suite_refusal(exc: PeerSuiteError) -> Refusal:
+    # Fixed reasons: a close reason travels in the clear, the DID stays out of it.
+    code = close_code_for(exc)
+    if code == CLOSE_PQ_REQUIRED:
+        return Refusal(code, "this node requires hybrid authentication", str(exc))
+    if isinstance(exc, PinnedKeyChangedError):
+        return Refusal(code, "another ML-DSA-65 key is pinned for this identity", str(exc))
+    return Refusal(code, "downgrade refused: this identity is pinned hybrid", str(exc))
 
 
 def _default_verify(did: str, data: bytes, sig: bytes) -> bool:
@@ -133,112 +220,183 @@ def _default_verify(did: str, data: bytes, sig: bytes) -> bool:
     return verify(did, data, sig)
 
 
+def _signed(role: Role, h: bytes, fields: bytes) -> bytes:
+    return LABEL + b"/identity/" + bytes((role,)) + h + hashlib.sha256(fields).digest()
+
+
 class LinkHandshake:
-    """One side of the link handshake: ``hello()``, ``receive_hello()``, ``receive_proof()``."""
+    """One side of the link handshake: :meth:`start`, then :meth:`receive` per message.
+
+    ``pq`` makes an initiator offer the hybrid suite; a responder takes what
+    the initiator offers unless ``policy.require_pq`` refuses a classical one.
+    ``random`` supplies the Noise static and ephemeral keys (tests inject it).
+    """
 
     def __init__(
         self,
         signer: Signer,
         role: Role,
-        nonce: bytes,
         *,
         suites: tuple[str, ...] = SUITES,
         expected_did: str | None = None,
         authorizer: Callable[[str], bool] | None = None,
         verify: Verifier = _default_verify,
         policy: AuthPolicy | None = None,
+        pq: bool = False,
+        random: Callable[[int], bytes] = os.urandom,
     ) -> None:
-        if len(nonce) != NONCE_LEN:
-            raise ValueError("handshake nonce must be 32 bytes")
         self._signer = signer
-        self._role = role
-        self._nonce = nonce
+        self.role = role
         self._suites = suites
         self._expected = expected_did
         self._authorizer = authorizer
         self._verify = verify
         self._policy = policy or AuthPolicy()
-        self._peer: Hello | None = None
-        self._hash: bytes | None = None
+        self._random = random
+        self._suite = SUITE_HYBRID if pq or self._policy.require_pq else SUITE_CLASSICAL
+        self._noise: HandshakeState | None = None
+        self._step = 0
+        self.channel: LinkChannel | None = None
+        self.result: Authenticated | None = None
+        self.done = False
 
-    def hello(self) -> Hello:
-        """Our hello; send it first (initiator) or in reply (responder)."""
-        return Hello(self._signer.did, self._nonce, self._suites, _mldsa_key(self._signer))
+    def _new_noise(self, suite: int) -> HandshakeState:
+        self._suite = suite
+        return HandshakeState(
+            _PATTERNS[suite],
+            self.role is Role.INITIATOR,
+            prologue=LABEL + bytes((suite,)),
+            s=self._random(32),
+            random=self._random,
+        )
 
-    def receive_hello(self, peer: Hello) -> Proof:
-        """Check the peer's claim (pin, authorizer, suites) and return our proof."""
-        if self._peer is not None:
-            raise Refusal(CLOSE_PROTOCOL, "unexpected second hello")
+    def start(self) -> bytes | None:
+        """Message 1 for an initiator; None for a responder (it speaks second)."""
+        if self.role is Role.RESPONDER:
+            return None
+        self._noise = self._new_noise(self._suite)
+        self._step = 1
+        return bytes((self._suite,)) + self._noise.write_message()
+
+    def receive(self, data: bytes) -> bytes | None:
+        """Take the peer's next message; return ours to send, or None.
+
+        Raises :class:`Refusal` (we refuse) or :class:`PeerRefused` (the peer did).
+        """
+        try:
+            if self.role is Role.RESPONDER:
+                return self._responder(data)
+            return self._initiator(data)
+        except MalformedFrameError as exc:
+            raise Refusal(CLOSE_PROTOCOL, "malformed handshake message", str(exc)) from None
+        except DecryptionError:
+            raise Refusal(CLOSE_BAD_PROOF, "handshake message failed to authenticate") from None
+
+    def _responder(self, data: bytes) -> bytes | None:
+        if self._step == 0:
+            if len(data) < 1 or data[0] not in _PATTERNS:
+                raise Refusal(CLOSE_PROTOCOL, "unknown link handshake suite")
+            if data[0] == SUITE_CLASSICAL and self._policy.require_pq:
+                raise Refusal(CLOSE_PQ_REQUIRED, "this node requires hybrid link handshakes")
+            self._noise = self._new_noise(data[0])
+            if self._noise.read_message(data[1:]):
+                raise Refusal(CLOSE_PROTOCOL, "handshake message 1 carries no payload")
+            self._step = 2
+            return self._noise.write_message(payload_for=self._identity)
+        if self._step == 2 and self._noise is not None:
+            payload = self._noise.read_message(data)
+            self.channel = LinkChannel(*self._noise.split())
+            try:
+                try:
+                    identity = _parse_identity(payload)
+                except MalformedFrameError as exc:
+                    raise Refusal(CLOSE_PROTOCOL, "malformed identity payload", str(exc)) from None
+                self.result = self._judge(identity)
+            except Refusal as refusal:
+                # The channel exists now: the refusal travels sealed.
+                refusal.farewell = self.channel.seal(
+                    wire.encode(wire.Refuse(refusal.code, refusal.reason))
+                )
+                raise
+            self._step = 4
+            self.done = True
+            return self.channel.seal(wire.encode(wire.Accept()))
+        raise Refusal(CLOSE_PROTOCOL, "unexpected handshake message")
+
+    def _initiator(self, data: bytes) -> bytes | None:
+        noise = self._noise
+        if self._step == 1 and noise is not None:
+            peer = _parse_identity(noise.read_message(data))
+            result = self._judge(peer)
+            message = noise.write_message(payload_for=self._identity)
+            self.channel = LinkChannel(*noise.split())
+            self.result = replace(result, transcript_hash=noise.handshake_hash)
+            self._step = 3
+            return message
+        if self._step == 3 and self.channel is not None:
+            frame = wire.decode(self.channel.open(data))
+            if isinstance(frame, wire.Refuse):
+                raise PeerRefused(frame.code, frame.reason)
+            if not isinstance(frame, wire.Accept):
+                raise Refusal(CLOSE_PROTOCOL, "expected the responder's ACCEPT")
+            self._step = 4
+            self.done = True
+            return None
+        raise Refusal(CLOSE_PROTOCOL, "unexpected handshake message")
+
+    def _identity(self, h: bytes) -> bytes:
+        fields = (
+            bytes((_PAYLOAD_VERSION,))
+            + _lp(self._signer.did.encode())
+            + _lp(_mldsa_key(self._signer))
+            + _lp(",".join(self._suites).encode())
+        )
+        return fields + _lp(_sign_auth(self._signer, _signed(self.role, h, fields)))
+
+    def _judge(self, peer: _Identity) -> Authenticated:
+        """Check the peer's identity payload: claim, authorization, suites, signature, pin."""
+        assert self._noise is not None
         if self._expected is not None and peer.did != self._expected:
             raise Refusal(
                 CLOSE_PINNED_MISMATCH,
-                f"pinned DID mismatch: expected {self._expected}, peer claims {peer.did}",
+                "pinned DID mismatch",
+                f"expected {self._expected}, peer claims {peer.did}",
             )
         if peer.did == self._signer.did:
             raise Refusal(CLOSE_BAD_PROOF, "peer claims our own DID")
-        if peer.nonce == self._nonce:
-            raise Refusal(CLOSE_BAD_PROOF, "peer echoed our nonce")
         if self._authorizer is not None and not self._authorizer(peer.did):
-            raise Refusal(CLOSE_UNAUTHORIZED, f"unknown peer {peer.did}")
+            raise Refusal(CLOSE_UNAUTHORIZED, "unknown peer", peer.did)
         if not set(self._suites) & set(peer.suites):
             raise Refusal(CLOSE_NO_SUITE, "no session suite in common")
-        # Refuse a classical peer under --require-pq, or a downgrade / key change
-        # against our pin, before signing anything; re-checked after its proof.
-        self._judge(peer)
-        self._peer = peer
-        self._hash = self._transcript_hash(peer)
-        return Proof(_sign_auth(self._signer, self._signed(self._role, self._hash)))
-
-    def _judge(self, peer: Hello, *, accept: bool = False) -> tuple[str, bytes | None]:
         presented = peer.mldsa65 or None
         try:
-            if accept:
-                decision = self._policy.accept(peer.did, presented)
-            else:
-                decision = self._policy.decide(peer.did, presented)
+            self._policy.decide(peer.did, presented)
         except PeerSuiteError as exc:
-            raise Refusal(close_code_for(exc), str(exc)) from None
-        return decision.suite, decision.pin
-
-    def receive_proof(self, proof: Proof) -> Authenticated:
-        """Verify the peer's proof against the key in its claimed DID."""
-        if self._peer is None or self._hash is None:
-            raise Refusal(CLOSE_PROTOCOL, "proof before hello")
-        peer_role = Role.RESPONDER if self._role is Role.INITIATOR else Role.INITIATOR
-        mldsa = self._peer.mldsa65 or None
-        signed = self._signed(peer_role, self._hash)
+            raise _suite_refusal(exc) from None
+        peer_role = Role.RESPONDER if self.role is Role.INITIATOR else Role.INITIATOR
+        signed = _signed(peer_role, self._noise.payload_hash, peer.fields)
         try:
-            if mldsa is None:
-                ok = self._verify(self._peer.did, signed, proof.signature)
+            if presented is None:
+                ok = self._verify(peer.did, signed, peer.signature)
             else:
-                ok = verify_auth(self._peer.did, mldsa, signed, proof.signature)
+                ok = verify_auth(peer.did, presented, signed, peer.signature)
         except TalosError:
             ok = False  # a malformed DID or ML-DSA key cannot prove anything
         if not ok:
-            kind = "hybrid " if mldsa else ""
-            raise Refusal(
-                CLOSE_BAD_PROOF, f"{kind}handshake proof does not verify for {self._peer.did}"
-            )
-        # The presented key counts only now that a hybrid proof under it verified.
-        auth_suite, pin = self._judge(self._peer, accept=True)
-        common = tuple(s for s in self._suites if s in self._peer.suites)
-        return Authenticated(self._peer.did, common, self._hash, auth_suite, pin)
-
-    def _transcript_hash(self, peer: Hello) -> bytes:
-        mine = self.hello()
-        i, r = (mine, peer) if self._role is Role.INITIATOR else (peer, mine)
-        pq = _lp(i.mldsa65) + _lp(r.mldsa65) if i.mldsa65 or r.mldsa65 else b""
-        return hashlib.sha256(
-            LABEL
-            + _lp(i.did.encode())
-            + _lp(r.did.encode())
-            + i.nonce
-            + r.nonce
-            + _lp(",".join(i.suites).encode())
-            + _lp(",".join(r.suites).encode())
-            + pq
-        ).digest()
-
-    @staticmethod
-    def _signed(role: Role, transcript_hash: bytes) -> bytes:
-        return LABEL + b"/proof/" + bytes((role,)) + transcript_hash
+            kind = "hybrid " if presented else ""
+            raise Refusal(CLOSE_BAD_PROOF, f"{kind}identity signature does not verify", peer.did)
+        # The presented key counts only now that a hybrid signature under it verified.
+        try:
+            decision = self._policy.decide(peer.did, presented)
+        except PeerSuiteError as exc:  # pragma: no cover - same inputs as above
+            raise _suite_refusal(exc) from None
+        common = tuple(s for s in self._suites if s in peer.suites)
+        return Authenticated(
+            peer.did,
+            common,
+            self._noise.handshake_hash,  # final for the responder; the initiator updates it
+            decision.suite,
+            decision.pin,
+            decision.pin if decision.newly_pinned else None,
+            "x25519-mlkem768" if self._suite == SUITE_HYBRID else "x25519",
+        )

@@ -1,19 +1,20 @@
-"""One authenticated WebSocket link to a peer (docs/DESIGN.md "Peer links").
+"""One authenticated, sealed WebSocket link to a peer (docs/PROTOCOL.md "Link protocol").
 
-The asyncio side of :mod:`talos.link.handshake`: it only moves bytes and
-enforces time limits. WebSocket settings: compression off (frames are
-ciphertext, and compressing before encrypting leaks), ``max_size`` bounded
-to the largest link frame, keepalive pings. A refusal is sent as a
-:class:`~talos.link.wire.Refuse` frame and then the close code it names.
+The asyncio side of :mod:`talos.link.handshake` and :mod:`talos.link.channel`:
+it only moves bytes and enforces time limits; the order of handshake messages
+and every check live in the pure handshake object. WebSocket settings:
+compression off (frames are ciphertext, and compressing before encrypting
+leaks), ``max_size`` bounded to the largest sealed frame, keepalive pings.
+After the handshake every frame is sealed here, so callers send and receive
+plaintext link frames; a frame that fails to open closes the link (4010).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.connection import Connection
@@ -27,18 +28,21 @@ from websockets.protocol import State
 
 from talos.link import wire
 from talos.link.auth import AuthPolicy
+from talos.link.channel import TAGLEN, LinkChannel
 from talos.link.handshake import (
     CLOSE_PROTOCOL,
     SUITES,
     Authenticated,
     LinkHandshake,
+    PeerRefused,
     Refusal,
     Role,
     Signer,
 )
-from talos_sdk.errors import HandshakeError, MalformedFrameError, OversizeError
+from talos_sdk.errors import DecryptionError, HandshakeError
 
 __all__ = [
+    "CLOSE_UNAUTHENTIC",
     "MAX_QUEUE",
     "FrameStream",
     "Link",
@@ -52,17 +56,10 @@ __all__ = [
 #: Below the asyncio default low-water mark: a send this far under it never blocks.
 _SEND_NOW_LIMIT = 16 * 1024
 #: Frames websockets buffers per connection before it stops reading the socket:
-#: 16 x max_frame (16 MiB at the default), not 256 MiB, per link (docs/PROTOCOL.md "Link protocol").
+#: 16 x max_frame (16 MiB at the default), not 256 MiB, per link.
 MAX_QUEUE = 16
-
-
-class PeerRefused(HandshakeError):
-    """The remote side refused us with a Refuse frame / close code."""
-
-    def __init__(self, code: int, reason: str) -> None:
-        super().__init__(f"peer refused the link ({code}): {reason}")
-        self.code = code
-        self.reason = reason
+#: Close code when a sealed frame fails to open (tampered, replayed, reordered, injected).
+CLOSE_UNAUTHENTIC: Final = 4010
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,14 +69,21 @@ class LinkSettings:
     max_frame: int = wire.DEFAULT_MAX_FRAME
     ping_interval: float = 20.0
     handshake_timeout: float = 10.0
+    #: A connection that has not sent handshake message 1 by then is dropped.
+    first_message_timeout: float = 3.0
     suites: tuple[str, ...] = SUITES
     auth: AuthPolicy | None = None  # pins + --require-pq (talos/link/auth.py)
+    #: Offer the hybrid (ML-KEM-768) handshake when dialling.
+    pq: bool = False
     #: Inbound links still authenticating; more are refused with 1013 (try again later).
     max_handshakes: int = 64
+    #: Of those, from one source address.
+    max_handshakes_per_address: int = 8
 
     @property
     def ws_max_size(self) -> int:
-        return self.max_frame + 64
+        # Handshake messages (under 8 KiB, hybrid) fit: max_frame is at least 16 KiB.
+        return self.max_frame + 64 + TAGLEN
 
 
 class FrameStream(Protocol):
@@ -112,9 +116,11 @@ class FrameStream(Protocol):
 
 
 class Link:
-    """An authenticated link: raw link-frame bytes in and out."""
+    """An authenticated link: plaintext link-frame bytes in and out, sealed on the wire."""
 
-    def __init__(self, ws: Connection | FrameStream, auth: Authenticated, role: Role) -> None:
+    def __init__(
+        self, ws: Connection | FrameStream, auth: Authenticated, role: Role, channel: LinkChannel
+    ) -> None:
         self.ws = ws
         #: "direct" (a WebSocket) or what carries it otherwise ("relay").
         self.via: str = ws.via if not isinstance(ws, Connection) else "direct"
@@ -122,11 +128,21 @@ class Link:
         self.suites = auth.suites
         self.auth_suite = auth.auth_suite
         self.peer_mldsa65 = auth.peer_mldsa65
+        self.new_pin = auth.new_pin
+        self.kem = auth.kem
+        #: The Noise handshake hash: channel binding for session setup and bulk tokens.
+        self.transcript_hash = auth.transcript_hash
         self.role = role
+        self._channel = channel
+        #: Set when a received frame failed to open and the link was closed for it.
+        self.unauthentic = False
 
     async def send(self, data: bytes) -> None:
-        """Send one encoded link frame (order of calls is order on the wire)."""
-        await self.ws.send(data)
+        """Seal and send one encoded link frame (order of calls is order on the wire)."""
+        # websockets writes an unfragmented message before its first suspension
+        # (a relay stream numbers its packets at the call), so sealing right here
+        # keeps the counter order equal to the wire order.
+        await self.ws.send(self._channel.seal(data))
 
     def send_nowait(self, data: bytes) -> bool:
         """Write one link frame now if that needs no waiting; False (nothing sent) otherwise.
@@ -139,10 +155,15 @@ class Link:
         """
         ws = self.ws
         if not isinstance(ws, Connection):
-            return ws.send_nowait(data)
+            if not ws.writable:
+                return False
+            if not ws.send_nowait(self._channel.seal(data)):
+                # Sealed but not sent: the counters are out of step, the link is done.
+                raise ConnectionClosedError(None, None)
+            return True
         if not self.writable:
             return False
-        ws.protocol.send_binary(data)
+        ws.protocol.send_binary(self._channel.seal(data))
         try:
             ws.send_data()
         except Exception as exc:
@@ -173,11 +194,20 @@ class Link:
         return transport.get_write_buffer_size() < _SEND_NOW_LIMIT
 
     async def recv(self) -> bytes:
-        """Next frame; raises ConnectionClosed when the link ends."""
+        """Next plaintext frame; raises ConnectionClosed when the link ends.
+
+        A frame that does not open (or a text frame) closes the link with
+        :data:`CLOSE_UNAUTHENTIC`: nothing it carried is returned.
+        """
         data = await self.ws.recv()
-        if isinstance(data, str):
-            raise MalformedFrameError("text frame on a link")
-        return data
+        try:
+            if isinstance(data, str):
+                raise DecryptionError()
+            return self._channel.open(data)
+        except DecryptionError:
+            self.unauthentic = True
+            await self.ws.close(CLOSE_UNAUTHENTIC, "sealed frame failed to open")
+            raise ConnectionClosedError(None, None) from None
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         await self.ws.close(code, reason[:120])
@@ -187,53 +217,44 @@ class Link:
         return self.ws.close_code is None
 
 
-async def _recv_frame(ws: Connection | FrameStream, max_frame: int) -> wire.LinkFrame:
-    data = await ws.recv()
-    if isinstance(data, str):
-        raise Refusal(CLOSE_PROTOCOL, "text frame during handshake")
-    try:
-        frame = wire.decode(data, max_frame)
-    except (MalformedFrameError, OversizeError) as exc:
-        raise Refusal(CLOSE_PROTOCOL, f"bad handshake frame: {exc}") from None
-    if isinstance(frame, wire.Refuse):
-        raise PeerRefused(frame.code, frame.reason)
-    return frame
-
-
 async def _refuse(ws: Connection | FrameStream, refusal: Refusal) -> None:
     try:
-        await ws.send(wire.encode(wire.Refuse(refusal.code, refusal.reason)))
+        if refusal.farewell is not None:
+            await ws.send(refusal.farewell)
         await ws.close(refusal.code, refusal.reason[:120])
     except ConnectionClosed:
         pass
 
 
 async def _run_handshake(
-    ws: Connection | FrameStream, hs: LinkHandshake, role: Role, settings: LinkSettings
-) -> Authenticated:
-    async def steps() -> Authenticated:
-        if role is Role.INITIATOR:
-            await ws.send(wire.encode(hs.hello()))
-        hello = await _recv_frame(ws, settings.max_frame)
-        if not isinstance(hello, wire.Hello):
-            raise Refusal(CLOSE_PROTOCOL, "expected hello")
-        proof = hs.receive_hello(hello)
-        # The responder proves last: its proof doubles as "accepted", so a
-        # dialer never believes in a link the responder refused.
-        await ws.send(wire.encode(hs.hello() if role is Role.RESPONDER else proof))
-        peer_proof = await _recv_frame(ws, settings.max_frame)
-        if not isinstance(peer_proof, wire.Proof):
-            raise Refusal(CLOSE_PROTOCOL, "expected proof")
-        auth = hs.receive_proof(peer_proof)
-        if role is Role.RESPONDER:
-            await ws.send(wire.encode(proof))
-        return auth
+    ws: Connection | FrameStream, hs: LinkHandshake, settings: LinkSettings
+) -> tuple[Authenticated, LinkChannel]:
+    async def steps() -> tuple[Authenticated, LinkChannel]:
+        first = hs.start()
+        if first is not None:
+            await ws.send(first)
+        else:
+            # An accepted connection that stays silent holds a slot: not for long.
+            async with asyncio.timeout(settings.first_message_timeout):
+                data = await ws.recv()
+            reply = _step(hs, data)
+            if reply is not None:
+                await ws.send(reply)
+        while not hs.done:
+            reply = _step(hs, await ws.recv())
+            if reply is not None:
+                await ws.send(reply)
+        assert hs.result is not None and hs.channel is not None
+        return hs.result, hs.channel
 
     try:
         async with asyncio.timeout(settings.handshake_timeout):
             return await steps()
     except Refusal as refusal:
         await _refuse(ws, refusal)
+        raise
+    except PeerRefused:
+        await ws.close()
         raise
     except TimeoutError:
         await ws.close(CLOSE_PROTOCOL, "handshake timeout")
@@ -243,6 +264,12 @@ async def _run_handshake(
         if rcvd is not None and rcvd.code >= 4000:
             raise PeerRefused(rcvd.code, rcvd.reason) from None
         raise HandshakeError("peer closed the link during the handshake") from None
+
+
+def _step(hs: LinkHandshake, data: str | bytes) -> bytes | None:
+    if isinstance(data, str):
+        raise Refusal(CLOSE_PROTOCOL, "text frame during handshake")
+    return hs.receive(data)
 
 
 async def accept_link(
@@ -255,13 +282,12 @@ async def accept_link(
     hs = LinkHandshake(
         signer,
         Role.RESPONDER,
-        os.urandom(32),
         suites=settings.suites,
         authorizer=authorizer,
         policy=settings.auth,
     )
-    auth = await _run_handshake(ws, hs, Role.RESPONDER, settings)
-    return Link(ws, auth, Role.RESPONDER)
+    auth, channel = await _run_handshake(ws, hs, settings)
+    return Link(ws, auth, Role.RESPONDER, channel)
 
 
 async def dial_link(
@@ -296,19 +322,25 @@ async def initiate_link(
     authorizer: Callable[[str], bool],
     settings: LinkSettings,
 ) -> Link:
-    """Dialler side on an open pipe (a WebSocket, or a relay stream): run the handshake."""
+    """Dialler side on an open pipe (a WebSocket, or a relay stream): run the handshake.
+
+    The hybrid handshake is offered when ``settings.pq`` says so, when this
+    node requires it, or when ``expected_did`` is pinned hybrid.
+    """
+    policy = settings.auth
+    pinned = policy is not None and policy.pinned(expected_did) is not None
     hs = LinkHandshake(
         signer,
         Role.INITIATOR,
-        os.urandom(32),
         suites=settings.suites,
         expected_did=expected_did,
         authorizer=authorizer,
-        policy=settings.auth,
+        policy=policy,
+        pq=settings.pq or pinned,
     )
     try:
-        auth = await _run_handshake(ws, hs, Role.INITIATOR, settings)
+        auth, channel = await _run_handshake(ws, hs, settings)
     except BaseException:
         await ws.close()
         raise
-    return Link(ws, auth, Role.INITIATOR)
+    return Link(ws, auth, Role.INITIATOR, channel)

@@ -1,4 +1,4 @@
-"""Link frame layout (docs/PROTOCOL.md "Link protocol"; docs/DESIGN.md "Peer links").
+"""Link frame layout (docs/PROTOCOL.md "Link protocol"; DESIGN.md "Peer links").
 
 Pure and sans-I/O. One WebSocket binary message carries exactly one link frame:
 a type byte followed by that type's fields. Hot-path frames (``MSG``, ``ACK``,
@@ -14,17 +14,15 @@ from dataclasses import dataclass
 from typing import Final
 
 from talos_sdk.errors import MalformedFrameError, OversizeError
-from talos_sdk.hybrid import MLDSA65_PUBLIC_KEY_SIZE
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
-    "NONCE_LEN",
+    "MIN_MAX_FRAME",
+    "Accept",
     "Ack",
     "App",
-    "Hello",
     "LinkFrame",
     "Msg",
-    "Proof",
     "Refuse",
     "SessionAck",
     "SessionInit",
@@ -34,12 +32,11 @@ __all__ = [
 ]
 
 DEFAULT_MAX_FRAME: Final = 1 << 20  # 1 MiB + headers; bounded by websockets max_size too
-NONCE_LEN: Final = 32
-MAX_DID_LEN: Final = 256
+#: The smallest ``max_frame`` a peer may state: below it, messages could not fit.
+MIN_MAX_FRAME: Final = 16 * 1024
 
-T_HELLO: Final = 0x01
-T_PROOF: Final = 0x02
 T_REFUSE: Final = 0x03
+T_ACCEPT: Final = 0x04
 T_SESSION_OFFER: Final = 0x10
 T_SESSION_INIT: Final = 0x11
 T_SESSION_ACK: Final = 0x12
@@ -54,24 +51,8 @@ _I = struct.Struct(">I")
 
 
 @dataclass(frozen=True, slots=True)
-class Hello:
-    """First frame of each side: who I claim to be, a fresh nonce, my suites.
-
-    ``mldsa65`` is a hybrid identity's ML-DSA-65 public key (ADR 0005, sent as an
-    optional 4th field), empty for a classical one.
-    """
-
-    did: str
-    nonce: bytes
-    suites: tuple[str, ...]
-    mldsa65: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
-class Proof:
-    """Signature over the handshake transcript (see handshake.py)."""
-
-    signature: bytes
+class Accept:
+    """The responder's first sealed frame: the initiator's identity was accepted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +69,8 @@ class SessionOffer:
 
     ``max_frame`` (optional 3rd field, u32; 0 = not said) is the largest link
     frame this side accepts, so the peer can refuse a message that would never
-    fit instead of resending it forever (docs/PROTOCOL.md "Message size").
+    fit instead of resending it forever; a stated bound below
+    :data:`MIN_MAX_FRAME` is malformed.
     """
 
     bundle: bytes
@@ -133,7 +115,7 @@ class App:
     body: bytes
 
 
-LinkFrame = Hello | Proof | Refuse | SessionOffer | SessionInit | SessionAck | Msg | Ack | App
+LinkFrame = Accept | Refuse | SessionOffer | SessionInit | SessionAck | Msg | Ack | App
 
 
 def _fields(type_byte: int, *fields: bytes) -> bytes:
@@ -178,13 +160,8 @@ def encode(frame: LinkFrame) -> bytes:
         return b"\x30" + frame.body
     if isinstance(frame, Ack):
         return _BQ.pack(T_ACK, frame.seq)
-    if isinstance(frame, Hello):
-        fields = [frame.did.encode(), frame.nonce, ",".join(frame.suites).encode()]
-        if frame.mldsa65:
-            fields.append(frame.mldsa65)
-        return _fields(T_HELLO, *fields)
-    if isinstance(frame, Proof):
-        return _fields(T_PROOF, frame.signature)
+    if isinstance(frame, Accept):
+        return bytes((T_ACCEPT,))
     if isinstance(frame, Refuse):
         return _fields(T_REFUSE, _H.pack(frame.code), frame.reason.encode())
     if isinstance(frame, SessionOffer):
@@ -220,27 +197,10 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
         if len(data) != _BQ.size:
             raise MalformedFrameError("ACK must be exactly 9 bytes")
         return Ack(_Q.unpack_from(data, 1)[0])
-    if t == T_HELLO:
-        # A classical HELLO has 3 fields, a hybrid one a 4th (the ML-DSA-65 key).
-        try:
-            did_raw, nonce, suites_raw = _split(data, 3)
-            mldsa = b""
-        except MalformedFrameError:
-            did_raw, nonce, suites_raw, mldsa = _split(data, 4)
-            if len(mldsa) != MLDSA65_PUBLIC_KEY_SIZE:
-                raise MalformedFrameError(
-                    f"HELLO ML-DSA-65 key must be {MLDSA65_PUBLIC_KEY_SIZE} bytes"
-                ) from None
-        if len(nonce) != NONCE_LEN:
-            raise MalformedFrameError("HELLO nonce must be 32 bytes")
-        if not 0 < len(did_raw) <= MAX_DID_LEN:
-            raise MalformedFrameError("HELLO DID length out of range")
-        suites_text = _text(suites_raw, "suites")
-        suites = tuple(s for s in suites_text.split(",") if s)
-        return Hello(_text(did_raw, "DID"), nonce, suites, mldsa)
-    if t == T_PROOF:
-        (sig,) = _split(data, 1)
-        return Proof(sig)
+    if t == T_ACCEPT:
+        if len(data) != 1:
+            raise MalformedFrameError("ACCEPT carries no fields")
+        return Accept()
     if t == T_REFUSE:
         code_raw, reason = _split(data, 2)
         if len(code_raw) != 2:
@@ -255,8 +215,10 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
         if len(bound) != _I.size:
             raise MalformedFrameError("SESSION_OFFER max_frame must be 4 bytes")
         (max_frame,) = _I.unpack(bound)
-        if max_frame == 0:
-            raise MalformedFrameError("SESSION_OFFER max_frame must not be 0")
+        if max_frame < MIN_MAX_FRAME:
+            raise MalformedFrameError(
+                f"SESSION_OFFER max_frame {max_frame} is below the {MIN_MAX_FRAME}-byte floor"
+            )
         return SessionOffer(bundle, sid, max_frame)
     if t == T_SESSION_INIT:
         sid, payload = _split(data, 2)

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
+from talos.link.admission import Admission
 from talos.transfer.protocol import (
     BULK_CREDIT,
     BULK_FAILED,
@@ -55,6 +56,8 @@ from talos_sdk.aead import CHUNK_HEADER_SIZE, TAG_SIZE
 from talos_sdk.errors import HandshakeError, OversizeError, ProtocolError, UsageError
 
 __all__ = [
+    "MAX_UNAUTHENTICATED",
+    "MAX_UNAUTHENTICATED_PER_ADDRESS",
     "BulkListener",
     "BulkStream",
     "connect_bulk",
@@ -65,6 +68,10 @@ __all__ = [
 
 MAX_SEALED: Final = MAX_CHUNK + CHUNK_HEADER_SIZE + TAG_SIZE
 HANDSHAKE_TIMEOUT: Final = 10.0
+#: Connections still proving a token, in total and from one source address;
+#: more are closed at once (each holds a socket and a task until its timeout).
+MAX_UNAUTHENTICATED: Final = 32
+MAX_UNAUTHENTICATED_PER_ADDRESS: Final = 8
 #: A data-phase socket call that makes no progress this long ends the attempt.
 IDLE_TIMEOUT: Final = 60.0
 #: Socket buffers sized for a few sealed chunks in flight on a fast link.
@@ -121,9 +128,18 @@ def _to_data_phase(sock: socket.socket) -> None:
 class BulkListener:
     """The receiver's bulk TCP listener; attaches each connection to a registered attempt."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_unauthenticated: int = MAX_UNAUTHENTICATED,
+        max_per_address: int = MAX_UNAUTHENTICATED_PER_ADDRESS,
+    ) -> None:
         self.host = host
         self._port = port
+        # Connections that have not proved a token yet, in total and per source address.
+        self._admission = Admission(max_unauthenticated, max_per_address)
         self._expected: dict[bytes, tuple[bytes, BulkHandler]] = {}
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -170,15 +186,20 @@ class BulkListener:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(lsock)
+                conn, peer = await loop.sock_accept(lsock)
             except OSError:  # e.g. EMFILE: back off instead of spinning
                 await asyncio.sleep(0.1)
                 continue
-            task = asyncio.create_task(self._on_connect(conn))
+            address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+            if not self._admission.enter(address):
+                self.refused += 1
+                conn.close()
+                continue
+            task = asyncio.create_task(self._on_connect(conn, address))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _on_connect(self, conn: socket.socket) -> None:
+    async def _on_connect(self, conn: socket.socket, address: str) -> None:
         try:
             stream = await asyncio.wait_for(self._authenticate(conn), HANDSHAKE_TIMEOUT)
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ProtocolError):
@@ -188,6 +209,8 @@ class BulkListener:
         except asyncio.CancelledError:
             conn.close()
             raise
+        finally:
+            self._admission.leave(address)
         token_handler = self._expected.pop(stream.tid, None)
         if token_handler is None:  # raced with forget()
             await stream.close()

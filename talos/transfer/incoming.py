@@ -27,6 +27,7 @@ from talos.transfer.protocol import (
     Reject,
     TransferProtocolError,
     TransferState,
+    bind_token,
     file_commitment,
     is_final,
     safe_name,
@@ -192,7 +193,9 @@ class IncomingTransfers(TransferBase):
         if self.listener is not None:
             token = os.urandom(32)
             port, host = self.listener.port, self.config.bulk_host
-            self.listener.expect(tid, token, lambda s: self._receive_bulk(tid, inc, s))
+            # Bound to the link the ACCEPT travels on (docs/PROTOCOL.md "File transfer").
+            bound = bind_token(token, self.node.channel_binding(info.peer))
+            self.listener.expect(tid, bound, lambda s: self._receive_bulk(tid, inc, s))
         inc.task = asyncio.ensure_future(self._receive_fallback(tid, inc))
         accept = Accept(tid, info.offset, epoch, self.config.window, port, token, host)
         await self._send(info.peer, accept)

@@ -25,6 +25,7 @@ from talos.transfer.protocol import (
     Credit,
     Event,
     Offer,
+    bind_token,
     encode_message,
     file_commitment,
     is_final,
@@ -162,7 +163,8 @@ class OutgoingTransfers(TransferBase):
         )  # fmt: skip
         try:
             try:
-                stream = await bulk.connect_bulk(msg.bulk_host, msg.bulk_port, msg.tid, msg.token)
+                token = bind_token(msg.token, self.node.channel_binding(info.peer))
+                stream = await bulk.connect_bulk(msg.bulk_host, msg.bulk_port, msg.tid, token)
             except (OSError, TimeoutError, HandshakeError) as exc:
                 log.info("bulk path to %s unavailable (%s); using the app channel", info.peer, exc)
                 return False

@@ -46,6 +46,7 @@ __all__ = [
     "TransferMessage",
     "TransferProtocolError",
     "TransferState",
+    "bind_token",
     "bulk_client_proof",
     "bulk_server_proof",
     "decode_commit",
@@ -388,6 +389,15 @@ BULK_FAILED: Final = 2**64 - 2
 
 def _proof(role: bytes, token: bytes, tid: bytes, nc: bytes, ns: bytes) -> bytes:
     return hmac.digest(token, b"talos/bulk/v1/" + role + tid + nc + ns, "sha256")
+
+
+def bind_token(token: bytes, binding: bytes) -> bytes:
+    """The token both bulk proofs use: the ACCEPT's token bound to the link's handshake hash.
+
+    A token learnt any other way than over that very link (or after it was
+    replaced) proves nothing; the transfer then falls back to the app channel.
+    """
+    return hmac.digest(token, b"talos/bulk/v1/binding" + binding, "sha256")
 
 
 def bulk_server_proof(token: bytes, tid: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:

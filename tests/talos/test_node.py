@@ -432,11 +432,11 @@ async def test_failed_session_init_closes_the_link_and_sets_up_again(
     real = b.sessions.on_init
     refused: list[str] = []
 
-    def refuse_once(peer: str, init: Any) -> Any:
+    def refuse_once(peer: str, init: Any, *binding: Any) -> Any:
         if not refused:
             refused.append(peer)
             raise BundleError("injected: one-time prekey 0 was already used")
-        return real(peer, init)
+        return real(peer, init, *binding)
 
     monkeypatch.setattr(b.sessions, "on_init", refuse_once)
     async with asyncio.timeout(20):

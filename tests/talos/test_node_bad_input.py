@@ -48,17 +48,18 @@ class Rogue:
             frame = wire.decode(await link.recv())
             if isinstance(frame, wire.SessionOffer):
                 seen_offer = True
-                init = self.sessions.on_offer(node.did, frame, link.suites)
+                init = self.sessions.on_offer(node.did, frame, link.suites, link.transcript_hash)
                 if init is not None:
                     await link.send(wire.encode(init))
             elif isinstance(frame, wire.SessionInit):
-                await link.send(wire.encode(self.sessions.on_init(node.did, frame)))
+                ack = self.sessions.on_init(node.did, frame, link.transcript_hash)
+                await link.send(wire.encode(ack))
         await until(lambda: node.is_connected(self.wallet.did), what="node side ready")
 
 
 @pytest.fixture
 async def victim(tmp_path: Path) -> AsyncIterator[Node]:
-    node = await started(*make_home(tmp_path, "victim", max_frame=4096))
+    node = await started(*make_home(tmp_path, "victim", max_frame=16384))
     yield node
     await node.stop()
 
@@ -94,7 +95,7 @@ async def test_garbage_frames_are_dropped_and_the_link_survives(victim: Node, ro
             b"\x21\x00",  # truncated ACK
             b"\x20\x00\x00\x00\x00\x00\x00\x00\x01" + b"not a sealed frame",  # MSG, bad crypto
             b"\x30" + b"\x00" * 80,  # APP that does not decrypt
-            wire.encode(wire.Hello(rogue.wallet.did, b"n" * 32, ())),  # handshake frame, late
+            wire.encode(wire.Accept()),  # handshake frame, late
             wire.encode(wire.Ack(99)),  # ack for something never sent
         ]
         for i, data in enumerate(bad, 1):
@@ -124,7 +125,7 @@ async def test_oversize_frame_closes_only_that_link(victim: Node, rogue: Rogue) 
     async with asyncio.timeout(20):
         link = await rogue.connect(victim)
         await rogue.establish(victim)
-        await link.send(b"\x30" + b"x" * 10_000)  # above max_frame=4096
+        await link.send(b"\x30" + b"x" * 20_000)  # above max_frame=16384
         with pytest.raises(ConnectionClosed):
             while True:  # frames the node sent before closing are still queued
                 await link.recv()
@@ -178,7 +179,8 @@ async def test_session_init_for_another_did_is_refused(victim: Node, tmp_path: P
                 other.load(txn, discard=False)
             offer = wire.decode(await link.recv())
             assert isinstance(offer, wire.SessionOffer)
-            init = other.on_offer(victim.did, offer, ("x25519",))  # genuine, but from `third`
+            # genuine, bound to this very link, but from `third`
+            init = other.on_offer(victim.did, offer, ("x25519",), link.transcript_hash)
         assert init is not None
         await link.send(wire.encode(init))
         await until(
@@ -346,11 +348,13 @@ async def test_handshakes_in_progress_are_bounded(victim: Node, rogue: Rogue) ->
 
     from talos.node import CLOSE_TRY_AGAIN
 
-    victim.settings = dataclasses.replace(victim.settings, max_handshakes=2)
+    victim._admission.max_total = 2
+    # The silent connections must outlive the first-message deadline for this test.
+    victim.settings = dataclasses.replace(victim.settings, first_message_timeout=60)
     url = victim.listen_url or ""
     async with asyncio.timeout(20):
         silent = [await connect(url), await connect(url)]  # never say HELLO
-        await until(lambda: victim._handshaking == 2, what="two handshakes waiting")
+        await until(lambda: victim._admission.total == 2, what="two handshakes waiting")
         async with connect(url) as third:
             with pytest.raises(ConnectionClosed):
                 await third.recv()
@@ -359,7 +363,7 @@ async def test_handshakes_in_progress_are_bounded(victim: Node, rogue: Rogue) ->
         assert victim.metrics.counters["handshakes_refused"] == 1
         for ws in silent:
             await ws.close()
-        await until(lambda: victim._handshaking == 0, what="slots freed")
+        await until(lambda: victim._admission.total == 0, what="slots freed")
         await rogue.connect(victim)  # a real peer gets in once there is room
         await rogue.establish(victim)
         assert victim.is_connected(rogue.wallet.did)

@@ -19,9 +19,10 @@ from talos.chain.verify import verify_chain
 from talos.cli import main as talosd
 from talos.config import NodeConfig
 from talos.home import init_home
-from talos.link.auth import CLOSE_DOWNGRADE, CLOSE_PQ_REQUIRED, load_pin
+from talos.link.auth import CLOSE_DOWNGRADE, CLOSE_PQ_REQUIRED
 from talos.link.peer import LinkSettings, PeerRefused, dial_link
 from talos.node import Node
+from talos.pins import load_pin
 from talos_sdk.hybrid import SUITE_ED25519, SUITE_HYBRID
 from talos_sdk.keyfile import load_wallet
 from talos_sdk.wallet import HybridWallet, Wallet

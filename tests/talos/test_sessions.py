@@ -264,3 +264,17 @@ def test_message_frame_with_a_bad_signature_is_refused(sides: tuple[Side, Side],
     # The session moved on (the frame decrypted); the next genuine message opens.
     good, _ = a.sm.seal_message(b.wallet.did, row(1, "genuine"))
     assert b.sm.open_message(a.wallet.did, good).text == "genuine"
+
+
+def test_session_setup_is_bound_to_the_link(sides: tuple[Side, Side]) -> None:
+    """An init made for one link's handshake hash does not open on another link."""
+    a, b = sides
+    link1, link2 = b"\x01" * 32, b"\x02" * 32
+    init = a.sm.on_offer(b.wallet.did, b.sm.offer(a.wallet.did), ("x25519",), link1)
+    assert init is not None
+    with pytest.raises(DecryptionError):
+        b.sm.on_init(a.wallet.did, init, link2)
+    ack = b.sm.on_init(a.wallet.did, init, link1)
+    with pytest.raises(DecryptionError):
+        a.sm.on_ack(b.wallet.did, ack, link2)
+    a.sm.on_ack(b.wallet.did, ack, link1)

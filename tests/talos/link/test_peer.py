@@ -8,14 +8,22 @@ from dataclasses import dataclass, field
 
 import pytest
 from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
 
 from talos.link import handshake as hs
 from talos.link import wire
-from talos.link.peer import Link, LinkSettings, PeerRefused, accept_link, dial_link
+from talos.link.peer import (
+    CLOSE_UNAUTHENTIC,
+    Link,
+    LinkSettings,
+    PeerRefused,
+    accept_link,
+    dial_link,
+)
 from talos_sdk.errors import HandshakeError
 from talos_sdk.wallet import Wallet
 
-SETTINGS = LinkSettings(max_frame=4096, handshake_timeout=5)
+SETTINGS = LinkSettings(max_frame=16384, handshake_timeout=5)
 
 
 @dataclass
@@ -81,7 +89,7 @@ async def test_link_authenticates_and_carries_frames(listener: Listener) -> None
 async def test_unknown_peer_gets_a_clear_refusal(listener: Listener) -> None:
     listener.authorizer = lambda did: False
     async with asyncio.timeout(5):
-        with pytest.raises(PeerRefused, match="unknown peer") as exc:
+        with pytest.raises(PeerRefused, match="unknown peer") as exc:  # sealed REFUSE
             await dial_link(
                 listener.url, listener.wallet.did, Wallet.generate(), lambda d: True, SETTINGS
             )
@@ -117,11 +125,47 @@ async def test_garbage_during_handshake_is_refused(listener: Listener) -> None:
 
     async with asyncio.timeout(5), connect(listener.url, compression=None) as ws:
         await ws.send(b"\xffgarbage")
-        refusal = wire.decode(await ws.recv())  # type: ignore[arg-type]
-        assert isinstance(refusal, wire.Refuse)
-        assert refusal.code == hs.CLOSE_PROTOCOL
+        with pytest.raises(ConnectionClosed):
+            await ws.recv()
+        assert ws.close_code == hs.CLOSE_PROTOCOL
         err = await listener.errors.get()
-        assert "bad handshake frame" in str(err)
+        assert "suite" in str(err)
+
+
+async def test_silent_connection_is_dropped_at_the_first_message_deadline() -> None:
+    from websockets.asyncio.client import connect
+
+    lst = Listener(Wallet.generate(), lambda did: True)
+    settings = LinkSettings(first_message_timeout=0.2, handshake_timeout=30)
+
+    async def handler(ws: ServerConnection) -> None:
+        try:
+            await accept_link(ws, lst.wallet, lambda d: True, settings)
+        except HandshakeError as exc:
+            await lst.errors.put(exc)
+
+    async with (
+        asyncio.timeout(20),
+        serve(handler, "127.0.0.1", 0, compression=None) as server,
+    ):
+        port = server.sockets[0].getsockname()[1]
+        async with connect(f"ws://127.0.0.1:{port}") as ws:
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()  # we never send message 1
+            assert ws.close_code == hs.CLOSE_PROTOCOL
+        assert "timed out" in str(await lst.errors.get())
+
+
+async def test_tampered_sealed_frame_closes_the_link(listener: Listener) -> None:
+    me = Wallet.generate()
+    async with asyncio.timeout(5):
+        link = await dial_link(listener.url, listener.wallet.did, me, lambda d: True, SETTINGS)
+        server_link = await listener.links.get()
+        await link.ws.send(b"\x00" * 40)  # raw, not sealed by the channel
+        with pytest.raises(ConnectionClosed):
+            await server_link.recv()
+        assert server_link.unauthentic
+        assert server_link.ws.close_code == CLOSE_UNAUTHENTIC
 
 
 async def test_unreachable_address_is_a_connection_error() -> None:

@@ -8,9 +8,7 @@ from talos.link import wire
 from talos_sdk.errors import MalformedFrameError, OversizeError
 
 FRAMES: list[wire.LinkFrame] = [
-    wire.Hello("did:key:z6Mkabc", b"\x01" * 32, ("x25519", "x25519-mlkem768")),
-    wire.Hello("did:key:z6Mkabc", b"\x00" * 32, ()),
-    wire.Proof(b"s" * 64),
+    wire.Accept(),
     wire.Refuse(4003, "unknown peer"),
     wire.SessionOffer(b"bundle-bytes", b""),
     wire.SessionOffer(b"bundle-bytes", b"i" * 16),
@@ -43,28 +41,22 @@ def test_hot_path_frames_are_compact() -> None:
         (b"\x20\x00\x00", "truncated MSG"),
         (b"\x21" + b"\x00" * 7, "ACK must be"),
         (b"\x21" + b"\x00" * 9, "ACK must be"),
-        (b"\x02\x00\x00", "truncated field length"),
-        (b"\x02\x00\x00\x00\x09abc", "field longer"),
-        (b"\x02\x00\x00\x00\x01abc", "trailing bytes"),
-        (wire.encode(wire.Hello("did:x", b"\x01" * 32, ()))[:-5], "truncated|longer"),
-        (
-            b"\x01" + b"\x00\x00\x00\x05did:x" + b"\x00\x00\x00\x03abc" + b"\x00\x00\x00\x00",
-            "nonce must be 32",
-        ),
-        (
-            b"\x01" + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x20" + b"n" * 32 + b"\x00\x00\x00\x00",
-            "DID length",
-        ),
-        (
-            b"\x01" + b"\x00\x00\x00\x02\xff\xfe" + b"\x00\x00\x00\x20" + b"n" * 32 + b"\0\0\0\0",
-            "DID is not UTF-8",
-        ),
+        (b"\x04\x00", "ACCEPT carries no fields"),
+        (b"\x01", "unknown link frame type"),  # the old HELLO is gone
+        (b"\x03\x00\x00", "truncated field length"),
+        (b"\x03\x00\x00\x00\x09abc", "field longer"),
+        (b"\x03\x00\x00\x00\x02ab\x00\x00\x00\x00x", "trailing bytes"),
+        (b"\x03\x00\x00\x00\x02\x0f\xa0\x00\x00\x00\x02\xff\xfe", "reason is not UTF-8"),
         (b"\x03" + b"\x00\x00\x00\x01x" + b"\x00\x00\x00\x00", "code must be 2"),
         (b"\x11" + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x00", "needs a session id"),
         (b"\x10" + b"\x00\x00\x00\x01b" + b"\x00\x00\x00\x00" + b"\0\0\0\x02\0\1", "4 bytes"),
         (
             b"\x10" + b"\x00\x00\x00\x01b" + b"\x00\x00\x00\x00" + b"\0\0\0\x04" + b"\0" * 4,
-            "not be 0",
+            "below the 16384-byte floor",
+        ),
+        (
+            b"\x10" + b"\x00\x00\x00\x01b" + b"\x00\x00\x00\x00" + b"\0\0\0\x04\0\0\x3f\xff",
+            "below the 16384-byte floor",
         ),
     ],
 )

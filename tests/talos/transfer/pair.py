@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class Endpoint:
         self.link_callbacks: list[Callable[[str, bool], None]] = []
         self.other: Endpoint | None = None
         self.up = False
+        self.binding = b""  # stands in for the link's handshake hash
         self.queue: asyncio.Queue[tuple[str, str, bytes]] = asyncio.Queue()
         self.pump = asyncio.create_task(self._pump())
 
@@ -66,6 +68,9 @@ class Endpoint:
     def is_connected(self, did: str) -> bool:
         return self.up and self.other is not None and self.other.did == did
 
+    def channel_binding(self, did: str) -> bytes:
+        return self.binding if self.is_connected(did) else b""
+
     async def close(self) -> None:
         self.pump.cancel()
         await asyncio.gather(self.pump, return_exceptions=True)
@@ -77,6 +82,7 @@ def link(a: Endpoint, b: Endpoint, up: bool) -> None:
     """Bring the link between ``a`` and ``b`` up or down, telling both sides."""
     a.other, b.other = b, a
     a.up = b.up = up
+    a.binding = b.binding = os.urandom(32) if up else b""
     for x, y in ((a, b), (b, a)):
         for cb in x.link_callbacks:
             cb(y.did, up)

@@ -233,3 +233,39 @@ async def test_unreachable_listener_raises_oserror() -> None:
     async with asyncio.timeout(10):
         with pytest.raises(OSError):
             await connect_bulk("127.0.0.1", port, TID, TOKEN)
+
+
+async def test_unauthenticated_connections_are_capped(tmp_path: Path) -> None:
+    """Silent connections cannot hold the listener: the excess is closed at once."""
+    lst = BulkListener("127.0.0.1", 0, max_unauthenticated=8, max_per_address=3)
+    await lst.start()
+    src, digest = _source(tmp_path, 10)
+    try:
+        done = await _serve_file(lst, tmp_path / "files", 10, digest, window=4)
+        async with asyncio.timeout(20):
+            silent = [await asyncio.open_connection("127.0.0.1", lst.port) for _ in range(3)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", lst.port)
+            assert await reader.read() == b""  # closed without a word
+            writer.close()
+            assert lst.refused == 1
+            for _, w in silent:
+                w.close()
+                await w.wait_closed()
+            # Once they are gone the legitimate sender gets in.
+            while True:
+                try:
+                    assert await _send(lst.port, src, 10, window=4)
+                    break
+                except HandshakeError:  # a slot not freed yet: the listener refused us
+                    await asyncio.sleep(0.05)
+            await done
+    finally:
+        await lst.close()
+
+
+def test_bound_token_depends_on_the_link() -> None:
+    from talos.transfer.protocol import bind_token
+
+    one, two = bind_token(TOKEN, b"\x01" * 32), bind_token(TOKEN, b"\x02" * 32)
+    assert len(one) == 32 and one != two and one != TOKEN
+    assert bind_token(TOKEN, b"\x01" * 32) == one

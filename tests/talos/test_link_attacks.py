@@ -1,0 +1,187 @@
+"""Two real nodes linked through a man-in-the-middle relay on 127.0.0.1 (tests/talos/relay.py).
+
+Every frame after the handshake is sealed (docs/PROTOCOL.md "Sealed frames"):
+whatever the relay forges, flips, cuts, reorders, replays or injects, the
+link closes, nothing the frame carried takes effect, no message is reported
+delivered before the receiver committed it, and once the path is honest
+every queued message arrives exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from talos.link.handshake import CLOSE_BAD_PROOF
+from talos.node import CLOSE_TRY_AGAIN, Node
+from talos_sdk.did import public_key_from_did
+from tests.talos.nodes import make_home, started, until
+from tests.talos.relay import Tamper, relay_to
+
+#: Sealed frames start at index 2 in each direction (after the handshake messages).
+FIRST_SEALED = 2
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[Node, Node]]:
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    b.allow(a.did)
+    yield a, b
+    await a.stop()
+    await b.stop()
+
+
+def once(direction: str, at: int, attack: Callable[[bytes, list[bytes]], list[bytes]]) -> Tamper:
+    """Apply ``attack`` to one frame of the first relayed connection only."""
+    state = {"conn": 0, "seen": [], "done": False}
+    history: list[bytes] = []
+
+    def tamper(d: str, index: int, data: bytes) -> list[bytes]:
+        if d != direction:
+            return [data]
+        if index == 0:
+            state["conn"] += 1  # type: ignore[operator]
+            history.clear()
+        if state["conn"] == 1 and index == at and not state["done"]:
+            state["done"] = True
+            return attack(data, list(history))
+        history.append(data)
+        return [data]
+
+    return tamper
+
+
+def _flip(data: bytes, history: list[bytes]) -> list[bytes]:
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0x01
+    return [bytes(bad)]
+
+
+ATTACKS: dict[str, Callable[[bytes, list[bytes]], list[bytes]]] = {
+    "forged": lambda data, h: [os.urandom(len(data))],
+    "bit_flipped": _flip,
+    "truncated": lambda data, h: [data[: len(data) - 5]],
+    "replayed": lambda data, h: [data, h[-1]],
+    "reordered": lambda data, h: [h[-1], data],
+    "injected": lambda data, h: [os.urandom(48), data],
+    "dropped_then_forged": lambda data, h: [os.urandom(25)],
+}
+
+
+async def _deliver_all(a: Node, b: Node, texts: list[str]) -> None:
+    """Send with wait=True; at each acknowledgement the text must be in B's inbox."""
+
+    async def one(text: str) -> None:
+        await a.send_message(b.did, text, wait=True)
+        assert text in [m.text for m in b.inbox()], "reported delivered before B committed it"
+
+    await asyncio.gather(*(one(t) for t in texts))
+
+
+def _exactly_once(b: Node, texts: list[str]) -> None:
+    got = [m.text for m in b.inbox()]
+    assert sorted(got) == sorted(texts), got
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+@pytest.mark.parametrize(("direction", "at"), [("a2b", FIRST_SEALED + 1), ("b2a", FIRST_SEALED)])
+async def test_tampered_sealed_frames_close_the_link_and_lose_nothing(
+    pair: tuple[Node, Node], attack: str, direction: str, at: int
+) -> None:
+    a, b = pair
+    async with asyncio.timeout(60), relay_to(b.listen_url or "") as relay:
+        relay.tamper = once(direction, at, ATTACKS[attack])
+        await a.add_peer(f"{relay.url}#{b.did}")
+        texts = [f"{attack}-{direction}-{i}" for i in range(5)]
+        await _deliver_all(a, b, texts)
+        await a.wait_connected(b.did, 30)
+        _exactly_once(b, texts)
+        unauthentic = a.metrics.counters.get("frames_unauthentic", 0) + b.metrics.counters.get(
+            "frames_unauthentic", 0
+        )
+        assert unauthentic >= 1, "the tampered frame closed a link"
+        assert relay.connections >= 2, "a fresh link came up through the honest relay"
+        # Both nodes keep serving: another round goes through.
+        more = [f"{attack}-after-{i}" for i in range(3)]
+        await _deliver_all(a, b, more)
+        _exactly_once(b, texts + more)
+
+
+async def test_injected_ack_for_unsent_messages_deletes_nothing(
+    pair: tuple[Node, Node],
+) -> None:
+    """The old forged-ACK attack: now it does not even open, and the queue is intact."""
+    a, b = pair
+
+    def forge_ack(data: bytes, h: list[bytes]) -> list[bytes]:
+        return [b"\x21" + (2**63).to_bytes(8, "big"), data]  # a plaintext ACK
+
+    async with asyncio.timeout(60), relay_to(b.listen_url or "") as relay:
+        relay.tamper = once("b2a", FIRST_SEALED, forge_ack)
+        await a.add_peer(f"{relay.url}#{b.did}")
+        texts = [f"ack-{i}" for i in range(4)]
+        await _deliver_all(a, b, texts)
+        _exactly_once(b, texts)
+
+
+async def test_passive_observer_sees_no_identities_or_text(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    async with asyncio.timeout(30), relay_to(b.listen_url or "") as relay:
+        await a.add_peer(f"{relay.url}#{b.did}")
+        await _deliver_all(a, b, ["a secret only b may read"])
+    captured = b"".join(data for _, data in relay.captured)
+    assert captured
+    for node in (a, b):
+        assert node.did.encode() not in captured
+        assert public_key_from_did(node.did) not in captured
+    assert b"a secret only b may read" not in captured
+
+
+async def test_replayed_handshake_is_refused_and_the_node_keeps_running(
+    pair: tuple[Node, Node],
+) -> None:
+    a, b = pair
+    async with asyncio.timeout(30):
+        async with relay_to(b.listen_url or "") as relay:
+            await a.add_peer(f"{relay.url}#{b.did}")
+            await a.wait_connected(b.did, 20)
+        recorded = [data for d, data in relay.captured if d == "a2b"][:2]
+        async with connect(b.listen_url or "", compression=None) as ws:
+            await ws.send(recorded[0])
+            await ws.recv()  # B's fresh message 2
+            await ws.send(recorded[1])  # message 3 of another handshake
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+            assert ws.close_code == CLOSE_BAD_PROOF
+        await until(lambda: b.metrics.counters.get("links_refused", 0) >= 1, what="refusal")
+        assert b.started
+        await a.add_peer(f"{b.listen_url}#{b.did}")
+        await a.send_message(b.did, "still linked", wait=True)
+
+
+async def test_handshake_flood_from_one_address_is_capped(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    url = b.listen_url or ""
+    per_address = b.settings.max_handshakes_per_address
+    async with asyncio.timeout(30):
+        silent = [await connect(url) for _ in range(per_address)]
+        await until(lambda: b._admission.total == per_address, what="slots held")
+        async with connect(url) as extra:
+            with pytest.raises(ConnectionClosed):
+                await extra.recv()
+        assert extra.close_code == CLOSE_TRY_AGAIN
+        # The first-message deadline frees the slots without anyone's help.
+        for ws in silent:
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+        await until(lambda: b._admission.total == 0, what="slots freed")
+        await a.add_peer(f"{url}#{b.did}")
+        await a.send_message(b.did, "after the flood", wait=True)
+        assert [m.text for m in b.inbox()] == ["after the flood"]
