@@ -388,3 +388,38 @@ async def test_a_quarantined_record_is_counted_and_shown(victim: Node) -> None:
         )
         assert victim.status()["quarantined_records"] == 1
         assert victim.metrics.gauges["log_quarantined_records"]() == 1
+
+
+async def test_ack_beyond_what_the_link_carried_deletes_nothing(tmp_path: Path) -> None:
+    """A peer's cumulative ACK of an earlier epoch's seq drops no row this link never sent."""
+    from talos.config import Home
+    from talos.node import offline_send
+
+    home, config = make_home(tmp_path, "victim")
+    rogue_wallet = Wallet.generate()
+    for i in range(3):
+        offline_send(Home(home), rogue_wallet.did, f"queued {i}")
+    node = await started(home, config)  # a new epoch: the queued rows are older
+    store = Store(tmp_path / "rogue-store", map_size=1 << 22)
+    sessions = SessionManager(store, rogue_wallet, pq=False, one_time=1, ratchet_every=64)
+    with store.write() as txn:
+        sessions.load(txn, discard=False)
+    node.allow(rogue_wallet.did)
+    rogue = Rogue(rogue_wallet, store, sessions)
+    try:
+        async with asyncio.timeout(20):
+            with node.store.read() as txn:
+                seqs = [int.from_bytes(k[-8:], "big") for k, _ in txn.items("outbox")]
+            assert len(seqs) == 3
+            link = await rogue.connect(node)
+            await link.send(wire.encode(wire.Ack(max(seqs))))  # before anything was sent
+            await rogue.establish(node)
+            texts = []
+            while len(texts) < 3:
+                frame = wire.decode(await link.recv())
+                if isinstance(frame, wire.Msg):
+                    texts.append(sessions.open_message(node.did, frame.body).text)
+            assert texts == ["queued 0", "queued 1", "queued 2"]
+    finally:
+        await node.stop()
+        store.close()

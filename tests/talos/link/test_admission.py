@@ -1,0 +1,38 @@
+"""Link admission, the duplicate-link rule and the dialler's backoff (talos/link/admission.py)."""
+
+from __future__ import annotations
+
+from talos.link.admission import Admission, Backoff, prefer_new_link
+
+
+def test_admission_bounds_total_and_per_address() -> None:
+    adm = Admission(max_total=3, max_per_address=2)
+    assert adm.enter("10.0.0.1") and adm.enter("10.0.0.1")
+    assert not adm.enter("10.0.0.1")  # per-address cap
+    assert adm.enter("10.0.0.2")
+    assert not adm.enter("10.0.0.3")  # total cap
+    assert adm.total == 3
+    adm.leave("10.0.0.1")
+    assert adm.enter("10.0.0.3")
+    for address in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
+        adm.leave(address)
+    assert adm.total == 0 and adm.by_address == {}
+
+
+def test_duplicate_link_rule_is_symmetric() -> None:
+    low, high = "did:key:zA", "did:key:zB"
+    # A redial by the same side replaces the old link.
+    assert prefer_new_link(low, high, new_dialler=high, old_dialler=high)
+    # Opposite diallers: both ends keep the link the smaller DID dialled.
+    for ours, theirs in ((low, high), (high, low)):
+        assert prefer_new_link(ours, theirs, new_dialler=low, old_dialler=high)
+        assert not prefer_new_link(ours, theirs, new_dialler=high, old_dialler=low)
+
+
+def test_backoff_grows_until_a_ready_session_resets_it() -> None:
+    b = Backoff(initial=0.1, maximum=1.0)
+    assert [b.failed() for _ in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    # An authenticated link whose session setup failed is a failure too:
+    # nothing resets the delay until a session became ready.
+    b.ready()
+    assert b.failed() == 0.1
