@@ -27,6 +27,9 @@ def test_duplicate_link_rule_is_symmetric() -> None:
     for ours, theirs in ((low, high), (high, low)):
         assert prefer_new_link(ours, theirs, new_dialler=low, old_dialler=high)
         assert not prefer_new_link(ours, theirs, new_dialler=high, old_dialler=low)
+        # A direct link beats a relayed one whoever dialled.
+        assert prefer_new_link(ours, theirs, high, low, new_direct=True, old_direct=False)
+        assert not prefer_new_link(ours, theirs, low, high, new_direct=False, old_direct=True)
 
 
 def test_backoff_grows_until_a_ready_session_resets_it() -> None:
