@@ -1,4 +1,4 @@
-"""Two real nodes linked through a man-in-the-middle relay on 127.0.0.1 (tests/talos/relay.py).
+"""Two real nodes linked through a man-in-the-middle relay on 127.0.0.1 (tests/talos/mitm.py).
 
 Every frame after the handshake is sealed (docs/PROTOCOL.md "Sealed frames"):
 whatever the relay forges, flips, cuts, reorders, replays or injects, the
@@ -22,7 +22,7 @@ from talos.link.handshake import CLOSE_BAD_PROOF
 from talos.node import CLOSE_TRY_AGAIN, Node
 from talos_sdk.did import public_key_from_did
 from tests.talos.nodes import make_home, started, until
-from tests.talos.relay import Tamper, relay_to
+from tests.talos.mitm import Tamper, relay_to
 
 #: Sealed frames start at index 2 in each direction (after the handshake messages).
 FIRST_SEALED = 2
