@@ -21,8 +21,8 @@ from websockets.exceptions import ConnectionClosed
 from talos.link.handshake import CLOSE_BAD_PROOF
 from talos.node import CLOSE_TRY_AGAIN, Node
 from talos_sdk.did import public_key_from_did
-from tests.talos.nodes import make_home, started, until
 from tests.talos.mitm import Tamper, relay_to
+from tests.talos.nodes import make_home, started, until
 
 #: Sealed frames start at index 2 in each direction (after the handshake messages).
 FIRST_SEALED = 2
