@@ -393,7 +393,7 @@ async def test_a_quarantined_record_is_counted_and_shown(victim: Node) -> None:
 async def test_ack_beyond_what_the_link_carried_deletes_nothing(tmp_path: Path) -> None:
     """A peer's cumulative ACK of an earlier epoch's seq drops no row this link never sent."""
     from talos.config import Home
-    from talos.node import offline_send
+    from talos.home import offline_send
 
     home, config = make_home(tmp_path, "victim")
     rogue_wallet = Wallet.generate()
