@@ -443,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     from talos.transfer.cli import register_cli  # send-file / files
 
     register_cli(sub, add)
+    from talos.relay.cli import register_cli as register_relay_cli
+
+    register_relay_cli(sub, add)
     return p
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from talos_sdk.errors import UsageError
 
@@ -47,7 +47,7 @@ class NodeConfig(BaseModel):
     allow: tuple[str, ...] = Field(default=(), description="extra DIDs allowed to link")
     relays: tuple[str, ...] = Field(
         default=(),
-        description="nats://HOST:PORT servers of one NATS relay (docs/adr/0008-nats-relay.md)",
+        description="nats://HOST:PORT servers of one NATS relay (docs/adr/0010-nats-relay.md)",
     )
     mailbox_max_age: float = Field(
         default=7 * 86400.0, gt=0, description="seconds the relay keeps mail for this node"
@@ -87,6 +87,11 @@ class NodeConfig(BaseModel):
         default=5.0, gt=0, description="seconds between signed-head announcements to peers"
     )
     log_format: Literal["kv", "json"] = "kv"
+
+    @field_validator("relays")
+    @classmethod
+    def _check_relays(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(parse_relay_url(v) for v in value)
 
 
 @dataclass(frozen=True, slots=True)

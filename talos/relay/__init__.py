@@ -1,1 +1,1 @@
-"""Reaching peers through a NATS relay (docs/adr/0008-nats-relay.md)."""
+"""Reaching peers through a NATS relay (docs/adr/0010-nats-relay.md)."""

@@ -1,4 +1,4 @@
-"""The relay as a node uses it (docs/adr/0008-nats-relay.md; docs/DESIGN.md "Discovery and scale").
+"""The relay as a node uses it (docs/adr/0010-nats-relay.md; docs/DESIGN.md "Discovery and scale").
 
 * :class:`RelayResolver` answers every DID with the relay's address, after the
   direct sources in the node's resolver chain, so a direct address is tried

@@ -1,4 +1,4 @@
-"""The node's connection to a NATS relay (docs/adr/0008-nats-relay.md).
+"""The node's connection to a NATS relay (docs/adr/0010-nats-relay.md).
 
 Asyncio only: it moves packets (:mod:`talos.relay.wire`) and envelopes
 (:mod:`talos.relay.envelope`) and never decides what they mean. One

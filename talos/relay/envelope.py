@@ -1,4 +1,4 @@
-"""Mailbox envelopes: a link frame sealed to the recipient alone (docs/adr/0008-nats-relay.md).
+"""Mailbox envelopes: a link frame sealed to the recipient alone (docs/adr/0010-nats-relay.md).
 
 Pure (the ephemeral key can be handed in, so vectors reproduce). What goes into
 a relay mailbox is already end-to-end: a MSG link frame whose body is Double

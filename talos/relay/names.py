@@ -1,6 +1,6 @@
 """What a node is called on the relay: opaque subjects and its NATS user (nkey).
 
-docs/adr/0008-nats-relay.md, docs/PROTOCOL.md "Relay". Pure.
+docs/adr/0010-nats-relay.md, docs/PROTOCOL.md "Relay". Pure.
 
 A node's *token* is ``base32(SHA-256("talos/relay/v1/token" || 0x00 || DID))[:20]``
 in lower case (32 characters). Everything the relay routes for that node is

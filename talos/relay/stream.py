@@ -4,7 +4,7 @@ The asyncio side of :class:`talos.relay.wire.StreamState`. It offers what the
 link layer uses of a WebSocket connection (``send``, ``recv``, ``close``,
 ``close_code``; a closed stream raises websockets' ``ConnectionClosed`` with
 the close code, as a WebSocket does), so the link handshake and the link read
-loop run over it unchanged (docs/adr/0008-nats-relay.md). The relay sees only
+loop run over it unchanged (docs/adr/0010-nats-relay.md). The relay sees only
 the frames the link layer hands down.
 
 Keepalive: with no traffic for ``ping_interval`` a stream sends a keepalive

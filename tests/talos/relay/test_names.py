@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +50,40 @@ def test_permissions_subscribe_only_to_own_subjects() -> None:
     text = render_server_config([wallet.did], host="127.0.0.1", port=4222, store_dir="/x")
     assert json.dumps(nkey_public(wallet.public_key)) in text
     assert "jetstream" in text
+
+
+def test_relay_config_command_is_accepted_by_nats_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from talos.cli import main
+    from talos.node import init_home
+    from tests.talos.relay.natsd import nats_server_binary
+
+    binary = nats_server_binary()
+    init_home(tmp_path / "n")
+    other = Wallet.from_seed(bytes([5]) * 32).did
+    code = main(
+        ["relay-config", other, "--node-home", str(tmp_path / "n"), "--store-dir", str(tmp_path)]
+    )
+    assert code == 0
+    conf = tmp_path / "nats.conf"
+    conf.write_text(capsys.readouterr().out)
+    checked = subprocess.run(
+        [binary, "-c", str(conf), "-t"], capture_output=True, text=True, timeout=30
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert main(["relay-config"]) == 1  # nothing named: a clear error
+
+
+def test_relay_urls_are_checked() -> None:
+    from pydantic import ValidationError
+
+    from talos.config import NodeConfig, parse_relay_url
+    from talos_sdk.errors import UsageError
+
+    assert parse_relay_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+    for bad in ["ws://h:1", "nats://h", "nats://u:p@h:1", "nats://h:1/x", "nats://h:x"]:
+        with pytest.raises(UsageError):
+            parse_relay_url(bad)
+    with pytest.raises(ValidationError, match="nats://HOST:PORT"):
+        NodeConfig(relays=("http://h:1",))

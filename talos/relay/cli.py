@@ -1,0 +1,51 @@
+"""``talosd relay-config``: a nats-server configuration for a set of nodes (docs/operations.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from talos.relay.serverconf import render_server_config
+from talos_sdk.did import public_key_from_did
+
+__all__ = ["register_cli"]
+
+
+def cmd_relay_config(args: argparse.Namespace) -> int:
+    from talos.config import Home
+    from talos_sdk.wallet import Wallet
+
+    dids = list(args.did)
+    for home in args.node_home:
+        dids.append(Wallet.load(Home(Path(home)).identity).did)
+    for did in dids:
+        public_key_from_did(did)  # a clear DIDError for a malformed one
+    if not dids:
+        print("talosd: error: name at least one DID or --node-home", file=sys.stderr)
+        return 1
+    text = render_server_config(
+        dict.fromkeys(dids),
+        host=args.host,
+        port=args.port,
+        store_dir=args.store_dir,
+        max_store=args.max_store,
+    )
+    sys.stdout.write(text)
+    return 0
+
+
+def register_cli(sub: Any, add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    sp = sub.add_parser(
+        "relay-config",
+        help="print a nats-server config whose users are these nodes (nkey = node key)",
+    )
+    sp.add_argument("did", nargs="*", help="DIDs of nodes allowed on the relay")
+    sp.add_argument("--node-home", action="append", default=[], help="a node home to include")
+    sp.add_argument("--host", default="0.0.0.0")
+    sp.add_argument("--port", type=int, default=4222)
+    sp.add_argument("--store-dir", default="/data/jetstream", help="JetStream store directory")
+    sp.add_argument("--max-store", default="1G", help="JetStream file store limit")
+    sp.set_defaults(fn=cmd_relay_config)
