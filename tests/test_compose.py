@@ -40,9 +40,10 @@ def compose() -> dict[str, Any]:
 
 
 def _services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    services = compose["services"]
+    """The services built from this repository (every one but the NATS server)."""
+    services = {n: s for n, s in compose["services"].items() if "build" in s}
     assert services, "no services"
-    return dict(services)
+    return services
 
 
 def _entrypoint_roles() -> set[str]:
@@ -80,7 +81,7 @@ def test_dockerfile_installs_the_tool_the_entrypoint_runs() -> None:
 
 def test_services_use_known_roles_and_declared_volumes(compose: dict[str, Any]) -> None:
     roles = _entrypoint_roles()
-    assert roles == {"node", "tool", "agent"}
+    assert roles == {"node", "tool", "agent", "natsconf"}
     declared = set(compose["volumes"])
     names = set(_services(compose))
     used: set[str] = set()
@@ -94,6 +95,8 @@ def test_services_use_known_roles_and_declared_volumes(compose: dict[str, Any]) 
             used.add(source)
             assert source in declared, f"{name}: volume {source} not declared"
             assert target in ("/home/talos/node", "/directory")
+    for volume in compose["services"]["nats"]["volumes"]:
+        used.add(volume.split(":")[0])
     assert used == declared, f"declared but unused volumes: {declared - used}"
 
 
@@ -112,6 +115,10 @@ def test_node_healthchecks_hit_healthz_on_the_entrypoint_api_port(
             assert f"http://127.0.0.1:{api_port.group(1)}/healthz" in code, name
         elif svc["command"][0] == "agent":
             assert f"('127.0.0.1', {http_port.group(1)})" in code, name
+        elif svc["command"][0] == "natsconf":
+            assert test == ["CMD", "test", "-s", "/directory/nats.conf"], name
+        elif svc.get("environment", {}).get("TALOS_RELAY"):
+            assert test == ["CMD", "kill", "-0", "1"], name  # serves through the relay: no port
         else:
             assert f"('127.0.0.1', {port.group(1)})" in code, name
 
@@ -137,7 +144,7 @@ def test_entrypoint_uses_only_existing_subcommands_and_flags() -> None:
     used = {(prog, sub) for prog, sub, _ in calls}
     assert used == {("talosd", "init"), ("talosd", "id"), ("talosd", "run"),
                     ("talos-proxy", "id"), ("talos-proxy", "serve"),
-                    ("talos-proxy", "connect")}  # fmt: skip
+                    ("talos-proxy", "connect"), ("talosd", "relay-config")}  # fmt: skip
     for prog, sub, flags in calls:
         assert re.search(rf"\b{sub}\b", _help(prog)), f"{prog} has no subcommand {sub}"
         sub_help = _help(prog, sub)
@@ -153,7 +160,9 @@ def test_the_tool_allows_the_agent_service_which_dials_it(compose: dict[str, Any
     services = _services(compose)
     tools = [n for n, svc in services.items() if svc["command"][0] == "tool"]
     agents = [n for n, svc in services.items() if svc["command"][0] == "agent"]
-    assert tools == ["time-tool"] and agents == ["agent"]
+    assert tools == ["time-tool", "relay-tool"] and agents == ["agent", "relay-agent"]
+    assert services["relay-tool"]["command"][2:] == ["relay-agent"]
+    assert services["relay-agent"]["command"][1:] == ["relay-agent", "relay-tool"]
     # serve --allows exactly the identities that can call it: the agent's own home.
     assert services["time-tool"]["command"][2:] == ["agent"]
     assert services["agent"]["command"][1:] == ["agent", "time-tool"]
@@ -335,3 +344,75 @@ def test_entrypoint_agent_reaches_the_tool_over_talos(
         _stop(agent)
         _stop(tool)
     assert agent.returncode == 0 and tool.returncode == 0
+
+
+# --- the relay part: separate networks, nothing published, NATS in between ----------------------
+
+
+def test_relay_nodes_share_no_network_and_publish_no_port(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    relayed = {n for n, svc in services.items() if svc.get("environment", {}).get("TALOS_RELAY")}
+    assert relayed == {"north", "south", "relay-tool", "relay-agent"}
+    for name in relayed:
+        assert services[name]["environment"]["TALOS_RELAY"] == "nats://nats:4222"
+    nets = {n: set(services[n]["networks"]) for n in relayed}
+    assert not nets["north"] & nets["south"], "north and south could dial each other"
+    assert not nets["relay-tool"] & nets["relay-agent"]
+    assert set(services["nats"]["networks"]) == nets["north"] | nets["south"]
+    for name, svc in services.items():
+        assert "ports" not in svc, f"{name} publishes a port"
+    assert services["nats"]["depends_on"]["nats-config"]["condition"] == (
+        "service_completed_successfully"
+    )
+    # The relay's users are exactly the relayed services (nats-config waits for their DIDs).
+    assert set(services["nats-config"]["command"][2:]) == relayed
+    assert services["nats"]["command"] == ["-c", "/directory/nats.conf"]
+
+
+def test_entrypoint_relayed_nodes_message_each_other_through_nats(
+    tmp_path: Path, entry_env: tuple[dict[str, str], Path]
+) -> None:
+    """north and south as compose runs them (no --listen), the relay config from natsconf."""
+    from tests.talos.relay.natsd import nats_server_binary
+
+    binary = nats_server_binary()
+    env, directory = entry_env
+    nats_port = _free_port()
+    relay_env = {**env, "TALOS_RELAY": f"nats://127.0.0.1:{nats_port}",
+                 "TALOS_NATS_HOST": "127.0.0.1", "TALOS_NATS_PORT": str(nats_port),
+                 "TALOS_NATS_STORE": str(tmp_path / "js"),
+                 "TALOS_NATS_MONITOR": str(_free_port())}  # fmt: skip
+    north, _, _ = _start(relay_env, tmp_path / "north", "node", "north", "south")
+    south, _, _ = _start(relay_env, tmp_path / "south", "node", "south", "north")
+    conf, _, _ = _start(relay_env, tmp_path / "conf", "natsconf", "nats-config", "north", "south")
+    server = None
+    try:
+        assert conf.wait(timeout=DEADLINE_S) == 0
+        server = subprocess.Popen(
+            [binary, "-c", str(directory / "nats.conf")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        south_did = (directory / "south.did").read_text().strip()
+        sent = subprocess.run(
+            [str(BIN / "talosd"), "send", "--home", str(tmp_path / "north"), "--wait",
+             "--timeout", "60", south_did, "hello across networks"],
+            capture_output=True, text=True, timeout=DEADLINE_S + 30,
+        )  # fmt: skip
+        assert sent.returncode == 0, sent.stderr
+        inbox = subprocess.run(
+            [str(BIN / "talosd"), "inbox", "--home", str(tmp_path / "south"), "--json"],
+            capture_output=True, text=True, timeout=DEADLINE_S, check=True,
+        )  # fmt: skip
+        assert [m["text"] for m in json.loads(inbox.stdout)] == ["hello across networks"]
+        status = subprocess.run(
+            [str(BIN / "talosd"), "status", "--home", str(tmp_path / "north")],
+            capture_output=True, text=True, timeout=DEADLINE_S, check=True,
+        )  # fmt: skip
+        links = json.loads(status.stdout)["links"]
+        assert [x["via"] for x in links if x["did"] == south_did] == ["relay"]
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=DEADLINE_S)
+        _stop(north)
+        _stop(south)

@@ -16,11 +16,11 @@ __all__ = ["register_cli"]
 
 def cmd_relay_config(args: argparse.Namespace) -> int:
     from talos.config import Home
-    from talos_sdk.wallet import Wallet
+    from talos_sdk.keyfile import load_wallet
 
     dids = list(args.did)
     for home in args.node_home:
-        dids.append(Wallet.load(Home(Path(home)).identity).did)
+        dids.append(load_wallet(Home(Path(home)).identity).did)
     for did in dids:
         public_key_from_did(did)  # a clear DIDError for a malformed one
     if not dids:
@@ -32,6 +32,7 @@ def cmd_relay_config(args: argparse.Namespace) -> int:
         port=args.port,
         store_dir=args.store_dir,
         max_store=args.max_store,
+        monitor_port=args.monitor_port,
     )
     sys.stdout.write(text)
     return 0
@@ -48,4 +49,5 @@ def register_cli(sub: Any, add: Callable[[str, str], argparse.ArgumentParser]) -
     sp.add_argument("--port", type=int, default=4222)
     sp.add_argument("--store-dir", default="/data/jetstream", help="JetStream store directory")
     sp.add_argument("--max-store", default="1G", help="JetStream file store limit")
+    sp.add_argument("--monitor-port", type=int, help="HTTP monitoring port (/healthz)")
     sp.set_defaults(fn=cmd_relay_config)

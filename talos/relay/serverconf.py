@@ -39,12 +39,14 @@ def render_server_config(
     store_dir: str = "/data/jetstream",
     max_store: str = "1G",
     max_payload: int = 1 << 20,
+    monitor_port: int | None = None,
 ) -> str:
     """A whole ``nats-server -c`` file: listen address, JetStream store, the users."""
     lines = [
         f"host: {json.dumps(host)}",
         f"port: {port}",
         f"max_payload: {max_payload}",
+        *([f"http_port: {monitor_port}"] if monitor_port else []),
         "jetstream: " + json.dumps({"store_dir": store_dir, "max_file_store": max_store}),
         authorization_block(dids),
     ]
