@@ -37,9 +37,13 @@ case "$role" in
   *) echo "unknown role: $role (expected node, tool, agent or natsconf)" >&2; exit 2 ;;
 esac
 
+# Keys at rest (docs/security.md): with TALOS_PASSPHRASE set (e.g. from a
+# compose secret) the identity key is sealed under it and unlocked with it;
+# without, this demo stores keys unencrypted, and says so explicitly.
+if [ -n "${TALOS_PASSPHRASE:-}" ]; then keyopt=""; else keyopt="--no-passphrase"; fi
 if [ "$role" != natsconf ]; then
   if [ ! -f "$home/identity.key" ]; then
-    if [ "$role" = node ]; then talosd init --home "$home" >/dev/null; else talos-proxy id --home "$home" >/dev/null; fi
+    if [ "$role" = node ]; then talosd init --home "$home" $keyopt >/dev/null; else talos-proxy id --home "$home" $keyopt >/dev/null; fi
   fi
   if [ "$role" = node ]; then did=$(talosd id --home "$home"); else did=$(talos-proxy id --home "$home"); fi
   printf '%s\n' "$did" > "$dir/$name.did"

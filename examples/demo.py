@@ -142,8 +142,8 @@ def main() -> int:
     try:
         with daemons() as running:
             step("Create two node identities")
-            did_a = run(TALOSD, "init", "--home", str(alice))
-            did_b = run(TALOSD, "init", "--home", str(bob))
+            did_a = run(TALOSD, "init", "--home", str(alice), "--no-passphrase")
+            did_b = run(TALOSD, "init", "--home", str(bob), "--no-passphrase")
             print(f"   alice = {did_a}\n   bob   = {did_b}")
 
             step("Run both nodes on 127.0.0.1 (every link is a mutual challenge-response)")

@@ -85,7 +85,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="talos-send-file-") as tmp:
         root = Path(tmp)
         alice, bob = root / "alice", root / "bob"
-        did_a, did_b = talosd("init", "--home", str(alice)), talosd("init", "--home", str(bob))
+        did_a, did_b = (
+            talosd("init", "--home", str(alice), "--no-passphrase"),
+            talosd("init", "--home", str(bob), "--no-passphrase"),
+        )
         src = root / "dataset.bin"
         src.write_bytes(os.urandom(SIZE))
         print(f"source {src.name}: {SIZE >> 20} MiB, sha256 {sha256(src)}")

@@ -80,8 +80,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="talos-verify-") as tmp:
         root = Path(tmp)
         alice, bob = root / "alice", root / "bob"
-        did_a = talosd("init", "--home", str(alice)).stdout.strip()
-        did_b = talosd("init", "--home", str(bob)).stdout.strip()
+        did_a = talosd("init", "--home", str(alice), "--no-passphrase").stdout.strip()
+        did_b = talosd("init", "--home", str(bob), "--no-passphrase").stdout.strip()
         procs: list[subprocess.Popen[str]] = []
         try:
             proc_b, url_b = run_node(bob, "--allow", did_a)

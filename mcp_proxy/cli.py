@@ -27,6 +27,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -45,6 +46,24 @@ __all__ = ["main"]
 log = logging.getLogger("mcp_proxy")
 
 
+def _key_args(p: argparse.ArgumentParser) -> None:
+    """The identity key's passphrase, had as for ``talosd`` (talos/keys.py)."""
+    p.add_argument(
+        "--passphrase-file",
+        metavar="FILE",
+        help="identity key passphrase: first line of FILE (else $TALOS_PASSPHRASE or a prompt)",
+    )
+    p.add_argument(
+        "--no-passphrase",
+        action="store_true",
+        help="a new identity key is stored unencrypted (explicit opt-out)",
+    )
+
+
+def _keys(args: argparse.Namespace) -> dict[str, Any]:
+    return {"passphrase_file": args.passphrase_file, "no_passphrase": args.no_passphrase}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="talos-proxy", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
@@ -52,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p_id = sub.add_parser("id", help="print the DID of a home (created if new)")
     p_id.add_argument("--home", type=Path, required=True)
+    _key_args(p_id)
 
     p_serve = sub.add_parser("serve", help="expose a stdio MCP server to authorised peers")
     p_serve.add_argument("--home", type=Path, required=True)
@@ -60,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
         "--relay", action="append", default=[], metavar="nats://HOST:PORT",
         help="NATS relay peers reach this tool through (talosd run --relay)",
     )  # fmt: skip
+    _key_args(p_serve)
     p_serve.add_argument("--allow", action="append", default=[], metavar="DID")
     p_serve.add_argument("--tools", help="comma-separated tool allow list for every caller")
     p_serve.add_argument("--policy", type=Path, help="TOML policy file (servers, per-DID tools)")
@@ -114,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
         "--relay", action="append", default=[], metavar="nats://HOST:PORT",
         help="NATS relay to reach the serve side through",
     )  # fmt: skip
+    _key_args(p_conn)
     p_conn.add_argument("--server", default="", help="server name when the peer offers several")
     p_conn.add_argument("--http", metavar="HOST:PORT", help="serve Streamable HTTP, not stdio")
     p_conn.add_argument(
@@ -177,7 +199,7 @@ async def _serve(args: argparse.Namespace) -> None:
     )
     if not args.listen and not args.relay:
         raise SystemExit("serve needs --listen HOST:PORT, --relay nats://HOST:PORT, or both")
-    node = make_node(args.home, listen=args.listen, relays=args.relay)
+    node = make_node(args.home, listen=args.listen, relays=args.relay, **_keys(args))
     # Default deny at the link: a DID the policy does not name never gets a session.
     node.authorizer = policy.is_peer_allowed
     if args.max_sessions < 1:
@@ -214,7 +236,7 @@ async def _connect(args: argparse.Namespace) -> None:
 
     relayed = args.relay and args.peer.startswith("did:")
     peer_did = args.peer if relayed else parse_peer_addr(args.peer).did
-    node = make_node(args.home, listen=None, relays=args.relay)
+    node = make_node(args.home, listen=None, relays=args.relay, **_keys(args))
     client = TunnelClient(NodeTransport(node), peer_did, args.server, link_wait=args.link_wait)
     await node.start()
     print(f"talos-proxy: did {node.did}", file=sys.stderr, flush=True)
@@ -286,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.cmd == "id":
-            print(node_did(args.home))
+            print(node_did(args.home, **_keys(args)))
         elif args.cmd == "serve":
             run(_serve(args))
         elif args.cmd == "audit":

@@ -15,44 +15,74 @@ from pathlib import Path
 from typing import Any
 
 from talos.config import Home, NodeConfig
-from talos_sdk.keyfile import load_wallet
 
 __all__ = ["HTTP_TOKEN_FILE", "ensure_home", "http_token", "make_node", "node_did"]
 
 HTTP_TOKEN_FILE = "proxy-http.token"
 
 
-def ensure_home(home: Path) -> None:
-    """Create the identity if the home is new (``talosd init`` without the ceremony)."""
+def ensure_home(
+    home: Path, *, passphrase_file: str | None = None, no_passphrase: bool = False
+) -> None:
+    """Create the identity if the home is new (``talosd init`` without the ceremony).
+
+    The key is sealed under a passphrase had as for ``talosd init`` (talos/keys.py);
+    with none to be had and no ``--no-passphrase`` it is stored unencrypted, and
+    stderr says so: a proxy started by an agent has no terminal to ask on.
+    """
     if Home(home).exists():
         return
     from talos.home import init_home
+    from talos.keys import PassphraseNeededError, new_key_passphrase
 
-    init_home(home, NodeConfig(api=False))
+    try:
+        passphrase = new_key_passphrase(
+            passphrase_file=passphrase_file, no_passphrase=no_passphrase, command="talos-proxy"
+        )
+    except PassphraseNeededError:
+        passphrase = None
+        print(
+            "talos-proxy: WARNING: the new identity key is stored WITHOUT a passphrase "
+            "(give --passphrase-file or TALOS_PASSPHRASE to seal it; `talosd passphrase "
+            f"--home {home}` adds one later)",
+            file=sys.stderr,
+        )
+    init_home(home, NodeConfig(api=False), passphrase=passphrase)
     print(f"talos-proxy: created a new identity in {home}", file=sys.stderr)
 
 
-def node_did(home: Path) -> str:
-    """The DID of the identity in ``home`` (created if absent)."""
+def node_did(home: Path, *, passphrase_file: str | None = None, no_passphrase: bool = False) -> str:
+    """The DID of the identity in ``home`` (created if absent; read in clear)."""
+    from talos.keys import key_file_did
 
-    ensure_home(home)
-    return load_wallet(Home(home).identity).did
+    ensure_home(home, passphrase_file=passphrase_file, no_passphrase=no_passphrase)
+    return key_file_did(Home(home).identity)
 
 
-def make_node(home: Path, *, listen: str | None, relays: Sequence[str] = ()) -> Any:
-    """A not yet started Node for ``home``; listens only when asked, no control API.
+def make_node(
+    home: Path,
+    *,
+    listen: str | None,
+    relays: Sequence[str] = (),
+    passphrase_file: str | None = None,
+    no_passphrase: bool = False,
+) -> Any:
+    """A not yet started Node for ``home``, its identity unlocked (talos/keys.py);
+    listens only when asked, no control API.
 
     ``relays`` (nats://HOST:PORT) make it reachable through a NATS relay as well.
     """
     from talos.config import parse_relay_url
+    from talos.keys import unlock
     from talos.node import Node
 
-    ensure_home(home)
+    ensure_home(home, passphrase_file=passphrase_file, no_passphrase=no_passphrase)
+    wallet = unlock(Home(home).identity, passphrase_file=passphrase_file)
     update: dict[str, Any] = {"listen": listen, "api": False}
     if relays:
         update["relays"] = tuple(parse_relay_url(r) for r in relays)
     config = Home(home).load_config().model_copy(update=update)
-    return Node(home, config)
+    return Node(home, config, wallet=wallet)
 
 
 def http_token(home: Path) -> str:

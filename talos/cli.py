@@ -59,10 +59,32 @@ def _require_identity(home: Home) -> None:
 
 def cmd_init(args: argparse.Namespace) -> int:
     from talos.home import init_home
+    from talos.keys import new_key_passphrase
 
     home = _home(args)
-    wallet = init_home(home.path, suite=args.suite)
+    if home.exists():  # before asking for a passphrase that would not be used
+        raise UsageError(f"{home.identity} already exists; refusing to overwrite an identity")
+    passphrase = new_key_passphrase(
+        passphrase_file=args.passphrase_file, no_passphrase=args.no_passphrase
+    )
+    wallet = init_home(home.path, suite=args.suite, passphrase=passphrase)
     print(wallet.did)
+    return 0
+
+
+def cmd_passphrase(args: argparse.Namespace) -> int:
+    from talos.keys import change_passphrase
+
+    home = _home(args)
+    _require_identity(home)
+    sealed = change_passphrase(
+        home.identity,
+        passphrase_file=args.passphrase_file,
+        new_passphrase_file=args.new_passphrase_file,
+        no_passphrase=args.no_passphrase,
+    )
+    state = "sealed under the new passphrase" if sealed else "stored WITHOUT a passphrase"
+    print(f"{home.identity}: {state}", file=sys.stderr)
     return 0
 
 
@@ -85,10 +107,12 @@ def cmd_id(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from talos.daemon import Daemon
+    from talos.keys import unlock
     from talos.logging import configure
 
     home = _home(args)
     _require_identity(home)
+    wallet = unlock(home.identity, passphrase_file=args.passphrase_file)
     config = home.load_config()
     updates: dict[str, Any] = {}
     if args.listen:
@@ -117,7 +141,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     configure(config.log_format)
 
     async def run() -> None:
-        daemon = Daemon(home.path, config, files_dir=args.files_dir)
+        daemon = Daemon(home.path, config, files_dir=args.files_dir, wallet=wallet)
         node = daemon.node
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -346,6 +370,16 @@ def _offline_peer_heads(home: Home) -> dict[str, Any]:
 # --- parser ------------------------------------------------------------------------------------
 
 
+def _passphrase_args(sp: argparse.ArgumentParser, opt_out: str | None = None) -> None:
+    sp.add_argument(
+        "--passphrase-file",
+        metavar="FILE",
+        help="identity key passphrase: first line of FILE (else $TALOS_PASSPHRASE or a prompt)",
+    )
+    if opt_out is not None:
+        sp.add_argument("--no-passphrase", action="store_true", help=opt_out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="talosd", description="Talos peer-to-peer node")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -362,11 +396,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="ed25519",
         help="signature suite: ed25519-mldsa65 adds a post-quantum ML-DSA-65 key (same DID)",
     )
+    _passphrase_args(sp, opt_out="store the identity key unencrypted (explicit opt-out)")
     sp.set_defaults(fn=cmd_init)
+    sp = add("passphrase", "change (or remove) the identity key's passphrase")
+    _passphrase_args(sp, opt_out="store the key unencrypted from now on")
+    sp.add_argument(
+        "--new-passphrase-file",
+        metavar="FILE",
+        help="new passphrase: first line of FILE (else $TALOS_NEW_PASSPHRASE or the terminal)",
+    )
+    sp.set_defaults(fn=cmd_passphrase)
     sp = add("id", "show this node's identity")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_id)
     sp = add("run", "run the node in the foreground")
+    _passphrase_args(sp)
     sp.add_argument("--listen", help="HOST:PORT for peer links (port 0 picks one)")
     sp.add_argument("--peer", action="append", default=[], help="ws://HOST:PORT#DID")
     sp.add_argument("--allow", action="append", default=[], help="DID allowed to link")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from talos.config import Home, NodeConfig
 from talos.node import Node
 from talos.transfer.manager import TransferConfig, TransferManager
+from talos_sdk.wallet import Wallet
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -43,9 +44,10 @@ class Daemon:
         *,
         files_dir: Path | str | None = None,
         transfer: TransferConfig | None = None,
+        wallet: Wallet | None = None,
     ) -> None:
         self.home = Home(Path(home))
-        self.node = Node(self.home.path, config)
+        self.node = Node(self.home.path, config, wallet=wallet)
         self.transfer_config = transfer or load_transfer_config(self.home.path)
         chosen = files_dir or self.transfer_config.files_dir or self.home.path / "files"
         self.files_dir = Path(chosen).expanduser().resolve()

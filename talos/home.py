@@ -17,12 +17,13 @@ from talos import pipeline as pl
 from talos.chain.log import BlockLog
 from talos.chain.verify import verify_chain
 from talos.config import Home, NodeConfig, parse_peer_addr
+from talos.keys import key_file_did, unlock
 from talos.sessions import SessionManager, load_secrets
 from talos.store import Store
 from talos.views import block_json, report_json
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import UsageError
-from talos_sdk.keyfile import load_wallet, save_wallet
+from talos_sdk.keyfile import save_wallet
 from talos_sdk.wallet import Wallet
 
 __all__ = [
@@ -38,8 +39,15 @@ __all__ = [
 ]
 
 
-def init_home(path: Path, config: NodeConfig | None = None, *, suite: str | None = None) -> Wallet:
-    """Create a node home: identity (0600), config, API token (0600). Refuses to overwrite.
+def init_home(
+    path: Path,
+    config: NodeConfig | None = None,
+    *,
+    suite: str | None = None,
+    passphrase: str | None = None,
+) -> Wallet:
+    """Create a node home: identity (0600, sealed under ``passphrase`` if given), config,
+    API token (0600). Refuses to overwrite. The home is made 0700 even if it existed.
 
     ``suite="ed25519-mldsa65"`` makes a hybrid identity (docs/adr/0005-hybrid-signatures.md).
     """
@@ -48,9 +56,10 @@ def init_home(path: Path, config: NodeConfig | None = None, *, suite: str | None
         raise UsageError(f"{home.identity} already exists; refusing to overwrite an identity")
     # Owner-only: the home holds the identity and the store (docs/security.md).
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
     config = config or NodeConfig()
     wallet = Wallet.generate(suite=suite)
-    save_wallet(wallet, home.identity)
+    save_wallet(wallet, home.identity, passphrase)
     home.save_config(config)
     home.create_api_token()
     with Store(home.store_dir, map_size=config.map_size) as store:
@@ -68,10 +77,10 @@ def _offline_store(home: Home) -> Store:
 
 def offline_identity(home: Home) -> dict[str, Any]:
     """``talosd id`` without a running node: wallet file plus stored prekeys."""
-    wallet = load_wallet(home.identity)
+    did = key_file_did(home.identity)  # in clear: no passphrase needed to say who we are
     with _offline_store(home) as store, store.read() as txn:
         secrets = load_secrets(txn)
-    out: dict[str, Any] = {"did": wallet.did, "x25519": None, "suites": [], "listen": None}
+    out: dict[str, Any] = {"did": did, "x25519": None, "suites": [], "listen": None}
     if secrets is not None:
         out["x25519"] = secrets.identity.public.hex()
         out["suites"] = list(secrets.suites)
@@ -117,7 +126,7 @@ def offline_inbox(home: Home, after: int = 0) -> list[dict[str, object]]:
 
 def offline_verify(home: Home) -> dict[str, Any]:
     """``talosd chain verify`` while stopped, as the API's JSON report."""
-    wallet = load_wallet(home.identity)
+    wallet = unlock(home.identity)
     with _offline_store(home) as store:
         # The ML-DSA key comes from the wallet, never from the store being audited.
         report = verify_chain(store, wallet.did, mldsa65_public_key=wallet.mldsa_public_key)
@@ -126,7 +135,7 @@ def offline_verify(home: Home) -> dict[str, Any]:
 
 def offline_blocks(home: Home) -> list[dict[str, Any]]:
     """``talosd chain show`` while stopped."""
-    wallet = load_wallet(home.identity)
+    wallet = unlock(home.identity)
     with _offline_store(home) as store:
         return [block_json(b) for b in BlockLog(store, wallet).iter_blocks()]
 
@@ -137,6 +146,6 @@ def offline_proof(home: Home, record_id: str) -> dict[str, Any]:
         rid = bytes.fromhex(record_id)
     except ValueError:
         raise UsageError("record id must be hex") from None
-    wallet = load_wallet(home.identity)
+    wallet = unlock(home.identity)
     with _offline_store(home) as store:
         return BlockLog(store, wallet).inclusion_proof(rid)

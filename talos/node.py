@@ -38,6 +38,7 @@ from talos.discovery import (
     StaticResolver,
 )
 from talos.home import init_home
+from talos.keys import unlock
 from talos.link.admission import Admission
 from talos.link.auth import AuthPolicy
 from talos.link.handshake import CLOSE_SHUTDOWN
@@ -62,7 +63,7 @@ from talos_sdk.errors import (
     TalosError,
     UsageError,
 )
-from talos_sdk.keyfile import load_wallet
+from talos_sdk.wallet import Wallet
 
 __all__ = [
     "CLOSE_TRY_AGAIN",
@@ -98,8 +99,10 @@ class Node(NodeLinks, NodeDelivery):
         *,
         clock: Callable[[], float] = time.time,
         resolver: Resolver | None = None,
+        wallet: Wallet | None = None,
     ) -> None:
         self.home = Home(Path(home))
+        self._unlocked = wallet  # already unlocked by the caller (talos/keys.py)
         self.config = config if config is not None else self.home.load_config()
         self._clock = clock
         self.metrics = Metrics()
@@ -171,7 +174,7 @@ class Node(NodeLinks, NodeDelivery):
         """Open the store, restore state, listen, dial configured peers, start the API."""
         if not self.home.exists():
             raise UsageError(f"no identity in {self.home.path}: run `talosd init` first")
-        self.wallet = load_wallet(self.home.identity)
+        self.wallet = self._unlocked or unlock(self.home.identity)
         self.did = self.wallet.did
         # Opening syncs, closing syncs: both off the loop like every other fsync.
         self.store = await asyncio.to_thread(

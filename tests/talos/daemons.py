@@ -17,13 +17,23 @@ from talos.client import ApiClient
 from talos.config import Home
 
 TALOSD = [sys.executable, "-m", "talos.cli"]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+# Without the caller's passphrase variables: each test says how its key is kept.
+ENV = {
+    **{k: v for k, v in os.environ.items() if "PASSPHRASE" not in k},
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 def talosd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run one ``talosd`` command to completion."""
     return subprocess.run(
-        [*TALOSD, *args], capture_output=True, text=True, timeout=timeout, env=ENV, check=False
+        [*TALOSD, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+        check=False,
+        stdin=subprocess.DEVNULL,  # never a terminal: talosd must not wait for a prompt
     )
 
 
@@ -53,6 +63,7 @@ class Daemon:
             [*TALOSD, "run", "--home", str(home), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
             text=True,
             env=ENV,
         )

@@ -21,7 +21,7 @@ from tests.talos.daemons import ENV, TALOSD, Daemon, fast_config, talosd, wait_f
 
 def init(tmp_path: Path, name: str) -> tuple[Path, str]:
     home = tmp_path / name
-    res = talosd("init", "--home", str(home))
+    res = talosd("init", "--home", str(home), "--no-passphrase")
     assert res.returncode == 0, res.stderr
     fast_config(home)
     return home, res.stdout.strip()
@@ -32,7 +32,7 @@ def test_init_creates_private_files_and_refuses_to_overwrite(tmp_path: Path) -> 
     assert did.startswith("did:key:z6Mk")
     for name in ("identity.key", "api.token"):
         assert stat.S_IMODE((home / name).stat().st_mode) == 0o600
-    again = talosd("init", "--home", str(home))
+    again = talosd("init", "--home", str(home), "--no-passphrase")
     assert again.returncode == 1
     assert "refusing to overwrite" in again.stderr
     assert "Traceback" not in again.stderr
@@ -76,7 +76,7 @@ def test_commands_on_a_missing_home_fail_clearly(tmp_path: Path) -> None:
 
 def test_run_api_and_clean_shutdown(tmp_path: Path) -> None:
     home, did = init(tmp_path, "a")
-    other = talosd("init", "--home", str(tmp_path / "b")).stdout.strip()
+    other = talosd("init", "--home", str(tmp_path / "b"), "--no-passphrase").stdout.strip()
     d = Daemon(home, "--listen", "127.0.0.1:0")
     try:
         assert d.line.startswith("listening on ws://127.0.0.1:")

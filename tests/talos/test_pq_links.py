@@ -167,7 +167,9 @@ class _ClaimingSigner:
 
 def test_cli_init_hybrid_identity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "home"
-    assert talosd(["init", "--home", str(path), "--suite", "ed25519-mldsa65"]) == 0
+    assert (
+        talosd(["init", "--home", str(path), "--suite", "ed25519-mldsa65", "--no-passphrase"]) == 0
+    )
     did = capsys.readouterr().out.strip()
     wallet = load_wallet(path / "identity.key")
     assert isinstance(wallet, HybridWallet) and wallet.did == did

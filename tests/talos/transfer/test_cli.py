@@ -32,8 +32,8 @@ def _node_info(home: Path) -> dict[str, str]:
 
 def _nodes(tmp_path: Path, *b_extra: str) -> Generator[tuple[Path, Path, str, str]]:
     a, b = tmp_path / "a", tmp_path / "b"
-    did_a = _run("init", "--home", str(a))
-    did_b = _run("init", "--home", str(b))
+    did_a = _run("init", "--home", str(a), "--no-passphrase")
+    did_b = _run("init", "--home", str(b), "--no-passphrase")
     if b_extra:  # B auto-accepts A
         (b / "transfer.json").write_text(json.dumps({"auto_accept": [did_a]}))
     procs = [

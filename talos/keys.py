@@ -1,0 +1,173 @@
+"""The identity key at rest: where a passphrase comes from, unlocking, changing it.
+
+The key file format (scrypt + ChaCha20-Poly1305) is docs/PROTOCOL.md "Key
+files", implemented in :mod:`talos_sdk.keyfile`. This module is the node's
+policy around it (docs/security.md "Keys at rest"): ``talosd init`` asks for
+a passphrase on a terminal or takes ``--passphrase-file`` / ``TALOS_PASSPHRASE``,
+and an unencrypted key only by the explicit ``--no-passphrase``; ``talosd
+run``, the offline commands and ``talos-proxy`` unlock by the same means.
+
+A terminal prompt is only ever shown when standard input is a terminal:
+``talos-proxy connect`` speaks MCP on its standard input, which must never be
+read for a passphrase.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import sys
+from pathlib import Path
+
+from talos_sdk.errors import KeyFileError, UsageError
+from talos_sdk.keyfile import load_wallet, read_private_file, save_wallet
+from talos_sdk.wallet import Wallet
+
+__all__ = [
+    "NEW_PASSPHRASE_ENV",
+    "PASSPHRASE_ENV",
+    "PassphraseNeededError",
+    "change_passphrase",
+    "is_encrypted",
+    "key_file_did",
+    "new_key_passphrase",
+    "unlock",
+]
+
+PASSPHRASE_ENV = "TALOS_PASSPHRASE"
+NEW_PASSPHRASE_ENV = "TALOS_NEW_PASSPHRASE"
+
+
+class PassphraseNeededError(UsageError):
+    """No passphrase could be had without a terminal, and none was given another way."""
+
+
+def _read_doc(path: Path) -> dict[str, object]:
+    try:
+        doc = json.loads(read_private_file(path))
+    except (UnicodeDecodeError, ValueError):
+        raise KeyFileError(f"{path} is not a Talos key file (not JSON)") from None
+    if not isinstance(doc, dict):
+        raise KeyFileError(f"{path} is not a Talos key file")
+    return doc
+
+
+def is_encrypted(path: Path) -> bool:
+    """Whether the key file at ``path`` is sealed under a passphrase."""
+    return "ciphertext" in _read_doc(path)
+
+
+def key_file_did(path: Path) -> str:
+    """The DID a key file names in clear (no passphrase needed; not verified)."""
+    did = _read_doc(path).get("did")
+    if not isinstance(did, str):
+        raise KeyFileError(f"{path} has no 'did' string")
+    return did
+
+
+def read_passphrase_file(path: str | os.PathLike[str]) -> str:
+    """The first line of ``path`` without its line ending; empty is an error."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            line = fh.readline()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read passphrase file {path}: {exc}") from None
+    passphrase = line.rstrip("\r\n")
+    if not passphrase:
+        raise UsageError(f"passphrase file {path} is empty")
+    return passphrase
+
+
+def _from_env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def _prompt(prompt: str, *, confirm: bool) -> str | None:
+    """Ask on the terminal; None when standard input is not one."""
+    try:
+        interactive = sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, ValueError, OSError):  # closed or replaced standard input
+        interactive = False
+    if not interactive:
+        return None
+    first = getpass.getpass(prompt)
+    if confirm and getpass.getpass("repeat passphrase: ") != first:
+        raise UsageError("the two passphrases differ; nothing was written")
+    if not first:
+        raise UsageError("empty passphrase; use --no-passphrase to store the key unencrypted")
+    return first
+
+
+def new_key_passphrase(
+    *,
+    passphrase_file: str | None,
+    no_passphrase: bool,
+    env: str = PASSPHRASE_ENV,
+    command: str = "talosd init",
+    flag: str = "--passphrase-file",
+) -> str | None:
+    """The passphrase a new identity key is sealed under; None only if opted out.
+
+    Order: ``--passphrase-file``, ``--no-passphrase``, the environment variable
+    ``env``, a terminal prompt (twice). Without any: PassphraseNeededError.
+    """
+    if passphrase_file is not None and no_passphrase:
+        raise UsageError(f"{flag} and --no-passphrase exclude each other")
+    if passphrase_file is not None:
+        return read_passphrase_file(passphrase_file)
+    if no_passphrase:
+        return None
+    passphrase = _from_env(env) or _prompt("passphrase for the identity key: ", confirm=True)
+    if passphrase is None:
+        raise PassphraseNeededError(
+            f"{command} needs a passphrase for the identity key and there is no terminal "
+            f"to ask on: give {flag} FILE or set {env}, "
+            "or pass --no-passphrase to store the key unencrypted"
+        )
+    return passphrase
+
+
+def unlock(path: Path, *, passphrase_file: str | None = None) -> Wallet:
+    """Load the identity key at ``path``, asking for its passphrase only if it has one.
+
+    Order: ``passphrase_file``, ``TALOS_PASSPHRASE``, a terminal prompt. Raises
+    PassphraseNeededError (none to be had), WrongPassphraseError, KeyFileError.
+    """
+    if not is_encrypted(path):
+        return load_wallet(path)
+    passphrase = (
+        read_passphrase_file(passphrase_file) if passphrase_file is not None else None
+    ) or (_from_env(PASSPHRASE_ENV) or _prompt(f"passphrase for {path}: ", confirm=False))
+    if passphrase is None:
+        raise PassphraseNeededError(
+            f"the identity key {path} is encrypted and there is no terminal to ask for "
+            f"its passphrase: give --passphrase-file FILE or set {PASSPHRASE_ENV}"
+        )
+    return load_wallet(path, passphrase)
+
+
+def change_passphrase(
+    path: Path,
+    *,
+    passphrase_file: str | None,
+    new_passphrase_file: str | None,
+    no_passphrase: bool,
+) -> bool:
+    """Re-seal the key at ``path`` under a new passphrase (or none); True if it is sealed.
+
+    The current one comes as for :func:`unlock`; the new one from
+    ``new_passphrase_file``, ``TALOS_NEW_PASSPHRASE`` or the terminal, or
+    ``no_passphrase``. The file is replaced atomically, 0600.
+    """
+    wallet = unlock(path, passphrase_file=passphrase_file)
+    new = new_key_passphrase(
+        passphrase_file=new_passphrase_file,
+        no_passphrase=no_passphrase,
+        env=NEW_PASSPHRASE_ENV,
+        command="talosd passphrase",
+        flag="--new-passphrase-file",
+    )
+    save_wallet(wallet, path, new, overwrite=True)
+    return new is not None

@@ -1,0 +1,188 @@
+"""The identity key at rest (talos/keys.py, ``talosd init / run / passphrase``, talos-proxy).
+
+Real ``talosd`` and ``talos-proxy`` subprocesses; a pseudo-terminal where a
+prompt is the point. docs/security.md "Keys at rest".
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from talos.keys import is_encrypted, key_file_did, unlock
+from talos_sdk.errors import WrongPassphraseError
+from tests.talos.daemons import ENV, TALOSD, Daemon, fast_config, talosd
+
+PROXY = [sys.executable, "-m", "mcp_proxy.cli"]
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**ENV, **(env or {})},
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+def _secret(tmp_path: Path, text: str, name: str = "pass.txt") -> str:
+    path = tmp_path / name
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_init_without_a_passphrase_choice_fails_and_names_the_options(tmp_path: Path) -> None:
+    home = tmp_path / "a"
+    res = talosd("init", "--home", str(home))
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    for option in ("--passphrase-file", "TALOS_PASSPHRASE", "--no-passphrase"):
+        assert option in res.stderr
+    assert not (home / "identity.key").exists()
+
+
+def test_init_makes_an_existing_home_owner_only(tmp_path: Path) -> None:
+    home = tmp_path / "lax"
+    home.mkdir(mode=0o755)
+    home.chmod(0o755)
+    res = talosd("init", "--home", str(home), "--no-passphrase")
+    assert res.returncode == 0, res.stderr
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert not is_encrypted(home / "identity.key")  # the explicit opt-out
+
+
+def test_sealed_identity_init_run_and_offline_commands(tmp_path: Path) -> None:
+    home = tmp_path / "a"
+    good = _secret(tmp_path, "correct horse battery staple")
+    res = talosd("init", "--home", str(home), "--passphrase-file", good)
+    assert res.returncode == 0, res.stderr
+    did = res.stdout.strip()
+    key = home / "identity.key"
+    assert is_encrypted(key) and key_file_did(key) == did
+    assert b"correct horse" not in key.read_bytes()
+    fast_config(home)
+    # Who we are needs no passphrase (the DID is in clear in the key file).
+    assert talosd("id", "--home", str(home)).stdout.strip() == did
+    # run without any means to unlock: one clear line, no prompt, no traceback.
+    res = talosd("run", "--home", str(home))
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "encrypted" in res.stderr and "--passphrase-file" in res.stderr
+    res = _run([*TALOSD, "run", "--home", str(home)], {"TALOS_PASSPHRASE": "wrong"})
+    assert res.returncode == 1 and "wrong passphrase" in res.stderr
+    # The right one, from a file or the environment.
+    node = Daemon(home, "--listen", "127.0.0.1:0", "--passphrase-file", good)
+    try:
+        assert node.did == did
+    finally:
+        node.stop()
+    res = _run(
+        [*TALOSD, "chain", "verify", "--home", str(home)],
+        {"TALOS_PASSPHRASE": "correct horse battery staple"},
+    )
+    assert res.returncode == 0, res.stderr
+
+
+def test_passphrase_command_changes_and_removes_it(tmp_path: Path) -> None:
+    home = tmp_path / "a"
+    old, new = _secret(tmp_path, "old one", "old"), _secret(tmp_path, "new one", "new")
+    assert talosd("init", "--home", str(home), "--passphrase-file", old).returncode == 0
+    key = home / "identity.key"
+    did = key_file_did(key)
+    res = talosd("passphrase", "--home", str(home), "--passphrase-file", new)
+    assert res.returncode == 1 and "wrong passphrase" in res.stderr
+    res = talosd(
+        "passphrase", "--home", str(home), "--passphrase-file", old, "--new-passphrase-file", new
+    )
+    assert res.returncode == 0, res.stderr
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    with pytest.raises(WrongPassphraseError):
+        unlock(key, passphrase_file=old)
+    assert unlock(key, passphrase_file=new).did == did
+    # The new one from the environment works too; a missing one is refused clearly.
+    res = talosd("passphrase", "--home", str(home), "--passphrase-file", new)
+    assert res.returncode == 1 and "TALOS_NEW_PASSPHRASE" in res.stderr
+    res = _run(
+        [*TALOSD, "passphrase", "--home", str(home), "--passphrase-file", new],
+        {"TALOS_NEW_PASSPHRASE": "third"},
+    )
+    assert res.returncode == 0, res.stderr
+    assert unlock(key, passphrase_file=_secret(tmp_path, "third", "third")).did == did
+    res = _run(
+        [*TALOSD, "passphrase", "--home", str(home), "--no-passphrase"],
+        {"TALOS_PASSPHRASE": "third"},
+    )
+    assert res.returncode == 0, res.stderr
+    assert not is_encrypted(key) and unlock(key).did == did
+
+
+def _on_terminal(args: list[str], answers: list[str]) -> tuple[int, str]:
+    """Run ``args`` with a pseudo-terminal as standard input, answering each prompt."""
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        args,
+        stdin=secondary,
+        stdout=subprocess.PIPE,
+        stderr=secondary,
+        env=ENV,
+        start_new_session=True,  # no controlling terminal: getpass uses stdin, the pty
+    )
+    os.close(secondary)
+    seen = b""
+    deadline = time.monotonic() + 60
+    try:
+        for i, answer in enumerate(answers):
+            while seen.count(b"passphrase") <= i:
+                left = max(0.0, deadline - time.monotonic())
+                ready, _, _ = select.select([primary], [], [], left)
+                assert ready, f"no prompt; got {seen!r}"
+                seen += os.read(primary, 1024)
+            os.write(primary, answer.encode() + b"\n")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        os.close(primary)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out.decode()
+
+
+def test_init_asks_on_a_terminal(tmp_path: Path) -> None:
+    home = tmp_path / "a"
+    typed = ["typed secret", "typed secret"]  # asked twice
+    code, out = _on_terminal([*TALOSD, "init", "--home", str(home)], typed)
+    assert code == 0
+    assert out.strip() == key_file_did(home / "identity.key")
+    assert unlock(home / "identity.key", passphrase_file=_secret(tmp_path, "typed secret")).did
+
+
+def test_proxy_seals_a_new_identity_and_unlocks_it(tmp_path: Path) -> None:
+    sealed, plain = tmp_path / "sealed", tmp_path / "plain"
+    res = _run([*PROXY, "id", "--home", str(sealed)], {"TALOS_PASSPHRASE": "proxy secret"})
+    assert res.returncode == 0, res.stderr
+    assert is_encrypted(sealed / "identity.key")
+    assert res.stdout.strip() == key_file_did(sealed / "identity.key")
+    # serve unlocks by the same means; the wrong passphrase is one clear line.
+    res = _run(
+        [*PROXY, "serve", "--home", str(sealed), "--listen", "127.0.0.1:0", "--", "true"],
+        {"TALOS_PASSPHRASE": "not it"},
+    )
+    assert res.returncode != 0 and "wrong passphrase" in res.stderr
+    assert "Traceback" not in res.stderr
+    # No passphrase to be had: created unencrypted, and said so; --no-passphrase is quiet.
+    res = _run([*PROXY, "id", "--home", str(plain)])
+    assert res.returncode == 0 and "WITHOUT a passphrase" in res.stderr
+    assert not is_encrypted(plain / "identity.key")
+    res = _run([*PROXY, "id", "--home", str(tmp_path / "quiet"), "--no-passphrase"])
+    assert res.returncode == 0 and "WITHOUT" not in res.stderr
