@@ -71,6 +71,15 @@ class NodeConfig(BaseModel):
         description="seconds: a lazy sending chain (ratchet_every > 1) is renewed when older",
     )
     one_time_prekeys: int = Field(default=8, ge=0, le=1000)
+    pq_one_time_prekeys: int = Field(
+        default=4, ge=0, le=100, description="signed one-time ML-KEM-768 prekeys kept offered"
+    )
+    prekey_rotation: float = Field(
+        default=7 * 86_400.0, gt=0, description="seconds between signed prekey rotations"
+    )
+    prekey_grace: float = Field(
+        default=14 * 86_400.0, ge=0, description="seconds a replaced signed prekey still works"
+    )
     pq: bool = True
     require_pq: bool = Field(
         default=False, description="refuse peers without hybrid Ed25519 + ML-DSA-65 auth"

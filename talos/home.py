@@ -64,7 +64,12 @@ def init_home(
     home.create_api_token()
     with Store(home.store_dir, map_size=config.map_size) as store:
         manager = SessionManager(
-            store, wallet, pq=config.pq, one_time=config.one_time_prekeys, ratchet_every=1
+            store,
+            wallet,
+            pq=config.pq,
+            one_time=config.one_time_prekeys,
+            ratchet_every=1,
+            pq_one_time=config.pq_one_time_prekeys,
         )
         with store.write() as txn:
             manager.load(txn, discard=False)

@@ -272,6 +272,9 @@ class Node(NodeLinks, NodeDelivery):
             one_time=self.config.one_time_prekeys,
             ratchet_every=self.config.ratchet_every,
             ratchet_max_age=self.config.ratchet_max_age,
+            pq_one_time=self.config.pq_one_time_prekeys,
+            prekey_rotation=self.config.prekey_rotation,
+            prekey_grace=self.config.prekey_grace,
         )
         # ADR 0001: after an unclean stop no ratchet state may be reused.
         await self.writer.write(

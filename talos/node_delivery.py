@@ -171,6 +171,9 @@ class NodeDelivery(NodeBase):
         """Session state between message commits, not synced (ADR 0001)."""
         while True:
             await asyncio.sleep(self.config.session_flush_interval)
+            if self.sessions.prekeys_due():  # signed prekey rotation / expiry (cheap check)
+                with contextlib.suppress(StorageError):
+                    await self.writer.write(self.sessions.maintain_prekeys, kind="prekeys")
             snaps = self.sessions.snapshot_dirty()
             if snaps:
                 try:

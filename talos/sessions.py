@@ -29,6 +29,7 @@ than the frame (docs/DESIGN.md performance targets).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import struct
 import time
@@ -45,10 +46,10 @@ from talos_sdk.bundle import (
     SUITE_HYBRID,
     SUITE_X25519,
     PrekeyBundle,
-    PrekeySecrets,
 )
 from talos_sdk.errors import BundleError, MalformedFrameError, ProtocolError, UsageError
 from talos_sdk.frames import Frame, RatchetFrameCrypto
+from talos_sdk.prekeys import MAX_PQ_ONE_TIME, PrekeySecrets
 from talos_sdk.ratchet import Session
 from talos_sdk.wallet import Wallet, verify_with_public_key
 
@@ -150,11 +151,21 @@ class SessionManager:
         ratchet_every: int,
         ratchet_max_age: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pq_one_time: int = 0,
+        prekey_rotation: float | None = None,
+        prekey_grace: float = 0.0,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._wallet = wallet
         self._pq = pq
         self._one_time = one_time
+        self._pq_one_time = pq_one_time if pq else 0
+        # Signed prekey rotation (talos_sdk/prekeys.py): seconds of wall time, which
+        # survives restarts, unlike the monotonic clock of the ratchet policy.
+        self._rotation = prekey_rotation
+        self._grace = prekey_grace
+        self._wall = wall_clock
         # ADR 0002: 1 = a DH step every turn; > 1 = lazy, bounded by count and age.
         self._ratchet_every = ratchet_every
         self._ratchet_max_age = ratchet_max_age if ratchet_every > 1 else None
@@ -162,8 +173,9 @@ class SessionManager:
         self._entries: dict[str, _Entry] = {}
         self._dirty: set[str] = set()
         self._secrets: PrekeySecrets | None = None
-        #: peer DID -> the one-time prekey id offered to that peer only.
+        #: peer DID -> the one-time prekey id (X25519, ML-KEM) offered to that peer only.
         self._reserved: dict[str, int] = {}
+        self._reserved_pq: dict[str, int] = {}
         self._signer = _KeepingSigner(wallet)
 
     # --- persistence ---------------------------------------------------------------------------
@@ -173,11 +185,16 @@ class SessionManager:
         raw = txn.get("prekeys", _SECRETS_KEY)
         if raw is None:
             self._secrets = PrekeySecrets.generate(
-                self._wallet, one_time=self._one_time, pq=self._pq
+                self._wallet,
+                one_time=self._one_time,
+                pq=self._pq,
+                now=int(self._wall()),
+                pq_one_time=self._pq_one_time,
             )
             txn.put("prekeys", _SECRETS_KEY, self._secrets.to_bytes())
         else:
             self._secrets = PrekeySecrets.from_bytes(raw)
+            self.maintain_prekeys(txn)
         if discard:
             n = txn.count("sessions")
             txn.clear("sessions")
@@ -220,6 +237,24 @@ class SessionManager:
         assert self._secrets is not None
         txn.put("prekeys", _SECRETS_KEY, self._secrets.to_bytes())
 
+    def prekeys_due(self) -> bool:
+        """Whether :meth:`maintain_prekeys` has something to do (cheap; no write)."""
+        secrets, now = self.secrets, int(self._wall())
+        rotate = self._rotation is not None and secrets.rotation_due(now, int(self._rotation))
+        return rotate or secrets.expire_due(now)
+
+    def maintain_prekeys(self, txn: Txn) -> bool:
+        """Rotate the signed (and last-resort ML-KEM) prekey when due, delete retired
+        ones past their grace period; written in ``txn`` if anything changed."""
+        secrets, now = self.secrets, int(self._wall())
+        changed = secrets.expire(now)
+        if self._rotation is not None and secrets.rotation_due(now, int(self._rotation)):
+            secrets.rotate(self._wallet, now=now, grace=int(self._grace))
+            changed = True
+        if changed:
+            txn.put("prekeys", _SECRETS_KEY, secrets.to_bytes())
+        return changed
+
     # --- setup over the link -------------------------------------------------------------------
 
     @property
@@ -235,37 +270,35 @@ class SessionManager:
         must never both pick the same one. The OPKs are outside the
         bundle signature (talos_sdk/bundle.py), so the subset needs no new one.
         """
-        opk = self._reserve(peer)  # may mint OPKs: take the bundle after it
-        bundle = self.secrets.bundle()
+        secrets = self.secrets
+        # Reserving may mint one-time keys: take the bundle after it.
+        opk = _reserve(
+            self._reserved,
+            peer,
+            self._one_time,
+            secrets.one_time_ids,
+            MAX_ONE_TIME,
+            secrets.add_one_time,
+        )
+        pq_opk = _reserve(
+            self._reserved_pq,
+            peer,
+            self._pq_one_time,
+            secrets.pq_one_time_ids,
+            MAX_PQ_ONE_TIME,
+            functools.partial(secrets.add_pq_one_time, self._wallet),
+        )
+        bundle = secrets.bundle()
         entry = self._entries.get(peer)
         sid = entry.sid if entry else b""
-        if opk is not None:
-            keys = dict(bundle.one_time)
-            bundle = dataclasses.replace(bundle, one_time=((opk, keys[opk]),))
-        elif bundle.one_time:
-            bundle = dataclasses.replace(bundle, one_time=())
+        keys = dict(bundle.one_time)
+        pq_keys = {i: (k, sig) for i, k, sig in bundle.pq_one_time}
+        bundle = dataclasses.replace(
+            bundle,
+            one_time=() if opk is None else ((opk, keys[opk]),),
+            pq_one_time=() if pq_opk is None else ((pq_opk, *pq_keys[pq_opk]),),
+        )
         return wire.SessionOffer(bundle.to_bytes(), sid)
-
-    def _reserve(self, peer: str) -> int | None:
-        """The unused OPK offered to ``peer`` alone, minting more when all are taken."""
-        if self._one_time == 0:
-            return None
-        secrets = self.secrets
-        unused = set(secrets.one_time_ids)
-        kept = self._reserved.get(peer)
-        if kept in unused:
-            return kept
-        # Forget reservations whose OPK was consumed, then take a free one.
-        self._reserved = {p: i for p, i in self._reserved.items() if i in unused}
-        taken = set(self._reserved.values())
-        free = sorted(unused - taken)
-        if not free:
-            room = MAX_ONE_TIME - len(unused)
-            if room <= 0:
-                return None  # X3DH without an OPK (Signal X3DH spec section 3.3)
-            free = secrets.add_one_time(min(room, max(1, self._one_time)))
-        self._reserved[peer] = free[0]
-        return free[0]
 
     def on_offer(
         self,
@@ -453,3 +486,32 @@ class SessionManager:
         except UnicodeDecodeError:
             raise MalformedFrameError("app channel name is not UTF-8") from None
         return name, plain[1 + n :]
+
+
+def _reserve(
+    reserved: dict[str, int],
+    peer: str,
+    target: int,
+    unused_ids: list[int],
+    limit: int,
+    mint: Callable[[int], list[int]],
+) -> int | None:
+    """The unused one-time key id offered to ``peer`` alone (``reserved`` is updated),
+    minting ``target`` more when all are taken; None when none is configured or left."""
+    if target == 0:
+        return None
+    unused = set(unused_ids)
+    kept = reserved.get(peer)
+    if kept in unused:
+        return kept
+    # Forget reservations whose key was consumed, then take a free one.
+    for p in [p for p, i in reserved.items() if i not in unused]:
+        del reserved[p]
+    free = sorted(unused - set(reserved.values()))
+    if not free:
+        room = limit - len(unused)
+        if room <= 0:
+            return None  # X3DH without a one-time key (Signal X3DH spec section 3.3)
+        free = mint(min(room, max(1, target)))
+    reserved[peer] = free[0]
+    return free[0]

@@ -43,7 +43,7 @@ _LAZY: dict[str, str] = {
     "public_key_from_did": "talos_sdk.did",
     "canonical_json_bytes": "talos_sdk.canonical",
     "PrekeyBundle": "talos_sdk.bundle",
-    "PrekeySecrets": "talos_sdk.bundle",
+    "PrekeySecrets": "talos_sdk.prekeys",
     "Session": "talos_sdk.ratchet",
     "RatchetFrameCrypto": "talos_sdk.frames",
     "Frame": "talos_sdk.frames",
@@ -101,7 +101,7 @@ assert set(__all__) == set(_error_names) | set(_LAZY)
 
 if TYPE_CHECKING:
     from talos_sdk.aead import StreamOpener, StreamSealer
-    from talos_sdk.bundle import PrekeyBundle, PrekeySecrets
+    from talos_sdk.bundle import PrekeyBundle
     from talos_sdk.canonical import canonical_json_bytes
     from talos_sdk.did import did_from_public_key, public_key_from_did
     from talos_sdk.frames import Commitment, Frame, RatchetFrameCrypto
@@ -113,6 +113,7 @@ if TYPE_CHECKING:
         verify_consistency,
         verify_inclusion,
     )
+    from talos_sdk.prekeys import PrekeySecrets
     from talos_sdk.ratchet import Session
     from talos_sdk.wallet import HybridWallet, Wallet, verify, verify_auth
 

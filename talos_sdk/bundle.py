@@ -9,7 +9,7 @@ plain Ed25519 for a classical identity (bundle version 1), or the hybrid
 Ed25519 + ML-DSA-65 signature of :mod:`talos_sdk.hybrid` for a hybrid identity
 (version 2, which also carries the ML-DSA-65 public key inside the signed body,
 so the key a peer pins is one the identity vouched for; ADR 0005).
-:class:`PrekeySecrets` holds the private halves and serialises them for the node.
+:class:`talos_sdk.prekeys.PrekeySecrets` holds the private halves (and rotates them).
 
 X25519 runs on libsodium (``nacl.bindings``), keys stay raw 32-byte strings:
 nothing to parse per use, and keygen measured faster than OpenSSL here.
@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.mlkem import (
-    MLKEM768PrivateKey,
     MLKEM768PublicKey,
 )
 from nacl.bindings import crypto_scalarmult, crypto_scalarmult_base
@@ -35,7 +33,6 @@ from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
     BundleError,
     DIDError,
-    EncodingError,
     MalformedFrameError,
     SignatureError,
     UsageError,
@@ -57,7 +54,6 @@ __all__ = [
     "SUITE_X25519",
     "IdentityKey",
     "PrekeyBundle",
-    "PrekeySecrets",
     "Rng",
     "x25519_dh",
     "x25519_keypair",
@@ -78,8 +74,7 @@ MAX_ONE_TIME = 10_000
 
 _BUNDLE_DOMAIN = b"Talos_PrekeyBundle_v1\x00"
 _BINDING_DOMAIN = b"Talos_IdentityKey_v1\x00"
-_SECRETS_MAGIC = b"TPKS\x01"
-_SECRETS_MAGIC_HYBRID = b"TPKS\x02"
+_PQ_OPK_DOMAIN = b"Talos_PQOneTimePrekey_v1\x00"
 _VERSION = 1
 # Bundle version 2 = version 1 body + ML-DSA-65 key, hybrid signature. Classical
 # bundles stay byte-identical to version 1 (vectors, stored bundles, old peers).
@@ -190,6 +185,11 @@ class IdentityKey:
         return cls(wallet.did, wallet.public_key, private, public, sig)
 
 
+def pq_one_time_message(did: str, pq_id: int, key: bytes) -> bytes:
+    """The bytes a one-time ML-KEM prekey's signature covers (``sign_auth`` of the DID)."""
+    return _PQ_OPK_DOMAIN + pack_var16(did.encode()) + pack_u32(pq_id) + key
+
+
 def binding_message(signing_key: bytes, x25519_public: bytes) -> bytes:
     """The bytes an identity binding signature covers."""
     return _BINDING_DOMAIN + signing_key + x25519_public
@@ -209,6 +209,8 @@ class PrekeyBundle:
     signature: bytes
     one_time: tuple[tuple[int, bytes], ...] = ()
     mldsa65_public_key: bytes | None = None
+    #: Signed one-time ML-KEM-768 prekeys (PQXDH §3.2): (id, public key, signature).
+    pq_one_time: tuple[tuple[int, bytes, bytes], ...] = ()
     signing_key: bytes = field(init=False, repr=False, compare=False)
     _pq_public: MLKEM768PublicKey | None = field(init=False, repr=False, compare=False)
     _hybrid: HybridPublicKey | None = field(init=False, repr=False, compare=False)
@@ -263,6 +265,9 @@ class PrekeyBundle:
         if SUITE_HYBRID in self.suites and self._pq_public is None:
             raise BundleError(f"bundle offers {SUITE_HYBRID!r} without an ML-KEM-768 prekey")
         body = _BUNDLE_DOMAIN + self.signed_body()
+        for pq_id, key, sig in self.pq_one_time:
+            if not self._verify_sig(pq_one_time_message(self.did, pq_id, key), sig):
+                raise BundleError(f"one-time ML-KEM prekey {pq_id} is not signed by {self.did}")
         if self._hybrid is not None:
             # The ML-DSA key is self-certified here; whether it is the key pinned
             # for this DID is the caller's decision (hybrid.decide_peer_pin).
@@ -276,15 +281,25 @@ class PrekeyBundle:
         self._verified[0] = True
         return self
 
+    def _verify_sig(self, data: bytes, sig: bytes) -> bool:
+        if self._hybrid is not None:
+            return self._hybrid.verify(data, sig)
+        return verify_with_public_key(self.signing_key, data, sig)
+
     @property
     def pq_public(self) -> MLKEM768PublicKey | None:
         """The parsed ML-KEM-768 prekey (parsed once, at construction)."""
         return self._pq_public
 
     def to_bytes(self) -> bytes:
-        """signed body || signature (64, or 3373 if version 2) || u16 count || (u32 id || key)*."""
+        """signed body || signature (64, or 3373 if version 2) || u16 count || (u32 id || key)*
+        [|| u16 count || (u32 id || ML-KEM key (1184) || signature)*] (only if any)."""
         opks = b"".join(_OPK.pack(i, k) for i, k in self.one_time)
-        return self.signed_body() + self.signature + pack_u16(len(self.one_time)) + opks
+        out = self.signed_body() + self.signature + pack_u16(len(self.one_time)) + opks
+        if self.pq_one_time:
+            out += pack_u16(len(self.pq_one_time))
+            out += b"".join(pack_u32(i) + k + sig for i, k, sig in self.pq_one_time)
+        return out
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PrekeyBundle:
@@ -314,322 +329,11 @@ class PrekeyBundle:
         else:
             sig = r.take(SIGNATURE_SIZE)
         opks = tuple((i, k) for i, k in (_OPK.unpack(r.take(_OPK.size)) for _ in range(r.u16())))
+        sig_size = len(sig)
+        pq_opks: tuple[tuple[int, bytes, bytes], ...] = ()
+        if r.remaining:
+            pq_opks = tuple(
+                (r.u32(), r.take(MLKEM768_PUBLIC_SIZE), r.take(sig_size)) for _ in range(r.u16())
+            )
         r.end()
-        return cls(did, tuple(suites), ik, spk_id, spk, pq_id, pq_key, sig, opks, mldsa)
-
-
-class PrekeySecrets:
-    """The private side of a bundle. Mutable: one-time prekeys are consumed.
-
-    Serialise with :meth:`to_bytes` / :meth:`to_dict` (secret material: store it
-    like a key file) and restore with :meth:`from_bytes` / :meth:`from_dict`.
-    """
-
-    __slots__ = (
-        "_bundle",
-        "_next_opk",
-        "_one_time",
-        "_pq",
-        "_pq_public",
-        "_used",
-        "identity",
-        "mldsa65_public_key",
-        "pq_id",
-        "pq_seed",
-        "signature",
-        "spk_id",
-        "spk_private",
-        "spk_public",
-        "suites",
-    )
-
-    def __init__(
-        self,
-        identity: IdentityKey,
-        *,
-        suites: tuple[str, ...],
-        spk_id: int,
-        spk_private: bytes,
-        pq_id: int | None,
-        pq_seed: bytes | None,
-        signature: bytes,
-        one_time: Mapping[int, bytes],
-        used: Iterable[int] = (),
-        next_opk: int | None = None,
-        spk_public: bytes | None = None,
-        mldsa65_public_key: bytes | None = None,
-    ) -> None:
-        self.identity = identity
-        self.mldsa65_public_key = mldsa65_public_key
-        self.suites = suites
-        self.spk_id = spk_id
-        self.spk_private = spk_private
-        self.spk_public = spk_public or crypto_scalarmult_base(spk_private)
-        self.pq_id = pq_id
-        self.pq_seed = pq_seed
-        # Parsed once: ML-KEM key expansion from the seed is the costly part.
-        self._pq = MLKEM768PrivateKey.from_seed_bytes(pq_seed) if pq_seed is not None else None
-        self._pq_public: bytes | None = None
-        if self._pq is not None:
-            public = self._pq.public_key()
-            self._pq_public = public.public_bytes_raw()
-            _remember_mlkem(self._pq_public, public)
-        self.signature = signature
-        self._one_time: dict[int, tuple[bytes, bytes]] = {
-            i: (k, crypto_scalarmult_base(k)) for i, k in one_time.items()
-        }
-        self._used: set[int] = set(used)
-        self._next_opk = next_opk if next_opk is not None else max(self._one_time, default=0) + 1
-        self._bundle: PrekeyBundle | None = None
-
-    @classmethod
-    def generate(
-        cls,
-        wallet: Wallet,
-        *,
-        one_time: int = 0,
-        pq: bool = False,
-        rng: Rng = os.urandom,
-        identity: IdentityKey | None = None,
-        spk_id: int = 1,
-    ) -> PrekeySecrets:
-        """Fresh signed prekey (+ ML-KEM-768 prekey if ``pq``) and ``one_time`` OPKs."""
-        if not 0 <= one_time <= MAX_ONE_TIME:
-            raise UsageError(f"one_time must be 0..{MAX_ONE_TIME}")
-        if identity is None:
-            identity = IdentityKey.generate(wallet, rng)
-        elif identity.did != wallet.did:
-            raise UsageError("identity key belongs to another wallet")
-        spk_private, spk_public = x25519_keypair(rng)
-        pq_seed = rng(MLKEM_SEED_SIZE) if pq else None
-        opks = {i: rng(KEY_SIZE) for i in range(1, one_time + 1)}
-        secrets = cls(
-            identity,
-            suites=SUITES if pq else (SUITE_X25519,),
-            spk_id=spk_id,
-            spk_private=spk_private,
-            pq_id=spk_id if pq else None,
-            pq_seed=pq_seed,
-            signature=b"",
-            one_time=opks,
-            spk_public=spk_public,
-            mldsa65_public_key=wallet.mldsa_public_key,
-        )
-        # sign_auth: hybrid for a hybrid wallet (bundles authenticate the identity).
-        secrets.signature = wallet.sign_auth(
-            _BUNDLE_DOMAIN
-            + _bundle_body(
-                secrets.did,
-                secrets.suites,
-                identity.public,
-                spk_id,
-                spk_public,
-                secrets.pq_id,
-                secrets._pq_public,
-                secrets.mldsa65_public_key,
-            )
-        )
-        return secrets
-
-    @property
-    def did(self) -> str:
-        return self.identity.did
-
-    @property
-    def pq_private(self) -> MLKEM768PrivateKey | None:
-        return self._pq
-
-    def add_one_time(self, count: int, rng: Rng = os.urandom) -> list[int]:
-        """Mint ``count`` more OPKs (unsigned, so no wallet needed); return their ids."""
-        if count < 0 or len(self._one_time) + count > MAX_ONE_TIME:
-            raise UsageError(f"at most {MAX_ONE_TIME} unused one-time prekeys")
-        ids = list(range(self._next_opk, self._next_opk + count))
-        for i in ids:
-            priv, pub = x25519_keypair(rng)
-            self._one_time[i] = (priv, pub)
-        self._next_opk += count
-        self._bundle = None
-        return ids
-
-    def bundle(self) -> PrekeyBundle:
-        """The public bundle with the OPKs not yet consumed (cached until they change)."""
-        if self._bundle is None:
-            opks = tuple((i, pub) for i, (_, pub) in sorted(self._one_time.items()))
-            b = PrekeyBundle(
-                self.did,
-                self.suites,
-                self.identity.public,
-                self.spk_id,
-                self.spk_public,
-                self.pq_id,
-                self._pq_public,
-                self.signature,
-                opks,
-                self.mldsa65_public_key,
-            )
-            self._bundle = b
-        return self._bundle
-
-    def spk_private_for(self, spk_id: int) -> bytes:
-        """The private signed prekey ``spk_id``; BundleError if it is not held."""
-        if spk_id != self.spk_id:
-            raise BundleError(f"unknown signed prekey id {spk_id}")
-        return self.spk_private
-
-    def one_time_private(self, opk_id: int) -> bytes:
-        """The private OPK ``opk_id`` without consuming it (responder computes tentatively)."""
-        entry = self._one_time.get(opk_id)
-        if entry is None:
-            if opk_id in self._used:
-                raise BundleError(f"one-time prekey {opk_id} was already used")
-            raise BundleError(f"unknown one-time prekey {opk_id}")
-        return entry[0]
-
-    def consume_one_time(self, opk_id: int) -> bytes:
-        """Remove OPK ``opk_id`` for good; a second call raises BundleError."""
-        private = self.one_time_private(opk_id)
-        del self._one_time[opk_id]
-        self._used.add(opk_id)
-        self._bundle = None
-        return private
-
-    @property
-    def one_time_ids(self) -> list[int]:
-        return sorted(self._one_time)
-
-    # --- persistence -------------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe form (hex strings). Secret: store it 0600."""
-        return {
-            "version": _VERSION,
-            "did": self.did,
-            "identity_private": self.identity.private.hex(),
-            "identity_binding": self.identity.binding.hex(),
-            "suites": list(self.suites),
-            "spk_id": self.spk_id,
-            "spk_private": self.spk_private.hex(),
-            "pq_id": self.pq_id,
-            "pq_seed": self.pq_seed.hex() if self.pq_seed is not None else None,
-            "signature": self.signature.hex(),
-            "one_time": {str(i): k.hex() for i, (k, _) in sorted(self._one_time.items())},
-            "used": sorted(self._used),
-            "next_opk": self._next_opk,
-            "mldsa65_public_key": (
-                None if self.mldsa65_public_key is None else self.mldsa65_public_key.hex()
-            ),
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PrekeySecrets:
-        """Inverse of :meth:`to_dict`; bad input raises EncodingError."""
-        try:
-            if d["version"] != _VERSION:
-                raise EncodingError("prekey secrets: unknown version")
-            did = str(d["did"])
-            ik_private = bytes.fromhex(d["identity_private"])
-            ik = IdentityKey(
-                did,
-                public_key_from_did(did),
-                ik_private,
-                crypto_scalarmult_base(ik_private),
-                bytes.fromhex(d["identity_binding"]),
-            )
-            return cls(
-                ik,
-                suites=tuple(str(s) for s in d["suites"]),
-                spk_id=int(d["spk_id"]),
-                spk_private=bytes.fromhex(d["spk_private"]),
-                pq_id=None if d["pq_id"] is None else int(d["pq_id"]),
-                pq_seed=None if d["pq_seed"] is None else bytes.fromhex(d["pq_seed"]),
-                signature=bytes.fromhex(d["signature"]),
-                one_time={int(i): bytes.fromhex(k) for i, k in d["one_time"].items()},
-                used=[int(i) for i in d["used"]],
-                next_opk=int(d["next_opk"]),
-                mldsa65_public_key=(
-                    None
-                    if d.get("mldsa65_public_key") is None
-                    else bytes.fromhex(d["mldsa65_public_key"])
-                ),
-            )
-        except EncodingError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, NaclRuntimeError) as exc:
-            raise EncodingError(f"prekey secrets: malformed dict ({exc})") from None
-
-    def to_bytes(self) -> bytes:
-        """Compact binary form; same content as :meth:`to_dict`.
-
-        Magic ``TPKS\\x01`` for a classical identity (64-byte signature), ``TPKS\\x02``
-        for a hybrid one (3373-byte signature, ML-DSA-65 public key appended).
-        """
-        hybrid = self.mldsa65_public_key is not None
-        out = [
-            _SECRETS_MAGIC_HYBRID if hybrid else _SECRETS_MAGIC,
-            pack_var16(self.did.encode()),
-            self.identity.private,
-            self.identity.binding,
-            pack_u8(len(self.suites)),
-            *(pack_var8(s.encode()) for s in self.suites),
-            pack_u32(self.spk_id),
-            self.spk_private,
-        ]
-        if self.pq_seed is None or self.pq_id is None:
-            out.append(b"\x00")
-        else:
-            out += [b"\x01", pack_u32(self.pq_id), self.pq_seed]
-        out.append(self.signature)
-        out.append(pack_u32(len(self._one_time)))
-        out += [pack_u32(i) + k for i, (k, _) in sorted(self._one_time.items())]
-        out.append(pack_u32(len(self._used)))
-        out += [pack_u32(i) for i in sorted(self._used)]
-        out.append(pack_u32(self._next_opk))
-        if self.mldsa65_public_key is not None:
-            out.append(self.mldsa65_public_key)
-        return b"".join(out)
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> PrekeySecrets:
-        """Inverse of :meth:`to_bytes`; garbage raises EncodingError."""
-        try:
-            r = ByteReader(data, "prekey secrets")
-            magic = r.take(len(_SECRETS_MAGIC))
-            if magic not in (_SECRETS_MAGIC, _SECRETS_MAGIC_HYBRID):
-                raise EncodingError("prekey secrets: bad magic")
-            hybrid = magic == _SECRETS_MAGIC_HYBRID
-            did = r.text16()
-            ik_private, binding = r.take(KEY_SIZE), r.take(SIGNATURE_SIZE)
-            suites = tuple(r.var8().decode("ascii") for _ in range(r.u8()))
-            spk_id, spk_private = r.u32(), r.take(KEY_SIZE)
-            pq_id: int | None = None
-            pq_seed: bytes | None = None
-            if r.u8():
-                pq_id, pq_seed = r.u32(), r.take(MLKEM_SEED_SIZE)
-            signature = r.take(HYBRID_SIGNATURE_SIZE if hybrid else SIGNATURE_SIZE)
-            opks = {r.u32(): r.take(KEY_SIZE) for _ in range(r.u32())}
-            used = [r.u32() for _ in range(r.u32())]
-            next_opk = r.u32()
-            mldsa = r.take(MLDSA65_PUBLIC_KEY_SIZE) if hybrid else None
-            r.end()
-            ik = IdentityKey(
-                did,
-                public_key_from_did(did),
-                ik_private,
-                crypto_scalarmult_base(ik_private),
-                binding,
-            )
-        except (MalformedFrameError, DIDError, UnicodeDecodeError) as exc:
-            raise EncodingError(f"prekey secrets: {exc}") from None
-        return cls(
-            ik,
-            suites=suites,
-            spk_id=spk_id,
-            spk_private=spk_private,
-            pq_id=pq_id,
-            pq_seed=pq_seed,
-            signature=signature,
-            one_time=opks,
-            used=used,
-            next_opk=next_opk,
-            mldsa65_public_key=mldsa,
-        )
+        return cls(did, tuple(suites), ik, spk_id, spk, pq_id, pq_key, sig, opks, mldsa, pq_opks)

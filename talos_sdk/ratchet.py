@@ -38,7 +38,6 @@ from talos_sdk.bundle import (
     SUITES,
     IdentityKey,
     PrekeyBundle,
-    PrekeySecrets,
     Rng,
     x25519_dh,
     x25519_keypair,
@@ -51,6 +50,7 @@ from talos_sdk.errors import (
     UsageError,
 )
 from talos_sdk.kdf import hkdf, kdf_ck
+from talos_sdk.prekeys import PrekeySecrets
 from talos_sdk.wallet import Wallet
 from talos_sdk.x3dh import InitialData
 from talos_sdk.x3dh import initiate as x3dh_initiate
@@ -277,6 +277,8 @@ class Session:
         plaintext = session.decrypt(first_message, ad)
         if initial.opk_id is not None:
             prekey_secrets.consume_one_time(initial.opk_id)
+        if initial.pq_id is not None:
+            prekey_secrets.consume_pq_one_time(initial.pq_id)
         return session, plaintext
 
     @classmethod

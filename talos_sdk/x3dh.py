@@ -31,8 +31,8 @@ from talos_sdk.bundle import (
     SUITES,
     IdentityKey,
     PrekeyBundle,
-    PrekeySecrets,
     Rng,
+    _mlkem_public,
     binding_message,
     x25519_dh,
     x25519_keypair,
@@ -40,6 +40,7 @@ from talos_sdk.bundle import (
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import BundleError, DIDError, MalformedFrameError, SignatureError
 from talos_sdk.kdf import hkdf
+from talos_sdk.prekeys import PrekeySecrets
 from talos_sdk.wallet import verify_with_public_key
 
 __all__ = [
@@ -166,10 +167,15 @@ def initiate(
     del ek_private
     pq_id = ct = None
     if suite == SUITE_HYBRID:
-        assert bundle.pq_public is not None  # verify() checked it
-        shared, ct = bundle.pq_public.encapsulate()
+        # PQXDH §3.3: a signed one-time ML-KEM prekey when offered, else the last-resort one.
+        if use_one_time and bundle.pq_one_time:
+            pq_id, raw, _ = bundle.pq_one_time[0]
+            pq_public = _mlkem_public(raw)
+        else:
+            assert bundle.pq_public is not None  # verify() checked it
+            pq_id, pq_public = bundle.pq_id, bundle.pq_public
+        shared, ct = pq_public.encapsulate()
         parts.append(shared)
-        pq_id = bundle.pq_id
     initial = InitialData(
         suite,
         identity.did,
@@ -201,8 +207,7 @@ def respond(secrets: PrekeySecrets, initial: InitialData) -> X3DHResult:
     first message decrypts (so a forged initial message cannot burn a prekey)."""
     if initial.suite not in secrets.suites:
         raise BundleError(f"suite {initial.suite!r} is not offered by this bundle")
-    if initial.spk_id != secrets.spk_id:
-        raise BundleError(f"unknown signed prekey id {initial.spk_id}")
+    spk_private = secrets.spk_private_for(initial.spk_id)  # current or in its grace period
     try:
         signing_key = public_key_from_did(initial.did)
     except DIDError as exc:
@@ -212,16 +217,16 @@ def respond(secrets: PrekeySecrets, initial: InitialData) -> X3DHResult:
     ):
         raise SignatureError(f"initiator identity key is not signed by {initial.did}")
     parts = [
-        x25519_dh(secrets.spk_private, initial.identity_dh),
+        x25519_dh(spk_private, initial.identity_dh),
         x25519_dh(secrets.identity.private, initial.ephemeral),
-        x25519_dh(secrets.spk_private, initial.ephemeral),
+        x25519_dh(spk_private, initial.ephemeral),
     ]
     if initial.opk_id is not None:
         parts.append(x25519_dh(secrets.one_time_private(initial.opk_id), initial.ephemeral))
     if initial.suite == SUITE_HYBRID:
-        pq = secrets.pq_private
-        if pq is None or initial.pq_id != secrets.pq_id or initial.kem_ciphertext is None:
-            raise BundleError(f"unknown ML-KEM prekey id {initial.pq_id}")
+        if initial.kem_ciphertext is None:
+            raise BundleError("hybrid initial data without a KEM ciphertext")
+        pq = secrets.pq_private_for(initial.pq_id)
         try:
             parts.append(pq.decapsulate(initial.kem_ciphertext))
         except ValueError:

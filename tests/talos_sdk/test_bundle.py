@@ -13,13 +13,13 @@ from talos_sdk.bundle import (
     ByteReader,
     IdentityKey,
     PrekeyBundle,
-    PrekeySecrets,
     x25519_dh,
     x25519_keypair,
 )
 from talos_sdk.errors import BundleError, EncodingError, MalformedFrameError, UsageError
 from talos_sdk.hybrid import HYBRID_SIGNATURE_SIZE
 from talos_sdk.hybrid import SUITE_HYBRID as AUTH_HYBRID
+from talos_sdk.prekeys import PrekeySecrets
 from talos_sdk.wallet import Wallet
 
 
@@ -141,7 +141,7 @@ def test_secrets_from_garbage(garbage: bytes) -> None:
         PrekeySecrets.from_bytes(garbage)
 
 
-@pytest.mark.parametrize("d", [{}, {"version": 2}, {"version": 1, "did": "did:key:zzz"}])
+@pytest.mark.parametrize("d", [{}, {"version": 3}, {"version": 1, "did": "did:key:zzz"}])
 def test_secrets_from_bad_dict(d: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(EncodingError):
         PrekeySecrets.from_dict(d)
@@ -246,7 +246,7 @@ def test_classical_bundle_is_still_version_1(wallet: Wallet, hybrid_secrets: Pre
 
 def test_hybrid_secrets_round_trip(pq_auth_secrets: PrekeySecrets) -> None:
     raw = pq_auth_secrets.to_bytes()
-    assert raw.startswith(b"TPKS\x02")
+    assert raw.startswith(b"TPKS\x04")  # hybrid identity, with the rotation block
     d = json.loads(json.dumps(pq_auth_secrets.to_dict()))
     for s in (PrekeySecrets.from_bytes(raw), PrekeySecrets.from_dict(d)):
         assert s.to_bytes() == raw

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from talos_sdk.bundle import PrekeySecrets
 from talos_sdk.errors import DecryptionError, MalformedFrameError, OversizeError, UsageError
 from talos_sdk.frames import (
     FRAME_AD,
@@ -20,6 +19,7 @@ from talos_sdk.frames import (
     RatchetFrameCrypto,
     verify_commitment,
 )
+from talos_sdk.prekeys import PrekeySecrets
 from talos_sdk.ratchet import Session
 from talos_sdk.wallet import Wallet
 

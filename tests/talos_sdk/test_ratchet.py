@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey, PrekeySecrets
+from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey
 from talos_sdk.errors import (
     BundleError,
     DecryptionError,
@@ -25,6 +25,7 @@ from talos_sdk.errors import (
     MalformedFrameError,
     UsageError,
 )
+from talos_sdk.prekeys import PrekeySecrets
 from talos_sdk.ratchet import MAX_SKIP, MAX_SKIPPED_KEYS, Session
 from talos_sdk.wallet import Wallet
 

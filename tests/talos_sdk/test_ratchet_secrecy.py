@@ -20,8 +20,9 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.hmac import HMAC
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from talos_sdk.bundle import SUITE_X25519, IdentityKey, PrekeyBundle, PrekeySecrets
+from talos_sdk.bundle import SUITE_X25519, IdentityKey, PrekeyBundle
 from talos_sdk.errors import DecryptionError, UsageError
+from talos_sdk.prekeys import PrekeySecrets
 from talos_sdk.ratchet import PeerIdentity, Session
 from talos_sdk.wallet import Wallet
 from talos_sdk.x3dh import INFO_X25519

@@ -14,8 +14,9 @@ from cryptography.hazmat.primitives.asymmetric.mlkem import MLKEM768PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey, PrekeyBundle, PrekeySecrets
+from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey, PrekeyBundle
 from talos_sdk.errors import BundleError, MalformedFrameError, SignatureError
+from talos_sdk.prekeys import PrekeySecrets
 from talos_sdk.wallet import Wallet
 from talos_sdk.x3dh import INFO_HYBRID, INFO_X25519, InitialData, initiate, respond
 

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey, PrekeySecrets
+from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519, IdentityKey
 from talos_sdk.frames import Frame, RatchetFrameCrypto
+from talos_sdk.prekeys import PrekeySecrets
 from talos_sdk.ratchet import Session
 from talos_sdk.wallet import Wallet
 from talos_sdk.x3dh import initiate

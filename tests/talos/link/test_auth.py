@@ -10,9 +10,9 @@ from talos.link import handshake as hs
 from talos.link.auth import CLOSE_DOWNGRADE, CLOSE_PQ_REQUIRED, AuthPolicy, check_bundle_auth
 from talos.pins import load_pin, store_pin
 from talos.store import Store
-from talos_sdk.bundle import PrekeySecrets
 from talos_sdk.errors import BundleError
 from talos_sdk.hybrid import SUITE_ED25519, SUITE_HYBRID, PinnedKeyChangedError
+from talos_sdk.prekeys import PrekeySecrets
 from talos_sdk.wallet import Wallet
 from tests.talos.link.pair import HandshakePair
 
