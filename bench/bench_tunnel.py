@@ -11,7 +11,11 @@ server spawned directly on stdio in the same run:
   added latency = tunnel - raw (targets: p50 <= +0.6 ms, p99 <= +2 ms, lean client);
 * lean requests/s sequential (>= 1,000 /s) and with 64 in flight (>= 8,000 /s);
 * the same sequential figures with ``serve --audit strict`` (one durable
-  audit commit per call, docs/DESIGN.md "Notes"): shown, not a target.
+  audit commit per call, docs/DESIGN.md "Notes"): shown, not a target;
+* the ``connect --http`` front (docs/adr/0008-http-front-eras.md), 2026-07-28
+  stateless and 2025-11-25 session clients: ``tools/call echo`` p50 and
+  throughput with 64 in flight against the same call on raw stdio. mcp-proxy
+  and supergateway are not installed here, so they have no rows.
 
     python bench/bench_tunnel.py [--fast] [--count N] [--burst M]
 """
@@ -27,11 +31,13 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO_ROOT, Suite, quantiles
 from _procs import ENV, PROXY, PYTHON, child, run, run_quiet
+from http_front_client import HttpMcpClient
 from lean_jsonrpc import LeanClient
 
 PING_SERVER = [PYTHON, str(Path(__file__).resolve().parent / "mcp_ping_server.py")]
@@ -50,21 +56,26 @@ class LeanRun:
     in_flight: float  # requests/s, IN_FLIGHT outstanding
 
 
-async def lean_run(argv: Sequence[str], count: int, burst: int) -> LeanRun:
-    """Ping ``argv`` (an MCP stdio server) one at a time, then IN_FLIGHT at a time."""
+ECHO = {"name": "echo", "arguments": {"text": "hi"}}
+
+
+async def lean_run(
+    argv: Sequence[str], count: int, burst: int, method: str = "ping", params: Any = None
+) -> LeanRun:
+    """Call ``method`` on ``argv`` (an MCP stdio server) one at a time, then IN_FLIGHT at a time."""
     client = await LeanClient.spawn(list(argv), env=ENV)
     try:
         await asyncio.wait_for(client.initialize(), SETUP_TIMEOUT)
         for _ in range(max(count // 10, 5)):  # warm-up: link, session, tool process
-            await client.request("ping")
+            await client.request(method, params)
         pings = []
         for _ in range(count):
             start = time.perf_counter()
-            await client.request("ping")
+            await client.request(method, params)
             pings.append(time.perf_counter() - start)
         sequential = count / sum(pings)
         start = time.perf_counter()
-        await client.pipelined("ping", (None for _ in range(burst)), IN_FLIGHT)
+        await client.pipelined(method, (params for _ in range(burst)), IN_FLIGHT)
         in_flight = burst / (time.perf_counter() - start)
     finally:
         await client.close()
@@ -103,6 +114,31 @@ async def tunnel(root: Path, name: str, *serve_args: str) -> AsyncIterator[list[
         yield [*PROXY, *QUIET, "connect", "--home", str(c_home), "--peer", address]
 
 
+@contextlib.asynccontextmanager
+async def http_front(root: Path) -> AsyncIterator[tuple[str, str]]:
+    """``connect --http`` in front of a tunnel to the ping server; yields (URL, token)."""
+    async with tunnel(root, "http") as connect:
+        argv = [*connect, "--http", "127.0.0.1:0", "--http-idle", "600"]
+        async with child(argv, "talos-proxy connect --http") as front:
+            url = (await front.wait_line(r"Streamable HTTP on (http://\S+)")).group(1)
+            home = Path(connect[connect.index("--home") + 1])
+            token = (home / "proxy-http.token").read_text().strip()
+            yield url, token
+
+
+async def http_run(url: str, token: str, count: int, burst: int, *, stateless: bool) -> LeanRun:
+    """``tools/call echo`` over the HTTP front, one at a time, then IN_FLIGHT at a time."""
+    client = HttpMcpClient(url, token, stateless=stateless, in_flight=IN_FLIGHT)
+    try:
+        await asyncio.wait_for(client.start(), SETUP_TIMEOUT)
+        await client.timed(max(count // 10, 5))  # warm-up: link, tool process(es)
+        samples = await client.timed(count)
+        in_flight = await client.throughput(burst, IN_FLIGHT)
+    finally:
+        await client.close()
+    return LeanRun(samples, count / sum(samples), in_flight)
+
+
 async def measure(suite: Suite, count: int, burst: int) -> None:
     with tempfile.TemporaryDirectory(prefix="talos-bench-tunnel-") as tmp:
         root = Path(tmp)
@@ -113,6 +149,11 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
             ours_sdk = await sdk_pings(connect, count)
         async with tunnel(root, "strict", "--audit", "strict") as connect:
             strict = await lean_run(connect, count, burst)
+        raw_echo = await lean_run(PING_SERVER, count, burst, "tools/call", ECHO)
+        async with http_front(root) as (url, token):
+            stateless = await http_run(url, token, count, burst, stateless=True)
+            legacy = await http_run(url, token, count, burst, stateless=False)
+    record_http(suite, raw_echo, stateless, legacy)
 
     raw50, raw99 = quantiles(raw.pings)
     p50, p99 = quantiles(ours.pings)
@@ -191,6 +232,39 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
     suite.record_samples("lean ping, tunnel --audit strict", strict.pings)
     suite.record_samples("MCP SDK ping, raw stdio", raw_sdk)
     suite.record_samples("MCP SDK ping, tunnel", ours_sdk)
+
+
+def record_http(suite: Suite, raw: LeanRun, stateless: LeanRun, legacy: LeanRun) -> None:
+    """HTTP front rows: added p50 and 64-in-flight throughput against direct stdio, same run."""
+    rec = suite.record
+    raw50, _ = quantiles(raw.pings)
+    rec("tunnel.echo.raw.p50", "lean tools/call echo, raw stdio, p50", raw50, "s", row=False)
+    rec(
+        "tunnel.echo.inflight64.raw",
+        f"lean tools/call echo, raw stdio, {IN_FLIGHT} in flight",
+        raw.in_flight,
+        "ops/s",
+        row=False,
+    )
+    for era, run_ in (("stateless", stateless), ("legacy", legacy)):
+        p50, _ = quantiles(run_.pings)
+        name = "2026-07-28 stateless" if era == "stateless" else "2025-11-25 session"
+        rec(
+            f"tunnel.http.{era}.p50",
+            f"HTTP front ({name}) echo, p50",
+            p50,
+            "s",
+            raw="tunnel.echo.raw.p50",
+        )
+        rec(f"tunnel.http.{era}.added.p50", f"HTTP front ({name}) added, p50", p50 - raw50, "s")
+        rec(
+            f"tunnel.http.{era}.inflight64",
+            f"HTTP front ({name}) echo, {IN_FLIGHT} in flight",
+            run_.in_flight,
+            "ops/s",
+            raw="tunnel.echo.inflight64.raw",
+        )
+        suite.record_samples(f"echo, HTTP front {era}", run_.pings)
 
 
 def main() -> None:
