@@ -276,7 +276,10 @@ class HttpFront:
         try:
             await session.tunnel.from_agent(body)
             headers = {SESSION_HEADER: session.id}
-            return await respond(request, exchange, queue, json_ok=json_ok, headers=headers)
+            response = await respond(request, exchange, queue, json_ok=json_ok, headers=headers)
+            if exchange.done:
+                session.forget(exchange)  # delivered whole: nothing left to resume
+            return response
         finally:
             session.touch()  # idle from the end of its last exchange
 

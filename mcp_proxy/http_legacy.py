@@ -82,6 +82,11 @@ class LegacySession:
         self.posts.append(exchange)
         return exchange
 
+    def forget(self, exchange: Exchange) -> None:
+        """Drop a finished exchange from the replay store (its client read it to the end)."""
+        if exchange.key is not None and self.exchanges.get(exchange.key) is exchange:
+            del self.exchanges[exchange.key]
+
     def find(self, key: str) -> Exchange | None:
         """The exchange a ``Last-Event-ID`` names, if still kept."""
         return self.get_stream if key == GET_KEY else self.exchanges.get(key)

@@ -298,6 +298,8 @@ def _mcp_post(port: int, token: str, body: dict[str, Any], session: str | None) 
             assert resp.status == 202, resp.read()
             return None
         assert resp.status == 200, resp.read()
+        if resp.headers["Content-Type"].startswith("application/json"):
+            return resp.headers["Mcp-Session-Id"], json.loads(resp.read())
         for raw in resp:  # SSE: the reply is the first data line
             line = raw.decode().strip()
             if line.startswith("data:"):
