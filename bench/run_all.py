@@ -96,7 +96,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def previous_report(path: Path) -> tuple[dict[str, list[str]], dict[tuple[str, str], str]]:
+def previous_report(
+    path: Path,
+) -> tuple[dict[str, list[str]], dict[tuple[str, str, str], str]]:
     """What an earlier report held: its per-script figure sections and its target rows.
 
     ``--only`` re-measures some scripts; a script with no results file here
@@ -104,7 +106,7 @@ def previous_report(path: Path) -> tuple[dict[str, list[str]], dict[tuple[str, s
     the report being replaced, so a partial run never drops figures.
     """
     sections: dict[str, list[str]] = {}
-    rows: dict[tuple[str, str], str] = {}
+    rows: dict[tuple[str, str, str], str] = {}
     if not path.exists():
         return sections, rows
     current: list[str] | None = None
@@ -122,12 +124,14 @@ def previous_report(path: Path) -> tuple[dict[str, list[str]], dict[tuple[str, s
         elif in_targets and line.startswith("| ") and not line.startswith("| ---"):
             cells = [c.strip() for c in line.strip("|").split(" | ")]
             if len(cells) == 8:
-                rows[(cells[0], cells[6])] = line
+                # A target may have several criteria with the same text: number them.
+                n = sum(1 for k in rows if k[:2] == (cells[0], cells[6]))
+                rows[(cells[0], cells[6], str(n))] = line
     return sections, rows
 
 
 def targets_section(
-    metrics: dict[str, Metric], previous: dict[tuple[str, str], str] | None = None
+    metrics: dict[str, Metric], previous: dict[tuple[str, str, str], str] | None = None
 ) -> list[str]:
     """docs/DESIGN.md's targets, checked against the figures measured in this run."""
     lines = [
@@ -144,7 +148,8 @@ def targets_section(
     for t in TARGETS:
         for c in t.criteria:
             check = c.check(metrics)
-            kept = (previous or {}).get((_cell(t.what), _cell(c.text)))
+            same = sum(1 for x in t.criteria[: t.criteria.index(c)] if x.text == c.text)
+            kept = (previous or {}).get((_cell(t.what), _cell(c.text), str(same)))
             if check.ok is None and kept is not None:
                 lines.append(kept)
                 if "**pass**" in kept:
