@@ -1,4 +1,4 @@
-"""The sealed link channel and its handshake (docs/adr/0009-noise-link-channel.md).
+"""The sealed link channel and its handshake (docs/adr/0011-noise-link-channel.md).
 
 Run ``python bench/bench_link.py`` (any pyperf option works; ``--fast`` for a
 smoke run). Rows: a link frame sealed and opened by :class:`LinkChannel`

@@ -1,4 +1,4 @@
-"""The Noise Protocol Framework, revision 34, sans-I/O (docs/adr/0009-noise-link-channel.md).
+"""The Noise Protocol Framework, revision 34, sans-I/O (docs/adr/0011-noise-link-channel.md).
 
 Suite ``25519_ChaChaPoly_SHA256`` (Noise spec sections 12.1, 12.3, 12.5) on
 ``cryptography`` primitives; patterns NN, XX and IK (section 7.5), plus the
