@@ -43,7 +43,9 @@ IMG_DIR = DOCS / "img"
 # Enough processes and values for stable ratios while the suite stays < 10 min.
 DEFAULT_PYPERF_ARGS = "--processes 3 --values 3 --warmups 1 --min-time 0.05"
 # Scripts that are plain asyncio programs, not pyperf runners: no pyperf options.
-NON_PYPERF = frozenset({"bench_e2e", "bench_scale", "bench_tunnel", "bench_transfer"})
+NON_PYPERF = frozenset(
+    {"bench_e2e", "bench_relay", "bench_scale", "bench_tunnel", "bench_transfer"}
+)
 
 
 def discover() -> list[str]:

@@ -302,6 +302,12 @@ TARGETS: tuple[Target, ...] = (
         (AtMost("e2e.latency.p50", 1e-3, ("e2e.sync_commit", "ws.roundtrip.p50"), 2.0),),
     ),
     Target(
+        "relayed message round trip (NATS relay), p50",
+        "—",
+        "the direct link, same run",
+        (AtMost("relay.msg.p50", float("inf"), ("relay.direct.p50",), 3.0),),
+    ),
+    Target(
         "MCP tunnel added round trip (ping)",
         "+12.3 ms",
         "naive unencrypted relay +0.5 ms",
