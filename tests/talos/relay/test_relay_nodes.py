@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from talos.node import Node
 from tests.talos.nodes import started, until
@@ -60,3 +61,32 @@ async def test_recipient_offline_then_sender_offline_delivered_once(relay_net: R
         await a.stop()
         await b.stop()
     await asyncio.sleep(0)
+
+
+async def test_the_relay_sees_only_sealed_frames(relay_net: RelayNet) -> None:
+    """Every packet either node publishes: no DID, no message text, no subject naming a DID."""
+    a, b = await _pair(relay_net)
+    seen: list[tuple[str, bytes]] = []
+    for node in (a, b):
+        assert node.relay is not None
+        client = node.relay.client
+        real = client._publish
+
+        async def recording(subject: str, data: bytes, real: Any = real) -> None:
+            seen.append((subject, data))
+            await real(subject, data)
+
+        client._publish = recording  # type: ignore[method-assign]
+    try:
+        text = "a message only its two ends may read"
+        await a.send_message(b.did, text, wait=True)
+        await b.send_message(a.did, text + " (reply)", wait=True)
+        assert seen
+        for subject, data in seen:
+            for did in (a.did, b.did):
+                assert did.encode() not in data
+                assert did.removeprefix("did:key:") not in subject
+            assert text.encode() not in data
+    finally:
+        await a.stop()
+        await b.stop()
