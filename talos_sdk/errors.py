@@ -12,6 +12,7 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     │   ├── MessageTooLargeError   text above both nodes' frame bound (talos/pipeline.py)
     │   ├── UnknownRecordError     no sealed record with that id (talos/chain/log.py; also KeyError)
     │   ├── BadAddressError        not a usable ws:// peer address (talos/discovery.py)
+    │   ├── PassphraseNeededError  no terminal to ask for a key file's passphrase (talos/keys.py)
     │   ├── PolicyError            a policy file that cannot be used (mcp_proxy/policy.py)
     │   └── PolicyDenied           the policy refuses this caller / tool (mcp_proxy/policy.py)
     ├── KeyFileError               a key file cannot be read or written
