@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 import tempfile
 import time
@@ -102,11 +103,24 @@ async def sdk_pings(argv: Sequence[str], count: int) -> list[float]:
     return samples
 
 
+LAZY: dict[str, object] = {"ratchet_every": 64, "ratchet_max_age": 60.0}
+
+
 @contextlib.asynccontextmanager
-async def tunnel(root: Path, name: str, *serve_args: str) -> AsyncIterator[list[str]]:
-    """A running ``talos-proxy serve`` over the ping server; yields the connect command."""
+async def tunnel(
+    root: Path, name: str, *serve_args: str, node: dict[str, object] | None = None
+) -> AsyncIterator[list[str]]:
+    """A running ``talos-proxy serve`` over the ping server; yields the connect command.
+
+    ``node``: NodeConfig fields set in both homes (e.g. the lazy ratchet, ADR 0002).
+    """
     c_home, s_home = root / f"{name}-connect", root / f"{name}-serve"
-    did_c = await run_quiet([*PROXY, "id", "--home", str(c_home)])
+    did_c = await run_quiet([*PROXY, "id", "--home", str(c_home), "--no-passphrase"])
+    if node:
+        await run_quiet([*PROXY, "id", "--home", str(s_home), "--no-passphrase"])
+        for home in (c_home, s_home):
+            config = home / "config.json"
+            config.write_text(json.dumps({**json.loads(config.read_text()), **node}))
     argv = [*PROXY, *QUIET, "serve", "--home", str(s_home), "--listen", "127.0.0.1:0"]
     argv += ["--allow", did_c, *serve_args, "--", *PING_SERVER]
     async with child(argv, f"talos-proxy serve ({name})") as serve:
@@ -149,6 +163,8 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
             ours_sdk = await sdk_pings(connect, count)
         async with tunnel(root, "strict", "--audit", "strict") as connect:
             strict = await lean_run(connect, count, burst)
+        async with tunnel(root, "lazy", node=LAZY) as connect:
+            lazy = await lean_run(connect, count, burst)
         raw_echo = await lean_run(PING_SERVER, count, burst, "tools/call", ECHO)
         async with http_front(root) as (url, token):
             stateless = await http_run(url, token, count, burst, stateless=True)
@@ -224,6 +240,21 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
         "tunnel.strict.inflight64",
         f"lean, --audit strict, {IN_FLIGHT} in flight",
         strict.in_flight,
+        "ops/s",
+        raw="tunnel.lean.inflight64",
+    )
+    # The node's default is a DH ratchet step per turn; lazy is opt-in (ADR 0002).
+    rec(
+        "tunnel.lazy.sequential",
+        "lean, lazy ratchet (64 / 60 s), sequential",
+        lazy.sequential,
+        "ops/s",
+        raw="tunnel.lean.sequential",
+    )
+    rec(
+        "tunnel.lazy.inflight64",
+        f"lean, lazy ratchet (64 / 60 s), {IN_FLIGHT} in flight",
+        lazy.in_flight,
         "ops/s",
         raw="tunnel.lean.inflight64",
     )
