@@ -1,57 +1,60 @@
 """``talosd``: the node's command line (docs/DESIGN.md "Who uses it").
 
-Commands that need the running node talk to its control API (talos/client.py);
-those that make sense offline (id, peers, send, inbox, chain) open the home's
-store directly when no node runs there. Expected failures print one line on
-stderr and exit 1; argparse usage errors exit 2; nothing prints a traceback.
+Commands that need the running node talk to it over its local socket
+(talos/local/call.py, docs/adr/0011-local-clients.md); those that make sense
+offline (id, peers, send, inbox, chain) open the home's store directly when no
+node runs there. Client commands import neither the node, aiohttp nor
+pydantic until they need them. Expected failures print one line on stderr and
+exit 1; argparse usage errors exit 2; nothing prints a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from talos import runtime
-from talos.client import ApiClient, ApiError, NodeNotRunningError
-from talos.config import (
-    Home,
-    NodeConfig,
-    default_home,
-    parse_listen,
-    parse_peer_addr,
-    parse_relay_url,
-)
+from talos.local.call import LocalCallError, NoNodeError
+from talos.local.call import call as node_call
 from talos_sdk.errors import TalosError, UsageError
 
 __all__ = ["main"]
+
+_NOT_RUNNING = object()
 
 
 def _out(obj: Any) -> None:
     print(json.dumps(obj, indent=2))
 
 
-def _home(args: argparse.Namespace) -> Home:
-    return Home(Path(args.home) if args.home else default_home())
+def _home_path(args: argparse.Namespace) -> Path:
+    # talos.config.default_home, without importing pydantic for a client command.
+    env = os.environ.get("TALOS_HOME")
+    return Path(args.home or env or Path.home() / ".talos")
 
 
-def _client_or_none(home: Home) -> ApiClient | None:
+def _home(args: argparse.Namespace) -> Any:
+    from talos.config import Home
+
+    return Home(_home_path(args))
+
+
+def _online(path: Path, op: str, args: dict[str, Any] | None = None, timeout: float = 30) -> Any:
+    """The running node's answer to ``op``, or _NOT_RUNNING when no node runs on ``path``."""
     try:
-        return ApiClient.for_home(home)
-    except NodeNotRunningError:
-        return None
+        return node_call(path, op, args, timeout=timeout)
+    except NoNodeError:
+        return _NOT_RUNNING
 
 
-def _require_identity(home: Home) -> None:
-    if not home.exists():
-        raise UsageError(f"no identity in {home.path}: run `talosd init --home {home.path}` first")
+def _require_identity(path: Path) -> None:
+    if not (path / "identity.key").exists():  # talos.config.Home.identity
+        raise UsageError(f"no identity in {path}: run `talosd init --home {path}` first")
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -76,7 +79,7 @@ def cmd_passphrase(args: argparse.Namespace) -> int:
     from talos.keys import change_passphrase
 
     home = _home(args)
-    _require_identity(home)
+    _require_identity(home.path)
     sealed = change_passphrase(
         home.identity,
         passphrase_file=args.passphrase_file,
@@ -89,15 +92,13 @@ def cmd_passphrase(args: argparse.Namespace) -> int:
 
 
 def cmd_id(args: argparse.Namespace) -> int:
-    home = _home(args)
-    _require_identity(home)
-    client = _client_or_none(home)
-    if client is not None:
-        info = client.call("GET", "/v1/id")
-    else:
+    path = _home_path(args)
+    _require_identity(path)
+    info = _online(path, "id")
+    if info is _NOT_RUNNING:
         from talos.home import offline_identity
 
-        info = offline_identity(home)
+        info = offline_identity(_home(args))
     if args.json:
         _out(info)
     else:
@@ -106,12 +107,17 @@ def cmd_id(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from talos import runtime
+    from talos.config import NodeConfig, parse_listen, parse_peer_addr, parse_relay_url
     from talos.daemon import Daemon
     from talos.keys import unlock
     from talos.logging import configure
 
     home = _home(args)
-    _require_identity(home)
+    _require_identity(home.path)
     wallet = unlock(home.identity, passphrase_file=args.passphrase_file)
     config = home.load_config()
     updates: dict[str, Any] = {}
@@ -162,60 +168,71 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
-    home = _home(args)
-    _require_identity(home)
-    client = _client_or_none(home)
+    path = _home_path(args)
+    _require_identity(path)
     if args.peers_cmd == "add":
-        if client is not None:
-            res = client.call("POST", "/v1/peers", {"addr": args.addr})
-        else:
+        res = _online(path, "peers.add", {"addr": args.addr, "name": args.name})
+        if res is _NOT_RUNNING:
             from talos.home import offline_add_peer
+            from talos.peer_names import offline_set_name
 
-            res = offline_add_peer(home, args.addr)
-        print(f"added {res['did']}")
+            res = offline_add_peer(_home(args), args.addr)
+            if args.name:
+                offline_set_name(path, res["did"], args.name)
+        print(f"added {res['did']}" + (f" as {args.name}" if args.name else ""))
         return 0
-    if client is not None:
-        peers = client.call("GET", "/v1/peers")["peers"]
-    else:
-        from talos.home import offline_peers
+    if args.peers_cmd == "name":
+        res = _online(path, "peers.name", {"peer": args.peer, "name": args.name})
+        if res is _NOT_RUNNING:
+            from talos.peer_names import offline_set_name
 
-        peers = offline_peers(home)
+            res = {"did": offline_set_name(path, args.peer, args.name)}
+        print(f"{res['did']} is {args.name}")
+        return 0
+    peers = _online(path, "peers.list")
+    if peers is _NOT_RUNNING:
+        from talos.home import offline_peers
+        from talos.peer_names import offline_names
+
+        names = offline_names(path)
+        peers = [{**p, "name": names.get(p["did"])} for p in offline_peers(_home(args))]
     if args.json:
         _out(peers)
     else:
         for p in peers:
             state = "connected" if p.get("connected") else "offline"
-            print(f"{p['did']} {p.get('addr') or '-'} {state}")
+            name = f" ({p['name']})" if p.get("name") else ""
+            print(f"{p['did']}{name} {p.get('addr') or '-'} {state}")
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    home = _home(args)
-    _require_identity(home)
-    client = _client_or_none(home)
-    if client is None:
-        raise NodeNotRunningError(f"no node is running on {home.path}")
-    _out(client.call("GET", "/v1/status"))
+    path = _home_path(args)
+    _require_identity(path)
+    status = _online(path, "status")
+    if status is _NOT_RUNNING:
+        raise NoNodeError(f"no node is running on {path}")
+    _out(status)
     return 0
 
 
 def cmd_send(args: argparse.Namespace) -> int:
-    home = _home(args)
-    _require_identity(home)
-    client = _client_or_none(home)
-    if client is not None:
-        body = {"to": args.did, "text": args.text, "wait": args.wait, "timeout": args.timeout}
-        res = client.call("POST", "/v1/send", body, timeout=args.timeout + 5)
+    path = _home_path(args)
+    _require_identity(path)
+    body = {"to": args.did, "text": args.text, "wait": args.wait, "timeout": args.timeout}
+    res = _online(path, "send", body, timeout=args.timeout + 5)
+    if res is not _NOT_RUNNING:
         print(res["id"])
         return 0
     if args.wait:
-        raise NodeNotRunningError(
-            f"no node is running on {home.path}; --wait needs a running node "
+        raise NoNodeError(
+            f"no node is running on {path}; --wait needs a running node "
             "(without --wait the message is queued for the next run)"
         )
     from talos.home import offline_send
+    from talos.peer_names import offline_resolve
 
-    print(offline_send(home, args.did, args.text))
+    print(offline_send(_home(args), offline_resolve(path, args.did), args.text))
     return 0
 
 
@@ -232,39 +249,36 @@ def _print_messages(messages: list[dict[str, Any]], as_json: bool, stream: bool)
 
 
 def cmd_inbox(args: argparse.Namespace) -> int:
-    home = _home(args)
-    _require_identity(home)
-    client = _client_or_none(home)
-    if client is None:
+    path = _home_path(args)
+    _require_identity(path)
+    res = _online(path, "inbox", {"after": args.after, "limit": 1000})
+    if res is _NOT_RUNNING:
         if args.follow:
-            raise NodeNotRunningError(f"--follow needs a running node on {home.path}")
+            raise NoNodeError(f"--follow needs a running node on {path}")
         from talos.home import offline_inbox
 
-        _print_messages(offline_inbox(home, args.after), args.json, False)
+        _print_messages(offline_inbox(_home(args), args.after), args.json, False)
         return 0
-    res = client.call("GET", f"/v1/inbox?after={args.after}")
     _print_messages(res["messages"], args.json, args.follow)
     cursor = res["next"]
     while args.follow:
-        res = client.call("GET", f"/v1/inbox?after={cursor}&wait=25", timeout=40)
+        res = node_call(path, "inbox", {"after": cursor, "wait": 25, "limit": 1000}, timeout=40)
         _print_messages(res["messages"], args.json, True)
         cursor = res["next"]
     return 0
 
 
 def cmd_chain(args: argparse.Namespace) -> int:
-    home = _home(args)
-    _require_identity(home)
-    client = _client_or_none(home)
+    path = _home_path(args)
+    _require_identity(path)
     if args.chain_cmd == "verify":
-        if client is not None:
-            report = client.call("GET", "/v1/chain/verify", timeout=600)
-        else:
+        report = _online(path, "chain.verify", timeout=600)
+        if report is _NOT_RUNNING:
             from talos.home import offline_verify
 
-            report = offline_verify(home)
+            report = offline_verify(_home(args))
         if args.heads is not None:
-            _witness(home, client, args.heads, report)
+            _witness(path, args.heads, report)
         if args.json:
             _out(report)
         for d in report["defects"]:
@@ -295,31 +309,27 @@ def cmd_chain(args: argparse.Namespace) -> int:
                 print(f"heads held by others: {report['witness']['checked']} match")
         return 0
     if args.chain_cmd == "heads":
-        if client is not None:
-            _out(client.call("GET", "/v1/chain/peer-heads"))
-        else:
-            _out(_offline_peer_heads(home))
+        heads = _online(path, "chain.peer_heads")
+        _out(heads if heads is not _NOT_RUNNING else _offline_peer_heads(path))
         return 0
     if args.chain_cmd == "show":
-        if client is not None:
-            blocks = client.call("GET", "/v1/chain/show")["blocks"]
-        else:
+        blocks = _online(path, "chain.show")
+        if blocks is _NOT_RUNNING:
             from talos.home import offline_blocks
 
-            blocks = offline_blocks(home)
+            blocks = offline_blocks(_home(args))
         _out(blocks)
         return 0
-    if client is not None:
-        proof = client.call("GET", f"/v1/chain/proof/{args.id}")
-    else:
+    proof = _online(path, "chain.proof", {"id": args.id})
+    if proof is _NOT_RUNNING:
         from talos.home import offline_proof
 
-        proof = offline_proof(home, args.id)
+        proof = offline_proof(_home(args), args.id)
     _out(proof)
     return 0
 
 
-def _witness(home: Home, client: ApiClient | None, path: str, report: dict[str, Any]) -> None:
+def _witness(home_path: Path, path: str, report: dict[str, Any]) -> None:
     """Check the log against signed heads of this node that others hold (``--heads FILE``)."""
     from talos.chain.witness import check_heads, statements_of
     from talos_sdk.keyfile import load_wallet
@@ -330,9 +340,11 @@ def _witness(home: Home, client: ApiClient | None, path: str, report: dict[str, 
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
     except ValueError:
         raise UsageError(f"{path} is not JSON") from None
-    if client is not None:
-        blocks = client.call("GET", "/v1/chain/show")["blocks"]
-    else:
+    from talos.config import Home
+
+    home = Home(home_path)
+    blocks = _online(home_path, "chain.show")
+    if blocks is _NOT_RUNNING:
         from talos.home import offline_blocks
 
         blocks = offline_blocks(home)
@@ -354,10 +366,12 @@ def _witness(home: Home, client: ApiClient | None, path: str, report: dict[str, 
         )
 
 
-def _offline_peer_heads(home: Home) -> dict[str, Any]:
+def _offline_peer_heads(home_path: Path) -> dict[str, Any]:
     """The latest signed head kept for each peer (``meta`` rows ``head:DID``)."""
+    from talos.config import Home
     from talos.store import Store
 
+    home = Home(home_path)
     out: dict[str, Any] = {}
     with Store(home.store_dir, map_size=home.load_config().map_size) as store, store.read() as txn:
         for key, value in txn.items("meta", b"head:"):
@@ -365,6 +379,20 @@ def _offline_peer_heads(home: Home) -> dict[str, Any]:
                 break
             out[key[5:].decode()] = json.loads(value)
     return out
+
+
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """``talosd mcp``: stdout is the MCP channel, logs go to stderr."""
+    import logging
+
+    from talos import runtime
+    from talos.agent_mcp.server import serve
+
+    path = _home_path(args)
+    _require_identity(path)
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    runtime.run(serve(path))
+    return 0
 
 
 # --- parser ------------------------------------------------------------------------------------
@@ -445,7 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
     psub = sp.add_subparsers(dest="peers_cmd", required=True)
     pa = psub.add_parser("add")
     pa.add_argument("addr", help="ws://HOST:PORT#DID")
+    pa.add_argument("--name", help="a local name for the peer, usable wherever a DID is")
     pa.add_argument("--home", default=argparse.SUPPRESS)
+    pn = psub.add_parser("name", help="give a peer a local name (never sent to anyone)")
+    pn.add_argument("peer", help="DID (or current name) of the peer")
+    pn.add_argument("name")
+    pn.add_argument("--home", default=argparse.SUPPRESS)
     pl = psub.add_parser("list")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--home", default=argparse.SUPPRESS)
@@ -454,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("send", "queue a message for a peer")
     sp.add_argument("--wait", action="store_true", help="return once the peer acknowledged")
     sp.add_argument("--timeout", type=float, default=30.0)
-    sp.add_argument("did")
+    sp.add_argument("did", metavar="PEER", help="DID or peer name")
     sp.add_argument("text")
     sp.set_defaults(fn=cmd_send)
     sp = add("inbox", "read received messages")
@@ -484,6 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("id", help="record (message) id, hex")
     cp.add_argument("--home", default=argparse.SUPPRESS)
     sp.set_defaults(fn=cmd_chain, json=False)
+    add(
+        "mcp",
+        "stdio MCP server for an agent: message other agents through this node "
+        "(attaches to the running node, or runs one)",
+    ).set_defaults(fn=cmd_mcp)
     from talos.transfer.cli import register_cli  # send-file / files
 
     register_cli(sub, add)
@@ -499,8 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
-    except ApiError as exc:
-        print(f"talosd: error: {exc} (HTTP {exc.status})", file=sys.stderr)
+    except LocalCallError as exc:
+        print(f"talosd: error: {exc}", file=sys.stderr)
     except (TalosError, OSError) as exc:
         print(f"talosd: error: {exc}", file=sys.stderr)
     except KeyboardInterrupt:

@@ -3,7 +3,8 @@
 Builds and wires the parts of a running node in one place: the
 :class:`~talos.node.Node` (links, sessions, pipeline, block log), the
 :class:`~talos.transfer.manager.TransferManager` on the node's app channel, and
-the control API over both. Transfer runs whether or not the API does; the API
+the control API over both, and the local socket of attached clients
+(talos/local/server.py). Transfer runs whether or not the API does; the API
 only adds routes over the manager it is handed. Stop order is the reverse of
 start: the API first (long-polls woken), then transfers, then the node.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from talos.config import Home, NodeConfig
+from talos.local.server import LocalServer
 from talos.node import Node
 from talos.transfer.manager import TransferConfig, TransferManager
 from talos_sdk.wallet import Wallet
@@ -54,6 +56,7 @@ class Daemon:
         self.transfers: TransferManager | None = None
         self.api_url: str | None = None
         self._api: web.AppRunner | None = None
+        self.local: LocalServer | None = None
 
     async def start(self) -> None:
         """Node, then transfers, then the API; a failure undoes what started."""
@@ -68,6 +71,9 @@ class Daemon:
                 self._api, self.api_url = await start_api(
                     self.node, self.transfers, config.api_host, config.api_port
                 )
+            # Local clients attach last and hear "stopping" first (ADR 0011).
+            self.local = LocalServer(self.node, self.transfers)
+            await self.local.start()
         except BaseException:
             await self.stop()
             raise
@@ -77,11 +83,15 @@ class Daemon:
                 "did": self.node.did,
                 "listen": self.node.listen_url,
                 "api": self.api_url,
+                "socket": str(self.local.path) if self.local is not None else None,
             }
         )
 
     async def stop(self) -> None:
-        """API, transfers, node; the node file goes last (clients read it to find us)."""
+        """Local clients, API, transfers, node; the node file goes last (clients read it)."""
+        if self.local is not None:
+            local, self.local = self.local, None
+            await local.close()
         self.node.quiesce()  # long-polls return now, so the API can close promptly
         if self._api is not None:
             runner, self._api = self._api, None

@@ -69,6 +69,14 @@ EXPECTED: dict[str, list[str]] = {
         r"send-file --wait returned [0-9a-f]{32}",
         r"sha256 matches",
     ],
+    "agents_mcp": [
+        r"alice's agent sees tools \[.*'read_inbox'.*'send_message'.*\]",
+        r"alice: send_message -> id [0-9a-f]{32} acked=True",
+        r"bob: read_inbox -> from alice: 'hello bob, lunch at noon\?'",
+        r"alice: notifications/resources/updated talos://inbox",
+        r"alice: talos://inbox -> \['yes, see you there'\]",
+        r"Done: nodes stopped cleanly",
+    ],
     "verify_log": [
         r"chain ok: \d+ blocks, 3 records",
         r"verify_inclusion_proof\(proof, bob\) -> True",

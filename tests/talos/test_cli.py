@@ -128,7 +128,7 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
         assert len(inbox) == 1
         assert inbox[0]["id"] == msg_id
         assert inbox[0]["from"] == did_a and inbox[0]["text"] == "hello from A"
-        assert set(inbox[0]) == {"id", "from", "text", "ts"}
+        assert set(inbox[0]) == {"n", "id", "from", "from_name", "text", "ts"}
         status = json.loads(talosd("status", "--home", str(home_a)).stdout)
         assert status["sessions"][0]["suite"] == "x25519-mlkem768"
         wait_for(lambda: b.api.call("GET", "/v1/chain/heads")["height"] >= 0, what="a block")

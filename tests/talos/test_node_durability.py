@@ -54,7 +54,11 @@ def writer(node: Node) -> StoreWriter:
 
 def crash_copy(home: Path, to: Path) -> None:
     """The home as a crash would leave it: committed LMDB pages only, no lock files."""
-    shutil.copytree(home, to, ignore=shutil.ignore_patterns("lock.mdb", "talos.lock", "node.json"))
+    shutil.copytree(
+        home,
+        to,
+        ignore=shutil.ignore_patterns("lock.mdb", "talos.lock", "node.json", "talosd.sock"),
+    )
 
 
 def outbox(node: Node) -> int:

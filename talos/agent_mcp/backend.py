@@ -1,0 +1,91 @@
+"""Where ``talosd mcp`` gets its answers: the running node of the home, or one it runs itself.
+
+Both speak the ops of talos/local/ops.py, so tools behave the same either way
+(docs/adr/0011-local-clients.md). Attached, a node that stops turns every call
+into a clear NodeGoneError until it runs again (the next call re-attaches).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+from talos.local.client import LocalClient, NodeGoneError, NoNodeError
+
+__all__ = ["AttachedBackend", "Backend", "InProcessBackend", "open_backend"]
+
+_log = logging.getLogger("talos.agent_mcp")
+
+
+class Backend(Protocol):
+    did: str
+    mode: str
+
+    async def call(self, op: str, **args: Any) -> Any: ...
+
+    async def close(self) -> None: ...
+
+
+class AttachedBackend:
+    """Calls over the node's local socket."""
+
+    mode = "attached"
+
+    def __init__(self, home: Path, client: LocalClient) -> None:
+        self.home = home
+        self.client = client
+        self.did = client.did
+
+    async def call(self, op: str, **args: Any) -> Any:
+        if self.client.gone.done():
+            try:
+                self.client = await LocalClient.connect(self.home)
+            except NoNodeError:
+                raise NodeGoneError(
+                    f"the node of {self.home} stopped; start it again with "
+                    f"`talosd run --home {self.home}`"
+                ) from None
+        return await self.client.call(op, **args)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class InProcessBackend:
+    """No node was running: this process runs it (other clients may attach to it)."""
+
+    mode = "in-process"
+
+    def __init__(self, daemon: Any) -> None:
+        from talos.local.ops import LocalHost
+
+        self.daemon = daemon
+        self.host = LocalHost(daemon.node, daemon.transfers)
+        self.did = str(daemon.node.did)
+
+    async def call(self, op: str, **args: Any) -> Any:
+        from talos.local.ops import run_op
+
+        return await run_op(self.host, op, args)
+
+    async def close(self) -> None:
+        await self.daemon.stop()
+
+
+async def open_backend(home: Path) -> Backend:
+    """Attach to the node of ``home``, or start one in this process when none runs."""
+    try:
+        return AttachedBackend(home, await LocalClient.connect(home))
+    except NoNodeError:
+        pass
+    from talos.config import Home
+    from talos.daemon import Daemon
+    from talos_sdk.errors import UsageError
+
+    if not Home(home).exists():
+        raise UsageError(f"no identity in {home}: run `talosd init --home {home}` first")
+    daemon = Daemon(home)  # the node, its file transfers, API and socket, as `talosd run`
+    await daemon.start()
+    _log.info("no node was running on %s: started one in this process", home)
+    return InProcessBackend(daemon)

@@ -1,0 +1,311 @@
+"""``talosd mcp``: an agent's door to its node, a stdio MCP server (DESIGN.md "Agents on a node").
+
+Built on the official SDK's ``MCPServer`` (docs/adr/0011-local-clients.md),
+which serves both protocol eras on one stream: a client that opens with
+``initialize`` gets the 2025-11-25 session protocol (``resources/subscribe``,
+then ``notifications/resources/updated``), a client that sends the 2026-07-28
+per-request envelope gets the stateless revision (``subscriptions/listen``
+streams carry the same notifications). Every tool has an input and an output
+schema (typed signatures and the models below).
+
+Resources: ``talos://inbox`` (unread messages) and ``talos://inbox/<DID>``
+(unread messages from one peer). A watcher long-polls the node and announces
+new messages on both URIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from talos.agent_mcp.backend import Backend, open_backend
+from talos_sdk.errors import TalosError
+
+__all__ = ["INBOX_URI", "build_server", "serve"]
+
+_log = logging.getLogger("talos.agent_mcp")
+
+INBOX_URI = "talos://inbox"
+PEER_INBOX = "talos://inbox/{did}"
+#: One long-poll of the watcher; it polls again at once, so this only bounds a stuck call.
+_WATCH_WAIT = 60.0
+
+
+class SendResult(BaseModel):
+    id: str = Field(description="message id (hex); also its record id for prove_message")
+    to: str = Field(description="the recipient's DID")
+    acked: bool = Field(description="true once the peer acknowledged its durable commit")
+
+
+class Message(BaseModel):
+    n: int = Field(description="arrival number in this node's inbox")
+    id: str
+    from_: str = Field(alias="from", description="sender DID")
+    from_name: str | None = Field(description="the sender's local peer name, if named")
+    text: str
+    ts: int = Field(description="sender's timestamp, ms since the epoch")
+
+
+class Inbox(BaseModel):
+    messages: list[Message]
+    next: int = Field(description="pass as `after` to read what comes next")
+    read: int = Field(description="the read cursor: messages up to this n are marked read")
+
+
+class ReadCursor(BaseModel):
+    read: int
+
+
+class Peer(BaseModel):
+    did: str
+    name: str | None = None
+    addr: str | None = None
+    connected: bool = False
+
+
+class Peers(BaseModel):
+    peers: list[Peer]
+
+
+class Status(BaseModel):
+    did: str
+    mode: str = Field(description="'attached' to a running talosd, or 'in-process'")
+    listen: str | None
+    links: list[dict[str, Any]]
+    queues: dict[str, int]
+    chain_height: int
+
+
+class FileInfo(BaseModel):
+    tid: str
+    direction: str
+    peer: str
+    name: str
+    size: int
+    state: str
+    transferred: int
+    path: str | None = None
+    error: str | None = None
+
+
+class Files(BaseModel):
+    files: list[FileInfo]
+
+
+class Proof(BaseModel):
+    height: int
+    index: int
+    size: int
+    leaf: str
+    proof: list[str]
+    root: str
+    block: str
+    block_signature: str
+
+
+def _file(data: dict[str, Any]) -> FileInfo:
+    return FileInfo.model_validate({k: data.get(k) for k in FileInfo.model_fields})
+
+
+class InboxWatcher:
+    """Long-polls the node; says which inbox resources changed."""
+
+    def __init__(self, backend: Backend, notify: Any) -> None:
+        self.backend = backend
+        self.notify = notify
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def _run(self) -> None:
+        cursor: int | None = None
+        while True:
+            try:
+                if cursor is None:
+                    cursor = int((await self.backend.call("inbox", limit=1))["last"])
+                got = await self.backend.call("inbox", after=cursor, wait=_WATCH_WAIT, limit=1000)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # node gone: try again later, the agent's calls say why
+                _log.warning("inbox watcher: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            messages = got["messages"]
+            if not messages:
+                continue
+            cursor = int(got["next"])
+            uris = [INBOX_URI, *dict.fromkeys(PEER_INBOX.format(did=m["from"]) for m in messages)]
+            for uri in uris:
+                await self.notify(uri)
+
+
+class _Calls:
+    """The backend's errors as tool errors the agent can read (the node's own message)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    async def call(self, op: str, **args: Any) -> Any:
+        from mcp.server.mcpserver.exceptions import ToolError
+
+        try:
+            return await self.backend.call(op, **args)
+        except (TalosError, TimeoutError, ConnectionError) as exc:
+            raise ToolError(str(exc) or type(exc).__name__) from None
+
+
+def build_server(raw_backend: Backend) -> Any:
+    """The MCPServer with Talos's tools and inbox resources over ``raw_backend``."""
+    from mcp import types
+    from mcp.server.mcpserver import MCPServer
+    from mcp.server.subscriptions import InMemorySubscriptionBus, ResourceUpdated
+
+    backend = _Calls(raw_backend)
+
+    bus = InMemorySubscriptionBus()
+    server = MCPServer(
+        "talos",
+        instructions=(
+            "Message other agents through this machine's Talos node. Peers are DIDs or local "
+            "names (list_peers). read_inbox with wait_seconds waits for new messages; "
+            "subscribe to talos://inbox to be told when they arrive."
+        ),
+        subscriptions=bus,
+        log_level="WARNING",
+    )
+    legacy_subs: dict[str, set[Any]] = {}
+
+    async def notify(uri: str) -> None:
+        await bus.publish(ResourceUpdated(uri=uri))
+        for session in list(legacy_subs.get(uri, ())):
+            try:
+                await session.send_resource_updated(uri)
+            except Exception:  # that client went away: forget it
+                for subs in legacy_subs.values():
+                    subs.discard(session)
+
+    async def on_subscribe(ctx: Any, params: types.SubscribeRequestParams) -> types.EmptyResult:
+        legacy_subs.setdefault(str(params.uri), set()).add(ctx.session)
+        return types.EmptyResult()
+
+    async def on_unsubscribe(ctx: Any, params: types.UnsubscribeRequestParams) -> types.EmptyResult:
+        legacy_subs.get(str(params.uri), set()).discard(ctx.session)
+        return types.EmptyResult()
+
+    low = server._lowlevel_server
+    low.add_request_handler("resources/subscribe", types.SubscribeRequestParams, on_subscribe)
+    low.add_request_handler("resources/unsubscribe", types.UnsubscribeRequestParams, on_unsubscribe)
+
+    @server.tool()
+    async def send_message(to: str, text: str, wait: bool = False) -> SendResult:
+        """Send a durable, end-to-end encrypted message to a peer (DID or peer name).
+
+        With wait=true, return only once the peer acknowledged it (up to 30 s)."""
+        return SendResult.model_validate(await backend.call("send", to=to, text=text, wait=wait))
+
+    @server.tool()
+    async def read_inbox(
+        after: int | None = None, limit: int = 50, wait_seconds: float = 0
+    ) -> Inbox:
+        """Messages after `after` (default: after the read cursor), oldest first.
+
+        wait_seconds > 0 long-polls: returns as soon as a message arrives (max 300)."""
+        got = await backend.call("inbox", after=after, limit=limit, wait=wait_seconds)
+        return Inbox.model_validate(got)
+
+    @server.tool()
+    async def mark_read(through: int) -> ReadCursor:
+        """Mark messages up to arrival number `through` as read (read_inbox skips them)."""
+        return ReadCursor.model_validate(await backend.call("inbox.mark_read", through=through))
+
+    @server.tool()
+    async def list_peers() -> Peers:
+        """Known peers with their local names and whether a link is up."""
+        return Peers(peers=[Peer.model_validate(p) for p in await backend.call("peers.list")])
+
+    @server.tool()
+    async def add_peer(address: str, name: str | None = None) -> Peer:
+        """Add a peer by address ws://HOST:PORT#DID, optionally naming it (names stay local)."""
+        got = await backend.call("peers.add", addr=address, name=name)
+        return Peer(did=got["did"], name=got["name"], addr=got["addr"])
+
+    @server.tool()
+    async def node_status() -> Status:
+        """This node's DID, links, queues and block-log height."""
+        st = await backend.call("status")
+        return Status(
+            did=st["did"],
+            mode=raw_backend.mode,
+            listen=st["listen"],
+            links=st["links"],
+            queues=st["queues"],
+            chain_height=st["chain_height"],
+        )
+
+    @server.tool()
+    async def send_file(to: str, path: str) -> FileInfo:
+        """Offer a file on this machine to a peer (encrypted, resumable; it must accept)."""
+        return _file(await backend.call("files.send", to=to, path=path))
+
+    @server.tool()
+    async def list_files() -> Files:
+        """File transfers in and out, with their state and progress."""
+        return Files(files=[_file(f) for f in await backend.call("files.list")])
+
+    @server.tool()
+    async def accept_file(id: str) -> FileInfo:
+        """Accept an incoming file offer (its transfer id from list_files)."""
+        return _file(await backend.call("files.accept", id=id))
+
+    @server.tool()
+    async def prove_message(id: str) -> Proof:
+        """The RFC 6962 inclusion proof of a message's record in this node's block log."""
+        return Proof.model_validate(await backend.call("chain.proof", id=id))
+
+    async def _unread(peer: str | None) -> str:
+        got = await backend.call("inbox", limit=1000)
+        messages = [m for m in got["messages"] if peer is None or m["from"] == peer]
+        return json.dumps({"messages": messages, "read": got["read"]})
+
+    @server.resource(INBOX_URI, mime_type="application/json")
+    async def inbox() -> str:
+        """Unread messages (after the read cursor)."""
+        return await _unread(None)
+
+    @server.resource(PEER_INBOX, mime_type="application/json")
+    async def peer_inbox(did: str) -> str:
+        """Unread messages from one peer."""
+        return await _unread(did)
+
+    server.talos_notify = notify  # type: ignore[attr-defined]
+    return server
+
+
+async def serve(home: Path) -> None:
+    """Run ``talosd mcp`` on stdio until the client closes stdin."""
+    from mcp.server.stdio import stdio_server
+
+    backend = await open_backend(home)
+    server = build_server(backend)
+    watcher = InboxWatcher(backend, server.talos_notify)
+    watcher.start()
+    low = server._lowlevel_server
+    try:
+        async with stdio_server() as (read_stream, write_stream):
+            await low.run(read_stream, write_stream, low.create_initialization_options())
+    finally:
+        await watcher.stop()
+        await backend.close()

@@ -1,0 +1,100 @@
+"""One blocking call to a running node over its local socket (docs/PROTOCOL.md "Local clients").
+
+Standard library only, no event loop: the ``talosd`` client commands start
+without importing the node, aiohttp or pydantic.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from talos.local import wire
+from talos_sdk.errors import TalosError, UsageError
+
+__all__ = [
+    "SOCKET_NAME",
+    "LocalCallError",
+    "LocalUsageError",
+    "NoNodeError",
+    "NodeGoneError",
+    "call",
+    "socket_path",
+]
+
+SOCKET_NAME = "talosd.sock"
+
+
+def socket_path(home: Path) -> Path:
+    return Path(home) / SOCKET_NAME
+
+
+class NoNodeError(TalosError):
+    """No node is running in that home (nothing listens on its socket)."""
+
+
+class NodeGoneError(TalosError, ConnectionError):
+    """The node stopped (or refused us) while we were attached."""
+
+
+class LocalCallError(TalosError):
+    """The node answered a call with an error; ``code`` says whose fault it was."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LocalUsageError(LocalCallError, UsageError):
+    """The node refused the call's input (unknown peer, bad DID, message too large, ...)."""
+
+
+def raise_for(error: Any) -> None:
+    if not isinstance(error, dict):
+        raise LocalCallError("internal", "malformed error reply from the node")
+    code, message = str(error.get("code", "internal")), str(error.get("message", ""))
+    if code in ("usage", "not_found"):
+        raise LocalUsageError(code, message)
+    if code == "timeout":
+        raise TimeoutError(message)
+    raise LocalCallError(code, message)
+
+
+def no_node(home: Path, exc: OSError) -> NoNodeError:
+    if isinstance(exc, PermissionError):
+        return NoNodeError(f"permission denied on the node socket of {home}")
+    return NoNodeError(f"no node is running on {home}")
+
+
+def call(home: Path, op: str, args: dict[str, Any] | None = None, *, timeout: float = 30) -> Any:
+    """One call to the node of ``home``; NoNodeError if none runs."""
+    path = socket_path(home)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+            raise no_node(home, exc) from None
+        sock.sendall(wire.encode_json(wire.Kind.CALL, {"id": 1, "op": op, "args": args or {}}))
+        reader = wire.FrameReader()
+        while True:
+            try:
+                data = sock.recv(1 << 16)
+            except TimeoutError:
+                raise TimeoutError(f"the node did not answer {op!r} within {timeout} s") from None
+            if not data:
+                raise NodeGoneError(f"the node of {home} closed the connection")
+            for frame in reader.feed(data):
+                body = frame.body
+                stop = isinstance(body, dict) and body.get("event") in ("refused", "stopping")
+                if frame.kind is wire.Kind.EVENT and stop:
+                    assert isinstance(body, dict)
+                    raise NodeGoneError(f"the node of {home}: {body.get('reason')}")
+                if frame.kind is wire.Kind.REPLY and isinstance(body, dict):
+                    if "error" in body:
+                        raise_for(body["error"])
+                    return body.get("result")
+    finally:
+        sock.close()

@@ -1,0 +1,342 @@
+"""What a local client may ask the running node (docs/PROTOCOL.md "Local clients").
+
+Each op is ``async fn(node, args) -> JSON-able``; the local socket server and
+``talosd mcp`` (when it runs the node in-process) call them alike, so an
+attached client and an in-process one see the same answers. Errors are the
+node's own (UsageError for bad input, TimeoutError, StorageFullError, ...);
+:func:`error_json` turns them into the REPLY error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from talos import peer_names
+from talos.chain.log import UnknownRecordError
+from talos_sdk.errors import StorageFullError, TalosError, UsageError
+
+if TYPE_CHECKING:
+    from talos.node import Node
+    from talos.store import Txn
+
+__all__ = ["OPS", "LocalHost", "error_json", "resolve", "run_op"]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalHost:
+    """What the ops act on: the node and, in a daemon, its transfer manager."""
+
+    node: Node
+    transfers: Any = None  # talos.transfer.manager.TransferManager
+
+
+Op = Callable[[LocalHost, dict[str, Any]], Awaitable[Any]]
+
+_READ_KEY = b"inbox:read"
+_U64 = struct.Struct(">Q")
+#: A long-poll never holds a call longer than this; clients poll again.
+MAX_WAIT = 300.0
+MAX_LIMIT = 1000
+
+
+def _str(args: dict[str, Any], key: str, *, optional: bool = False) -> Any:
+    value = args.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"{key!r} must be a non-empty string")
+    return value
+
+
+def _num(args: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = args.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UsageError(f"{key!r} must be a number")
+    if not lo <= value <= hi:
+        raise UsageError(f"{key!r} must be between {lo} and {hi}")
+    return float(value)
+
+
+def resolve(node: Node, ref: str) -> str:
+    """A DID or a peer name -> DID (UnknownPeerNameError / DIDError otherwise)."""
+    with node.store.read() as txn:
+        return peer_names.resolve_peer(txn, ref)
+
+
+def _names(node: Node) -> dict[str, str]:
+    with node.store.read() as txn:
+        return peer_names.names(txn)
+
+
+def read_cursor(node: Node) -> int:
+    with node.store.read() as txn:
+        raw = txn.get("meta", _READ_KEY)
+    return _U64.unpack(raw)[0] if raw is not None else 0
+
+
+def _message(entry: Any, names: dict[str, str]) -> dict[str, Any]:
+    return {
+        "n": entry.n,
+        "id": entry.msg_id.hex(),
+        "from": entry.sender,
+        "from_name": names.get(entry.sender),
+        "text": entry.text,
+        "ts": entry.ts_ms,
+    }
+
+
+# --- ops ----------------------------------------------------------------------------------------
+
+
+async def op_hello(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    return {
+        "did": node.did,
+        "listen": node.listen_url,
+        "max_frame": node.config.max_frame,
+        "up": sorted(d for d in node.known_peers() if node.is_connected(d)),
+    }
+
+
+async def op_id(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    secrets = node.sessions.secrets
+    return {
+        "did": node.did,
+        "x25519": secrets.identity.public.hex(),
+        "suites": list(secrets.suites),
+        "listen": node.listen_url,
+    }
+
+
+async def op_peers_list(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    names = _names(node)
+    return [
+        {
+            "did": did,
+            "name": names.get(did),
+            "addr": addr or None,
+            "connected": node.is_connected(did),
+        }
+        for did, addr in sorted(node.known_peers().items())
+    ]
+
+
+async def op_peers_add(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    name = _str(args, "name", optional=True)
+    if name is not None:
+        peer_names.validate_name(name)
+    peer = await node.add_peer(_str(args, "addr"))
+    if name is not None:
+        await node.writer.write(functools.partial(peer_names.set_name, did=peer.did, name=name))
+    return {"did": peer.did, "addr": str(peer), "name": name}
+
+
+async def op_peers_name(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    did = resolve(node, _str(args, "peer"))
+    name = peer_names.validate_name(_str(args, "name"))
+    await node.writer.write(functools.partial(peer_names.set_name, did=did, name=name))
+    return {"did": did, "name": name}
+
+
+async def op_peers_allow(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    did = resolve(node, _str(args, "peer"))
+    node.allow(did)
+    return {"did": did}
+
+
+async def op_resolve(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    return {"did": resolve(node, _str(args, "peer"))}
+
+
+async def op_status(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    return node.status()
+
+
+async def op_send(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    did = resolve(node, _str(args, "to"))
+    text = args.get("text")
+    if not isinstance(text, str):
+        raise UsageError("'text' must be a string")
+    wait = bool(args.get("wait", False))
+    timeout = _num(args, "timeout", 30.0, 0.001, 3600.0)
+    if not wait:
+        return {"id": await node.send_message(did, text), "to": did, "acked": False}
+    async with asyncio.timeout(timeout):
+        msg_id = await node.send_message(did, text, wait=True)
+    return {"id": msg_id, "to": did, "acked": True}
+
+
+async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
+    """Messages after ``after`` (default: the read cursor), waiting up to ``wait`` seconds."""
+    node = host.node
+    cursor = read_cursor(node)
+    after = args.get("after")
+    if after is None:
+        after = cursor
+    if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+        raise UsageError("'after' must be a non-negative integer")
+    limit = int(_num(args, "limit", 50, 1, MAX_LIMIT))
+    wait = _num(args, "wait", 0.0, 0.0, MAX_WAIT)
+    entries = await node.wait_inbox(after, wait) if wait else node.inbox(after)
+    entries = entries[:limit]
+    names = _names(node)
+    with node.store.read() as txn:
+        last = txn.last("inbox")
+    return {
+        "messages": [_message(e, names) for e in entries],
+        "next": entries[-1].n if entries else after,
+        "read": cursor,
+        "last": _U64.unpack(last[0])[0] if last is not None else 0,
+    }
+
+
+def _mark(txn: Txn, through: int) -> int:
+    raw = txn.get("meta", _READ_KEY)
+    now = max(_U64.unpack(raw)[0] if raw is not None else 0, through)
+    txn.put("meta", _READ_KEY, _U64.pack(now))
+    return now
+
+
+async def op_mark_read(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    through = args.get("through")
+    if isinstance(through, bool) or not isinstance(through, int) or through < 0:
+        raise UsageError("'through' must be a non-negative integer (a message's n)")
+    return {"read": await node.writer.write(functools.partial(_mark, through=through))}
+
+
+async def op_chain_verify(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    from talos.chain.verify import verify_chain
+    from talos.views import report_json
+
+    await asyncio.to_thread(node.log.seal)
+    report = await asyncio.to_thread(
+        functools.partial(
+            verify_chain,
+            node.store,
+            node.did,
+            workers=1,
+            mldsa65_public_key=node.wallet.mldsa_public_key,
+        )
+    )
+    return report_json(report, node.log.quarantined())
+
+
+async def op_chain_peer_heads(host: LocalHost, args: dict[str, Any]) -> Any:
+    return await asyncio.to_thread(host.node.heads.peer_heads)
+
+
+async def op_chain_show(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    from talos.views import block_json
+
+    return [block_json(b) for b in node.log.iter_blocks()]
+
+
+async def op_chain_proof(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    try:
+        rid = bytes.fromhex(_str(args, "id"))
+    except ValueError:
+        raise UsageError("record id must be hex") from None
+    return node.log.inclusion_proof(rid)
+
+
+def _transfers(host: LocalHost) -> Any:
+    if host.transfers is None:
+        raise UsageError("file transfer is not running with this node")
+    return host.transfers
+
+
+async def op_files_send(host: LocalHost, args: dict[str, Any]) -> Any:
+    node = host.node
+    did = resolve(node, _str(args, "to"))
+    path = Path(_str(args, "path")).expanduser().resolve()
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    tid = await _transfers(host).send_file(did, str(path), args.get("name"))
+    return _file_view(host, tid)
+
+
+def _file_view(host: LocalHost, tid: str) -> dict[str, Any]:
+    from talos.transfer.cli import _view
+
+    return dict(_view(_transfers(host), tid))
+
+
+async def op_files_list(host: LocalHost, args: dict[str, Any]) -> Any:
+    manager = _transfers(host)
+    return [_file_view(host, i.tid) for i in manager.list()]
+
+
+async def op_files_accept(host: LocalHost, args: dict[str, Any]) -> Any:
+    from talos.transfer.cli import _tid
+
+    info = await _transfers(host).accept(_tid(_str(args, "id")))
+    return _file_view(host, info.tid)
+
+
+OPS: dict[str, Op] = {
+    "hello": op_hello,
+    "id": op_id,
+    "peers.list": op_peers_list,
+    "peers.add": op_peers_add,
+    "peers.name": op_peers_name,
+    "peers.allow": op_peers_allow,
+    "resolve": op_resolve,
+    "status": op_status,
+    "send": op_send,
+    "inbox": op_inbox,
+    "inbox.mark_read": op_mark_read,
+    "chain.verify": op_chain_verify,
+    "chain.show": op_chain_show,
+    "chain.peer_heads": op_chain_peer_heads,
+    "chain.proof": op_chain_proof,
+    "files.send": op_files_send,
+    "files.list": op_files_list,
+    "files.accept": op_files_accept,
+}
+
+
+async def run_op(host: LocalHost, op: str, args: dict[str, Any]) -> Any:
+    fn = OPS.get(op)
+    if fn is None:
+        raise UsageError(f"unknown local op {op!r}")
+    return await fn(host, args)
+
+
+def error_json(exc: BaseException) -> dict[str, str]:
+    """The REPLY error of a failed op: a code saying whose fault, and a message."""
+    if isinstance(exc, UnknownRecordError):
+        code = "not_found"
+    elif isinstance(exc, UsageError):
+        code = "usage"
+    elif isinstance(exc, TimeoutError):
+        code = "timeout"
+    elif isinstance(exc, StorageFullError):
+        code = "storage_full"
+    elif isinstance(exc, TalosError):
+        code = "node"
+    else:
+        code = "internal"
+    message = str(exc.args[0]) if exc.args else type(exc).__name__
+    if code == "timeout" and not exc.args:
+        message = "timed out"
+    return {"code": code, "type": type(exc).__name__, "message": message}

@@ -1,0 +1,340 @@
+"""The running node's local socket: one node, many local clients (DESIGN.md "Agents on a node").
+
+``<home>/talosd.sock`` is a Unix domain socket, mode 0600 inside the 0700
+home, and every connection's peer credentials (``SO_PEERCRED``) must name the
+node's own uid: another user is refused even if the modes were loosened. The
+frames are those of :mod:`talos.local.wire`; the ops of :mod:`talos.local.ops`.
+
+App channels: a client claims a channel (``app.claim``) to receive a peer
+link's app frames on it and sends APP frames to put its own on a link. Several
+clients may share a channel: a *keyed* claim gets a range of 32-bit keys read
+at a fixed offset of each payload (a channel that multiplexes sessions puts the
+session id there, as the MCP tunnel does) and receives only frames whose key
+falls in its range; an unkeyed claim receives the rest (ADR 0011).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from talos.local import wire
+from talos.local.call import SOCKET_NAME, socket_path
+from talos.local.ops import LocalHost, error_json, resolve, run_op
+from talos.logging import event
+from talos_sdk.errors import MalformedFrameError, OversizeError, TalosError, UsageError
+
+if TYPE_CHECKING:
+    from talos.node import Node
+
+__all__ = ["SOCKET_NAME", "LocalServer", "peer_allowed", "peer_uid", "socket_path"]
+
+_log = logging.getLogger("talos.local")
+#: A keyed claim's share of the 32-bit key space; keys below the first range stay unkeyed.
+KEY_RANGE = 1 << 20
+_HIGH_WATER = 1 << 20
+_KEY = struct.Struct(">I")
+_CREDS = struct.Struct("3i")
+
+
+def peer_uid(sock: Any) -> int | None:
+    """The uid of the process at the other end of a Unix socket (Linux ``SO_PEERCRED``)."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, opt, _CREDS.size)
+    except OSError:
+        return None
+    return int(_CREDS.unpack(raw)[1])
+
+
+def peer_allowed(uid: int | None, own_uid: int) -> bool:
+    """Only the node's own user may attach (an unknown uid is refused)."""
+    return uid is not None and uid == own_uid
+
+
+@dataclass(slots=True)
+class _Claim:
+    conn: _Conn
+    channel: str
+    peer: str | None
+    lo: int = 0
+    hi: int = 0
+
+    def takes(self, peer: str, key: int | None) -> bool:
+        if self.peer is not None and self.peer != peer:
+            return False
+        if self.hi:
+            return key is not None and self.lo <= key < self.hi
+        return True
+
+
+class _Conn(asyncio.Protocol):
+    """One local client."""
+
+    def __init__(self, server: LocalServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.reader = wire.FrameReader()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.watch = False
+        self.closed = False
+        self._drained: asyncio.Future[None] | None = None
+        self._app_out: deque[wire.AppFrame] = deque()
+        self._app_task: asyncio.Task[None] | None = None
+
+    # --- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        transport = cast(asyncio.Transport, transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=_HIGH_WATER)
+        uid = peer_uid(transport.get_extra_info("socket"))
+        if not peer_allowed(uid, os.getuid()):
+            self.server.node.metrics.inc("local_clients_refused")
+            event(_log, "local_client_refused", level=logging.WARNING, uid=uid)
+            self.event({"event": "refused", "reason": "this node belongs to another user"})
+            transport.close()
+            self.closed = True
+            return
+        self.server.conns.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.reader.feed(data)
+        except (MalformedFrameError, OversizeError) as exc:
+            event(_log, "local_frame_rejected", level=logging.WARNING, error=str(exc))
+            self.event({"event": "refused", "reason": f"malformed local frame: {exc}"})
+            self.close()
+            return
+        for frame in frames:
+            if frame.kind is wire.Kind.APP:
+                assert isinstance(frame.body, wire.AppFrame)
+                self._app(frame.body)
+            elif frame.kind is wire.Kind.CALL:
+                assert isinstance(frame.body, dict)
+                task = asyncio.ensure_future(self._call(frame.body))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+            # REPLY / EVENT from a client mean nothing to the node: ignored.
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.forget(self)
+        for task in list(self.tasks):
+            task.cancel()  # a client gone mid-long-poll: its call ends, nothing was consumed
+        if self._app_task is not None:
+            self._app_task.cancel()
+        self._wake()
+
+    def pause_writing(self) -> None:
+        if self._drained is None:
+            self._drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        self._wake()
+
+    def _wake(self) -> None:
+        fut, self._drained = self._drained, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    # --- writing -----------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> asyncio.Future[None] | None:
+        """Write a frame; a future to await when the client reads slower than we write."""
+        if self.closed or self.transport is None:
+            return None
+        self.transport.write(data)
+        return self._drained
+
+    def event(self, obj: dict[str, Any]) -> None:
+        self.write(wire.encode_json(wire.Kind.EVENT, obj))
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+    # --- calls -------------------------------------------------------------------------------
+
+    async def _call(self, msg: dict[str, Any]) -> None:
+        call_id = msg.get("id")
+        op = msg.get("op")
+        args = msg.get("args") or {}
+        try:
+            if not isinstance(op, str) or not isinstance(args, dict):
+                raise UsageError("a CALL needs 'op' (string) and 'args' (object)")
+            result = await self.server.call(self, op, args)
+            reply: dict[str, Any] = {"id": call_id, "result": result}
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if not isinstance(exc, TalosError | TimeoutError):
+                event(_log, "local_op_failed", level=logging.ERROR, op=op, error=repr(exc))
+            reply = {"id": call_id, "error": error_json(exc)}
+        self.write(wire.encode_json(wire.Kind.REPLY, reply))
+
+    # --- app frames to the node's links ----------------------------------------------------
+
+    def _app(self, frame: wire.AppFrame) -> None:
+        if self._app_task is not None:
+            self._app_out.append(frame)
+            return
+        try:
+            if self.server.node.try_send_app(frame.peer, frame.channel, frame.payload):
+                return
+        except (TalosError, ConnectionError) as exc:
+            self._app_lost(frame, exc)
+            return
+        # The link is busy: keep order, stop reading this client until it drained.
+        self._app_out.append(frame)
+        if self.transport is not None:
+            self.transport.pause_reading()
+        self._app_task = asyncio.ensure_future(self._drain_app())
+
+    async def _drain_app(self) -> None:
+        node = self.server.node
+        while self._app_out:
+            frame = self._app_out.popleft()
+            try:
+                await node.send_app(frame.peer, frame.channel, frame.payload)
+            except (TalosError, ConnectionError) as exc:
+                self._app_lost(frame, exc)
+        self._app_task = None
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def _app_lost(self, frame: wire.AppFrame, exc: BaseException) -> None:
+        # As for an in-process sender: the link listener fails what depended on it.
+        self.server.node.metrics.inc("local_app_dropped")
+        event(_log, "local_app_dropped", level=logging.DEBUG, peer=frame.peer, error=str(exc))
+
+
+class LocalServer:
+    """Serves ``<home>/talosd.sock`` for one running node."""
+
+    def __init__(self, node: Node, transfers: Any = None) -> None:
+        self.node = node
+        self.host = LocalHost(node, transfers)
+        self.path = socket_path(node.home.path)
+        self.conns: set[_Conn] = set()
+        self.claims: dict[str, list[_Claim]] = {}
+        self._key_offsets: dict[str, int] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._next_range: dict[str, int] = {}
+        self._registered: set[str] = set()
+
+    async def start(self) -> None:
+        if len(os.fsencode(self.path)) > 107:
+            raise UsageError(f"home path too long for a Unix socket: {self.path}")
+        # The home lock (talos/store.py) proves no other node runs here: a socket left
+        # by a crashed node is stale.
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        old = os.umask(0o177)
+        try:
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_unix_server(lambda: _Conn(self), str(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        self.node.on_link_change(self._on_link)
+
+    async def close(self) -> None:
+        """Tell every client the node stops, then close them."""
+        if self._server is None:
+            return
+        self._server.close()
+        for conn in list(self.conns):
+            conn.event({"event": "stopping", "reason": "the node is shutting down"})
+            conn.close()
+        await self._server.wait_closed()
+        self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def forget(self, conn: _Conn) -> None:
+        self.conns.discard(conn)
+        for claims in self.claims.values():
+            claims[:] = [c for c in claims if c.conn is not conn]
+
+    def _on_link(self, did: str, up: bool) -> None:
+        frame = wire.encode_json(wire.Kind.EVENT, {"event": "link", "did": did, "up": up})
+        for conn in list(self.conns):
+            if conn.watch:
+                conn.write(frame)
+
+    async def call(self, conn: _Conn, op: str, args: dict[str, Any]) -> Any:
+        if op == "hello":
+            conn.watch = bool(args.get("watch", False))
+        elif op == "app.claim":
+            return self._claim(conn, args)
+        return await run_op(self.host, op, args)
+
+    # --- app channels ------------------------------------------------------------------------
+
+    def _claim(self, conn: _Conn, args: dict[str, Any]) -> dict[str, Any]:
+        channel = args.get("channel")
+        if not isinstance(channel, str) or not 0 < len(channel.encode()) < 256:
+            raise UsageError("'channel' must be 1..255 bytes")
+        peer_ref = args.get("peer")
+        peer = resolve(self.node, peer_ref) if isinstance(peer_ref, str) else None
+        offset = args.get("key_offset")
+        claims = self.claims.setdefault(channel, [])
+        if channel not in self._registered and channel in getattr(self.node, "_apps", {}):
+            raise UsageError(f"app channel {channel!r} belongs to the node itself")
+        claim = _Claim(conn, channel, peer)
+        if offset is not None:
+            if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 64:
+                raise UsageError("'key_offset' must be an integer 0..63")
+            known = self._key_offsets.setdefault(channel, offset)
+            if known != offset:
+                raise UsageError(f"channel {channel!r} is keyed at offset {known}")
+            n = self._next_range.get(channel, 1)
+            if n * KEY_RANGE >= 1 << 32:
+                raise UsageError(f"no key range left on channel {channel!r}")
+            self._next_range[channel] = n + 1
+            claim.lo, claim.hi = n * KEY_RANGE, (n + 1) * KEY_RANGE
+        else:
+            for other in claims:
+                if not other.hi and other.peer == peer:
+                    raise UsageError(
+                        f"app channel {channel!r} is already claimed by another local client"
+                        + (f" for {peer}" if peer else "")
+                    )
+        if channel not in self._registered:
+            self.node.register_app(channel, self._deliverer(channel))
+            self._registered.add(channel)
+        claims.append(claim)
+        return {"channel": channel, "peer": peer, "lo": claim.lo, "hi": claim.hi}
+
+    def _deliverer(self, channel: str) -> Any:
+        def deliver(peer: str, payload: bytes) -> asyncio.Future[None] | None:
+            claims = self.claims.get(channel, ())
+            offset = self._key_offsets.get(channel, -1)
+            key: int | None = None
+            if offset >= 0 and len(payload) >= offset + 4:
+                key = _KEY.unpack_from(payload, offset)[0]
+            best: _Claim | None = None
+            for claim in claims:
+                if claim.takes(peer, key):
+                    # Keyed first, then a claim naming the peer, then a catch-all.
+                    rank = 0 if claim.hi else (1 if claim.peer else 2)
+                    if best is None or rank < (0 if best.hi else (1 if best.peer else 2)):
+                        best = claim
+            if best is None:
+                self.node.metrics.inc("local_app_unclaimed")
+                return None
+            return best.conn.write(wire.encode_app(channel, peer, payload))
+
+        return deliver

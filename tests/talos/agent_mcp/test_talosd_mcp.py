@@ -1,0 +1,208 @@
+"""``talosd mcp`` driven by the official MCP SDK client, on two real ``talosd run`` nodes.
+
+Alice's agent speaks the 2025-11-25 session protocol, Bob's the stateless
+2026-07-28 revision; they message each other through their nodes (send, long
+poll, subscriptions), and every bad input is a tool error with the node still up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client, StdioServerParameters, types
+from mcp.shared.exceptions import MCPDeprecationWarning
+
+from tests.talos.daemons import Daemon, fast_config, talosd
+
+REPO = Path(__file__).resolve().parents[3]
+MODERN = "2026-07-28"
+TOOLS = {
+    "send_message",
+    "read_inbox",
+    "mark_read",
+    "list_peers",
+    "add_peer",
+    "node_status",
+    "send_file",
+    "list_files",
+    "accept_file",
+    "prove_message",
+}
+
+
+def mcp_params(home: Path) -> StdioServerParameters:
+    return StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "talos.cli", "mcp", "--home", str(home)],
+        cwd=str(REPO),
+        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
+    )
+
+
+def init(home: Path) -> None:
+    assert talosd("init", "--home", str(home)).returncode == 0
+    fast_config(home, listen="127.0.0.1:0")
+
+
+@contextlib.contextmanager
+def two_nodes(tmp_path: Path) -> Any:
+    a_home, b_home = tmp_path / "alice", tmp_path / "bob"
+    init(a_home)
+    init(b_home)
+    a, b = Daemon(a_home), Daemon(b_home)
+    try:
+        assert (
+            talosd("peers", "add", b.addr, "--name", "bob", "--home", str(a_home)).returncode == 0
+        )
+        assert (
+            talosd("peers", "add", a.addr, "--name", "alice", "--home", str(b_home)).returncode == 0
+        )
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def data(result: types.CallToolResult) -> dict[str, Any]:
+    assert not result.is_error, result.content
+    assert result.structured_content is not None
+    return result.structured_content
+
+
+def error_text(result: types.CallToolResult) -> str:
+    assert result.is_error
+    return " ".join(c.text for c in result.content if isinstance(c, types.TextContent))
+
+
+@contextlib.asynccontextmanager
+async def agent(home: Path, mode: str, **kwargs: Any) -> AsyncIterator[Client]:
+    async with Client(mcp_params(home), mode=mode, **kwargs) as client:
+        yield client
+
+
+async def test_two_agents_message_each_other_across_eras(tmp_path: Path) -> None:
+    with two_nodes(tmp_path) as (a, b):
+        updates: list[str] = []
+
+        async def on_message(message: Any) -> None:
+            if isinstance(message, types.ResourceUpdatedNotification):
+                updates.append(str(message.params.uri))
+
+        async with (
+            agent(a.home, "legacy", message_handler=on_message) as alice,
+            agent(b.home, MODERN) as bob,
+        ):
+            listed = (await alice.list_tools()).tools
+            assert {t.name for t in listed} == TOOLS
+            assert all(t.input_schema and t.output_schema for t in listed)
+            assert {t.name for t in (await bob.list_tools()).tools} == TOOLS
+            status = data(await alice.call_tool("node_status", {}))
+            assert status["did"] == a.did and status["mode"] == "attached"
+
+            # Bob long-polls; Alice sends by name and waits for the ack.
+            poll = asyncio.ensure_future(bob.call_tool("read_inbox", {"wait_seconds": 60}))
+            sent = data(
+                await alice.call_tool("send_message", {"to": "bob", "text": "hi", "wait": True})
+            )
+            assert sent["acked"] is True and sent["to"] == b.did
+            got = data(await poll)
+            assert [(m["text"], m["from"], m["from_name"]) for m in got["messages"]] == [
+                ("hi", a.did, "alice")
+            ]
+            assert got["messages"][0]["id"] == sent["id"]
+
+            # Alice (legacy) subscribes to her inbox; Bob (modern) listens to his.
+            with pytest.warns(MCPDeprecationWarning):  # the 2025-11-25 way, on purpose
+                await alice.subscribe_resource("talos://inbox")
+                await alice.subscribe_resource(f"talos://inbox/{b.did}")
+            async with bob.listen(resource_subscriptions=["talos://inbox"]) as sub:
+                reply = data(await bob.call_tool("send_message", {"to": "alice", "text": "yo"}))
+                async with asyncio.timeout(30):
+                    while len(updates) < 2:
+                        await asyncio.sleep(0.02)
+                assert sorted(updates) == ["talos://inbox", f"talos://inbox/{b.did}"]
+                inbox = await alice.read_resource("talos://inbox")
+                assert "yo" in inbox.contents[0].text  # type: ignore[union-attr]
+                await alice.call_tool("send_message", {"to": "bob", "text": "ping"})
+                async with asyncio.timeout(30):
+                    event = await sub.__anext__()
+                assert "talos://inbox" in str(event)
+
+            # The read cursor: marked messages are skipped by read_inbox.
+            mine = data(await alice.call_tool("read_inbox", {}))
+            assert [m["text"] for m in mine["messages"]] == ["yo"]
+            assert mine["messages"][0]["id"] == reply["id"]
+            data(await alice.call_tool("mark_read", {"through": mine["messages"][0]["n"]}))
+            assert data(await alice.call_tool("read_inbox", {}))["messages"] == []
+
+            # Bob proves Alice's message is in his block log (sealed within seal_interval).
+            async with asyncio.timeout(30):
+                while True:
+                    proof = await bob.call_tool("prove_message", {"id": sent["id"]})
+                    if not proof.is_error:
+                        break
+                    await asyncio.sleep(0.05)
+            assert data(proof)["size"] >= 1
+
+            peers = data(await alice.call_tool("list_peers", {}))["peers"]
+            assert [(p["did"], p["name"], p["connected"]) for p in peers] == [(b.did, "bob", True)]
+
+
+async def test_bad_input_is_a_tool_error_and_the_node_keeps_running(tmp_path: Path) -> None:
+    with two_nodes(tmp_path) as (a, _b):
+        async with agent(a.home, "legacy") as alice:
+            bad = [
+                ({"to": "carol", "text": "x"}, "unknown peer name 'carol'"),
+                ({"to": "did:key:z1111", "text": "x"}, ""),
+                ({"to": "bob", "text": "x" * (2 << 20)}, "above the"),
+            ]
+            for args, expected in bad:
+                text = error_text(await alice.call_tool("send_message", args))
+                assert expected in text
+            assert "no such file" in error_text(
+                await alice.call_tool("send_file", {"to": "bob", "path": "/nonexistent"})
+            )
+            assert "hex" in error_text(await alice.call_tool("prove_message", {"id": "zz"}))
+            assert "peer address" in error_text(
+                await alice.call_tool("add_peer", {"address": "http://nope"})
+            )
+            sent = data(await alice.call_tool("send_message", {"to": "bob", "text": "still up"}))
+            assert len(sent["id"]) == 32
+        assert a.proc.poll() is None
+
+
+async def test_client_gone_mid_long_poll_and_node_stopping(tmp_path: Path) -> None:
+    with two_nodes(tmp_path) as (a, b):
+        async with agent(b.home, "legacy") as bob:
+            poll = asyncio.ensure_future(bob.call_tool("read_inbox", {"wait_seconds": 120}))
+            await asyncio.sleep(0.3)
+        # The agent and its talosd mcp are gone mid-poll; the node serves the next one.
+        poll.cancel()
+        with contextlib.suppress(BaseException):
+            await poll
+        async with agent(a.home, "legacy") as alice:
+            data(await alice.call_tool("send_message", {"to": "bob", "text": "kept", "wait": True}))
+        async with agent(b.home, MODERN) as bob:
+            got = data(await bob.call_tool("read_inbox", {}))
+            assert [m["text"] for m in got["messages"]] == ["kept"]
+            assert b.stop() == 0  # the node stops under an attached agent
+            text = error_text(await bob.call_tool("read_inbox", {}))
+            assert "stopped" in text
+
+
+async def test_in_process_node_when_none_runs(tmp_path: Path) -> None:
+    home = tmp_path / "solo"
+    init(home)
+    async with agent(home, "legacy") as solo:
+        status = data(await solo.call_tool("node_status", {}))
+        assert status["mode"] == "in-process"
+        # ... and other local clients attach to it like to talosd run.
+        res = await asyncio.to_thread(talosd, "id", "--home", str(home))
+        assert res.stdout.strip() == status["did"]

@@ -1,0 +1,224 @@
+"""The node's local socket (talos/local/server.py) with real nodes, sockets and processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from talos.config import NodeConfig
+from talos.daemon import Daemon
+from talos.local.call import LocalUsageError, NodeGoneError, NoNodeError, call
+from talos.local.client import LocalClient
+from talos.local.server import SOCKET_NAME, peer_allowed, peer_uid
+from talos.node import Node
+from tests.talos.nodes import addr, make_home, until
+
+
+class _Running:
+    """A node as `talosd run` composes it (talos/daemon.py): the socket comes with it."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.node: Node = daemon.node
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.node, name)
+
+    async def stop(self) -> None:
+        await self.daemon.stop()
+
+
+async def started(home: Path, config: NodeConfig) -> _Running:
+    daemon = Daemon(home, config)
+    await daemon.start()
+    return _Running(daemon)
+
+
+async def _pair(tmp_path: Path) -> tuple[_Running, _Running]:
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    b.allow(a.did)
+    return a, b
+
+
+async def test_socket_is_owner_only_in_an_owner_only_home(tmp_path: Path) -> None:
+    a = await started(*make_home(tmp_path, "a"))
+    try:
+        sock = a.home.path / SOCKET_NAME
+        assert stat.S_ISSOCK(os.stat(sock).st_mode)
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(a.home.path).st_mode) == 0o700
+        assert a.home.read_node_info()["socket"] == str(sock)  # type: ignore[index]
+    finally:
+        await a.stop()
+    assert not (a.home.path / SOCKET_NAME).exists()
+
+
+def test_peer_credential_rule() -> None:
+    assert peer_allowed(os.getuid(), os.getuid())
+    assert not peer_allowed(os.getuid() + 1, os.getuid())
+    assert not peer_allowed(None, os.getuid())
+    left, right = socket.socketpair(socket.AF_UNIX)
+    with left, right:
+        assert peer_uid(left) == os.getuid()
+
+
+async def test_other_user_cannot_open_the_socket() -> None:
+    if os.getuid() != 0:
+        pytest.skip("switching to another uid needs root")
+    # Outside pytest's 0700 tmp root, so the home's own mode is what stops a stranger.
+    root = Path(tempfile.mkdtemp(prefix="talos-uid-"))
+    os.chmod(root, 0o755)
+    a = await started(*make_home(root, "a"))
+    try:
+        path = str(a.home.path / SOCKET_NAME)
+        # nobody (65534): the 0700 home and 0600 socket refuse it before any byte is read.
+        code = (
+            "import os, socket, sys\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            "try:\n    s.connect(sys.argv[1])\n"
+            "except PermissionError:\n    sys.exit(13)\n"
+            "sys.exit(0)\n"
+        )
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, path)
+        assert await proc.wait() == 13
+        # With the modes loosened, the peer-credential check still refuses the stranger.
+        os.chmod(a.home.path, 0o755)
+        os.chmod(path, 0o666)
+        code = (
+            "import os, socket, sys\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+            "data = s.recv(4096)\n"
+            "sys.exit(0 if b'refused' in data and b'another user' in data else 1)\n"
+        )
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, path)
+        assert await proc.wait() == 0
+        assert "local_clients_refused 1" in a.metrics.render()
+        # ... and the node serves its owner as before.
+        assert (await asyncio.to_thread(call, a.home.path, "id"))["did"] == a.did
+    finally:
+        os.chmod(a.home.path, 0o700)
+        await a.stop()
+        shutil.rmtree(root)
+
+
+async def test_names_send_long_poll_and_bad_input(tmp_path: Path) -> None:
+    a, b = await _pair(tmp_path)
+    try:
+        ca = await LocalClient.connect(a.home.path)
+        cb = await LocalClient.connect(b.home.path)
+        added = await ca.call("peers.add", addr=addr(b.node), name="bob")
+        assert added["did"] == b.did and added["name"] == "bob"
+        await a.wait_connected(b.did, 10)
+        poll = asyncio.ensure_future(cb.call("inbox", wait=30))
+        sent = await ca.call("send", to="bob", text="hi bob", wait=True)
+        assert sent["acked"] and sent["to"] == b.did
+        got = await poll
+        assert [m["text"] for m in got["messages"]] == ["hi bob"]
+        assert got["messages"][0]["id"] == sent["id"]
+        # read cursor: read_inbox without `after` starts after what was marked read
+        n = got["messages"][0]["n"]
+        assert (await cb.call("inbox.mark_read", through=n))["read"] == n
+        assert (await cb.call("inbox"))["messages"] == []
+        assert len((await cb.call("inbox", after=0))["messages"]) == 1
+        # bad input: each a clear error, the node keeps running
+        with pytest.raises(LocalUsageError, match="unknown peer name 'carol'"):
+            await ca.call("send", to="carol", text="x")
+        with pytest.raises(LocalUsageError, match=r"multicodec|base58|did"):
+            await ca.call("send", to="did:key:z1111", text="x")
+        with pytest.raises(LocalUsageError, match="above the"):
+            await ca.call("send", to="bob", text="x" * (2 << 20))
+        with pytest.raises(LocalUsageError, match="unknown local op"):
+            await ca.call("no.such.op")
+        with pytest.raises(LocalUsageError, match="peer name must be"):
+            await ca.call("peers.name", peer=b.did, name="has space")
+        # names are local: B never heard "bob"
+        with pytest.raises(LocalUsageError, match="unknown peer name 'bob'"):
+            await cb.call("resolve", peer="bob")
+        assert (await ca.call("send", to=b.did, text="still up"))["acked"] is False
+        await ca.close()
+        await cb.close()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_client_gone_mid_long_poll_loses_nothing(tmp_path: Path) -> None:
+    a, b = await _pair(tmp_path)
+    try:
+        await a.add_peer(addr(b.node))
+        await a.wait_connected(b.did, 10)
+        cb = await LocalClient.connect(b.home.path)
+        poll = asyncio.ensure_future(cb.call("inbox", wait=60))
+        await asyncio.sleep(0.05)
+        await cb.close()  # the agent went away while its long-poll was parked
+        with pytest.raises(NodeGoneError):
+            await poll
+        await a.send_message(b.did, "after the disconnect", wait=True)
+        again = await LocalClient.connect(b.home.path)
+        got = await again.call("inbox")
+        assert [m["text"] for m in got["messages"]] == ["after the disconnect"]
+        await again.close()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_stopping_node_tells_attached_clients(tmp_path: Path) -> None:
+    a = await started(*make_home(tmp_path, "a"))
+    client = await LocalClient.connect(a.home.path, watch=True)
+    events: list[dict[str, object]] = []
+    client.on_event(events.append)
+    poll = asyncio.ensure_future(client.call("inbox", wait=60))
+    await a.stop()
+    with pytest.raises(NodeGoneError, match="stopped"):
+        await poll
+    assert "shutting down" in await client.gone
+    await until(lambda: any(e.get("event") == "stopping" for e in events), what="stop event")
+    with pytest.raises(NoNodeError):
+        await LocalClient.connect(a.home.path)
+    with pytest.raises(NoNodeError):
+        await asyncio.to_thread(call, a.home.path, "status")
+
+
+def test_cli_names_work_where_dids_do(tmp_path: Path) -> None:
+    from tests.talos.daemons import talosd
+
+    home, other = tmp_path / "h", tmp_path / "o"
+    for h in (home, other):
+        assert talosd("init", "--home", str(h)).returncode == 0
+    other_did = talosd("id", "--home", str(other)).stdout.strip()
+    bob = f"ws://127.0.0.1:9#{other_did}"
+    res = talosd("peers", "add", bob, "--name", "bob", "--home", str(home))
+    assert res.returncode == 0, res.stderr
+    listing = talosd("peers", "list", "--home", str(home)).stdout
+    assert f"{other_did} (bob)" in listing
+    assert talosd("send", "bob", "queued for bob", "--home", str(home)).returncode == 0
+    res = talosd("send", "carol", "x", "--home", str(home))
+    assert res.returncode == 1 and "unknown peer name 'carol'" in res.stderr
+    res = talosd("peers", "name", other_did, "robert", "--home", str(home))
+    assert res.returncode == 0, res.stderr
+    assert f"{other_did} (robert)" in talosd("peers", "list", "--home", str(home)).stdout
+    res = talosd("send", "did:key:zBAD", "x", "--home", str(home))
+    assert res.returncode == 1 and "error" in res.stderr
+
+
+def test_client_commands_do_not_import_the_node() -> None:
+    code = (
+        "import sys, talos.cli\n"
+        "heavy = [m for m in ('aiohttp', 'pydantic', 'talos.node', 'lmdb') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
