@@ -38,6 +38,7 @@ from mcp_proxy.policy import Policy, PolicyError, load_policy_file
 from mcp_proxy.server import MAX_SESSIONS_PER_PEER, TunnelServer
 from mcp_proxy.toolenv import DEFAULT_PASS, parse_env_assignments
 from mcp_proxy.transport import NodeTransport
+from talos.local.call import NodeGoneError
 from talos.runtime import run
 from talos_sdk.errors import TalosError
 
@@ -232,19 +233,48 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 async def _connect(args: argparse.Namespace) -> None:
+    from mcp_proxy.attach import attach
     from talos.config import parse_peer_addr
 
     relayed = args.relay and args.peer.startswith("did:")
-    peer_did = args.peer if relayed else parse_peer_addr(args.peer).did
-    node = make_node(args.home, listen=None, relays=args.relay, **_keys(args))
-    client = TunnelClient(NodeTransport(node), peer_did, args.server, link_wait=args.link_wait)
-    await node.start()
-    print(f"talos-proxy: did {node.did}", file=sys.stderr, flush=True)
-    if relayed:
-        node.allow(peer_did)
-        node.reach(peer_did)  # through the relay: the DID has no direct address
+    # A talosd already running on the home: share its identity and links (ADR 0011).
+    attached = None if args.relay else await attach(args.home)
+    node: Any = None
+    if attached is not None:
+        if args.peer.startswith(("ws://", "wss://")):
+            peer_did = parse_peer_addr(args.peer).did
+            await attached.client.call("peers.add", addr=args.peer)
+        else:  # a DID or a peer name the node knows
+            peer_did = (await attached.client.call("resolve", peer=args.peer))["did"]
+        await attached.claim(peer_did, keyed=True)
+        transport: Any = attached
+        print(
+            f"talos-proxy: did {attached.did} (attached to the running node of {args.home})",
+            file=sys.stderr,
+            flush=True,
+        )
     else:
-        await node.connect(args.peer)
+        peer_did = args.peer if relayed else parse_peer_addr(args.peer).did
+        node = make_node(args.home, listen=None, relays=args.relay, **_keys(args))
+        transport = NodeTransport(node)
+    client = TunnelClient(
+        transport,
+        peer_did,
+        args.server,
+        link_wait=args.link_wait,
+        first_sid=attached.first_sid if attached is not None else 1,
+    )
+    if node is not None:
+        await node.start()
+        print(f"talos-proxy: did {node.did}", file=sys.stderr, flush=True)
+        if relayed:
+            node.allow(peer_did)
+            node.reach(peer_did)  # through the relay: the DID has no direct address
+        else:
+            await node.connect(args.peer)
+    gone: asyncio.Future[str] = (
+        attached.gone if attached is not None else asyncio.get_running_loop().create_future()
+    )
     try:
         if args.http:
             from mcp_proxy.http_front import HttpFront
@@ -263,20 +293,30 @@ async def _connect(args: argparse.Namespace) -> None:
             await front.start()
             print(f"talos-proxy: Streamable HTTP on {front.url}", file=sys.stderr, flush=True)
             try:
-                await _until_signalled()
+                signalled = asyncio.ensure_future(_until_signalled())
+                waits: set[asyncio.Future[Any]] = {signalled, gone}
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                signalled.cancel()
             finally:
                 await front.stop()
         else:
             stdio = asyncio.create_task(serve_stdio(client))
             signalled = asyncio.create_task(_until_signalled())
-            await asyncio.wait({stdio, signalled}, return_when=asyncio.FIRST_COMPLETED)
+            ends: set[asyncio.Future[Any]] = {stdio, signalled, gone}
+            await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
             for task in (stdio, signalled):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
     finally:
+        node_gone = gone.done()  # before our own close resolves it
         await client.close()
-        await node.stop()
+        if node is not None:
+            await node.stop()
+        if attached is not None:
+            await attached.close()
+    if node_gone:
+        raise NodeGoneError(f"{gone.result()}; this proxy ends with it")
 
 
 def _audit(args: argparse.Namespace) -> None:

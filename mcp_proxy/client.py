@@ -212,6 +212,7 @@ class TunnelClient:
         server_name: str = "",
         *,
         link_wait: float = 10.0,
+        first_sid: int = 1,
     ) -> None:
         self.transport = transport
         self.server_did = server_did
@@ -220,7 +221,8 @@ class TunnelClient:
         self.sender = FrameSender(transport, server_did)
         self.sessions: set[ClientSession] = set()
         self._by_sid: dict[int, ClientSession] = {}
-        self._next_sid = 1
+        # An attached proxy shares its node's "mcp" channel: its ids come from its range.
+        self._next_sid = first_sid
         self._up = asyncio.Event()
         if transport.is_up(server_did):
             self._up.set()

@@ -1,0 +1,117 @@
+"""A proxy attached to the running talosd of its home (docs/adr/0009-local-clients.md).
+
+When ``talosd run`` (or any node with a local socket) already runs on the
+home, ``talos-proxy connect|serve`` use its identity and links through
+:class:`AttachedTransport` instead of opening the store themselves, so any
+number of agents share one node. A connecting proxy claims the ``mcp`` channel
+*keyed*: the node allots it a range of tunnel session ids (the u32 at
+:data:`SESSION_OFFSET` of every tunnel frame) and routes the serving peer's
+frames in that range to it alone; its own tool sessions are therefore its own,
+on both sides. A serving proxy claims the channel unkeyed and gets the rest.
+
+Stopping an attached proxy leaves the node running. When the node stops, every
+link reads as down (pending requests are answered with an error by the tunnel
+client) and :attr:`AttachedTransport.gone` says why, so the proxy can exit with
+that message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+from mcp_proxy.transport import APP_NAME, MAX_BATCH_BYTES, LinkListener, Receiver
+from talos.local.client import LocalClient, NoNodeError
+
+__all__ = ["SESSION_OFFSET", "AttachedTransport", "attach"]
+
+#: Where a tunnel frame carries its session id: version:u8 kind:u8 session:u32 (tunnel_wire).
+SESSION_OFFSET = 2
+
+
+class AttachedTransport:
+    """A :class:`~mcp_proxy.transport.TunnelTransport` over the node's local socket."""
+
+    def __init__(self, client: LocalClient, app: str = APP_NAME) -> None:
+        self.client = client
+        self.app = app
+        self.did = client.did
+        self.first_sid = 1
+        self._up: set[str] = set(client.hello.get("up", ()))
+        self._listeners: list[LinkListener] = []
+        self._receiver: Receiver | None = None
+        client.on_event(self._on_event)
+        client.set_app_receiver(self._on_app)
+
+    async def claim(self, peer: str | None, *, keyed: bool) -> None:
+        """Receive the channel's frames: of ``peer`` in our own session range, or the rest."""
+        args: dict[str, Any] = {"channel": self.app}
+        if peer is not None:
+            args["peer"] = peer
+        if keyed:
+            args["key_offset"] = SESSION_OFFSET
+        got = await self.client.call("app.claim", **args)
+        if keyed:
+            self.first_sid = int(got["lo"])
+
+    @property
+    def gone(self) -> asyncio.Future[str]:
+        """Resolves with the reason once the node stopped (or closed our connection)."""
+        return self.client.gone
+
+    @property
+    def max_payload(self) -> int:
+        return min(MAX_BATCH_BYTES, int(self.client.hello["max_frame"]) // 2)
+
+    async def send(self, peer: str, payload: bytes) -> None:
+        await self.client.send_app(self.app, peer, payload)
+
+    def send_nowait(self, peer: str, payload: bytes) -> bool:
+        return self.client.send_app_nowait(self.app, peer, payload)
+
+    def set_receiver(self, receiver: Receiver) -> None:
+        self._receiver = receiver
+
+    def add_link_listener(self, listener: LinkListener) -> None:
+        self._listeners.append(listener)
+
+    def is_up(self, peer: str) -> bool:
+        return peer in self._up and not self.client.gone.done()
+
+    def _on_app(self, channel: str, peer: str, payload: bytes) -> Awaitable[None] | None:
+        if channel == self.app and self._receiver is not None:
+            return self._receiver(peer, payload)
+        return None
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "link":
+            did, up = str(event.get("did")), bool(event.get("up"))
+            if up:
+                self._up.add(did)
+            else:
+                self._up.discard(did)
+            self._tell(did, up)
+        elif kind == "stopping":
+            down, self._up = self._up, set()
+            for did in down:
+                self._tell(did, False)
+
+    def _tell(self, did: str, up: bool) -> None:
+        for listener in list(self._listeners):
+            listener(did, up)
+
+    async def close(self) -> None:
+        self._listeners.clear()  # our own leaving is no link going down
+        await self.client.close()
+
+
+async def attach(home: Path) -> AttachedTransport | None:
+    """The transport of the node running on ``home``, or None when none runs there."""
+    try:
+        client = await LocalClient.connect(home, watch=True)
+    except NoNodeError:
+        return None
+    return AttachedTransport(client)

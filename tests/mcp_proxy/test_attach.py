@@ -1,0 +1,122 @@
+"""``talos-proxy connect`` attached to a running ``talosd run`` (mcp_proxy/attach.py, ADR 0009).
+
+Real processes throughout: a ``talosd run`` node, a ``talos-proxy serve`` with
+the everything tool, and two ``talos-proxy connect`` processes on the node's
+home at once, each driven by the official MCP SDK client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from mcp import Client, StdioServerParameters
+from mcp.types import TextContent
+
+from tests.mcp_proxy.e2e import ENV, REPO, did_of, serving
+from tests.talos.daemons import Daemon, fast_config, talosd
+
+
+def connect_params(home: Path, peer: str) -> StdioServerParameters:
+    return StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "mcp_proxy.cli", "connect", "--home", str(home), "--peer", peer],
+        cwd=str(REPO),
+        env=ENV,
+    )
+
+
+def text(result: object) -> str:
+    content = result.content  # type: ignore[attr-defined]
+    return "".join(c.text for c in content if isinstance(c, TextContent))
+
+
+async def test_two_agents_share_one_running_node(tmp_path: Path) -> None:
+    home = tmp_path / "agents"
+    assert talosd("init", "--home", str(home)).returncode == 0
+    fast_config(home, listen="127.0.0.1:0")
+    node = Daemon(home)
+    try:
+        async with serving(tmp_path / "tool", ["--allow", node.did]) as serve:
+            address = await serve.ready()
+            # a peer name works as --peer once the node knows the address
+            res = await asyncio.to_thread(
+                talosd, "peers", "add", address, "--name", "tools", "--home", str(home)
+            )
+            assert res.returncode == 0, res.stderr
+            async with (
+                Client(connect_params(home, address), mode="legacy") as one,
+                Client(connect_params(home, "tools"), mode="legacy") as two,
+            ):
+                a, b = await asyncio.gather(
+                    one.call_tool("echo", {"text": "from one"}),
+                    two.call_tool("echo", {"text": "from two"}),
+                )
+                assert "from one" in text(a) and "from two" in text(b)
+                # each agent has its own tunnel session, hence its own tool process
+                pid_one = text(await one.call_tool("pid", {}))
+                pid_two = text(await two.call_tool("pid", {}))
+                assert pid_one != pid_two
+            # both agents spoke as the node's one identity; the node still runs
+            assert node.proc.poll() is None
+            assert did_of(home) == node.did
+            status = json.loads(
+                (await asyncio.to_thread(talosd, "status", "--home", str(home))).stdout
+            )
+            assert status["did"] == node.did
+    finally:
+        node.stop()
+
+
+async def test_node_stopping_ends_an_attached_proxy_with_a_message(tmp_path: Path) -> None:
+    home = tmp_path / "agents"
+    assert talosd("init", "--home", str(home)).returncode == 0
+    fast_config(home, listen="127.0.0.1:0")
+    node = Daemon(home)
+    try:
+        async with serving(tmp_path / "tool", ["--allow", node.did]) as serve:
+            address = await serve.ready()
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mcp_proxy.cli", "connect", "--home", str(home),
+                "--peer", address,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=REPO, env=ENV,
+            )  # fmt: skip
+            assert proc.stdin is not None and proc.stdout is not None
+            init = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "initialize",
+                "params": {
+                    "protocolVersion": "2025-11-25",
+                    "capabilities": {},
+                    "clientInfo": {"name": "t", "version": "0"},
+                },
+            }
+            proc.stdin.write(json.dumps(init).encode() + b"\n")
+            await proc.stdin.drain()
+            first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+            assert first["id"] == 1 and "result" in first
+            slow = {
+                "jsonrpc": "2.0",
+                "id": 2,
+                "method": "tools/call",
+                "params": {"name": "slow", "arguments": {"steps": 100, "delay": 0.5}},
+            }
+            proc.stdin.write(json.dumps(slow).encode() + b"\n")
+            await proc.stdin.drain()
+            await asyncio.sleep(0.5)
+            assert await asyncio.to_thread(node.stop) == 0
+            # the pending request is answered with an error, then the proxy exits saying why
+            reply = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+            assert reply["id"] == 2 and "error" in reply
+            code = await asyncio.wait_for(proc.wait(), 60)
+            assert proc.stderr is not None
+            err = (await proc.stderr.read()).decode()
+            assert code != 0 and "stopped" in err, err
+    finally:
+        if node.proc.poll() is None:
+            node.stop()
