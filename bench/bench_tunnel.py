@@ -16,6 +16,8 @@ server spawned directly on stdio in the same run:
   stateless and 2025-11-25 session clients: ``tools/call echo`` p50 and
   throughput with 64 in flight against the same call on raw stdio. mcp-proxy
   and supergateway are not installed here, so they have no rows.
+* ``connect`` attached to a running ``talosd run`` (docs/adr/0011-local-clients.md)
+  vs the embedded node: added p50 and 64-in-flight throughput, same run.
 
     python bench/bench_tunnel.py [--fast] [--count N] [--burst M]
 """
@@ -37,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO_ROOT, Suite, quantiles
-from _procs import ENV, PROXY, PYTHON, child, run, run_quiet
+from _procs import ENV, PROXY, PYTHON, TALOSD, child, run, run_quiet
 from http_front_client import HttpMcpClient
 from lean_jsonrpc import LeanClient
 
@@ -153,6 +155,23 @@ async def http_run(url: str, token: str, count: int, burst: int, *, stateless: b
     return LeanRun(samples, count / sum(samples), in_flight)
 
 
+@contextlib.asynccontextmanager
+async def attached_tunnel(root: Path) -> AsyncIterator[list[str]]:
+    """``talos-proxy connect`` attached to a running ``talosd run`` (ADR 0011)."""
+    c_home, s_home = root / "attached-node", root / "attached-serve"
+    did_c = await run_quiet([*TALOSD, "init", "--home", str(c_home)])
+    argv = [*PROXY, *QUIET, "serve", "--home", str(s_home), "--listen", "127.0.0.1:0"]
+    argv += ["--allow", did_c, "--", *PING_SERVER]
+    node_argv = [*TALOSD, "run", "--home", str(c_home)]
+    async with (
+        child(argv, "talos-proxy serve (attached)") as serve,
+        child(node_argv, "talosd run") as node,
+    ):
+        await node.wait_line(r"running did=")
+        address = (await serve.wait_line(r"serving on (ws://\S+)")).group(1)
+        yield [*PROXY, *QUIET, "connect", "--home", str(c_home), "--peer", address]
+
+
 async def measure(suite: Suite, count: int, burst: int) -> None:
     with tempfile.TemporaryDirectory(prefix="talos-bench-tunnel-") as tmp:
         root = Path(tmp)
@@ -163,6 +182,8 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
             ours_sdk = await sdk_pings(connect, count)
         async with tunnel(root, "strict", "--audit", "strict") as connect:
             strict = await lean_run(connect, count, burst)
+        async with attached_tunnel(root) as connect:
+            attached = await lean_run(connect, count, burst)
         async with tunnel(root, "lazy", node=LAZY) as connect:
             lazy = await lean_run(connect, count, burst)
         raw_echo = await lean_run(PING_SERVER, count, burst, "tools/call", ECHO)
@@ -258,6 +279,25 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
         "ops/s",
         raw="tunnel.lean.inflight64",
     )
+    a50, _ = quantiles(attached.pings)
+    rec(
+        "tunnel.attached.ping.added.p50", "attached connect added round trip, p50", a50 - raw50, "s"
+    )
+    rec(
+        "tunnel.attached.ping.p50",
+        "lean ping, attached connect, p50 (vs embedded)",
+        a50,
+        "s",
+        raw="tunnel.ping.p50",
+    )
+    rec(
+        "tunnel.attached.inflight64",
+        f"lean, attached connect, {IN_FLIGHT} in flight",
+        attached.in_flight,
+        "ops/s",
+        raw="tunnel.lean.inflight64",
+    )
+    suite.record_samples("lean ping, tunnel attached to talosd run", attached.pings)
     suite.record_samples("lean ping, raw stdio", raw.pings)
     suite.record_samples("lean ping, tunnel", ours.pings)
     suite.record_samples("lean ping, tunnel --audit strict", strict.pings)
