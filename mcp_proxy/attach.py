@@ -25,7 +25,7 @@ from typing import Any
 from mcp_proxy.transport import APP_NAME, MAX_BATCH_BYTES, LinkListener, Receiver
 from talos.local.client import LocalClient, NoNodeError
 
-__all__ = ["SESSION_OFFSET", "AttachedTransport", "attach"]
+__all__ = ["SESSION_OFFSET", "AttachedTransport", "attach", "resolve_names"]
 
 #: Where a tunnel frame carries its session id: version:u8 kind:u8 session:u32 (tunnel_wire).
 SESSION_OFFSET = 2
@@ -115,3 +115,23 @@ async def attach(home: Path) -> AttachedTransport | None:
     except NoNodeError:
         return None
     return AttachedTransport(client)
+
+
+def resolve_names(home: Path, refs: list[str]) -> list[str]:
+    """``--allow`` entries as DIDs: a peer name is looked up in the home's node (local names)."""
+    from talos.config import Home
+    from talos.local.call import call
+    from talos.peer_names import UnknownPeerNameError, is_did, offline_resolve
+
+    out = []
+    for ref in refs:
+        if is_did(ref):
+            out.append(ref)
+            continue
+        if not Home(home).exists():
+            raise UnknownPeerNameError(f"unknown peer name {ref!r}: {home} has no node yet")
+        try:
+            out.append(str(call(home, "resolve", {"peer": ref})["did"]))
+        except NoNodeError:
+            out.append(offline_resolve(home, ref))
+    return out

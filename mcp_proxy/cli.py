@@ -190,8 +190,10 @@ async def _serve(args: argparse.Namespace) -> None:
     tools = None if args.tools is None else [t for t in args.tools.split(",") if t]
     policy_file = load_policy_file(args.policy) if args.policy is not None else None
     headers = _headers(args.header)
+    from mcp_proxy.attach import resolve_names
+
     policy = Policy.build(
-        allow=args.allow,
+        allow=resolve_names(args.home, args.allow),
         tools=tools,
         command=command,
         policy_file=policy_file,

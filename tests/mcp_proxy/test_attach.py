@@ -120,3 +120,29 @@ async def test_node_stopping_ends_an_attached_proxy_with_a_message(tmp_path: Pat
     finally:
         if node.proc.poll() is None:
             node.stop()
+
+
+def test_allow_takes_peer_names(tmp_path: Path) -> None:
+    from mcp_proxy.attach import resolve_names
+    from talos.peer_names import UnknownPeerNameError
+
+    home, other = tmp_path / "tool", tmp_path / "agent"
+    for h in (home, other):
+        assert talosd("init", "--home", str(h)).returncode == 0
+    did = talosd("id", "--home", str(other)).stdout.strip()
+    res = talosd("peers", "add", f"ws://127.0.0.1:9#{did}", "--name", "agent", "--home", str(home))
+    assert res.returncode == 0, res.stderr
+    assert resolve_names(home, ["agent", did]) == [did, did]
+    try:
+        resolve_names(home, ["nobody"])
+    except UnknownPeerNameError as exc:
+        assert "nobody" in str(exc)
+    else:
+        raise AssertionError("an unknown name must be refused")
+    # the CLI says so in one line
+    out = subprocess.run(
+        [sys.executable, "-m", "mcp_proxy.cli", "serve", "--home", str(home), "--listen",
+         "127.0.0.1:0", "--allow", "nobody", "--", "true"],
+        capture_output=True, text=True, timeout=60, cwd=REPO, env=ENV,
+    )  # fmt: skip
+    assert out.returncode != 0 and "unknown peer name 'nobody'" in out.stderr
