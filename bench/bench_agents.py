@@ -33,7 +33,7 @@ from talos.local.client import LocalClient
 
 
 async def _node(home: Path) -> None:
-    await run_quiet([*TALOSD, "init", "--home", str(home)])
+    await run_quiet([*TALOSD, "init", "--home", str(home), "--no-passphrase"])
     config = json.loads((home / "config.json").read_text())
     config.update({"listen": "127.0.0.1:0", "api": False})
     (home / "config.json").write_text(json.dumps(config))

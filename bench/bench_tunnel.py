@@ -159,7 +159,7 @@ async def http_run(url: str, token: str, count: int, burst: int, *, stateless: b
 async def attached_tunnel(root: Path) -> AsyncIterator[list[str]]:
     """``talos-proxy connect`` attached to a running ``talosd run`` (ADR 0011)."""
     c_home, s_home = root / "attached-node", root / "attached-serve"
-    did_c = await run_quiet([*TALOSD, "init", "--home", str(c_home)])
+    did_c = await run_quiet([*TALOSD, "init", "--home", str(c_home), "--no-passphrase"])
     argv = [*PROXY, *QUIET, "serve", "--home", str(s_home), "--listen", "127.0.0.1:0"]
     argv += ["--allow", did_c, "--", *PING_SERVER]
     node_argv = [*TALOSD, "run", "--home", str(c_home)]

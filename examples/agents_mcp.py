@@ -43,7 +43,7 @@ def talosd(*args: str) -> str:
 
 
 def run_node(home: Path) -> tuple[subprocess.Popen[str], str]:
-    talosd("init", "--home", str(home))
+    talosd("init", "--home", str(home), "--no-passphrase")
     proc = subprocess.Popen(
         [TALOSD, "run", "--home", str(home), "--listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE,

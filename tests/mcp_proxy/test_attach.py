@@ -36,7 +36,7 @@ def text(result: object) -> str:
 
 async def test_two_agents_share_one_running_node(tmp_path: Path) -> None:
     home = tmp_path / "agents"
-    assert talosd("init", "--home", str(home)).returncode == 0
+    assert talosd("init", "--home", str(home), "--no-passphrase").returncode == 0
     fast_config(home, listen="127.0.0.1:0")
     node = Daemon(home)
     try:
@@ -73,7 +73,7 @@ async def test_two_agents_share_one_running_node(tmp_path: Path) -> None:
 
 async def test_node_stopping_ends_an_attached_proxy_with_a_message(tmp_path: Path) -> None:
     home = tmp_path / "agents"
-    assert talosd("init", "--home", str(home)).returncode == 0
+    assert talosd("init", "--home", str(home), "--no-passphrase").returncode == 0
     fast_config(home, listen="127.0.0.1:0")
     node = Daemon(home)
     try:
@@ -128,7 +128,7 @@ def test_allow_takes_peer_names(tmp_path: Path) -> None:
 
     home, other = tmp_path / "tool", tmp_path / "agent"
     for h in (home, other):
-        assert talosd("init", "--home", str(h)).returncode == 0
+        assert talosd("init", "--home", str(h), "--no-passphrase").returncode == 0
     did = talosd("id", "--home", str(other)).stdout.strip()
     res = talosd("peers", "add", f"ws://127.0.0.1:9#{did}", "--name", "agent", "--home", str(home))
     assert res.returncode == 0, res.stderr

@@ -47,7 +47,7 @@ def mcp_params(home: Path) -> StdioServerParameters:
 
 
 def init(home: Path) -> None:
-    assert talosd("init", "--home", str(home)).returncode == 0
+    assert talosd("init", "--home", str(home), "--no-passphrase").returncode == 0
     fast_config(home, listen="127.0.0.1:0")
 
 

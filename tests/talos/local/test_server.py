@@ -197,7 +197,7 @@ def test_cli_names_work_where_dids_do(tmp_path: Path) -> None:
 
     home, other = tmp_path / "h", tmp_path / "o"
     for h in (home, other):
-        assert talosd("init", "--home", str(h)).returncode == 0
+        assert talosd("init", "--home", str(h), "--no-passphrase").returncode == 0
     other_did = talosd("id", "--home", str(other)).stdout.strip()
     bob = f"ws://127.0.0.1:9#{other_did}"
     res = talosd("peers", "add", bob, "--name", "bob", "--home", str(home))
