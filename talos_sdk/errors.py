@@ -13,6 +13,7 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     │   ├── UnknownRecordError     no sealed record with that id (talos/chain/log.py; also KeyError)
     │   ├── BadAddressError        not a usable ws:// peer address (talos/discovery.py)
     │   ├── PassphraseNeededError  no terminal to ask for a key file's passphrase (talos/keys.py)
+    │   ├── UnknownPeerNameError   a peer name this node does not know (talos/peer_names.py)
     │   ├── PolicyError            a policy file that cannot be used (mcp_proxy/policy.py)
     │   └── PolicyDenied           the policy refuses this caller / tool (mcp_proxy/policy.py)
     ├── KeyFileError               a key file cannot be read or written
@@ -57,6 +58,10 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     ├── LinkDownError              the tunnel's peer is not linked (mcp_proxy/transport.py)
     ├── ApiError                   the control API answered an error (talos/client.py)
     ├── NodeNotRunningError        no node runs on that home (talos/client.py)
+    ├── NoNodeError                nothing listens on the home's local socket (talos/local/call.py)
+    ├── NodeGoneError              the node stopped while attached (also ConnectionError)
+    ├── LocalCallError             a local call answered with an error (talos/local/call.py)
+    │   └── LocalUsageError        ... because of the call's input (also UsageError)
     └── RelayError                 the NATS relay (node layer, talos/relay/client.py)
         ├── RelayUnavailableError  not connected, or the peer is not on it (also ConnectionError)
         ├── MailboxUnavailableError  the recipient has no mailbox on the relay
