@@ -1,5 +1,5 @@
 """An agent's message through two running nodes: ``send`` on one, ``inbox`` long-poll on the other
-(docs/DESIGN.md "Agents on a node", docs/adr/0011-local-clients.md).
+(docs/DESIGN.md "Agents on a node", docs/adr/0012-local-clients.md).
 
 Two ``talosd run`` processes on 127.0.0.1; this process is both agents,
 attached over each node's local socket (``talos.local.client.LocalClient``,

@@ -16,7 +16,7 @@ server spawned directly on stdio in the same run:
   stateless and 2025-11-25 session clients: ``tools/call echo`` p50 and
   throughput with 64 in flight against the same call on raw stdio. mcp-proxy
   and supergateway are not installed here, so they have no rows.
-* ``connect`` attached to a running ``talosd run`` (docs/adr/0011-local-clients.md)
+* ``connect`` attached to a running ``talosd run`` (docs/adr/0012-local-clients.md)
   vs the embedded node: added p50 and 64-in-flight throughput, same run.
 
     python bench/bench_tunnel.py [--fast] [--count N] [--burst M]
@@ -157,7 +157,7 @@ async def http_run(url: str, token: str, count: int, burst: int, *, stateless: b
 
 @contextlib.asynccontextmanager
 async def attached_tunnel(root: Path) -> AsyncIterator[list[str]]:
-    """``talos-proxy connect`` attached to a running ``talosd run`` (ADR 0011)."""
+    """``talos-proxy connect`` attached to a running ``talosd run`` (ADR 0012)."""
     c_home, s_home = root / "attached-node", root / "attached-serve"
     did_c = await run_quiet([*TALOSD, "init", "--home", str(c_home), "--no-passphrase"])
     argv = [*PROXY, *QUIET, "serve", "--home", str(s_home), "--listen", "127.0.0.1:0"]

@@ -1,6 +1,6 @@
 """Two agents message each other through ``talosd mcp``, with the official MCP SDK client.
 
-Shows (DESIGN.md "Agents on a node", docs/adr/0011-local-clients.md):
+Shows (DESIGN.md "Agents on a node", docs/adr/0012-local-clients.md):
 
 1. Two ``talosd run`` nodes on 127.0.0.1 that know each other by local names
    (``talosd peers add ADDR --name bob``).

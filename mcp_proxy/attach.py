@@ -1,4 +1,4 @@
-"""A proxy attached to the running talosd of its home (docs/adr/0011-local-clients.md).
+"""A proxy attached to the running talosd of its home (docs/adr/0012-local-clients.md).
 
 When ``talosd run`` (or any node with a local socket) already runs on the
 home, ``talos-proxy connect|serve`` use its identity and links through

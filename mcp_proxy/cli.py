@@ -239,7 +239,7 @@ async def _connect(args: argparse.Namespace) -> None:
     from talos.config import parse_peer_addr
 
     relayed = args.relay and args.peer.startswith("did:")
-    # A talosd already running on the home: share its identity and links (ADR 0011).
+    # A talosd already running on the home: share its identity and links (ADR 0012).
     attached = None if args.relay else await attach(args.home)
     node: Any = None
     if attached is not None:

@@ -1,7 +1,7 @@
 """``talosd``: the node's command line (docs/DESIGN.md "Who uses it").
 
 Commands that need the running node talk to it over its local socket
-(talos/local/call.py, docs/adr/0011-local-clients.md); those that make sense
+(talos/local/call.py, docs/adr/0012-local-clients.md); those that make sense
 offline (id, peers, send, inbox, chain) open the home's store directly when no
 node runs there. Client commands import neither the node, aiohttp nor
 pydantic until they need them. Expected failures print one line on stderr and

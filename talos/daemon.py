@@ -71,7 +71,7 @@ class Daemon:
                 self._api, self.api_url = await start_api(
                     self.node, self.transfers, config.api_host, config.api_port
                 )
-            # Local clients attach last and hear "stopping" first (ADR 0011).
+            # Local clients attach last and hear "stopping" first (ADR 0012).
             self.local = LocalServer(self.node, self.transfers)
             await self.local.start()
         except BaseException:

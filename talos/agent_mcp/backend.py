@@ -1,7 +1,7 @@
 """Where ``talosd mcp`` gets its answers: the running node of the home, or one it runs itself.
 
 Both speak the ops of talos/local/ops.py, so tools behave the same either way
-(docs/adr/0011-local-clients.md). Attached, a node that stops turns every call
+(docs/adr/0012-local-clients.md). Attached, a node that stops turns every call
 into a clear NodeGoneError until it runs again (the next call re-attaches).
 """
 

@@ -1,6 +1,6 @@
 """``talosd mcp``: an agent's door to its node, a stdio MCP server (DESIGN.md "Agents on a node").
 
-Built on the official SDK's ``MCPServer`` (docs/adr/0011-local-clients.md),
+Built on the official SDK's ``MCPServer`` (docs/adr/0012-local-clients.md),
 which serves both protocol eras on one stream: a client that opens with
 ``initialize`` gets the 2025-11-25 session protocol (``resources/subscribe``,
 then ``notifications/resources/updated``), a client that sends the 2026-07-28

@@ -1,1 +1,1 @@
-"""Local clients of a running node: the owner-only Unix socket in its home (ADR 0011)."""
+"""Local clients of a running node: the owner-only Unix socket in its home (ADR 0012)."""

@@ -10,7 +10,7 @@ link's app frames on it and sends APP frames to put its own on a link. Several
 clients may share a channel: a *keyed* claim gets a range of 32-bit keys read
 at a fixed offset of each payload (a channel that multiplexes sessions puts the
 session id there, as the MCP tunnel does) and receives only frames whose key
-falls in its range; an unkeyed claim receives the rest (ADR 0011).
+falls in its range; an unkeyed claim receives the rest (ADR 0012).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``talos-proxy connect`` attached to a running ``talosd run`` (mcp_proxy/attach.py, ADR 0011).
+"""``talos-proxy connect`` attached to a running ``talosd run`` (mcp_proxy/attach.py, ADR 0012).
 
 Real processes throughout: a ``talosd run`` node, a ``talos-proxy serve`` with
 the everything tool, and two ``talos-proxy connect`` processes on the node's
