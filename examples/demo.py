@@ -146,7 +146,7 @@ def main() -> int:
             did_b = run(TALOSD, "init", "--home", str(bob), "--no-passphrase")
             print(f"   alice = {did_a}\n   bob   = {did_b}")
 
-            step("Run both nodes on 127.0.0.1 (every link is a mutual challenge-response)")
+            step("Run both nodes on 127.0.0.1 (every link is a Noise secure channel)")
             node_b = Daemon(
                 "bob",
                 [TALOSD, "run", "--home", str(bob), "--listen", "127.0.0.1:0", "--allow", did_a],

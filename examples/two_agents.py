@@ -64,7 +64,7 @@ async def demo(root: Path) -> None:
     bob.allow(alice.did)
     await alice.connect(address(bob))
     await alice.wait_connected(bob.did, timeout=10)
-    print("link up: mutual challenge-response done, Double Ratchet session ready")
+    print("link up: Noise handshake done (both identities proven), Double Ratchet session ready")
 
     msg_id = await alice.send_message(
         bob.did, "hello bob, can you summarise the report?", wait=True

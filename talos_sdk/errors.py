@@ -23,7 +23,7 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     │   │   └── TunnelFrameError   an MCP tunnel frame (mcp_proxy/tunnel_wire.py)
     │   ├── OversizeError          a frame / message above the negotiated bound
     │   ├── BundleError            prekey bundle: bad signature, unknown suite, reused OPK
-    │   ├── HandshakeError         link challenge-response failed or peer refused
+    │   ├── HandshakeError         link handshake failed or peer refused
     │   │   ├── Refusal            we refuse the peer (talos/link/handshake.py)
     │   │   ├── PeerRefused        the peer refused us (talos/link/peer.py)
     │   │   └── PeerSuiteError     suite or hybrid key not acceptable (talos_sdk/hybrid.py)
