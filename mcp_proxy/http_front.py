@@ -30,7 +30,6 @@ import hmac
 import logging
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from mcp_proxy.client import TunnelClient
@@ -39,7 +38,15 @@ from mcp_proxy.http_legacy import LegacySession
 from mcp_proxy.http_rules import Era, Rejection, classify
 from mcp_proxy.http_sse import parse_event_id, respond
 from mcp_proxy.http_stateless import StatelessPool
-from mcp_proxy.jsonrpc import INTERNAL_ERROR, JsonRpcError, Kind, Sniffed, error_reply, sniff
+from mcp_proxy.jsonrpc import (
+    INTERNAL_ERROR,
+    JsonRpcError,
+    Kind,
+    Sniffed,
+    error_reply,
+    one_line,
+    sniff,
+)
 
 __all__ = ["ENDPOINT", "MAX_SESSIONS", "HttpFront", "parse_bind"]
 
@@ -60,16 +67,6 @@ def _json_error(
     return web.Response(
         status=status, body=error_reply(rid, code, message, data), content_type="application/json"
     )
-
-
-def _one_line(body: bytes) -> bytes:
-    """A message as one line: raw CR/LF can only be JSON whitespace, so compact it away."""
-    if b"\n" not in body and b"\r" not in body:
-        return body
-    try:
-        return orjson.dumps(orjson.loads(body))
-    except orjson.JSONDecodeError:
-        return body  # sniff reports the parse error
 
 
 def parse_bind(spec: str) -> tuple[str, int]:
@@ -207,9 +204,10 @@ class HttpFront:
         json_ok = "application/json" in accept or "*/*" in accept
         if not json_ok and "text/event-stream" not in accept:
             return web.Response(status=406, text="Accept must include application/json")
-        body = _one_line(await request.read())
+        body = await request.read()
         try:
             msg = sniff(body)
+            body = one_line(body, msg)  # raw CR/LF can only be whitespace: forward one line
         except JsonRpcError as exc:
             return _json_error(400, exc.code, str(exc), exc.request_id)
         sid = request.headers.get(SESSION_HEADER)
