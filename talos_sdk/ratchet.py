@@ -31,7 +31,6 @@ from typing import Any
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from talos_sdk.binfmt import ByteReader
 from talos_sdk.bundle import (
     SUITE_HYBRID,
     SUITE_X25519,
@@ -51,6 +50,13 @@ from talos_sdk.errors import (
 )
 from talos_sdk.kdf import hkdf, kdf_ck
 from talos_sdk.prekeys import PrekeySecrets
+from talos_sdk.ratchet_state import (
+    Skipped,
+    state_from_bytes,
+    state_from_dict,
+    state_to_bytes,
+    state_to_dict,
+)
 from talos_sdk.wallet import Wallet
 from talos_sdk.x3dh import InitialData
 from talos_sdk.x3dh import initiate as x3dh_initiate
@@ -74,9 +80,6 @@ _TYPE_INITIAL = 2
 _HEADER = struct.Struct(">B32sII")
 _ROOT_INFO = b"Talos_DR_Root_v1"
 _NONCE = struct.Struct(">8xI")
-_STATE_MAGIC = b"TDRS\x01"
-_U32 = struct.Struct(">I")
-_SKIPPED = struct.Struct(">32sI32s")
 
 #: Seconds from any fixed origin (``time.monotonic``); the SDK reads no clock itself.
 Clock = Callable[[], float]
@@ -477,40 +480,20 @@ class Session:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe state (bytes as hex). Secret: store it like a key."""
-        d = {k: v.hex() if isinstance(v, bytes) else v for k, v in self._state().items()}
-        d["version"] = 1
-        d["skipped"] = [[dh.hex(), n, mk.hex()] for (dh, n), mk in self._skipped.items()]
-        return d
+        return state_to_dict(self._state(), self._skipped)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, rng: Rng = os.urandom) -> Session:
         """Inverse of :meth:`to_dict`; malformed input raises EncodingError."""
         try:
-            if d["version"] != 1:
-                raise EncodingError("session state: unknown version")
-
-            def b(key: str) -> bytes | None:
-                v = d[key]
-                return None if v is None else bytes.fromhex(v)
-
-            skipped = {(bytes.fromhex(h), int(n)): bytes.fromhex(m) for h, n, m in d["skipped"]}
-            return cls._build(
-                {k: b(k) for k in _BYTES_FIELDS}
-                | {k: d[k] for k in ("suite", "local_did", "peer_did")}
-                | {k: int(d[k]) for k in ("ns", "nr", "pn", "ratchet_every")}
-                | {"pending": bool(d["pending"])},
-                skipped,
-                rng,
-            )
+            return cls._build(*state_from_dict(d), rng)
         except EncodingError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, UsageError) as exc:
             raise EncodingError(f"session state: malformed ({exc!r})") from None
 
     @classmethod
-    def _build(
-        cls, s: dict[str, Any], skipped: dict[tuple[bytes, int], bytes], rng: Rng
-    ) -> Session:
+    def _build(cls, s: dict[str, Any], skipped: Skipped, rng: Rng) -> Session:
         session = cls(
             suite=s["suite"],
             local_did=s["local_did"],
@@ -541,42 +524,14 @@ class Session:
         return session
 
     def to_bytes(self) -> bytes:
-        """Compact binary state: magic ``TDRS\\x01``, then each field length-prefixed."""
-        s = self._state()
-        out = [_STATE_MAGIC]
-        for k in _TEXT_FIELDS:
-            raw = s[k].encode()
-            out.append(struct.pack(">H", len(raw)) + raw)
-        for k in _BYTES_FIELDS:
-            v = s[k]
-            out.append(b"\xff\xff" if v is None else struct.pack(">H", len(v)) + v)
-        out.append(
-            struct.pack(">IIII?", s["ns"], s["nr"], s["pn"], s["ratchet_every"], s["pending"])
-        )
-        out.append(_U32.pack(len(self._skipped)))
-        out += [_SKIPPED.pack(dh, n, mk) for (dh, n), mk in self._skipped.items()]
-        return b"".join(out)
+        """Compact binary state (talos_sdk/ratchet_state.py)."""
+        return state_to_bytes(self._state(), self._skipped)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, rng: Rng = os.urandom) -> Session:
         """Inverse of :meth:`to_bytes`; garbage raises EncodingError."""
         try:
-            r = ByteReader(data, "session state")
-            if r.take(len(_STATE_MAGIC)) != _STATE_MAGIC:
-                raise EncodingError("session state: bad magic")
-            s: dict[str, Any] = {k: r.text16() for k in _TEXT_FIELDS}
-            for k in _BYTES_FIELDS:
-                n = r.u16()
-                s[k] = None if n == 0xFFFF else r.take(n)
-            s["ns"], s["nr"], s["pn"], s["ratchet_every"], s["pending"] = struct.unpack(
-                ">IIII?", r.take(17)
-            )
-            skipped = {}
-            for _ in range(r.u32()):
-                dh, n, mk = _SKIPPED.unpack(r.take(_SKIPPED.size))
-                skipped[(dh, n)] = mk
-            r.end()
-            return cls._build(s, skipped, rng)
+            return cls._build(*state_from_bytes(data), rng)
         except (MalformedFrameError, UsageError, TypeError, struct.error) as exc:
             if isinstance(exc, EncodingError):
                 raise
@@ -594,22 +549,6 @@ class Session:
             f"Session(suite={self.suite!r}, local={self.local_did!r}, peer={self.peer_did!r}, "
             f"ns={self._ns}, nr={self._nr}, skipped={len(self._skipped)})"
         )
-
-
-_TEXT_FIELDS = ("suite", "local_did", "peer_did")
-_BYTES_FIELDS = (
-    "peer_signing_key",
-    "peer_identity_dh",
-    "ad",
-    "rk",
-    "dhs_priv",
-    "dhs_pub",
-    "dhr",
-    "cks",
-    "ckr",
-    "initial",
-    "first_dh",
-)
 
 
 def _parse_initial(message: bytes) -> InitialData:
