@@ -228,6 +228,7 @@ class TunnelClient:
             self._up.set()
         transport.set_receiver(self._on_payload)
         transport.add_link_listener(self._on_link)
+        self._closing = False
 
     @property
     def link_up(self) -> bool:
@@ -264,6 +265,7 @@ class TunnelClient:
         return self._up.is_set()
 
     async def close(self) -> None:
+        self._closing = True  # the link going down from here on is our own doing
         for session in list(self.sessions):
             session.close()
         await self.sender.flush()
@@ -316,7 +318,7 @@ class TunnelClient:
                 if session.resumable:
                     session.attach()
             return
-        log.warning("tunnel link to %s is down", peer)
+        (log.info if self._closing else log.warning)("tunnel link to %s is down", peer)
         self._up.clear()
         self.sender.discard()
         for session in list(self.sessions):
