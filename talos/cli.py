@@ -391,7 +391,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    runtime.run(serve(path))
+    runtime.run(serve(path, passphrase_file=args.passphrase_file))
     return 0
 
 
@@ -517,11 +517,13 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("id", help="record (message) id, hex")
     cp.add_argument("--home", default=argparse.SUPPRESS)
     sp.set_defaults(fn=cmd_chain, json=False)
-    add(
+    sp = add(
         "mcp",
         "stdio MCP server for an agent: message other agents through this node "
         "(attaches to the running node, or runs one)",
-    ).set_defaults(fn=cmd_mcp)
+    )
+    _passphrase_args(sp)  # used only when no node runs and this process runs one
+    sp.set_defaults(fn=cmd_mcp)
     from talos.transfer.cli import register_cli  # send-file / files
 
     register_cli(sub, add)

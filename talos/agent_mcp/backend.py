@@ -7,6 +7,7 @@ into a clear NodeGoneError until it runs again (the next call re-attaches).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any, Protocol
@@ -73,19 +74,28 @@ class InProcessBackend:
         await self.daemon.stop()
 
 
-async def open_backend(home: Path) -> Backend:
-    """Attach to the node of ``home``, or start one in this process when none runs."""
+async def open_backend(home: Path, *, passphrase_file: str | None = None) -> Backend:
+    """Attach to the node of ``home``, or start one in this process when none runs.
+
+    Only the in-process node needs the identity key: it is unlocked as for
+    ``talosd run`` (``passphrase_file``, ``TALOS_PASSPHRASE``, a terminal;
+    talos/keys.py), and a key that cannot be unlocked is a clear error.
+    """
     try:
         return AttachedBackend(home, await LocalClient.connect(home))
     except NoNodeError:
         pass
     from talos.config import Home
     from talos.daemon import Daemon
+    from talos.keys import unlock
     from talos_sdk.errors import UsageError
 
     if not Home(home).exists():
         raise UsageError(f"no identity in {home}: run `talosd init --home {home}` first")
-    daemon = Daemon(home)  # the node, its file transfers, API and socket, as `talosd run`
+    # scrypt takes a while: off the loop (stdin may already carry the client's first request).
+    wallet = await asyncio.to_thread(unlock, Home(home).identity, passphrase_file=passphrase_file)
+    # the node, its file transfers, API and socket, as `talosd run`
+    daemon = Daemon(home, wallet=wallet)
     await daemon.start()
     _log.info("no node was running on %s: started one in this process", home)
     return InProcessBackend(daemon)

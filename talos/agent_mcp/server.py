@@ -294,11 +294,11 @@ def build_server(raw_backend: Backend) -> Any:
     return server
 
 
-async def serve(home: Path) -> None:
+async def serve(home: Path, *, passphrase_file: str | None = None) -> None:
     """Run ``talosd mcp`` on stdio until the client closes stdin."""
     from mcp.server.stdio import stdio_server
 
-    backend = await open_backend(home)
+    backend = await open_backend(home, passphrase_file=passphrase_file)
     server = build_server(backend)
     watcher = InboxWatcher(backend, server.talos_notify)
     watcher.start()

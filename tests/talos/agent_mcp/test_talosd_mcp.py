@@ -206,3 +206,62 @@ async def test_in_process_node_when_none_runs(tmp_path: Path) -> None:
         # ... and other local clients attach to it like to talosd run.
         res = await asyncio.to_thread(talosd, "id", "--home", str(home))
         assert res.stdout.strip() == status["did"]
+
+
+def _sealed_home(tmp_path: Path) -> tuple[Path, Path]:
+    """A home whose identity key is sealed under a passphrase kept in a 0600 file."""
+    home, secret = tmp_path / "sealed", tmp_path / "passphrase"
+    secret.write_text("correct horse battery staple\n")
+    secret.chmod(0o600)
+    res = talosd("init", "--home", str(home), "--passphrase-file", str(secret))
+    assert res.returncode == 0, res.stderr
+    fast_config(home, listen="127.0.0.1:0")
+    assert b'"ciphertext"' in (home / "identity.key").read_bytes()
+    return home, secret
+
+
+async def test_in_process_node_unlocks_a_sealed_identity(tmp_path: Path) -> None:
+    home, secret = _sealed_home(tmp_path)
+    params = mcp_params(home)
+    # The way an agent's MCP config passes it: TALOS_PASSPHRASE in the server's environment.
+    env = {k: v for k, v in (params.env or {}).items() if "PASSPHRASE" not in k}
+    params.env = {**env, "TALOS_PASSPHRASE": "correct horse battery staple"}
+    async with Client(params, mode="legacy") as solo:
+        status = data(await solo.call_tool("node_status", {}))
+        assert status["mode"] == "in-process"
+        assert (
+            status["did"]
+            == (await asyncio.to_thread(talosd, "id", "--home", str(home))).stdout.strip()
+        )
+    # --passphrase-file works the same, through the stateless era this time.
+    params = mcp_params(home)
+    params.env = env
+    params.args = [*params.args, "--passphrase-file", str(secret)]
+    async with Client(params, mode=MODERN) as solo:
+        assert data(await solo.call_tool("node_status", {}))["mode"] == "in-process"
+
+
+async def test_sealed_identity_without_its_passphrase_is_a_clear_error(tmp_path: Path) -> None:
+    home, _ = _sealed_home(tmp_path)
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not it\n")
+    env = {k: v for k, v in os.environ.items() if "PASSPHRASE" not in k}
+    env["PYTHONPATH"] = str(REPO)
+    cases = [
+        ([], "TALOS_PASSPHRASE"),  # no passphrase to be had, no terminal to ask on
+        (["--passphrase-file", str(wrong)], "passphrase"),
+    ]
+    for extra, expected in cases:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "talos.cli", "mcp", "--home", str(home), *extra,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, cwd=REPO, env=env,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 1, err
+        assert out == b""  # nothing on the MCP channel
+        text = err.decode()
+        assert text.startswith("talosd: error:") and expected in text, text
+        assert "Traceback" not in text
+    # Nothing was started: no node runs, no socket was left behind.
+    assert not (home / "talosd.sock").exists()
