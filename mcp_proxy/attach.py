@@ -24,6 +24,7 @@ from typing import Any
 
 from mcp_proxy.transport import APP_NAME, MAX_BATCH_BYTES, LinkListener, Receiver
 from talos.local.client import LocalClient, NoNodeError
+from talos.pipeline import text_limit
 
 __all__ = ["SESSION_OFFSET", "AttachedTransport", "attach", "resolve_names"]
 
@@ -40,6 +41,11 @@ class AttachedTransport:
         self.did = client.did
         self.first_sid = 1
         self._up: set[str] = set(client.hello.get("up", ()))
+        # Until a peer's bound is known, ours: what send_app refuses above anyway.
+        self._own_bound = text_limit(int(client.hello["max_frame"]))
+        self._bounds: dict[str, int] = {
+            str(did): int(n) for did, n in client.hello.get("max_payload", {}).items()
+        }
         self._listeners: list[LinkListener] = []
         self._receiver: Receiver | None = None
         client.on_event(self._on_event)
@@ -61,9 +67,9 @@ class AttachedTransport:
         """Resolves with the reason once the node stopped (or closed our connection)."""
         return self.client.gone
 
-    @property
-    def max_payload(self) -> int:
-        return min(MAX_BATCH_BYTES, int(self.client.hello["max_frame"]) // 2)
+    def max_payload_for(self, peer: str) -> int:
+        # The node says the peer's bound with the link (hello, link-up event).
+        return min(MAX_BATCH_BYTES, self._bounds.get(peer, self._own_bound))
 
     async def send(self, peer: str, payload: bytes) -> None:
         await self.client.send_app(self.app, peer, payload)
@@ -91,6 +97,8 @@ class AttachedTransport:
             did, up = str(event.get("did")), bool(event.get("up"))
             if up:
                 self._up.add(did)
+                if "max_payload" in event:
+                    self._bounds[did] = int(event["max_payload"])
             else:
                 self._up.discard(did)
             self._tell(did, up)

@@ -14,8 +14,9 @@ that produced them, so no loop pass is spent) or at the latest in the next
 loop pass. Frames are written from that call when the link can take them at
 once (:meth:`TunnelTransport.send_nowait`); only while the link is busy does a
 task send them, and whatever accumulates meanwhile leaves as one frame. A
-message larger than the transport's ``max_payload`` is split into PART frames
-(``tunnel_wire``) so it is never refused by the link's frame bound.
+message larger than the peer's bound (:meth:`TunnelTransport.max_payload_for`,
+the app host's ``max_app_payload``: the smaller of both nodes' frame bounds) is
+split into PART frames (``tunnel_wire``) so it is never refused by either end.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from mcp_proxy.tunnel_wire import FrameKind, encode_frame
+from talos.apphost import AppHost
 from talos_sdk.errors import OversizeError, TalosError
 
 __all__ = [
@@ -44,7 +46,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 APP_NAME = "mcp"
-# Stay far below the node's link frame bound (NodeConfig.max_frame, 1 MiB by default).
+# A frame's cap even when both nodes' frame bounds (1 MiB by default) would take more:
+# a big frame holds the link (and the other sessions' frames) while it is sealed and sent.
 MAX_BATCH_BYTES = 256 * 1024
 # The tunnel frame header and length prefixes, on top of the messages it carries.
 _FRAME_SLACK = 64
@@ -61,9 +64,8 @@ class LinkDownError(TalosError):
 class TunnelTransport(Protocol):
     """Carries tunnel frames between this proxy and its peers, ordered per peer."""
 
-    @property
-    def max_payload(self) -> int:
-        """The largest payload ``send`` accepts (larger messages are split by FrameSender)."""
+    def max_payload_for(self, peer: str) -> int:
+        """The largest payload ``send`` to ``peer`` accepts (FrameSender splits larger messages)."""
         ...
 
     async def send(self, peer: str, payload: bytes) -> None: ...
@@ -80,18 +82,16 @@ class TunnelTransport(Protocol):
 
 
 class NodeTransport:
-    """A :class:`TunnelTransport` over a talos ``Node``'s "mcp" app channel."""
+    """A :class:`TunnelTransport` over a node's "mcp" app channel (talos/apphost.py)."""
 
-    def __init__(self, node: Any, app: str = APP_NAME) -> None:
+    def __init__(self, node: AppHost, app: str = APP_NAME) -> None:
         self.node = node
         self.app = app
         self._receiver: Receiver | None = None
         node.register_app(app, self._on_app)
 
-    @property
-    def max_payload(self) -> int:
-        # Half the link frame bound leaves ample room for the seal and channel name.
-        return min(MAX_BATCH_BYTES, int(self.node.config.max_frame) // 2)
+    def max_payload_for(self, peer: str) -> int:
+        return min(MAX_BATCH_BYTES, self.node.max_app_payload(peer))
 
     def _on_app(self, peer: str, payload: bytes) -> Awaitable[None] | None:
         # The node awaits what is returned before it reads the link's next frame.
@@ -103,7 +103,7 @@ class NodeTransport:
         await self.node.send_app(peer, self.app, payload)
 
     def send_nowait(self, peer: str, payload: bytes) -> bool:
-        return bool(self.node.try_send_app(peer, self.app, payload))
+        return self.node.try_send_app(peer, self.app, payload)
 
     def set_receiver(self, receiver: Receiver) -> None:
         self._receiver = receiver
@@ -112,7 +112,7 @@ class NodeTransport:
         self.node.on_link_change(listener)
 
     def is_up(self, peer: str) -> bool:
-        return bool(self.node.is_connected(peer))
+        return self.node.is_connected(peer)
 
 
 class LoopbackTransport:
@@ -125,6 +125,7 @@ class LoopbackTransport:
         self._receiver: Receiver | None = None
         self._listeners: list[LinkListener] = []
         self.sent_frames = 0
+        #: The bound toward the other end (tests lower it to see PART frames).
         self.max_payload = MAX_BATCH_BYTES
         # Like a node's read loop: while a receiver's awaitable runs, later frames wait.
         self._paused: asyncio.Future[None] | None = None
@@ -135,6 +136,9 @@ class LoopbackTransport:
         a, b = cls(did_a), cls(did_b)
         a.other, b.other = b, a
         return a, b
+
+    def max_payload_for(self, peer: str) -> int:
+        return self.max_payload
 
     async def send(self, peer: str, payload: bytes) -> None:
         self.send_nowait(peer, payload)
@@ -204,8 +208,6 @@ class FrameSender:
         self._task: asyncio.Task[None] | None = None
         self._soon: asyncio.Handle | None = None
         self.frames_sent = 0
-        # Message bytes per frame; a longer message leaves in pieces (PART frames).
-        self._budget = max(_FRAME_SLACK, transport.max_payload - _FRAME_SLACK)
 
     def message(self, session: int, line: bytes) -> None:
         self._push(FrameKind.MESSAGES, session, line)
@@ -272,12 +274,20 @@ class FrameSender:
         self._carry = None
         self._idle.set()
 
+    def _budget(self) -> int:
+        """Message bytes per frame toward the peer; a longer message leaves in PART pieces.
+
+        Asked per frame: the peer's bound is known only once its link is up, and a
+        new link may bring another bound.
+        """
+        return max(_FRAME_SLACK, self.transport.max_payload_for(self.peer) - _FRAME_SLACK)
+
     def _next_frame(self) -> bytes:
         items = self._items
-        budget = self._budget
+        budget = self._budget()
         kind, session, payload = items.popleft()
         if kind is FrameKind.MESSAGES and payload is not None and len(payload) > budget:
-            self._split(session, payload)
+            self._split(session, payload, budget)
             kind, session, payload = items.popleft()
         if kind is not FrameKind.MESSAGES:
             return encode_frame(kind, session, () if payload is None else (payload,))
@@ -295,9 +305,8 @@ class FrameSender:
             batch.append(npayload)
         return encode_frame(FrameKind.MESSAGES, session, batch)
 
-    def _split(self, session: int, payload: bytes) -> None:
+    def _split(self, session: int, payload: bytes, step: int) -> None:
         """Put ``payload`` back at the head as PART pieces and a final MESSAGES piece."""
-        step = self._budget
         pieces = [payload[i : i + step] for i in range(0, len(payload), step)]
         items = self._items
         items.appendleft((FrameKind.MESSAGES, session, pieces.pop()))

@@ -98,11 +98,14 @@ def _message(entry: Any, names: dict[str, str]) -> dict[str, Any]:
 
 async def op_hello(host: LocalHost, args: dict[str, Any]) -> Any:
     node = host.node
+    up = [d for d in node.known_peers() if node.is_connected(d)]
     return {
         "did": node.did,
         "listen": node.listen_url,
         "max_frame": node.config.max_frame,
-        "up": sorted(d for d in node.known_peers() if node.is_connected(d)),
+        "up": sorted(up),
+        # Per linked peer: the largest app payload both nodes' frame bounds take.
+        "max_payload": {d: node.max_app_payload(d) for d in up},
     }
 
 

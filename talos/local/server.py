@@ -269,7 +269,10 @@ class LocalServer:
             claims[:] = [c for c in claims if c.conn is not conn]
 
     def _on_link(self, did: str, up: bool) -> None:
-        frame = wire.encode_json(wire.Kind.EVENT, {"event": "link", "did": did, "up": up})
+        obj: dict[str, Any] = {"event": "link", "did": did, "up": up}
+        if up:
+            obj["max_payload"] = self.host.node.max_app_payload(did)
+        frame = wire.encode_json(wire.Kind.EVENT, obj)
         for conn in list(self.conns):
             if conn.watch:
                 conn.write(frame)

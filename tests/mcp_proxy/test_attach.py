@@ -146,3 +146,38 @@ def test_allow_takes_peer_names(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, cwd=REPO, env=ENV,
     )  # fmt: skip
     assert out.returncode != 0 and "unknown peer name 'nobody'" in out.stderr
+
+
+async def test_attached_bound_is_the_peers_frame_bound(tmp_path: Path) -> None:
+    """The node tells an attached proxy each linked peer's bound (hello, link-up event)."""
+    from mcp_proxy.attach import attach
+    from mcp_proxy.transport import MAX_BATCH_BYTES
+    from talos.daemon import Daemon as InProcess
+    from talos.pipeline import text_limit
+    from tests.talos.nodes import addr, make_home, started, until
+
+    a = InProcess(*make_home(tmp_path, "a"))
+    await a.start()
+    small = await started(*make_home(tmp_path, "small", max_frame=16 * 1024))
+    big = await started(*make_home(tmp_path, "big"))
+    try:
+        async with asyncio.timeout(30):
+            small.allow(a.node.did)
+            big.allow(a.node.did)
+            watching = await attach(a.home.path)
+            assert watching is not None
+            await a.node.add_peer(addr(small))
+            await until(lambda: watching.is_up(small.did), what="link-up event")
+            assert watching.max_payload_for(small.did) == text_limit(16 * 1024)
+            await a.node.add_peer(addr(big))
+            await a.node.wait_connected(big.did, 20)
+            late = await attach(a.home.path)  # attached after the links came up: hello says
+            assert late is not None
+            assert late.max_payload_for(small.did) == text_limit(16 * 1024)
+            assert late.max_payload_for(big.did) == MAX_BATCH_BYTES
+            await watching.close()
+            await late.close()
+    finally:
+        await a.stop()
+        await small.stop()
+        await big.stop()

@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from mcp_proxy.transport import FrameSender, LinkDownError, LoopbackTransport, NodeTransport
+from mcp_proxy.transport import (
+    MAX_BATCH_BYTES,
+    FrameSender,
+    LinkDownError,
+    LoopbackTransport,
+    NodeTransport,
+)
 from mcp_proxy.tunnel_wire import FrameKind, Joiner, TunnelFrame, decode_frame
 from talos.node import Node
+from talos.pipeline import text_limit
 from tests.talos.nodes import link, make_home, started, until
 
 TIMEOUT = 20
@@ -165,7 +172,43 @@ async def test_many_small_messages_never_pass_the_bound_with_their_prefixes() ->
 
 async def test_node_transport_bound_follows_the_link_frame_bound(ends: Ends) -> None:
     transport = NodeTransport(ends.a, app="other")
-    assert transport.max_payload == min(256 * 1024, ends.a.config.max_frame // 2)
+    assert ends.a.max_app_payload(ends.b.did) > MAX_BATCH_BYTES  # both 1 MiB: the cap holds
+    assert transport.max_payload_for(ends.b.did) == MAX_BATCH_BYTES
+
+
+async def test_node_transport_bound_is_the_peers_smaller_frame_bound(tmp_path: Path) -> None:
+    """B takes 16 KiB frames: A's tunnel frames toward B stay within them, as PART pieces."""
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b", max_frame=16 * 1024))
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            await link(a, b)
+            to_b = NodeTransport(a)
+            assert to_b.max_payload_for(b.did) == text_limit(16 * 1024)
+            joiner = Joiner(1 << 20)
+            got: list[bytes] = []
+            sizes: list[int] = []
+
+            def receive(peer: str, data: bytes) -> None:
+                sizes.append(len(data))
+                frame = decode_frame(data)
+                if frame.kind is FrameKind.PART:
+                    joiner.add_part(frame.messages[0])
+                else:
+                    got.extend(joiner.messages(frame.messages))
+
+            NodeTransport(b).set_receiver(receive)
+            sender = FrameSender(to_b, b.did)
+            big = bytes(range(256)) * 400  # 100 KiB: above B's bound, not above A's
+            sender.message(3, big)
+            await sender.flush()
+            await until(lambda: got == [big], what="the message in pieces")
+            assert max(sizes) <= text_limit(16 * 1024)
+            assert b.metrics.counters.get("frames_rejected", 0) == 0
+            await sender.close()
+    finally:
+        await a.stop()
+        await b.stop()
 
 
 async def test_a_receiver_awaitable_holds_the_node_read_loop(tmp_path: Path) -> None:
