@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from talos.chain.log import UnknownRecordError
 from talos.chain.verify import verify_chain
-from talos.transfer.cli import register_routes
+from talos.transfer.routes import register_routes
 from talos.views import block_json, report_json
 from talos_sdk.errors import StorageFullError, TalosError, UsageError
 

@@ -395,142 +395,26 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- parser ------------------------------------------------------------------------------------
-
-
-def _passphrase_args(sp: argparse.ArgumentParser, opt_out: str | None = None) -> None:
-    sp.add_argument(
-        "--passphrase-file",
-        metavar="FILE",
-        help="identity key passphrase: first line of FILE (else $TALOS_PASSPHRASE or a prompt)",
-    )
-    if opt_out is not None:
-        sp.add_argument("--no-passphrase", action="store_true", help=opt_out)
+# --- parser (talos/cli_parser.py) -----------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="talosd", description="Talos peer-to-peer node")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    from talos.cli_parser import build_parser as build
 
-    def add(name: str, help_text: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_text)
-        sp.add_argument("--home", help="node home (default $TALOS_HOME or ~/.talos)")
-        return sp
-
-    sp = add("init", "create an identity in a home folder")
-    sp.add_argument(
-        "--suite",
-        choices=("ed25519", "ed25519-mldsa65"),
-        default="ed25519",
-        help="signature suite: ed25519-mldsa65 adds a post-quantum ML-DSA-65 key (same DID)",
+    return build(
+        {
+            "init": cmd_init,
+            "passphrase": cmd_passphrase,
+            "id": cmd_id,
+            "run": cmd_run,
+            "peers": cmd_peers,
+            "status": cmd_status,
+            "send": cmd_send,
+            "inbox": cmd_inbox,
+            "chain": cmd_chain,
+            "mcp": cmd_mcp,
+        }
     )
-    _passphrase_args(sp, opt_out="store the identity key unencrypted (explicit opt-out)")
-    sp.set_defaults(fn=cmd_init)
-    sp = add("passphrase", "change (or remove) the identity key's passphrase")
-    _passphrase_args(sp, opt_out="store the key unencrypted from now on")
-    sp.add_argument(
-        "--new-passphrase-file",
-        metavar="FILE",
-        help="new passphrase: first line of FILE (else $TALOS_NEW_PASSPHRASE or the terminal)",
-    )
-    sp.set_defaults(fn=cmd_passphrase)
-    sp = add("id", "show this node's identity")
-    sp.add_argument("--json", action="store_true")
-    sp.set_defaults(fn=cmd_id)
-    sp = add("run", "run the node in the foreground")
-    _passphrase_args(sp)
-    sp.add_argument("--listen", help="HOST:PORT for peer links (port 0 picks one)")
-    sp.add_argument("--peer", action="append", default=[], help="ws://HOST:PORT#DID")
-    sp.add_argument("--allow", action="append", default=[], help="DID allowed to link")
-    sp.add_argument(
-        "--relay",
-        action="append",
-        default=[],
-        metavar="nats://HOST:PORT",
-        help="NATS relay to reach peers through and keep a mailbox on (repeatable: servers"
-        " of one NATS cluster)",
-    )
-    sp.add_argument("--files-dir", help="where received files land (default <home>/files)")
-    sp.add_argument(
-        "--require-pq",
-        action="store_true",
-        help="refuse peers that do not authenticate with Ed25519 + ML-DSA-65",
-    )
-    sp.add_argument(
-        "--ratchet-every",
-        type=int,
-        metavar="N",
-        help="DH ratchet step every turn (1, the default) or after N sends (lazy, ADR 0002)",
-    )
-    sp.add_argument(
-        "--ratchet-max-age",
-        type=float,
-        metavar="S",
-        help="lazy mode: also renew a sending chain older than S seconds (default 60)",
-    )
-    sp.set_defaults(fn=cmd_run)
-    sp = add("peers", "add or list peers")
-    psub = sp.add_subparsers(dest="peers_cmd", required=True)
-    pa = psub.add_parser("add")
-    pa.add_argument("addr", help="ws://HOST:PORT#DID")
-    pa.add_argument("--name", help="a local name for the peer, usable wherever a DID is")
-    pa.add_argument("--home", default=argparse.SUPPRESS)
-    pn = psub.add_parser("name", help="give a peer a local name (never sent to anyone)")
-    pn.add_argument("peer", help="DID (or current name) of the peer")
-    pn.add_argument("name")
-    pn.add_argument("--home", default=argparse.SUPPRESS)
-    pl = psub.add_parser("list")
-    pl.add_argument("--json", action="store_true")
-    pl.add_argument("--home", default=argparse.SUPPRESS)
-    sp.set_defaults(fn=cmd_peers, json=False)
-    add("status", "links, sessions, queues").set_defaults(fn=cmd_status)
-    sp = add("send", "queue a message for a peer")
-    sp.add_argument("--wait", action="store_true", help="return once the peer acknowledged")
-    sp.add_argument("--timeout", type=float, default=30.0)
-    sp.add_argument("did", metavar="PEER", help="DID or peer name")
-    sp.add_argument("text")
-    sp.set_defaults(fn=cmd_send)
-    sp = add("inbox", "read received messages")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--follow", action="store_true")
-    sp.add_argument("--after", type=int, default=0, help=argparse.SUPPRESS)
-    sp.set_defaults(fn=cmd_inbox)
-    sp = add("chain", "audit the block log")
-    csub = sp.add_subparsers(dest="chain_cmd", required=True)
-    cv = csub.add_parser(
-        "verify",
-        help="check every block; quarantined records are warnings (exit 0), defects exit 1",
-    )
-    cv.add_argument("--json", action="store_true")
-    cv.add_argument("--home", default=argparse.SUPPRESS)
-    cv.add_argument(
-        "--heads",
-        metavar="FILE",
-        help="also check the log against this node's signed heads held by others"
-        " (JSON: a statement, a list, or `talosd chain heads` output of a peer)",
-    )
-    ch = csub.add_parser("heads", help="print the latest signed head kept for each peer (JSON)")
-    ch.add_argument("--home", default=argparse.SUPPRESS)
-    cs = csub.add_parser("show")
-    cs.add_argument("--home", default=argparse.SUPPRESS)
-    cp = csub.add_parser("proof")
-    cp.add_argument("id", help="record (message) id, hex")
-    cp.add_argument("--home", default=argparse.SUPPRESS)
-    sp.set_defaults(fn=cmd_chain, json=False)
-    sp = add(
-        "mcp",
-        "stdio MCP server for an agent: message other agents through this node "
-        "(attaches to the running node, or runs one)",
-    )
-    _passphrase_args(sp)  # used only when no node runs and this process runs one
-    sp.set_defaults(fn=cmd_mcp)
-    from talos.transfer.cli import register_cli  # send-file / files
-
-    register_cli(sub, add)
-    from talos.relay.cli import register_cli as register_relay_cli
-
-    register_relay_cli(sub, add)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -279,9 +279,9 @@ async def op_files_send(host: LocalHost, args: dict[str, Any]) -> Any:
 
 
 def _file_view(host: LocalHost, tid: str) -> dict[str, Any]:
-    from talos.transfer.cli import _view
+    from talos.transfer.routes import view
 
-    return dict(_view(_transfers(host), tid))
+    return dict(view(_transfers(host), tid))
 
 
 async def op_files_list(host: LocalHost, args: dict[str, Any]) -> Any:
@@ -290,9 +290,9 @@ async def op_files_list(host: LocalHost, args: dict[str, Any]) -> Any:
 
 
 async def op_files_accept(host: LocalHost, args: dict[str, Any]) -> Any:
-    from talos.transfer.cli import _tid
+    from talos.transfer.routes import parse_tid
 
-    info = await _transfers(host).accept(_tid(_str(args, "id")))
+    info = await _transfers(host).accept(parse_tid(_str(args, "id")))
     return _file_view(host, info.tid)
 
 

@@ -38,16 +38,40 @@ def cmd_relay_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_cli(sub: Any, add: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    sp = sub.add_parser(
+def register_cli(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
+    """Add ``relay-config`` to ``talosd``'s subparsers (no ``--home``: it is about several)."""
+    from talos.cli_help import command
+
+    sp = command(
+        sub,
         "relay-config",
-        help="print a nats-server config whose users are these nodes (nkey = node key)",
+        "print a nats-server config whose users are these nodes (nkey = node key)",
+        "Print a nats-server configuration for a Talos relay: one user per node, signing"
+        " in with the node's own Ed25519 key as its nkey, and JetStream on for the nodes'"
+        " mailboxes (docs/operations.md). Name the nodes by DID, by home, or both.",
+        (
+            "talosd relay-config --node-home ./alice --node-home ./bob > relay.conf",
+            "talosd relay-config DID1 DID2 --port 4222 --monitor-port 8222",
+        ),
     )
-    sp.add_argument("did", nargs="*", help="DIDs of nodes allowed on the relay")
-    sp.add_argument("--node-home", action="append", default=[], help="a node home to include")
-    sp.add_argument("--host", default="0.0.0.0")
-    sp.add_argument("--port", type=int, default=4222)
-    sp.add_argument("--store-dir", default="/data/jetstream", help="JetStream store directory")
-    sp.add_argument("--max-store", default="1G", help="JetStream file store limit")
-    sp.add_argument("--monitor-port", type=int, help="HTTP monitoring port (/healthz)")
+    sp.add_argument("did", nargs="*", metavar="DID", help="DIDs of nodes allowed on the relay")
+    sp.add_argument(
+        "--node-home",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="include the node of this home (its identity.key; repeatable)",
+    )
+    sp.add_argument("--host", default="0.0.0.0", help="address nats-server listens on")
+    sp.add_argument("--port", type=int, default=4222, help="client port of nats-server")
+    sp.add_argument(
+        "--store-dir", default="/data/jetstream", metavar="DIR", help="JetStream store directory"
+    )
+    sp.add_argument("--max-store", default="1G", metavar="SIZE", help="JetStream file store limit")
+    sp.add_argument(
+        "--monitor-port",
+        type=int,
+        metavar="PORT",
+        help="HTTP monitoring port (/healthz); none if unset",
+    )
     sp.set_defaults(fn=cmd_relay_config)

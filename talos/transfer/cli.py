@@ -1,12 +1,12 @@
-"""``talosd send-file`` / ``talosd files`` and the control-API routes behind them
-(docs/PROTOCOL.md "File transfer").
+"""``talosd send-file`` / ``talosd files`` (docs/PROTOCOL.md "File transfer", docs/cli.md).
 
-Hooked in with one line each: ``register_routes(app, manager)`` in talos/api.py
-(the manager itself is built, started and stopped by talos/daemon.py, with or
-without the API) and ``register_cli(sub, add)`` in talos/cli.py. Settings come
-from the optional ``<home>/transfer.json``
-(:class:`~talos.transfer.manager.TransferConfig`); received files land in
-``<home>/files/`` unless ``--files-dir`` or that file names another folder.
+Registered with one line, ``register_cli(sub, add)`` in talos/cli_parser.py;
+the commands talk to the running node's control API (routes in
+talos/transfer/routes.py). Settings come from the ``transfer`` section of
+``<home>/config.json`` (:class:`~talos.transfer.records.TransferConfig`);
+received files land in ``<home>/files/`` unless ``--files-dir`` or that
+section names another folder. Imports stay light: building ``talosd``'s
+parser must not load aiohttp or pydantic.
 """
 
 from __future__ import annotations
@@ -19,87 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-from pydantic import BaseModel, ConfigDict
-
-from talos.transfer.manager import TransferManager
-from talos.transfer.protocol import TransferState, is_final
-
-__all__ = ["register_cli", "register_routes"]
-
-MANAGER_KEY: web.AppKey[TransferManager] = web.AppKey("transfers", TransferManager)
-
-
-class SendRequest(BaseModel):
-    """Body of ``POST /v1/files``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    did: str
-    path: str
-    name: str | None = None
-
-
-def _view(manager: TransferManager, tid: str) -> dict[str, Any]:
-    info = manager.get(tid)
-    data = info.to_public()
-    key = bytes.fromhex(info.tid)
-    moved = manager.bytes_sent.get(key) if info.direction == "out" else manager.progress.get(key)
-    data["transferred"] = (
-        info.size if info.state is TransferState.COMPLETE else moved or info.offset
-    )
-    return data
-
-
-def register_routes(app: web.Application, manager: TransferManager) -> None:
-    """Add the ``/v1/files`` routes over ``manager`` (started and stopped by its owner)."""
-    app[MANAGER_KEY] = manager
-
-    def reply(data: Any, status: int = 200) -> web.Response:
-        return web.Response(text=json.dumps(data), status=status, content_type="application/json")
-
-    async def send(request: web.Request) -> web.Response:
-        body = SendRequest.model_validate_json(await request.read())
-        tid = await request.app[MANAGER_KEY].send_file(body.did, body.path, body.name)
-        return reply({"id": tid}, 201)
-
-    async def listing(request: web.Request) -> web.Response:
-        manager = request.app[MANAGER_KEY]
-        return reply([_view(manager, i.tid) for i in manager.list()])
-
-    async def one(request: web.Request) -> web.Response:
-        return reply(_view(request.app[MANAGER_KEY], request.match_info["tid"]))
-
-    async def accept(request: web.Request) -> web.Response:
-        manager = request.app[MANAGER_KEY]
-        info = await manager.accept(_tid(request.match_info["tid"]))
-        return reply(_view(manager, info.tid))
-
-    async def reject(request: web.Request) -> web.Response:
-        manager = request.app[MANAGER_KEY]
-        info = await manager.reject(_tid(request.match_info["tid"]))
-        return reply(_view(manager, info.tid))
-
-    app.router.add_post("/v1/files", send)
-    app.router.add_get("/v1/files", listing)
-    app.router.add_get("/v1/files/{tid}", one)
-    app.router.add_post("/v1/files/{tid}/accept", accept)
-    app.router.add_post("/v1/files/{tid}/reject", reject)
-
-
-def _tid(text: str) -> str:
-    from talos_sdk.errors import UsageError
-
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        raise UsageError(f"transfer id must be hex, got {text!r}") from None
-    if len(raw) != 16:
-        raise UsageError("transfer id must be 32 hex digits")
-    return text.lower()
-
-
-# --------------------------------------------------------------------------- CLI
+__all__ = ["register_cli"]
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -111,6 +31,8 @@ def _client(args: argparse.Namespace) -> Any:
 
 def cmd_send_file(args: argparse.Namespace) -> int:
     """``talosd send-file [--wait] DID PATH``."""
+    from talos.transfer.protocol import TransferState, is_final
+
     client = _client(args)
     path = Path(args.path).resolve()
     tid = client.call("POST", "/v1/files", {"did": args.did, "path": str(path)})["id"]
@@ -167,26 +89,49 @@ def cmd_files(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_cli(
-    sub: Any, add: Callable[[str, str], argparse.ArgumentParser] | None = None
-) -> None:
-    """Add ``send-file`` and ``files`` to ``talosd``'s subparsers."""
-
-    def make(name: str, text: str) -> argparse.ArgumentParser:
-        if add is not None:
-            return add(name, text)
-        sp: argparse.ArgumentParser = sub.add_parser(name, help=text)
-        sp.add_argument("--home", help="node home (default $TALOS_HOME or ~/.talos)")
-        return sp
-
-    sp = make("send-file", "stream a file to a peer (encrypted, resumable)")
-    sp.add_argument("--wait", action="store_true", help="return once the peer verified it")
-    sp.add_argument("--timeout", type=float, default=3600.0)
-    sp.add_argument("did")
-    sp.add_argument("path")
+def register_cli(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
+    """Add ``send-file`` and ``files`` to ``talosd``'s subparsers through its ``add``."""
+    sp = add(
+        "send-file",
+        "stream a file to a peer (encrypted, resumable)",
+        "Offer a file to a peer and stream it, encrypted and resumable across link drops,"
+        " through the running node. Prints the transfer id; the peer accepts it with"
+        " `talosd files accept ID` unless its config.json's transfer.auto_accept lists"
+        " this node. A progress bar shows on a terminal.",
+        ("talosd send-file alice ./report.pdf", "talosd send-file --wait alice ./data.tar"),
+    )
+    sp.add_argument(
+        "--wait",
+        action="store_true",
+        help="return once the peer received and verified the whole file",
+    )
+    sp.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="with --wait: give up waiting after SECONDS (the transfer goes on)",
+    )
+    sp.add_argument("did", metavar="PEER", help="the recipient: a DID or a peer name")
+    sp.add_argument("path", metavar="PATH", help="the file to send")
     sp.set_defaults(fn=cmd_send_file)
-    sp = make("files", "transfers in and out; `files accept ID` accepts a pending one")
-    sp.add_argument("action", nargs="?", choices=("list", "accept", "reject"), default="list")
-    sp.add_argument("id", nargs="?")
-    sp.add_argument("--json", action="store_true")
+    sp = add(
+        "files",
+        "list transfers in and out; accept or reject an offered one",
+        "List file transfers of the running node (id, direction, peer, state, size, name),"
+        " or accept / reject a pending incoming one by its id.",
+        ("talosd files", "talosd files accept 0f1e2d3c4b5a69788796a5b4c3d2e1f0"),
+    )
+    sp.add_argument(
+        "action",
+        nargs="?",
+        choices=("list", "accept", "reject"),
+        default="list",
+        metavar="ACTION",
+        help="list (the default): show transfers; accept ID / reject ID: answer an incoming offer",
+    )
+    sp.add_argument(
+        "id", nargs="?", metavar="ID", help="transfer id (32 hex digits), for accept/reject"
+    )
+    sp.add_argument("--json", action="store_true", help="print the list as JSON, for scripts")
     sp.set_defaults(fn=cmd_files)

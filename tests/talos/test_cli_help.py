@@ -1,0 +1,113 @@
+"""Every ``talosd`` / ``talos-proxy`` command explains itself (talos/cli_help.py, docs/cli.md).
+
+The parsers are walked, so a command or option added later without a help
+text, a description or an epilog fails here with the command and option named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from talos.cli import build_parser as talosd_parser
+from talos.cli_help import options_of, walk
+from talos.exit_codes import EPILOG
+
+BIN = Path(sys.executable).parent
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def _commands() -> list[tuple[str, argparse.ArgumentParser]]:
+    out = []
+    for prog, parser in (("talosd", talosd_parser()),):
+        out += [(" ".join((prog, *path)), p) for path, p in walk(parser)]
+    return out
+
+
+COMMANDS = _commands()
+
+
+@pytest.mark.parametrize(("name", "parser"), COMMANDS, ids=[n for n, _ in COMMANDS])
+def test_help_explains_every_argument(name: str, parser: argparse.ArgumentParser) -> None:
+    text = _flat(parser.format_help())
+    assert parser.description, f"`{name}` has no description (pass one to cli_help.command)"
+    assert "examples:" in text, f"`{name} --help` has no examples (cli_help.command examples=)"
+    assert _flat(EPILOG) in text, f"`{name} --help` lacks the exit codes line"
+    for action in options_of(parser):
+        label = "/".join(action.option_strings) or (action.metavar or action.dest)
+        assert action.help, f"`{name}`: argument {label} has no help text"
+        for flag in action.option_strings:
+            assert flag in text, f"`{name} --help` does not mention {flag}"
+        if not action.option_strings:
+            choices = "{" + ",".join(map(str, action.choices)) + "}" if action.choices else None
+            shown = action.metavar or choices or action.dest
+            assert str(shown) in text, f"`{name} --help` does not show positional {shown}"
+
+
+def test_walk_reaches_every_subcommand() -> None:
+    names = {n for n, _ in COMMANDS}
+    for expected in (
+        "talosd send",
+        "talosd peers add",
+        "talosd peers list",
+        "talosd chain show",
+        "talosd chain proof",
+        "talosd send-file",
+        "talosd relay-config",
+    ):
+        assert expected in names
+
+
+def test_defaults_shown_and_metavars_meaningful() -> None:
+    send = dict(COMMANDS)["talosd send"].format_help()
+    assert "--timeout SECONDS" in send
+    assert "(default: 30.0)" in send
+    assert "PEER" in send and "TEXT" in send
+    # Defaults that say nothing (None, False, []) are not printed.
+    run = _flat(dict(COMMANDS)["talosd run"].format_help())
+    assert "default: None" not in run
+    assert "default: False" not in run
+    assert "default: []" not in run
+
+
+@pytest.mark.parametrize("prog", ["talosd"])
+def test_top_level_help_in_a_real_process(prog: str) -> None:
+    res = subprocess.run(
+        [str(BIN / prog), "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"usage: {prog}")
+    assert "exit codes:" in res.stdout and "examples:" in res.stdout
+    sub = subprocess.run(
+        [str(BIN / prog), "serve" if prog == "talos-proxy" else "send", "-h"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert sub.returncode == 0, sub.stderr
+    assert "--home" in sub.stdout
+
+
+def test_talosd_parser_does_not_load_heavy_modules() -> None:
+    """Client commands start fast: building and using the parser imports no aiohttp/pydantic."""
+    code = "from talos.cli import build_parser; build_parser().parse_args(['send', 'x', 'y'])"
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines()}
+    heavy = {m for m in loaded if m.split(".")[0] in ("aiohttp", "pydantic", "rich", "mcp")}
+    assert not heavy, f"talosd's parser loads {sorted(heavy)}"
