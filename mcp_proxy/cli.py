@@ -1,17 +1,8 @@
 """``talos-proxy``: expose a stdio MCP tool to peers (serve) or use a remote one (connect).
 
-::
-
-    talos-proxy id --home DIR
-    talos-proxy serve --home DIR --listen HOST:PORT --allow DID [--allow DID ...]
-    talos-proxy serve --home DIR --relay nats://HOST:PORT --allow DID ...  (no open port)
-                      [--tools NAME[,NAME...]] [--policy FILE] [--audit strict|group]
-                      [--audit-plaintext] [--env KEY=VALUE ...] [--pass-environment]
-                      (-- CMD [ARGS...] | --url URL [--header K=V ...])
-    talos-proxy connect --home DIR --peer ws://HOST:PORT#DID [--server NAME] [--http HOST:PORT]
-                        [--allow-origin ORIGIN ...] [--http-max-sessions N]
-    talos-proxy audit --home DIR [--json] [--since 2h|ISO] [--peer DID] [--tool NAME]
-                      [--outcome OUTCOME] [--event call|request|session|refusal]
+The commands (id, serve, connect, audit) and every option are described in
+mcp_proxy/cli_parser.py, which ``talos-proxy <command> -h`` prints, and in
+docs/cli.md.
 
 Logs go to stderr only: on ``connect`` stdout is the MCP stdio channel.
 """
@@ -26,142 +17,29 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import orjson
 
 from mcp_proxy.audit import AuditKey, AuditMode, Auditor, BlockLogSink
+from mcp_proxy.cli_parser import build_parser
 from mcp_proxy.client import TunnelClient, serve_stdio
 from mcp_proxy.nodehost import http_token, make_node, node_did
 from mcp_proxy.policy import Policy, PolicyError, load_policy_file
-from mcp_proxy.server import MAX_SESSIONS_PER_PEER, TunnelServer
-from mcp_proxy.toolenv import DEFAULT_PASS, parse_env_assignments
+from mcp_proxy.server import TunnelServer
+from mcp_proxy.toolenv import parse_env_assignments
 from mcp_proxy.transport import NodeTransport
 from talos.local.call import NodeGoneError
 from talos.runtime import run
 from talos_sdk.errors import TalosError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 log = logging.getLogger("mcp_proxy")
 
 
-def _key_args(p: argparse.ArgumentParser) -> None:
-    """The identity key's passphrase, had as for ``talosd`` (talos/keys.py)."""
-    p.add_argument(
-        "--passphrase-file",
-        metavar="FILE",
-        help="identity key passphrase: first line of FILE (else $TALOS_PASSPHRASE or a prompt)",
-    )
-    p.add_argument(
-        "--no-passphrase",
-        action="store_true",
-        help="a new identity key is stored unencrypted (explicit opt-out)",
-    )
-
-
 def _keys(args: argparse.Namespace) -> dict[str, Any]:
     return {"passphrase_file": args.passphrase_file, "no_passphrase": args.no_passphrase}
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="talos-proxy", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-
-    p_id = sub.add_parser("id", help="print the DID of a home (created if new)")
-    p_id.add_argument("--home", type=Path, required=True)
-    _key_args(p_id)
-
-    p_serve = sub.add_parser("serve", help="expose a stdio MCP server to authorised peers")
-    p_serve.add_argument("--home", type=Path, required=True)
-    p_serve.add_argument("--listen", help="HOST:PORT for peer links (or --relay, or both)")
-    p_serve.add_argument(
-        "--relay", action="append", default=[], metavar="nats://HOST:PORT",
-        help="NATS relay peers reach this tool through (talosd run --relay)",
-    )  # fmt: skip
-    _key_args(p_serve)
-    p_serve.add_argument("--allow", action="append", default=[], metavar="DID")
-    p_serve.add_argument("--tools", help="comma-separated tool allow list for every caller")
-    p_serve.add_argument("--policy", type=Path, help="TOML policy file (servers, per-DID tools)")
-    p_serve.add_argument("--audit", choices=["group", "strict"], default="group")
-    p_serve.add_argument("--audit-plaintext", action="store_true", help="keep args/results")
-    p_serve.add_argument(
-        "--max-sessions",
-        type=int,
-        default=MAX_SESSIONS_PER_PEER,
-        help=f"tool processes one peer may hold at once (default {MAX_SESSIONS_PER_PEER})",
-    )
-    p_serve.add_argument(
-        "--env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="set a variable for every tool process (repeatable)",
-    )
-    p_serve.add_argument(
-        "--pass-environment",
-        action="store_true",
-        help=f"tools inherit serve's whole environment (default: only {', '.join(DEFAULT_PASS)},"
-        " the policy's pass_env and env, and --env)",
-    )
-    p_serve.add_argument("--url", default="", help="bridge to this Streamable HTTP MCP server")
-    p_serve.add_argument(
-        "--header",
-        action="append",
-        default=[],
-        metavar="K=V",
-        help="HTTP header sent with every --url request (repeatable)",
-    )
-    p_serve.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
-
-    p_audit = sub.add_parser("audit", help="read the audit records of a (stopped) serve home")
-    p_audit.add_argument("--home", type=Path, required=True)
-    p_audit.add_argument("--json", action="store_true", help="one JSON object per line")
-    p_audit.add_argument("--since", help="15m, 2h, 7d ago, an ISO 8601 time, or epoch ms")
-    p_audit.add_argument("--peer", metavar="DID", help="only this caller")
-    p_audit.add_argument("--tool", help="only calls of this tool")
-    p_audit.add_argument("--outcome", help="only this outcome (ok, denied, tool-exited, ...)")
-    p_audit.add_argument("--event", choices=["call", "request", "session", "refusal"])
-
-    p_conn = sub.add_parser("connect", help="be the MCP server an agent launches")
-    p_conn.add_argument("--home", type=Path, required=True)
-    p_conn.add_argument(
-        "--peer",
-        required=True,
-        help="ws://HOST:PORT#DID of the serve side (its DID with --relay)",
-    )
-    p_conn.add_argument(
-        "--relay", action="append", default=[], metavar="nats://HOST:PORT",
-        help="NATS relay to reach the serve side through",
-    )  # fmt: skip
-    _key_args(p_conn)
-    p_conn.add_argument("--server", default="", help="server name when the peer offers several")
-    p_conn.add_argument("--http", metavar="HOST:PORT", help="serve Streamable HTTP, not stdio")
-    p_conn.add_argument(
-        "--http-idle",
-        type=float,
-        default=1800.0,  # http_front.IDLE_TIMEOUT; not imported: stdio never loads aiohttp
-        metavar="SECONDS",
-        help="end an HTTP session (and its remote tool) idle this long (default 1800)",
-    )
-    p_conn.add_argument(
-        "--allow-origin",
-        action="append",
-        default=[],
-        metavar="ORIGIN",
-        help="browser origin (SCHEME://HOST[:PORT]) allowed to use --http, with CORS (repeatable)",
-    )
-    p_conn.add_argument(
-        "--http-max-sessions",
-        type=int,
-        default=16,  # http_front.MAX_SESSIONS
-        metavar="N",
-        help="tool sessions this front holds at once, legacy and pooled (default 16)",
-    )
-    p_conn.add_argument("--link-wait", type=float, default=15.0, help="seconds to wait for a link")
-    return parser
 
 
 async def _until_signalled() -> None:
@@ -342,7 +220,7 @@ def _audit(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     # The proxy's home holds a node identity and store: owner-only files.
     os.umask(0o077)
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

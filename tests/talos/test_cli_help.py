@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from mcp_proxy.cli import build_parser as proxy_parser
 from talos.cli import build_parser as talosd_parser
 from talos.cli_help import options_of, walk
 from talos.exit_codes import EPILOG
@@ -27,7 +28,7 @@ def _flat(text: str) -> str:
 
 def _commands() -> list[tuple[str, argparse.ArgumentParser]]:
     out = []
-    for prog, parser in (("talosd", talosd_parser()),):
+    for prog, parser in (("talosd", talosd_parser()), ("talos-proxy", proxy_parser())):
         out += [(" ".join((prog, *path)), p) for path, p in walk(parser)]
     return out
 
@@ -62,6 +63,10 @@ def test_walk_reaches_every_subcommand() -> None:
         "talosd chain proof",
         "talosd send-file",
         "talosd relay-config",
+        "talos-proxy id",
+        "talos-proxy serve",
+        "talos-proxy connect",
+        "talos-proxy audit",
     ):
         assert expected in names
 
@@ -78,7 +83,7 @@ def test_defaults_shown_and_metavars_meaningful() -> None:
     assert "default: []" not in run
 
 
-@pytest.mark.parametrize("prog", ["talosd"])
+@pytest.mark.parametrize("prog", ["talosd", "talos-proxy"])
 def test_top_level_help_in_a_real_process(prog: str) -> None:
     res = subprocess.run(
         [str(BIN / prog), "--help"], capture_output=True, text=True, timeout=60, check=False
