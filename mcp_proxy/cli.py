@@ -233,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run(_serve(args))
         elif args.cmd == "audit":
             _audit(args)
+        elif args.cmd == "completion":
+            from talos.cli_completion import completion_script
+
+            print(completion_script(build_parser(), args.shell), end="")
         else:
             run(_connect(args))
     except TalosError as exc:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mcp_proxy.server import MAX_SESSIONS_PER_PEER
 from mcp_proxy.toolenv import DEFAULT_PASS
+from talos.cli_completion import add_completion_command
 from talos.cli_help import HelpFormatter, command, epilog
 
 __all__ = ["build_parser"]
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _connect_parser(sub)
+    add_completion_command(sub, "talos-proxy")
     return parser
 
 

@@ -395,6 +395,13 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    from talos.cli_completion import completion_script
+
+    print(completion_script(build_parser(), args.shell), end="")
+    return 0
+
+
 # --- parser (talos/cli_parser.py) -----------------------------------------------------------------
 
 
@@ -413,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
             "inbox": cmd_inbox,
             "chain": cmd_chain,
             "mcp": cmd_mcp,
+            "completion": cmd_completion,
         }
     )
 

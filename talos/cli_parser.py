@@ -12,6 +12,7 @@ import argparse
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from talos.cli_completion import add_completion_command
 from talos.cli_help import HelpFormatter, command, epilog
 
 __all__ = ["HOME_HELP", "Handler", "build_parser"]
@@ -335,4 +336,5 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
 
     register_cli(sub, add)
     register_relay_cli(sub, add)
+    add_completion_command(sub, "talosd").set_defaults(fn=handlers.get("completion"))
     return p
