@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from websockets.asyncio.server import Server, serve
 from websockets.exceptions import ConnectionClosed
 
 from talos import pipeline as pl
@@ -39,18 +38,15 @@ from talos.discovery import (
 )
 from talos.home import init_home
 from talos.keys import unlock
-from talos.link.admission import Admission
 from talos.link.auth import AuthPolicy
 from talos.link.handshake import CLOSE_SHUTDOWN
-from talos.link.peer import (
-    MAX_QUEUE,
-    LinkSettings,
-)
+from talos.link.peer import LinkSettings
+from talos.link.supervisor import CLOSE_TRY_AGAIN, LinkSupervisor
 from talos.logging import event
 from talos.metrics import Metrics
 from talos.node_base import AppHandler, Incoming, LinkCallback, Peer
 from talos.node_delivery import NodeDelivery, take
-from talos.node_links import CLOSE_TRY_AGAIN, NodeLinks
+from talos.node_links import NodeLinks
 from talos.pins import load_pin, store_pin
 from talos.pipeline import MessageTooLargeError, text_limit
 from talos.sessions import (
@@ -58,6 +54,7 @@ from talos.sessions import (
 )
 from talos.store import Store, Txn
 from talos.writer import StoreWriter
+from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
     StorageError,
     TalosError,
@@ -121,7 +118,6 @@ class Node(NodeLinks, NodeDelivery):
         self.resolver: Resolver = resolver if resolver is not None else ChainResolver(*sources)
         self.relay: Any = None  # talos.relay.attach.NodeRelay once started with --relay
         self._allow: set[str] = set(self.config.allow)
-        self._dialers: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._link_tasks: set[asyncio.Task[Any]] = set()
         self._incoming: list[Incoming] = []
@@ -130,7 +126,6 @@ class Node(NodeLinks, NodeDelivery):
         self._outbox_busy = False
         self._committing = False
         self._inbox_event = asyncio.Event()
-        self._server: Server | None = None
         self._quiescing = False
         self._writer: StoreWriter | None = None
         self._stopping = False
@@ -143,9 +138,6 @@ class Node(NodeLinks, NodeDelivery):
             handshake_timeout=self.config.handshake_timeout,
             auth=AuthPolicy(self.config.require_pq, self._pinned),
             pq=self.config.pq,
-        )
-        self._admission = Admission(
-            self.settings.max_handshakes, self.settings.max_handshakes_per_address
         )
 
     @property
@@ -163,7 +155,7 @@ class Node(NodeLinks, NodeDelivery):
         """Pin ``did``'s ML-DSA-65 key durably, on the writer thread (ADR 0005).
 
         A first hybrid contact (``Link.new_pin``) is pinned before its link
-        carries anything (:meth:`_run_link` waits for it).
+        carries anything (the link supervisor waits for it).
         """
         await self.writer.write(functools.partial(store_pin, did=did, key=key), kind="pin")
         event(_log, "peer_pinned", peer=did, suite="ed25519-mldsa65")
@@ -176,6 +168,19 @@ class Node(NodeLinks, NodeDelivery):
             raise UsageError(f"no identity in {self.home.path}: run `talosd init` first")
         self.wallet = self._unlocked or unlock(self.home.identity)
         self.did = self.wallet.did
+        #: Dialling, accepting, admission, the duplicate-link rule (talos/link/supervisor.py).
+        self.links = LinkSupervisor(
+            self.did,
+            self.wallet,
+            self.settings,
+            resolver=self.resolver,
+            authorize=lambda did: self.authorizer(did),  # callers may set authorizer later
+            metrics=self.metrics,
+            pin=self.pin_peer_key,
+            run_link=self._run_link,
+            reconnect_initial=self.config.reconnect_initial,
+            reconnect_max=self.config.reconnect_max,
+        )
         # Opening syncs, closing syncs: both off the loop like every other fsync.
         self.store = await asyncio.to_thread(
             Store, self.home.store_dir, map_size=self.config.map_size
@@ -217,37 +222,21 @@ class Node(NodeLinks, NodeDelivery):
         if self.config.listen:
             host, port = parse_listen(self.config.listen)
             try:
-                self._server = await self._serve(host, port)
+                self.listen_url = await self.links.listen(host, port)
             except OSError as exc:
                 raise UsageError(
                     f"cannot listen on {self.config.listen}: {exc.strerror or exc}"
                 ) from None
-            sock = next(iter(self._server.sockets))
-            real_host, real_port = sock.getsockname()[:2]
-            self.listen_url = f"ws://{real_host}:{real_port}"
         if self.config.relays:
             from talos.relay.attach import NodeRelay
 
-            self.relay = NodeRelay(self, self.config.relays)
+            self.relay = self.links.relay = NodeRelay(self, self.config.relays)
             self.relay.start()  # connects in the background: a relay that is down is retried
         for addr in list(self._known.values()):
             if addr:
-                self._start_dialer(parse_peer_addr(addr))
+                self._keep_link(parse_peer_addr(addr), changed=True)
         for addr in self.config.peers:
             await self.add_peer(addr)
-
-    async def _serve(self, host: str, port: int) -> Server:
-        return await serve(
-            self._on_accept,
-            host,
-            port,
-            compression=None,
-            max_size=self.settings.ws_max_size,
-            ping_interval=self.config.ping_interval,
-            ping_timeout=self.config.ping_interval,
-            close_timeout=2,
-            max_queue=MAX_QUEUE,
-        )
 
     async def _open_state(self) -> None:
         self._writer = StoreWriter(self.store)
@@ -296,10 +285,7 @@ class Node(NodeLinks, NodeDelivery):
             return
         self._stopping = True
         self.quiesce()
-        for task in self._dialers.values():
-            task.cancel()
-        if self._server is not None:
-            self._server.close(close_connections=False)
+        self.links.stop_accepting()
         links = [p.link for p in self._peers.values() if p.link is not None]
         await asyncio.gather(
             *(link.close(CLOSE_SHUTDOWN, "node shutting down") for link in links),
@@ -307,12 +293,10 @@ class Node(NodeLinks, NodeDelivery):
         )
         if self.relay is not None:
             await self.relay.stop()
-        if self._server is not None:
-            await self._server.wait_closed()
-        for task in [*self._tasks, *self._dialers.values(), *self._link_tasks]:
+        for task in [*self._tasks, *self._link_tasks]:
             task.cancel()
         await asyncio.gather(
-            *self._tasks, *self._dialers.values(), *self._link_tasks, return_exceptions=True
+            self.links.stop(), *self._tasks, *self._link_tasks, return_exceptions=True
         )
         for _, fut in self._outgoing:
             if not fut.done():
@@ -370,10 +354,20 @@ class Node(NodeLinks, NodeDelivery):
                 lambda txn: txn.put("peers", peer.did.encode(), str(peer).encode()), kind="peers"
             )
             self._known[peer.did] = str(peer)
-        running = self._dialers.get(peer.did)
-        if not self._stopping and (changed or running is None or running.done()):
-            self._start_dialer(peer)
+        self._keep_link(peer, changed=changed)
         return peer
+
+    def _keep_link(self, addr: PeerAddr, *, changed: bool) -> None:
+        self._peer(addr.did)  # listed in status() from the first dial on
+        self.links.keep(addr, changed=changed)
+
+    def reach(self, did: str) -> None:
+        """Keep a link to ``did`` at whatever address the resolver gives (the relay included)."""
+        public_key_from_did(did)
+        if did == self.did:
+            raise UsageError("that is this node's own DID")
+        if self.links.ensure(did):
+            self._peer(did)  # listed in status() from the first dial on
 
     async def connect(self, addr: str) -> None:
         """Contract alias of :meth:`add_peer`: dial and keep reconnecting with backoff."""
@@ -396,7 +390,6 @@ class Node(NodeLinks, NodeDelivery):
                 delivered=delivered,
                 own_max_frame=self.config.max_frame,
             )
-            peer.down.set()
             self._peers[did] = peer
         return peer
 

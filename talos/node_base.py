@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from talos.chain.log import BlockLog
 from talos.config import NodeConfig
 from talos.discovery import Resolver
-from talos.link.admission import Admission
 from talos.link.peer import Link, LinkSettings
+from talos.link.supervisor import LinkSupervisor
 from talos.metrics import Metrics
 from talos.peer_pipeline import PeerPipeline
 from talos.pipeline import OutboxEntry
@@ -49,7 +49,6 @@ class Peer(PeerPipeline):
 
     link: Link | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    down: asyncio.Event = field(default_factory=asyncio.Event)
     pumping: bool = False
     dirty: bool = False
 
@@ -68,6 +67,7 @@ class NodeBase:
     resolver: Resolver
     authorizer: Callable[[str], bool]
     relay: Any
+    links: LinkSupervisor
     started: bool
     _clock: Callable[[], float]
     _peers: dict[str, Peer]
@@ -76,8 +76,6 @@ class NodeBase:
     _apps: dict[str, AppHandler]
     _link_callbacks: list[LinkCallback]
     _link_tasks: set[asyncio.Task[Any]]
-    _dialers: dict[str, asyncio.Task[None]]
-    _admission: Admission
     _incoming: list[Incoming]
     _outgoing: list[tuple[OutboxEntry, asyncio.Future[None]]]
     _outbox_busy: bool
@@ -92,8 +90,6 @@ class NodeBase:
         def _peer(self, did: str) -> Peer: ...
 
         def _spawn(self, coro: Awaitable[Any]) -> None: ...
-
-        def _ensure_dialer(self, did: str) -> None: ...
 
         def _kick(self, peer: Peer) -> None: ...
 

@@ -214,7 +214,7 @@ class NodeDelivery(NodeBase):
             self._flush_outbox()
         if not sent:
             self._kick(peer)
-            self._ensure_dialer(did)
+            self.links.ensure(did)
         await committed
         self.metrics.inc("messages_out")
         if waiter is not None:
@@ -367,7 +367,7 @@ class NodeDelivery(NodeBase):
                 elif decision is Retry.KICK:
                     self._kick(peer)  # rows queued while the link was coming up
                 elif decision is Retry.DIAL:
-                    self._ensure_dialer(peer.did)  # outbox rows for a DID we do not dial
+                    self.links.ensure(peer.did)  # outbox rows for a DID we do not dial
 
 
 def _skip_row(txn: Txn, row: pl.OutboxEntry, prev: int) -> None:

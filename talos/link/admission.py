@@ -2,16 +2,20 @@
 
 An inbound WebSocket may hold buffers and CPU before it proves anything, so
 :class:`Admission` bounds the handshakes in flight in total and per source
-address (more get close code 1013, "try again later"). :func:`prefer_new_link`
-is the rule both ends of a doubled link apply alike, and :class:`Backoff` the
-dialler's delay, which only a link that reached a ready session resets.
+address (more get close code 1013, "try again later"). :func:`keep_new_link`
+(over :func:`prefer_new_link`) is the rule both ends of a doubled link apply
+alike, and :class:`Backoff` the dialler's delay, which only a link that
+reached a ready session resets. The asyncio side is talos/link/supervisor.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["Admission", "Backoff", "prefer_new_link"]
+from talos.link.handshake import Role
+
+__all__ = ["Admission", "Backoff", "LinkFacts", "keep_new_link", "prefer_new_link"]
 
 
 @dataclass(slots=True)
@@ -60,6 +64,38 @@ def prefer_new_link(
     if new_dialler == old_dialler:
         return True
     return new_dialler == min(our_did, peer_did)
+
+
+class LinkFacts(Protocol):
+    """What the duplicate-link rule reads of a link (talos.link.peer.Link has it)."""
+
+    @property
+    def peer_did(self) -> str: ...
+
+    @property
+    def role(self) -> Role: ...
+
+    @property
+    def via(self) -> str: ...
+
+
+def keep_new_link(our_did: str, new: LinkFacts, old: LinkFacts) -> bool:
+    """Whether ``new`` replaces the open ``old`` link to the same peer (:func:`prefer_new_link`).
+
+    Who dialled a link follows from our role in it: the initiator dialled.
+    """
+
+    def dialler(link: LinkFacts) -> str:
+        return our_did if link.role is Role.INITIATOR else link.peer_did
+
+    return prefer_new_link(
+        our_did,
+        new.peer_did,
+        dialler(new),
+        dialler(old),
+        new.via == "direct",
+        old.via == "direct",
+    )
 
 
 @dataclass(slots=True)

@@ -146,7 +146,7 @@ class NodeRelay:
             raise
 
     async def _on_stream(self, stream: RelayStream) -> None:
-        await self.node._on_accept(stream)
+        await self.node.links.accept(stream)
 
     def _link_changed(self, did: str, up: bool) -> None:
         if not up:
@@ -161,7 +161,7 @@ class NodeRelay:
                 link = peer.link
                 if link is None or link.via == "direct" or not link.open:
                     continue
-                urls = [u for u in node._resolve(peer.did) if not is_relay_address(u)]
+                urls = [u for u in node.links.resolve(peer.did) if not is_relay_address(u)]
                 for url in urls:
                     try:
                         direct = await dial_link(
@@ -170,7 +170,7 @@ class NodeRelay:
                     except Exception:  # still unreachable directly: the relay it stays
                         continue
                     event(_log, "relay_link_upgraded", peer=peer.did)
-                    node._spawn(node._run_link(direct))  # a direct link replaces the relayed one
+                    node.links.adopt_soon(direct)  # a direct link replaces the relayed one
                     break
 
     # --- mailbox, sender side --------------------------------------------------------------------
@@ -280,7 +280,7 @@ class NodeRelay:
             for i, peer, seq in waiting:
                 verdicts[i] = peer.rx.delivered >= seq
         for did in senders:
-            node._ensure_dialer(did)  # so the end-to-end ACK can reach the sender
+            node.links.ensure(did)  # so the end-to-end ACK can reach the sender
         return verdicts
 
     def _take(self, data: bytes) -> tuple[_Peer, int]:

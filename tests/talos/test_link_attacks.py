@@ -172,7 +172,7 @@ async def test_handshake_flood_from_one_address_is_capped(pair: tuple[Node, Node
     per_address = b.settings.max_handshakes_per_address
     async with asyncio.timeout(30):
         silent = [await connect(url) for _ in range(per_address)]
-        await until(lambda: b._admission.total == per_address, what="slots held")
+        await until(lambda: b.links.admission.total == per_address, what="slots held")
         async with connect(url) as extra:
             with pytest.raises(ConnectionClosed):
                 await extra.recv()
@@ -181,7 +181,7 @@ async def test_handshake_flood_from_one_address_is_capped(pair: tuple[Node, Node
         for ws in silent:
             with pytest.raises(ConnectionClosed):
                 await ws.recv()
-        await until(lambda: b._admission.total == 0, what="slots freed")
+        await until(lambda: b.links.admission.total == 0, what="slots freed")
         await a.add_peer(f"{url}#{b.did}")
         await a.send_message(b.did, "after the flood", wait=True)
         assert [m.text for m in b.inbox()] == ["after the flood"]

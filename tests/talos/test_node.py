@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from talos.link.peer import Link
 from talos.node import ConnectTimeoutError, Node, NotConnectedError
 from talos.pipeline import make_seq
 from talos_sdk.errors import BundleError, DIDError, UsageError
@@ -326,36 +325,6 @@ async def test_both_sides_dialling_keep_exactly_one_link(pair: tuple[Node, Node]
         assert la is not None and lb is not None
         assert la.role != lb.role
         assert la.ws.local_address == lb.ws.remote_address
-
-
-async def test_duplicate_link_rule_is_the_same_on_both_sides(pair: tuple[Node, Node]) -> None:
-    """Pure decision: same dialler -> newer wins; otherwise the smaller DID's dial wins."""
-    from types import SimpleNamespace
-
-    from talos.link.handshake import Role
-
-    a, b = pair
-
-    def fake(peer: str, role: Role, via: str = "direct") -> Link:
-        return SimpleNamespace(peer_did=peer, role=role, via=via)  # type: ignore[return-value]
-
-    # On A: link dialled by A (INITIATOR) vs link dialled by B (RESPONDER); mirrored on B.
-    a_dials_on_a, b_dials_on_a = fake(b.did, Role.INITIATOR), fake(b.did, Role.RESPONDER)
-    a_dials_on_b, b_dials_on_b = fake(a.did, Role.RESPONDER), fake(a.did, Role.INITIATOR)
-    a_wins = a.did < b.did
-    assert a._prefer(a_dials_on_a, b_dials_on_a) is a_wins
-    assert b._prefer(a_dials_on_b, b_dials_on_b) is a_wins
-    assert a._prefer(b_dials_on_a, a_dials_on_a) is not a_wins
-    assert b._prefer(b_dials_on_b, a_dials_on_b) is not a_wins
-    assert a._prefer(a_dials_on_a, fake(b.did, Role.INITIATOR)) is True
-    # A direct link beats a relayed one whoever dialled, on both sides alike.
-    relayed_on_a, relayed_on_b = (
-        fake(b.did, Role.INITIATOR, "relay"),
-        fake(a.did, Role.RESPONDER, "relay"),
-    )
-    assert a._prefer(b_dials_on_a, relayed_on_a) is True
-    assert b._prefer(b_dials_on_b, relayed_on_b) is True
-    assert a._prefer(relayed_on_a, b_dials_on_a) is False
 
 
 async def test_failed_start_is_clear_and_leaves_the_home_usable(

@@ -348,13 +348,13 @@ async def test_handshakes_in_progress_are_bounded(victim: Node, rogue: Rogue) ->
 
     from talos.node import CLOSE_TRY_AGAIN
 
-    victim._admission.max_total = 2
+    victim.links.admission.max_total = 2
     # The silent connections must outlive the first-message deadline for this test.
     victim.settings = dataclasses.replace(victim.settings, first_message_timeout=60)
     url = victim.listen_url or ""
     async with asyncio.timeout(20):
         silent = [await connect(url), await connect(url)]  # never say HELLO
-        await until(lambda: victim._admission.total == 2, what="two handshakes waiting")
+        await until(lambda: victim.links.admission.total == 2, what="two handshakes waiting")
         async with connect(url) as third:
             with pytest.raises(ConnectionClosed):
                 await third.recv()
@@ -363,7 +363,7 @@ async def test_handshakes_in_progress_are_bounded(victim: Node, rogue: Rogue) ->
         assert victim.metrics.counters["handshakes_refused"] == 1
         for ws in silent:
             await ws.close()
-        await until(lambda: victim._admission.total == 0, what="slots freed")
+        await until(lambda: victim.links.admission.total == 0, what="slots freed")
         await rogue.connect(victim)  # a real peer gets in once there is room
         await rogue.establish(victim)
         assert victim.is_connected(rogue.wallet.did)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from talos.link.admission import Admission, Backoff, prefer_new_link
+from dataclasses import dataclass
+
+from talos.link.admission import Admission, Backoff, keep_new_link, prefer_new_link
+from talos.link.handshake import Role
 
 
 def test_admission_bounds_total_and_per_address() -> None:
@@ -39,3 +42,31 @@ def test_backoff_grows_until_a_ready_session_resets_it() -> None:
     # nothing resets the delay until a session became ready.
     b.ready()
     assert b.failed() == 0.1
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What keep_new_link reads of a link (talos.link.admission.LinkFacts)."""
+
+    peer_did: str
+    role: Role
+    via: str = "direct"
+
+
+def test_keep_new_link_decides_alike_on_both_ends() -> None:
+    """Same dialler -> the newer wins; otherwise the smaller DID's dial; direct beats relayed."""
+    a, b = "did:key:zA", "did:key:zB"
+    # On A: the link A dialled (A is INITIATOR) and the one B dialled; mirrored on B.
+    a_dials_on_a, b_dials_on_a = _Facts(b, Role.INITIATOR), _Facts(b, Role.RESPONDER)
+    a_dials_on_b, b_dials_on_b = _Facts(a, Role.RESPONDER), _Facts(a, Role.INITIATOR)
+    a_wins = a < b
+    assert keep_new_link(a, a_dials_on_a, b_dials_on_a) is a_wins
+    assert keep_new_link(b, a_dials_on_b, b_dials_on_b) is a_wins
+    assert keep_new_link(a, b_dials_on_a, a_dials_on_a) is not a_wins
+    assert keep_new_link(b, b_dials_on_b, a_dials_on_b) is not a_wins
+    assert keep_new_link(a, a_dials_on_a, _Facts(b, Role.INITIATOR)) is True
+    relayed_on_a = _Facts(b, Role.INITIATOR, "relay")
+    relayed_on_b = _Facts(a, Role.RESPONDER, "relay")
+    assert keep_new_link(a, b_dials_on_a, relayed_on_a) is True
+    assert keep_new_link(b, b_dials_on_b, relayed_on_b) is True
+    assert keep_new_link(a, relayed_on_a, b_dials_on_a) is False
