@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                 f"talos-proxy serve --home ./tool --listen 127.0.0.1:7500 --allow {AGENT}"
                 " -- python -m mcp_server_time",
                 "talos-proxy connect --home ./agent --peer ws://127.0.0.1:7500#DID",
-                "talos-proxy <command> -h     (help for one command)",
+                "talos-proxy serve -h    # help for one command",
             )
         ),
         formatter_class=HelpFormatter,

@@ -33,8 +33,8 @@ def add_completion_command(sub: Any, prog: str) -> argparse.ArgumentParser:
         " choices, and file or folder names where an argument takes one. Load it from"
         " your shell's start-up file.",
         (
-            f"source <({prog} completion bash)     (in ~/.bashrc)",
-            f"{prog} completion zsh > ~/.zfunc/_{prog}     (with ~/.zfunc on $fpath)",
+            f"source <({prog} completion bash)    # in ~/.bashrc",
+            f"{prog} completion zsh > ~/.zfunc/_{prog}    # ~/.zfunc on $fpath",
         ),
     )
     sp.add_argument("shell", choices=SHELLS, metavar="SHELL", help="bash or zsh")

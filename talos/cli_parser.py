@@ -56,7 +56,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
             (
                 "talosd init --home ./alice --no-passphrase",
                 "talosd run --home ./alice --listen 127.0.0.1:7400",
-                "talosd <command> -h     (help for one command)",
+                "talosd send -h    # help for one command",
             )
         ),
         formatter_class=HelpFormatter,
@@ -272,7 +272,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         "chain",
         "audit the block log",
         "Inspect and verify the node's tamper-evident block log of messages.",
-        ("talosd chain verify", "talosd chain proof 3f2a..."),
+        ("talosd chain verify", "talosd chain proof 5b0c9e0f7d3a4c21a8e6f1b2c3d4e5f6"),
     )
     sp.set_defaults(json=False)
     csub = sp.add_subparsers(dest="chain_cmd", required=True, metavar="ACTION", title="actions")
@@ -327,7 +327,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         " Attaches to the node running on the home; with none running, runs one in"
         " this process (unlocking the identity with --passphrase-file or"
         " $TALOS_PASSPHRASE). Logs go to stderr.",
-        ("talosd mcp --home ./alice     (as the command of an MCP client)",),
+        ("talosd mcp --home ./alice    # as an MCP client's server command",),
     )
     _passphrase_args(sp)  # used only when no node runs and this process runs one
 
