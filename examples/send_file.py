@@ -5,8 +5,8 @@ Shows (docs/adr/0004-bulk-transfer-path.md, docs/PROTOCOL.md "File transfer"):
 1. Two ``talosd run`` nodes on 127.0.0.1; bob allows alice, alice dials bob.
 2. ``talosd send-file --wait DID PATH`` streams a 16 MiB file, encrypted.
 3. bob did not pre-authorise alice's files, so the offer waits as *pending*
-   until bob runs ``talosd files accept ID`` (a ``transfer.json`` with
-   ``{"auto_accept": [DID]}`` in bob's home would skip this step).
+   until bob runs ``talosd files accept ID`` (``"transfer": {"auto_accept":
+   [DID]}`` in bob's config.json would skip this step).
 4. Progress is read from alice's control API (``GET /v1/files``), the same
    data ``talosd files --json`` prints; on a terminal ``send-file`` draws a bar.
 5. The received file in ``<bob home>/files/`` has the same SHA-256.

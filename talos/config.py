@@ -3,7 +3,9 @@
 A home folder holds everything one node owns::
 
     <home>/identity.key   Ed25519 wallet (0600)
-    <home>/config.json    NodeConfig (pydantic, below)
+    <home>/config.json    NodeConfig (pydantic, below), file transfer in its "transfer"
+                          section (TransferConfig; <home>/transfer.json of older
+                          versions is still read, see :func:`transfer_settings`)
     <home>/api.token      bearer token of the control API (0600)
     <home>/store/         the LMDB environment (talos/store.py)
     <home>/node.json      written by a running node: its link and API addresses
@@ -15,6 +17,7 @@ the link handshake must prove (docs/PROTOCOL.md "Link protocol").
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 from dataclasses import dataclass
@@ -24,17 +27,52 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from talos.logging import event
 from talos_sdk.errors import UsageError
 
 __all__ = [
+    "LEGACY_TRANSFER_FILE",
     "Home",
     "NodeConfig",
     "PeerAddr",
+    "TransferConfig",
     "default_home",
     "parse_listen",
     "parse_peer_addr",
     "parse_relay_url",
+    "transfer_settings",
 ]
+
+log = logging.getLogger("talos.config")
+
+#: Where file-transfer settings lived before config.json's ``transfer`` section.
+LEGACY_TRANSFER_FILE = "transfer.json"
+
+
+class TransferConfig(BaseModel):
+    """File-transfer settings: the ``transfer`` section of config.json (docs/operations.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    files_dir: Path | None = Field(default=None, description="where received files land")
+    auto_accept: tuple[str, ...] = Field(default=(), description="DIDs whose offers need no accept")
+    quota_bytes: int = Field(default=64 << 30, ge=0, description="bytes of incoming files held")
+    min_file_bytes: int = Field(
+        default=64 << 10,
+        ge=1,
+        description="what each incoming file counts against the quota at least (its row, inode)",
+    )
+    max_rows_per_peer: int = Field(
+        default=10_000,
+        ge=1,
+        description="incoming transfer rows kept per peer; the oldest ended ones are dropped",
+    )
+    bulk: bool = True
+    bulk_host: str = "127.0.0.1"
+    bulk_port: int = Field(default=0, ge=0, le=65535)
+    window: int = Field(default=8, ge=1, le=1024, description="chunks in flight")
+    checkpoint_bytes: int = Field(default=32 << 20, ge=1 << 16)
+    retry_delay: float = Field(default=0.2, gt=0)
 
 
 class NodeConfig(BaseModel):
@@ -96,6 +134,10 @@ class NodeConfig(BaseModel):
         default=5.0, gt=0, description="seconds between signed-head announcements to peers"
     )
     log_format: Literal["kv", "json"] = "kv"
+    transfer: TransferConfig | None = Field(
+        default=None,
+        description="file-transfer settings; None: not given here (see transfer_settings)",
+    )
 
     @field_validator("relays")
     @classmethod
@@ -215,7 +257,8 @@ class Home:
             raise UsageError(f"invalid config {self.config_file}: {exc}") from None
 
     def save_config(self, config: NodeConfig) -> None:
-        self.config_file.write_text(config.model_dump_json(indent=2) + "\n")
+        unset = {"transfer"} if config.transfer is None else None  # no "transfer": null
+        self.config_file.write_text(config.model_dump_json(indent=2, exclude=unset) + "\n")
 
     def api_token(self) -> str:
         try:
@@ -239,3 +282,45 @@ class Home:
         except (FileNotFoundError, json.JSONDecodeError):
             return None
         return data if isinstance(data, dict) else None
+
+
+_noted: set[tuple[str, Path]] = set()  # one note per home and process
+
+
+def transfer_settings(home: Path, config: NodeConfig) -> TransferConfig:
+    """The node's file-transfer settings: config.json's ``transfer`` section.
+
+    A home set up before that section existed may still hold
+    ``<home>/transfer.json``: it is read when config.json has no ``transfer``
+    section, with a one-line deprecation note (once per home and process);
+    when both exist, config.json wins and the old file is ignored (noted too).
+    """
+    legacy = Path(home) / LEGACY_TRANSFER_FILE
+    if config.transfer is not None:
+        if legacy.exists():
+            _note_once(
+                "transfer_json_ignored",
+                legacy,
+                "config.json has a transfer section, which wins: delete the old file",
+            )
+        return config.transfer
+    if not legacy.exists():
+        return TransferConfig()
+    try:
+        settings = TransferConfig.model_validate_json(legacy.read_bytes())
+    except ValidationError as exc:
+        raise UsageError(f"invalid transfer settings {legacy}: {exc}") from None
+    _note_once(
+        "transfer_json_deprecated",
+        legacy,
+        f'move its contents into the "transfer" section of {Path(home) / "config.json"}'
+        " and delete it",
+    )
+    return settings
+
+
+def _note_once(name: str, path: Path, fix: str) -> None:
+    key = (name, path.resolve())
+    if key not in _noted:
+        _noted.add(key)
+        event(log, name, logging.WARNING, file=str(path), fix=fix)

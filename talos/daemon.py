@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from talos.config import Home, NodeConfig
+from talos.config import Home, NodeConfig, transfer_settings
 from talos.local.server import LocalServer
 from talos.node import Node
 from talos.transfer.manager import TransferConfig, TransferManager
@@ -25,15 +25,7 @@ from talos_sdk.wallet import Wallet
 if TYPE_CHECKING:
     from aiohttp import web
 
-__all__ = ["Daemon", "load_transfer_config"]
-
-
-def load_transfer_config(home: Path) -> TransferConfig:
-    """``<home>/transfer.json`` if present, else the defaults."""
-    path = home / "transfer.json"
-    if path.exists():
-        return TransferConfig.model_validate_json(path.read_bytes())
-    return TransferConfig()
+__all__ = ["Daemon"]
 
 
 class Daemon:
@@ -50,7 +42,7 @@ class Daemon:
     ) -> None:
         self.home = Home(Path(home))
         self.node = Node(self.home.path, config, wallet=wallet)
-        self.transfer_config = transfer or load_transfer_config(self.home.path)
+        self.transfer_config = transfer or transfer_settings(self.home.path, self.node.config)
         chosen = files_dir or self.transfer_config.files_dir or self.home.path / "files"
         self.files_dir = Path(chosen).expanduser().resolve()
         self.transfers: TransferManager | None = None

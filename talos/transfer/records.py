@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
 
 from talos.apphost import AppHost
+from talos.config import TransferConfig  # re-exported: the transfer parts take it from here
 from talos.transfer import bulk
 from talos.transfer.protocol import (
     APP_NAME,
@@ -57,32 +57,6 @@ MAX_ATTEMPTS: Final = 5
 MAX_OPEN_OFFERS: Final = 64
 _DB: Final = "transfers"
 _OPEN_IN: Final = (TransferState.OFFERED, TransferState.PENDING, TransferState.ACTIVE)
-
-
-class TransferConfig(BaseModel):
-    """File-transfer settings of a node (pydantic: read from CLI flags / JSON)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    files_dir: Path | None = Field(default=None, description="where received files land")
-    auto_accept: tuple[str, ...] = Field(default=(), description="DIDs whose offers need no accept")
-    quota_bytes: int = Field(default=64 << 30, ge=0, description="bytes of incoming files held")
-    min_file_bytes: int = Field(
-        default=64 << 10,
-        ge=1,
-        description="what each incoming file counts against the quota at least (its row, inode)",
-    )
-    max_rows_per_peer: int = Field(
-        default=10_000,
-        ge=1,
-        description="incoming transfer rows kept per peer; the oldest ended ones are dropped",
-    )
-    bulk: bool = True
-    bulk_host: str = "127.0.0.1"
-    bulk_port: int = Field(default=0, ge=0, le=65535)
-    window: int = Field(default=8, ge=1, le=1024, description="chunks in flight")
-    checkpoint_bytes: int = Field(default=32 << 20, ge=1 << 16)
-    retry_delay: float = Field(default=0.2, gt=0)
 
 
 class AppNode(AppHost, Protocol):

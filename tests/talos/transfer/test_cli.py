@@ -34,8 +34,10 @@ def _nodes(tmp_path: Path, *b_extra: str) -> Generator[tuple[Path, Path, str, st
     a, b = tmp_path / "a", tmp_path / "b"
     did_a = _run("init", "--home", str(a), "--no-passphrase")
     did_b = _run("init", "--home", str(b), "--no-passphrase")
-    if b_extra:  # B auto-accepts A
-        (b / "transfer.json").write_text(json.dumps({"auto_accept": [did_a]}))
+    if b_extra:  # B auto-accepts A (config.json's transfer section)
+        config = json.loads((b / "config.json").read_text())
+        config["transfer"] = {"auto_accept": [did_a]}
+        (b / "config.json").write_text(json.dumps(config))
     procs = [
         subprocess.Popen(
             [*CLI, "run", "--home", str(b), "--listen", "127.0.0.1:0", "--allow", did_a, *b_extra],
