@@ -1,9 +1,11 @@
-"""The running node (docs/ARCHITECTURE.md "Node contract"; docs/DESIGN.md "Layers").
+"""The running node (docs/ARCHITECTURE.md "Module map and contracts"; docs/DESIGN.md "Layers").
 
 :class:`Node` is the lifecycle (open the store, restore state, listen, stop
-cleanly) and the public contract callers use; it is assembled from the link
-part (:mod:`talos.node_links`) and the delivery part
-(:mod:`talos.node_delivery`), which share the state of :mod:`talos.node_base`.
+cleanly), status and the public contract callers use; it is assembled from
+the peers-and-links part (:mod:`talos.node_links`; links themselves come from
+:mod:`talos.link.supervisor`), the delivery part (:mod:`talos.node_delivery`)
+and the app channels (:mod:`talos.node_apps`), which share the state of
+:mod:`talos.node_base`.
 Protocol rules live in pure modules (link frames, handshake,
 :class:`~talos.peer_pipeline.PeerPipeline`, sessions over the SDK); every LMDB
 write runs on the node's one :class:`~talos.writer.StoreWriter` thread.
@@ -21,15 +23,13 @@ import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
-
-from websockets.exceptions import ConnectionClosed
+from typing import Any
 
 from talos import pipeline as pl
 from talos.chain.head_gossip import HeadGossip
 from talos.chain.log import BlockLog, run_sealer
 from talos.chain.quarantine_watch import watch_quarantine
-from talos.config import Home, NodeConfig, PeerAddr, parse_listen, parse_peer_addr
+from talos.config import Home, NodeConfig, parse_listen, parse_peer_addr
 from talos.discovery import (
     ChainResolver,
     LearnedResolver,
@@ -44,6 +44,7 @@ from talos.link.peer import LinkSettings
 from talos.link.supervisor import CLOSE_TRY_AGAIN, LinkSupervisor
 from talos.logging import event
 from talos.metrics import Metrics
+from talos.node_apps import ConnectTimeoutError, NodeApps, NotConnectedError
 from talos.node_base import AppHandler, Incoming, LinkCallback, Peer
 from talos.node_delivery import NodeDelivery, take
 from talos.node_links import NodeLinks
@@ -54,10 +55,8 @@ from talos.sessions import (
 )
 from talos.store import Store, Txn
 from talos.writer import StoreWriter
-from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
     StorageError,
-    TalosError,
     UsageError,
 )
 from talos_sdk.wallet import Wallet
@@ -75,18 +74,9 @@ __all__ = [
 _log = logging.getLogger("talos.node")
 _U64 = struct.Struct(">Q")
 _RUNNING = b"running"
-_T = TypeVar("_T")
 
 
-class NotConnectedError(TalosError, ConnectionError):
-    """No authenticated link with a ready session to that peer right now."""
-
-
-class ConnectTimeoutError(NotConnectedError, TimeoutError):
-    """``wait_connected`` gave up."""
-
-
-class Node(NodeLinks, NodeDelivery):
+class Node(NodeLinks, NodeDelivery, NodeApps):
     """A Talos node: identity, store, links, sessions, pipeline, block log."""
 
     def __init__(
@@ -334,65 +324,6 @@ class Node(NodeLinks, NodeDelivery):
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    # --- peers and links -----------------------------------------------------------------------
-
-    def _default_authorizer(self, did: str) -> bool:
-        return did in self._known or did in self._allow
-
-    def allow(self, did: str) -> None:
-        """Let ``did`` hold a link with us (``--allow``)."""
-        self._allow.add(did)
-
-    async def add_peer(self, addr: str) -> PeerAddr:
-        """Remember ``ws://HOST:PORT#DID`` in the peers table and keep a link to it."""
-        peer = parse_peer_addr(addr)
-        if peer.did == self.did:
-            raise UsageError("that address is this node's own DID")
-        changed = self._known.get(peer.did) != str(peer)
-        if changed:
-            await self.writer.write(
-                lambda txn: txn.put("peers", peer.did.encode(), str(peer).encode()), kind="peers"
-            )
-            self._known[peer.did] = str(peer)
-        self._keep_link(peer, changed=changed)
-        return peer
-
-    def _keep_link(self, addr: PeerAddr, *, changed: bool) -> None:
-        self._peer(addr.did)  # listed in status() from the first dial on
-        self.links.keep(addr, changed=changed)
-
-    def reach(self, did: str) -> None:
-        """Keep a link to ``did`` at whatever address the resolver gives (the relay included)."""
-        public_key_from_did(did)
-        if did == self.did:
-            raise UsageError("that is this node's own DID")
-        if self.links.ensure(did):
-            self._peer(did)  # listed in status() from the first dial on
-
-    async def connect(self, addr: str) -> None:
-        """Contract alias of :meth:`add_peer`: dial and keep reconnecting with backoff."""
-        await self.add_peer(addr)
-
-    def known_peers(self) -> dict[str, str]:
-        return dict(self._known)
-
-    def _peer(self, did: str) -> Peer:
-        peer = self._peers.get(did)
-        if peer is None:
-            with self.store.read() as txn:
-                first = next(pl.iter_outbox(txn, did), None)
-                assigned = pl.get_u64(txn, "meta", pl.meta_out(did))
-                delivered = pl.get_u64(txn, "meta", pl.meta_in(did))
-            peer = Peer.restore(
-                did,
-                first_unacked=first,
-                assigned=assigned,
-                delivered=delivered,
-                own_max_frame=self.config.max_frame,
-            )
-            self._peers[did] = peer
-        return peer
-
     # --- quarantined records -------------------------------------------------------------------
 
     def quarantined_count(self) -> int:
@@ -400,92 +331,10 @@ class Node(NodeLinks, NodeDelivery):
         with self.store.read() as txn:
             return txn.count("quarantine")
 
-    # --- application channels ------------------------------------------------------------------
-
-    def register_app(self, name: str, handler: AppHandler) -> None:
-        """Deliver app frames named ``name`` to ``handler(peer_did, payload)`` in link order."""
-        if not name or len(name.encode()) > 255:
-            raise UsageError("app channel name must be 1..255 bytes")
-        self._apps[name] = handler
-
-    async def send_app(self, did: str, name: str, payload: bytes) -> None:
-        """Seal ``payload`` with the peer's session and send it now (ordered, not durable)."""
-        peer = self._peers.get(did)
-        link = peer.link if peer is not None else None
-        if peer is None or link is None or not peer.ready.is_set():
-            raise NotConnectedError(f"no link with {did}")
-        body = self.sessions.seal_app(did, name, payload)
-        if len(body) > self.config.max_frame:
-            raise UsageError(f"app payload above the {self.config.max_frame}-byte frame bound")
-        try:
-            await link.send(b"\x30" + body)
-        except ConnectionClosed:
-            raise NotConnectedError(f"link with {did} closed") from None
-
-    def max_app_payload(self, did: str | None = None) -> int:
-        """The largest payload :meth:`send_app` takes for ``did`` (the smaller of both
-        nodes' frame bounds, minus what sealing adds; ours alone for None)."""
-        peer = self._peers.get(did) if did is not None else None
-        if peer is not None:
-            return peer.text_limit()
-        return text_limit(self.config.max_frame)
-
-    def try_send_app(self, did: str, name: str, payload: bytes) -> bool:
-        """:meth:`send_app` without waiting: False (nothing sealed or sent) if the link is busy.
-
-        For callbacks on the hot path (the MCP tunnel): the frame leaves from the
-        caller, no task hop. Raises like :meth:`send_app` when there is no link.
-        """
-        peer = self._peers.get(did)
-        link = peer.link if peer is not None else None
-        if peer is None or link is None or not peer.ready.is_set():
-            raise NotConnectedError(f"no link with {did}")
-        if not link.writable:
-            return False
-        body = self.sessions.seal_app(did, name, payload)
-        if len(body) > self.config.max_frame:
-            raise UsageError(f"app payload above the {self.config.max_frame}-byte frame bound")
-        try:
-            sent = link.send_nowait(b"\x30" + body)
-        except ConnectionClosed:
-            raise NotConnectedError(f"link with {did} closed") from None
-        assert sent  # writable was checked and nothing ran in between
-        return True
-
-    def on_link_change(self, callback: LinkCallback) -> None:
-        """Call ``callback(did, up)`` whenever a peer's session becomes ready or goes away."""
-        self._link_callbacks.append(callback)
-
-    def peer_state(self, did: str) -> Peer:
-        """The message pipeline and link of ``did`` (read-only use: status, tests)."""
-        return self._peer(did)
-
     @property
     def epoch(self) -> int:
         """This run's boot epoch, the high half of every sequence number it assigns."""
         return self._epoch
-
-    def is_connected(self, did: str) -> bool:
-        peer = self._peers.get(did)
-        return peer is not None and peer.ready.is_set()
-
-    def channel_binding(self, did: str) -> bytes:
-        """The handshake hash of the current link to ``did`` (b"" without one).
-
-        What a token sent over the link is bound to (docs/PROTOCOL.md "Link handshake").
-        """
-        peer = self._peers.get(did)
-        link = peer.link if peer is not None else None
-        return link.transcript_hash if link is not None else b""
-
-    async def wait_connected(self, did: str, timeout: float) -> None:
-        """Wait until the link to ``did`` and its session are up."""
-        peer = self._peer(did)
-        try:
-            async with asyncio.timeout(timeout):
-                await peer.ready.wait()
-        except TimeoutError:
-            raise ConnectTimeoutError(f"no link with {did} after {timeout} s") from None
 
     # --- reading state (API, CLI) --------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """What the parts of a running node share (docs/ARCHITECTURE.md "Module map and contracts").
 
-:class:`~talos.node.Node` is assembled from three parts that each hold one
-concern: links and session setup (:mod:`talos.node_links`), the message
-pipeline's asyncio side (:mod:`talos.node_delivery`) and the lifecycle plus
-the public contract (:mod:`talos.node`). They share the state declared here;
+:class:`~talos.node.Node` is assembled from parts that each hold one
+concern: the peers and their links' session setup and read loop (:mod:`talos.node_links`),
+the message pipeline's asyncio side (:mod:`talos.node_delivery`), the app
+channels (:mod:`talos.node_apps`) and the lifecycle plus the public contract
+(:mod:`talos.node`). They share the state declared here;
 the rules themselves live in the sans-I/O :class:`~talos.peer_pipeline.PeerPipeline`.
 """
 
@@ -71,6 +72,8 @@ class NodeBase:
     started: bool
     _clock: Callable[[], float]
     _peers: dict[str, Peer]
+    _known: dict[str, str]  # DID -> address ("" when only allowed)
+    _allow: set[str]
     _stopping: bool
     _epoch: int
     _apps: dict[str, AppHandler]
@@ -98,3 +101,7 @@ class NodeBase:
         def _on_ack(self, peer: Peer, seq: int) -> None: ...
 
         async def pin_peer_key(self, did: str, key: bytes) -> None: ...
+
+        def _notify_link(self, did: str, up: bool) -> None: ...
+
+        async def _on_app(self, peer: Peer, frame: Any) -> None: ...

@@ -1,7 +1,9 @@
-"""What a running node does with an authenticated link (docs/PROTOCOL.md "Link protocol").
+"""A running node's peers and what it does with their links (docs/PROTOCOL.md "Link protocol").
 
-The link supervisor (talos/link/supervisor.py: dialling, accepting, admission,
-the duplicate-link rule) hands each link to :meth:`NodeLinks._run_link`: the
+The peers table (addresses we keep a link to, ``--allow``, per-peer state),
+and the node's side of each authenticated link: the link supervisor
+(talos/link/supervisor.py: dialling, accepting, admission, the duplicate-link
+rule) hands each link to :meth:`NodeLinks._run_link`, which runs the
 SESSION_OFFER / INIT / ACK exchange that makes its session ready, then one
 read loop that hands each frame to its handler. Part of
 :class:`~talos.node.Node` (see :mod:`talos.node_base`).
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import time
 from collections.abc import Awaitable
@@ -19,13 +20,17 @@ from typing import Any
 
 from websockets.exceptions import ConnectionClosed
 
+from talos import pipeline as pl
+from talos.config import PeerAddr, parse_peer_addr
 from talos.link import wire
 from talos.link.auth import check_bundle_auth
 from talos.link.handshake import CLOSE_PROTOCOL
 from talos.link.peer import Link
 from talos.logging import event
+from talos.node_apps import ConnectTimeoutError
 from talos.node_base import NodeBase, Peer
 from talos_sdk.bundle import PrekeyBundle
+from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
     DecryptionError,
     HandshakeError,
@@ -42,7 +47,81 @@ _log = logging.getLogger("talos.node")
 
 
 class NodeLinks(NodeBase):
-    """The node's side of each link: session setup and the read loop."""
+    """The peers table; the node's side of each link: session setup and the read loop."""
+
+    # --- the peers table -----------------------------------------------------------------------
+
+    def _default_authorizer(self, did: str) -> bool:
+        return did in self._known or did in self._allow
+
+    def allow(self, did: str) -> None:
+        """Let ``did`` hold a link with us (``--allow``)."""
+        self._allow.add(did)
+
+    async def add_peer(self, addr: str) -> PeerAddr:
+        """Remember ``ws://HOST:PORT#DID`` in the peers table and keep a link to it."""
+        peer = parse_peer_addr(addr)
+        if peer.did == self.did:
+            raise UsageError("that address is this node's own DID")
+        changed = self._known.get(peer.did) != str(peer)
+        if changed:
+            await self.writer.write(
+                lambda txn: txn.put("peers", peer.did.encode(), str(peer).encode()), kind="peers"
+            )
+            self._known[peer.did] = str(peer)
+        self._keep_link(peer, changed=changed)
+        return peer
+
+    def _keep_link(self, addr: PeerAddr, *, changed: bool) -> None:
+        self._peer(addr.did)  # listed in status() from the first dial on
+        self.links.keep(addr, changed=changed)
+
+    def reach(self, did: str) -> None:
+        """Keep a link to ``did`` at whatever address the resolver gives (the relay included)."""
+        public_key_from_did(did)
+        if did == self.did:
+            raise UsageError("that is this node's own DID")
+        if self.links.ensure(did):
+            self._peer(did)  # listed in status() from the first dial on
+
+    async def connect(self, addr: str) -> None:
+        """Contract alias of :meth:`add_peer`: dial and keep reconnecting with backoff."""
+        await self.add_peer(addr)
+
+    def known_peers(self) -> dict[str, str]:
+        return dict(self._known)
+
+    def _peer(self, did: str) -> Peer:
+        peer = self._peers.get(did)
+        if peer is None:
+            with self.store.read() as txn:
+                first = next(pl.iter_outbox(txn, did), None)
+                assigned = pl.get_u64(txn, "meta", pl.meta_out(did))
+                delivered = pl.get_u64(txn, "meta", pl.meta_in(did))
+            peer = Peer.restore(
+                did,
+                first_unacked=first,
+                assigned=assigned,
+                delivered=delivered,
+                own_max_frame=self.config.max_frame,
+            )
+            self._peers[did] = peer
+        return peer
+
+    def peer_state(self, did: str) -> Peer:
+        """The message pipeline and link of ``did`` (read-only use: status, tests)."""
+        return self._peer(did)
+
+    async def wait_connected(self, did: str, timeout: float) -> None:
+        """Wait until the link to ``did`` and its session are up."""
+        peer = self._peer(did)
+        try:
+            async with asyncio.timeout(timeout):
+                await peer.ready.wait()
+        except TimeoutError:
+            raise ConnectTimeoutError(f"no link with {did} after {timeout} s") from None
+
+    # --- one link ------------------------------------------------------------------------------
 
     async def _run_link(self, link: Link) -> bool:
         """Own an authenticated ``link`` (from talos/link/supervisor.py) until it closes:
@@ -94,13 +173,6 @@ class NodeLinks(NodeBase):
         event(_log, "session_ready", peer=peer.did, suite=self.sessions.suite(peer.did))
         self._notify_link(peer.did, True)  # head gossip sends our head from here
         self._kick(peer)
-
-    def _notify_link(self, did: str, up: bool) -> None:
-        for cb in list(self._link_callbacks):
-            try:
-                cb(did, up)
-            except Exception as exc:
-                event(_log, "link_callback_failed", level=logging.ERROR, error=repr(exc))
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -230,13 +302,3 @@ class NodeLinks(NodeBase):
             return
         if not peer.ready.is_set():
             self._set_ready(peer)  # the initiator's session is confirmed now
-
-    async def _on_app(self, peer: Peer, frame: wire.App) -> None:
-        name, payload = self.sessions.open_app(peer.did, frame.body)
-        handler = self._apps.get(name)
-        if handler is None:
-            raise ProtocolError(f"no app channel named {name!r}")
-        self.metrics.inc("app_frames_in")
-        result = handler(peer.did, payload)
-        if inspect.isawaitable(result):
-            await result
