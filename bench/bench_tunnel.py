@@ -16,6 +16,10 @@ server spawned directly on stdio in the same run:
   stateless and 2025-11-25 session clients: ``tools/call echo`` p50 and
   throughput with 64 in flight against the same call on raw stdio. mcp-proxy
   and supergateway are not installed here, so they have no rows.
+* ``tools/call echo`` through the tunnel and through bench/naive_ws_relay.py (stdio
+  lines over plain websockets, no crypto, no audit) beside raw stdio: added p50
+  sequential (target: the tunnel's <= the relay's), requests/s at 8 / 64 / 256 in
+  flight (>= 0.6 x raw), p99 at 256 in flight (<= 2 x raw's);
 * ``connect`` attached to a running ``talosd run`` (docs/adr/0012-local-clients.md)
   vs the embedded node: added p50 and 64-in-flight throughput, same run.
 
@@ -27,12 +31,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +62,52 @@ class LeanRun:
     pings: list[float]
     sequential: float  # requests/s, one at a time
     in_flight: float  # requests/s, IN_FLIGHT outstanding
+    # requests/s at each other level of LEVELS, and the latencies at the highest one
+    rates: dict[int, float] = field(default_factory=dict)
+    tail: list[float] = field(default_factory=list)
 
 
 ECHO = {"name": "echo", "arguments": {"text": "hi"}}
+# In-flight levels of the tools/call throughput rows (raw, naive relay, tunnel).
+LEVELS = (8, IN_FLIGHT, 256)
+RELAY = [PYTHON, str(Path(__file__).resolve().parent / "naive_ws_relay.py")]
+
+
+async def timed_burst(
+    client: LeanClient, method: str, params: Any, burst: int, in_flight: int
+) -> tuple[float, list[float]]:
+    """``burst`` requests keeping ``in_flight`` unanswered: requests/s and each one's latency."""
+    window = asyncio.Semaphore(in_flight)
+    latencies: list[float] = []
+    futures = []
+
+    def answered(started: float, fut: asyncio.Future[Any]) -> None:
+        latencies.append(time.perf_counter() - started)
+        window.release()
+
+    start = time.perf_counter()
+    for i in range(burst):
+        await window.acquire()
+        fut = client.start(method, params)
+        fut.add_done_callback(functools.partial(answered, time.perf_counter()))
+        futures.append(fut)
+        if i % in_flight == in_flight - 1:
+            await client.writer.drain()
+    await client.writer.drain()
+    await asyncio.gather(*futures)
+    return burst / (time.perf_counter() - start), latencies
 
 
 async def lean_run(
-    argv: Sequence[str], count: int, burst: int, method: str = "ping", params: Any = None
+    argv: Sequence[str],
+    count: int,
+    burst: int,
+    method: str = "ping",
+    params: Any = None,
+    levels: Sequence[int] = (),
 ) -> LeanRun:
-    """Call ``method`` on ``argv`` (an MCP stdio server) one at a time, then IN_FLIGHT at a time."""
+    """Call ``method`` on ``argv`` (an MCP stdio server) one at a time, then IN_FLIGHT at a time
+    (and at each of ``levels``)."""
     client = await LeanClient.spawn(list(argv), env=ENV)
     try:
         await asyncio.wait_for(client.initialize(), SETUP_TIMEOUT)
@@ -80,9 +122,13 @@ async def lean_run(
         start = time.perf_counter()
         await client.pipelined(method, (params for _ in range(burst)), IN_FLIGHT)
         in_flight = burst / (time.perf_counter() - start)
+        rates: dict[int, float] = {}
+        tail: list[float] = []
+        for level in levels:
+            rates[level], tail = await timed_burst(client, method, params, burst, level)
     finally:
         await client.close()
-    return LeanRun(pings, sequential, in_flight)
+    return LeanRun(pings, sequential, in_flight, rates, tail)
 
 
 async def sdk_pings(argv: Sequence[str], count: int) -> list[float]:
@@ -128,6 +174,14 @@ async def tunnel(
     async with child(argv, f"talos-proxy serve ({name})") as serve:
         address = (await serve.wait_line(r"serving on (ws://\S+)")).group(1)
         yield [*PROXY, *QUIET, "connect", "--home", str(c_home), "--peer", address]
+
+
+@contextlib.asynccontextmanager
+async def naive_relay() -> AsyncIterator[list[str]]:
+    """bench/naive_ws_relay.py serving the ping server; yields its connect command."""
+    async with child([*RELAY, "serve", "--", *PING_SERVER], "naive relay serve") as serve:
+        url = (await serve.wait_line(r"relay on (ws://\S+)")).group(1)
+        yield [*RELAY, "connect", url]
 
 
 @contextlib.asynccontextmanager
@@ -177,20 +231,24 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
         root = Path(tmp)
         raw = await lean_run(PING_SERVER, count, burst)
         raw_sdk = await sdk_pings(PING_SERVER, count)
+        raw_echo = await lean_run(PING_SERVER, count, burst, "tools/call", ECHO, LEVELS)
+        async with naive_relay() as connect:
+            relay_echo = await lean_run(connect, count, burst, "tools/call", ECHO, LEVELS)
         async with tunnel(root, "group") as connect:
             ours = await lean_run(connect, count, burst)
             ours_sdk = await sdk_pings(connect, count)
+            ours_echo = await lean_run(connect, count, burst, "tools/call", ECHO, LEVELS)
         async with tunnel(root, "strict", "--audit", "strict") as connect:
             strict = await lean_run(connect, count, burst)
         async with attached_tunnel(root) as connect:
             attached = await lean_run(connect, count, burst)
         async with tunnel(root, "lazy", node=LAZY) as connect:
             lazy = await lean_run(connect, count, burst)
-        raw_echo = await lean_run(PING_SERVER, count, burst, "tools/call", ECHO)
         async with http_front(root) as (url, token):
             stateless = await http_run(url, token, count, burst, stateless=True)
             legacy = await http_run(url, token, count, burst, stateless=False)
     record_http(suite, raw_echo, stateless, legacy)
+    record_echo(suite, raw_echo, relay_echo, ours_echo)
 
     raw50, raw99 = quantiles(raw.pings)
     p50, p99 = quantiles(ours.pings)
@@ -303,6 +361,43 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
     suite.record_samples("lean ping, tunnel --audit strict", strict.pings)
     suite.record_samples("MCP SDK ping, raw stdio", raw_sdk)
     suite.record_samples("MCP SDK ping, tunnel", ours_sdk)
+
+
+def record_echo(suite: Suite, raw: LeanRun, relay: LeanRun, ours: LeanRun) -> None:
+    """tools/call rows: tunnel and naive relay beside raw stdio at 1 / 8 / 64 / 256 in flight."""
+    rec = suite.record
+    raw50, _ = quantiles(raw.pings)
+    for name, run_ in (("relay", relay), ("tunnel", ours)):
+        who = "naive WebSocket relay" if name == "relay" else "tunnel"
+        p50, _ = quantiles(run_.pings)
+        rec(
+            f"{name}.echo.added.p50",
+            f"{who} added round trip, tools/call, p50",
+            p50 - raw50,
+            "s",
+            raw=None if name == "relay" else "relay.echo.added.p50",
+        )
+    for level in LEVELS:
+        label = f"tools/call echo, {level} in flight"
+        raw_key = f"tunnel.echo.inflight{level}.raw"
+        if level != IN_FLIGHT:  # the 64 row is record_http's
+            rec(raw_key, f"lean {label}, raw stdio", raw.rates[level], "ops/s", row=False)
+        rec(f"relay.echo.inflight{level}", f"{label}, naive relay", relay.rates[level], "ops/s",
+            raw=raw_key)  # fmt: skip
+        rec(f"tunnel.echo.inflight{level}", f"{label}, tunnel", ours.rates[level], "ops/s",
+            raw=raw_key)  # fmt: skip
+    top = LEVELS[-1]
+    _, raw_tail99 = quantiles(raw.tail)
+    _, tail99 = quantiles(ours.tail)
+    _, relay99 = quantiles(relay.tail)
+    rec(f"tunnel.echo.inflight{top}.raw.p99", f"raw stdio, {top} in flight, p99", raw_tail99, "s",
+        row=False)  # fmt: skip
+    rec(f"relay.echo.inflight{top}.p99", f"naive relay, {top} in flight, p99", relay99, "s",
+        raw=f"tunnel.echo.inflight{top}.raw.p99")  # fmt: skip
+    rec(f"tunnel.echo.inflight{top}.p99", f"tunnel, {top} in flight, p99", tail99, "s",
+        raw=f"tunnel.echo.inflight{top}.raw.p99")  # fmt: skip
+    suite.record_samples("tools/call echo, naive relay", relay.pings)
+    suite.record_samples("tools/call echo, tunnel", ours.pings)
 
 
 def record_http(suite: Suite, raw: LeanRun, stateless: LeanRun, legacy: LeanRun) -> None:

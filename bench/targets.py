@@ -334,6 +334,34 @@ TARGETS: tuple[Target, ...] = (
         ),
     ),
     Target(
+        "MCP tunnel tools/call, 8 / 64 / 256 in flight",
+        "6.3k / 15.5k / 22k req/s (0.18-0.42 x raw)",
+        "raw stdio tools/call, same run",
+        tuple(
+            AtLeastRatio(f"tunnel.echo.inflight{n}", (f"tunnel.echo.inflight{n}.raw",), 0.6)
+            for n in (8, 64, 256)
+        ),
+    ),
+    Target(
+        "MCP tunnel added round trip, tools/call, p50 (vs a naive WebSocket relay)",
+        "—",
+        "bench/naive_ws_relay.py (plain websockets, no crypto, no audit), same run",
+        (AtMost("tunnel.echo.added.p50", float("inf"), ("relay.echo.added.p50",), 1.0),),
+    ),
+    Target(
+        "MCP tunnel tools/call p99 at 256 in flight",
+        "50 ms",
+        "raw stdio at 256 in flight, same run",
+        (
+            AtMost(
+                "tunnel.echo.inflight256.p99",
+                float("inf"),
+                ("tunnel.echo.inflight256.raw.p99",),
+                2.0,
+            ),
+        ),
+    ),
+    Target(
         "file transfer, loopback, encrypted",
         "9.1 MB/s",
         "ChaCha20 1.9 GB/s/core; plain websockets copy 200–250 MiB/s",

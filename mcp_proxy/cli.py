@@ -94,7 +94,7 @@ async def _serve(args: argparse.Namespace) -> None:
     )
     await node.start()
     auditor = Auditor(
-        BlockLogSink(node.log, node.did),
+        BlockLogSink(node.log, node.did, node.writer),
         mode=AuditMode(args.audit),
         key=AuditKey.load(args.home),
         plaintext=args.audit_plaintext,

@@ -120,6 +120,12 @@ class HttpUpstream:
             return
         self._outbox.put_nowait(line)
 
+    def hold(self) -> None:
+        """Like ``ToolProcess.hold``; nothing to do: each message is its own HTTP request."""
+
+    def release(self) -> None:
+        """Like ``ToolProcess.release``; nothing to do."""
+
     def settle(self, request_id: RequestId) -> bool:
         try:
             self.pending.remove(request_id)

@@ -395,8 +395,14 @@ class TunnelServer:
             session.audit.refusal(None, "oversize", str(exc))
             self.session_failed(session, str(exc))
             return
-        for line in lines:
-            session.from_client(line)
+        proc = session.proc
+        assert proc is not None  # set before the session is reachable by frames
+        proc.hold()  # the frame's lines reach the tool in one write
+        try:
+            for line in lines:
+                session.from_client(line)
+        finally:
+            proc.release()
 
     async def _open(self, peer: str, sid: int, name: str) -> None:
         try:

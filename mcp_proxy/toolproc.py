@@ -112,6 +112,10 @@ class ToolProcess:
         self.exit_code: int | None = None
         self._exited = asyncio.Event()
         self._why = ""  # set when the proxy itself stopped the tool
+        # Lines written between hold() and release(): one pipe write for a whole tunnel
+        # frame instead of one per line (write syscalls were 14 % of serve's GIL time
+        # at 64 in flight, one per message).
+        self._held: list[bytes] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -159,7 +163,22 @@ class ToolProcess:
         if stdin.is_closing():
             # Exiting: the exit report answers the pending ids.
             return
+        if self._held is not None:
+            self._held += (line, b"\n")
+            return
         stdin.write(line + b"\n")
+
+    def hold(self) -> None:
+        """Keep what ``send`` writes until :meth:`release` (the lines of one frame)."""
+        if self._held is None:
+            self._held = []
+
+    def release(self) -> None:
+        """Write what was held since :meth:`hold`, in one write."""
+        held, self._held = self._held, None
+        stdin = self._stdin
+        if held and stdin is not None and not stdin.is_closing():
+            stdin.write(b"".join(held))
 
     @property
     def writable(self) -> bool:

@@ -208,6 +208,8 @@ class FrameSender:
         self._task: asyncio.Task[None] | None = None
         self._soon: asyncio.Handle | None = None
         self.frames_sent = 0
+        # Cached on first use: asyncio.get_running_loop() costs a getpid() per call on 3.11.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def message(self, session: int, line: bytes) -> None:
         self._push(FrameKind.MESSAGES, session, line)
@@ -220,7 +222,10 @@ class FrameSender:
         self._idle.clear()
         if self._soon is None and not self._busy:
             # A producer that knows its batch ended calls flush_now sooner.
-            self._soon = asyncio.get_running_loop().call_soon(self.flush_now)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            self._soon = loop.call_soon(self.flush_now)
 
     @property
     def _busy(self) -> bool:
@@ -239,7 +244,7 @@ class FrameSender:
             try:
                 if not self.transport.send_nowait(self.peer, frame):
                     self._carry = frame
-                    self._task = asyncio.get_running_loop().create_task(
+                    self._task = (self._loop or asyncio.get_running_loop()).create_task(
                         self._run(), name=f"mcp-send-{self.peer[-8:]}"
                     )
                     return

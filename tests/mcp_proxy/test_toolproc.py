@@ -122,3 +122,30 @@ async def test_sigkill_after_grace_when_sigterm_ignored() -> None:
         "code": INTERNAL_ERROR,
         "message": "tool process exited (code -9)",
     }
+
+
+async def test_held_lines_reach_the_tool_in_order_once_released() -> None:
+    rec = Recorder()
+    spec = ServerSpec(command=sys.executable, args=("-m", "tests.tools.everything_server"))
+    proc = ToolProcess(spec, rec.on_line, rec.on_exit)
+    async with asyncio.timeout(20):
+        await proc.start()
+        proc.send(INIT, 1)
+        await rec.got.wait()
+        proc.send(orjson.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+        proc.hold()
+        for i in range(2, 12):
+            proc.send(orjson.dumps({"jsonrpc": "2.0", "id": i, "method": "ping"}), i)
+        await asyncio.sleep(0.2)
+        assert not answered(rec)  # held: nothing written yet, so nothing answered
+        proc.release()
+        while len(answered(rec)) < 10:
+            rec.got.clear()
+            await rec.got.wait()
+        await proc.terminate()
+    assert [m["id"] for m in answered(rec)] == list(range(2, 12))
+
+
+def answered(rec: Recorder) -> list[dict[str, object]]:
+    """The replies to the pings (ids 2..), in arrival order; the tool's notifications aside."""
+    return [m for m in rec.lines if m.get("id", 0) not in (0, 1) and "result" in m]
