@@ -2,7 +2,9 @@
 Session.create_pair).
 
 Rows: ``Session.create_pair`` for both suites (fresh identities, prekeys and
-X3DH included) beside one raw X25519 exchange; ``Session.encrypt`` at 35 B and
+X3DH included) beside the sum of the raw primitive calls it is made of
+(:func:`_raw_pair`, the floor: what is left is our own overhead) and one raw
+X25519 exchange; ``Session.encrypt`` at 35 B and
 10 KB beside the primitives one message needs (the two chain-key HMACs and a
 ChaCha20-Poly1305 seal keyed by the message key, ADR 0006); an encrypt + decrypt round
 trip, and one with a DH ratchet step (the reply direction) each way; and state
@@ -11,6 +13,7 @@ serialisation (``to_dict`` / ``from_dict``).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import sys
@@ -21,7 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Suite
 from cryptography.hazmat.primitives.asymmetric import x25519
+from cryptography.hazmat.primitives.asymmetric.mlkem import MLKEM768PrivateKey, MLKEM768PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from nacl.bindings import (
+    crypto_scalarmult,
+    crypto_scalarmult_base,
+    crypto_sign,
+    crypto_sign_open,
+    crypto_sign_seed_keypair,
+)
 
 from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519
 from talos_sdk.ratchet import Session
@@ -35,6 +46,68 @@ def _raw_message(ck: bytes, plaintext: bytes) -> bytes:
     mk = hmac.digest(ck, b"\x01", "sha256")
     hmac.digest(ck, b"\x02", "sha256")
     return ChaCha20Poly1305(mk).encrypt(bytes(12), plaintext, AD)
+
+
+def _hkdf(ikm: bytes, info: bytes, blocks: int = 1) -> bytes:
+    """RFC 5869 HKDF-SHA256 on ``hmac.digest``: one extract, ``blocks`` expand steps."""
+    prk = hmac.digest(bytes(32), ikm, "sha256")
+    out, block = b"", b""
+    for i in range(1, blocks + 1):
+        block = hmac.digest(prk, block + info + bytes((i,)), "sha256")
+        out += block
+    return out
+
+
+def _raw_pair(hybrid: bool) -> bytes:
+    """Every primitive call ``Session.create_pair`` needs, with no encoding, state or checks.
+
+    Two Ed25519 identities (seed -> key pair); Bob's X25519 identity key and
+    signed prekey, Alice's identity, ephemeral and first ratchet key (five
+    X25519 base-point multiplications); three Ed25519 signatures (both identity
+    bindings, Bob's bundle) and two verifies (the bundle, Alice's binding);
+    X3DH's three DHs on each side plus one each for the first ratchet step
+    (eight); X3DH's HKDF on each side, KDF_RK (64 bytes) on each side, KDF_CK
+    on each side, and the first (empty) message sealed and opened. The hybrid
+    suite adds an ML-KEM-768 key from its seed, the public key parsed from the
+    bundle, one encapsulation and one decapsulation.
+    """
+    rng = os.urandom
+    a_pk, a_sk = crypto_sign_seed_keypair(rng(32))
+    b_pk, b_sk = crypto_sign_seed_keypair(rng(32))
+    priv = [rng(32) for _ in range(5)]
+    b_ik, b_spk, a_ik, a_ek, a_rt = (crypto_scalarmult_base(k) for k in priv)
+    b_bind = crypto_sign(b"Talos_IdentityKey_v1\0" + b_pk + b_ik, b_sk)
+    bundle = crypto_sign(b"bundle" + b_bind[:64] + b_spk, b_sk)
+    a_bind = crypto_sign(b"Talos_IdentityKey_v1\0" + a_pk + a_ik, a_sk)
+    crypto_sign_open(bundle, b_pk)
+    crypto_sign_open(a_bind, a_pk)
+    kem_a = kem_b = b""
+    if hybrid:
+        kem = MLKEM768PrivateKey.from_seed_bytes(rng(64))
+        public = MLKEM768PublicKey.from_public_bytes(kem.public_key().public_bytes_raw())
+        kem_a, ct = public.encapsulate()
+        kem_b = kem.decapsulate(ct)
+    ikm_a = (
+        crypto_scalarmult(priv[2], b_spk)
+        + crypto_scalarmult(priv[3], b_ik)
+        + crypto_scalarmult(priv[3], b_spk)
+        + kem_a
+    )
+    ikm_b = (
+        crypto_scalarmult(priv[1], a_ik)
+        + crypto_scalarmult(priv[0], a_ek)
+        + crypto_scalarmult(priv[1], a_ek)
+        + kem_b
+    )
+    sk_a, sk_b = _hkdf(ikm_a, b"x3dh"), _hkdf(ikm_b, b"x3dh")
+    rk_a = _hkdf(sk_a + crypto_scalarmult(priv[4], b_spk), b"rk", 2)
+    rk_b = _hkdf(sk_b + crypto_scalarmult(priv[1], a_rt), b"rk", 2)
+    mk_a = hmac.digest(rk_a[32:], b"\x01", "sha256")
+    hmac.digest(rk_a[32:], b"\x02", "sha256")
+    mk_b = hmac.digest(rk_b[32:], b"\x01", "sha256")
+    hmac.digest(rk_b[32:], b"\x02", "sha256")
+    sealed = ChaCha20Poly1305(mk_a).encrypt(bytes(12), b"", AD)
+    return ChaCha20Poly1305(mk_b).decrypt(bytes(12), sealed, AD) + hashlib.sha256(sealed).digest()
 
 
 def _round_trip(a: Session, b: Session, plaintext: bytes) -> bytes:
@@ -57,15 +130,22 @@ def main() -> None:
         "OpenSSL X25519 exchange (X3DH unit)",
         partial(a_key.exchange, b_pub),
     )
-    suite.single(
+    suite.pair(
         "session.create_pair.x25519",
         "Session.create_pair, x25519 (keys included)",
+        partial(_raw_pair, False),
         partial(Session.create_pair, SUITE_X25519),
+        raw_label="sum of its primitives: 2 Ed25519 keygen, 5 X25519 keygen, 8 DH, "
+        "3 sign, 2 verify, HKDF/HMAC, AEAD",
+        raw_key="session.create_pair.x25519.primitives",
     )
-    suite.single(
+    suite.pair(
         "session.create_pair.x25519-mlkem768",
         "Session.create_pair, x25519-mlkem768 (keys included)",
+        partial(_raw_pair, True),
         partial(Session.create_pair, SUITE_HYBRID),
+        raw_label="sum of its primitives, plus ML-KEM-768 keygen, parse, encaps, decaps",
+        raw_key="session.create_pair.x25519-mlkem768.primitives",
     )
     alice, _ = Session.create_pair(SUITE_X25519)
     ck = os.urandom(32)

@@ -111,15 +111,26 @@ class Txn:
         except lmdb.BadValsizeError as exc:
             raise UsageError(f"key size not accepted by LMDB: {exc}") from None
 
-    def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
-        """Store many pairs with one cursor (the batched block write path)."""
+    def put_many(
+        self, db: str, items: Iterable[tuple[bytes, bytes]], *, append: bool = False
+    ) -> None:
+        """Store many pairs with one cursor (the batched block write path).
+
+        ``append=True`` (LMDB ``MDB_APPEND``): the keys are in order and above
+        every key present, so pages are filled and written in sequence; a key
+        out of order is :class:`UsageError`.
+        """
         cur = self.raw.cursor(db=self._db(db))
         try:
-            cur.putmulti(items, overwrite=True)
+            consumed, added = cur.putmulti(items, overwrite=True, append=append)
         except lmdb.MapFullError:
             raise _full_error(self._map_size) from None
         finally:
             cur.close()
+        if append and consumed != added:
+            # py-lmdb skips a key out of order in append mode instead of raising;
+            # raising here aborts the caller's transaction, so nothing is written.
+            raise UsageError(f"put_many(append=True) on {db!r}: keys not in ascending order")
 
     def delete(self, db: str, key: bytes) -> bool:
         """Remove ``key``; False if it was not there."""

@@ -45,6 +45,7 @@ from talos.chain.block import (
     head_statement,
     verify_inclusion_proof,
 )
+from talos.chain.record_index import RecordIndex
 from talos.store import Store, Txn
 from talos.writer import DirectWrites, Writes
 from talos_sdk.errors import MalformedFrameError, UsageError
@@ -157,6 +158,9 @@ class BlockLog:
             last = txn.last("blocks")
             self._tip = Block.from_bytes(last[1]) if last else None
             since = txn.get("meta", HYBRID_SINCE_KEY)
+            self._index = RecordIndex(store, txn, self.height + 1)
+        if self._index.stale:
+            self._writes.run(self._index.watermark_row, kind="log")
         self._key_id: bytes | None = None
         hybrid = wallet.hybrid_public_key
         if hybrid is not None:
@@ -271,11 +275,13 @@ class BlockLog:
         block: Block | None = None
         remaining = 0
         if batch:
+            index = self._index
+            new: dict[bytes, bytes] = {}
 
-            def write(txn: Txn) -> tuple[Block | None, int]:
+            def write(txn: Txn) -> tuple[Block | None, int, bool]:
                 keep: list[Record] = []
                 for key, record in good:
-                    if txn.get("records", record.record_id) is not None:
+                    if index.get(txn, record.record_id) is not None:
                         refused.append((key, "record id already sealed", record.encoded))
                     else:
                         keep.append(record)
@@ -284,11 +290,20 @@ class BlockLog:
                 for key, _ in batch:
                     txn.delete("pending", key)
                 written = self._write_block(txn, keep) if keep else None
-                return written, txn.count("pending")
+                batched = False
+                if written is not None:
+                    new.update(
+                        (r.record_id, record_key(written.height, i)) for i, r in enumerate(keep)
+                    )
+                    batched = index.batch_due(len(new))
+                    if batched:
+                        index.write_batch(txn, new, written.height + 1)
+                return written, txn.count("pending"), batched
 
-            block, remaining = self._writes.run(write, durable=True, kind="seal")
+            block, remaining, batched = self._writes.run(write, durable=True, kind="seal")
             if block is not None:
                 self._tip = block
+                index.committed(new, batched=batched, below=block.height + 1)
         with self._lock:
             # Appends counted since we started are kept; the store tells the rest.
             self._pending = remaining + max(0, self._pending - counted)
@@ -322,10 +337,24 @@ class BlockLog:
         txn.put_many(
             "block_records", [(record_key(height, i), leaf) for i, leaf in enumerate(leaves)]
         )
-        txn.put_many(
-            "records", [(r.record_id, record_key(height, i)) for i, r in enumerate(records)]
-        )
+        # The ids go to the record index (talos/chain/record_index.py), not here.
         return block
+
+    def flush_index(self) -> None:
+        """Put every sealed id into the ``records`` database now (blocking, like :meth:`write`).
+
+        Not needed for correctness (ADR 0013): tests call it to tamper with a
+        complete ``records``. A node does not at stop: it would rewrite the
+        whole index (~0.5 s at 1M records) to save the next open ~0.1 s.
+        """
+        with self._seal_lock:
+            index, tip = self._index, self._tip
+            if tip is None or not index.recent:
+                return
+            self._writes.run(
+                lambda txn: index.write_batch(txn, {}, tip.height + 1), durable=False, kind="log"
+            )
+            index.committed({}, batched=True, below=tip.height + 1)
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -373,8 +402,9 @@ class BlockLog:
 
     def find_record(self, record_id: bytes) -> tuple[Block, int, Record] | None:
         """Where a sealed record is: its block, index, and the record itself."""
+        in_memory = self._index.recent.get(record_id)  # before the snapshot, see RecordIndex
         with self.store.read() as txn:
-            loc = txn.get("records", record_id)
+            loc = in_memory or txn.get("records", record_id)
             if loc is None:
                 return None
             height, index = _LOC.unpack(loc)
@@ -387,8 +417,9 @@ class BlockLog:
     def inclusion_proof(self, record_id: bytes) -> dict[str, Any]:
         """A JSON-able RFC 6962 inclusion proof for a sealed record, checked by
         :func:`verify_inclusion_proof` with nothing but the node's DID."""
+        in_memory = self._index.recent.get(record_id)
         with self.store.read() as txn:
-            loc = txn.get("records", record_id)
+            loc = in_memory or txn.get("records", record_id)
             if loc is None:
                 raise UnknownRecordError(f"no sealed record with id {record_id.hex()}")
             height, index = _LOC.unpack(loc)

@@ -21,7 +21,12 @@ The record index is checked without a table of all record ids: each sealed
 record looks up its id in ``records`` (and, when the index names another
 place, reads the record there to tell a duplicate id from a wrong entry). The
 index entries that matched are counted; only if ``records`` holds more
-entries than that is it walked to name the extra ones.
+entries than that is it walked to name the extra ones. Records at and above
+the index watermark (``meta`` ``chain:indexed_below``, ADR 0013) may be
+missing from ``records``: the node keeps their ids in memory until a batch.
+Their ids are kept in a set here to catch a duplicate among them (at most
+``record_index.MAX_BATCH`` of them in a log the node wrote); a store without
+the watermark row must have every record indexed.
 
 Hybrid nodes (ADR 0005): the caller passes the node's ML-DSA-65 public key,
 taken from its wallet (or a pin), never from the store being audited; blocks
@@ -52,6 +57,7 @@ from talos.chain.block import (
     collect_block_defects,
 )
 from talos.chain.log import HYBRID_SINCE_KEY
+from talos.chain.record_index import WATERMARK_KEY
 from talos.store import Store, Txn
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import MalformedFrameError, StorageError
@@ -246,6 +252,10 @@ class _IndexCheck:
         self._txn = txn
         self._defects = defects
         self._matched = 0
+        mark = txn.get("meta", WATERMARK_KEY)
+        # No row: a store that indexed every record as it sealed it.
+        self._below = int.from_bytes(mark, "big") if mark and len(mark) == 8 else None
+        self._unindexed: dict[bytes, tuple[int, int]] = {}
         # Ids whose index entry was already reported wrong (bounded by the defects).
         self._reported: set[bytes] = set()
 
@@ -258,6 +268,9 @@ class _IndexCheck:
                 self._matched += 1
                 continue
             if loc is None:
+                if self._below is not None and h >= self._below:
+                    self._unindexed_seen(record_id, h, i)
+                    continue
                 self._report(record_id, h, i, "sealed record missing from the index")
             elif self._id_at(loc) == record_id:
                 at = _LOC.unpack(loc)
@@ -266,6 +279,13 @@ class _IndexCheck:
                 )
             else:
                 self._report(record_id, h, i, "index points elsewhere")
+
+    def _unindexed_seen(self, record_id: bytes, h: int, i: int) -> None:
+        first = self._unindexed.setdefault(record_id, (h, i))
+        if first != (h, i):
+            self._report(
+                record_id, h, i, f"record id also sealed at block {first[0]}, record {first[1]}"
+            )
 
     def finish(self) -> None:
         """Name index entries that no sealed record matched, if there are any."""

@@ -120,6 +120,17 @@ def test_map_full_in_put_many(tmp_path: Path) -> None:
             assert txn.count("blocks") == 0
 
 
+def test_put_many_append_mode_refuses_keys_out_of_order(tmp_path: Path) -> None:
+    """MDB_APPEND: keys in order go in; one out of order aborts the whole transaction."""
+    with Store(tmp_path) as store:
+        with store.write() as txn:
+            txn.put_many("records", [(k(i), b"v") for i in (2, 3)], append=True)
+        with pytest.raises(UsageError, match="not in ascending order"), store.write() as txn:
+            txn.put_many("records", [(k(4), b"v"), (k(1), b"v")], append=True)
+        with store.read() as txn:
+            assert [key for key, _ in txn.items("records")] == [k(2), k(3)]
+
+
 def test_second_open_in_same_process_is_storage_error(tmp_path: Path) -> None:
     with Store(tmp_path), pytest.raises(StorageError, match="already open"):
         Store(tmp_path)

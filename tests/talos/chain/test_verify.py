@@ -29,6 +29,7 @@ def chain(tmp_path: Path) -> Iterator[tuple[Store, BlockLog]]:
         log.append(make_record(i))
     log.append(audit_record(99))
     log.seal()
+    log.flush_index()  # every id in `records`, where these tests tamper with it
     yield store, log
     store.close()
 
