@@ -38,6 +38,14 @@ _CODEC_NAMES = {
 }
 
 
+#: DIDs this process encoded, with their keys: decoding one of them (a wallet's
+#: own DID, both ends of an in-process session) is then a lookup. base58
+#: decoding is a Python loop over 48 digits, ~1/5 of an X25519 DH; a session
+#: setup between two local wallets decoded two DIDs (bench_ratchet create_pair).
+_ENCODED: dict[str, bytes] = {}
+_ENCODED_MAX = 1024
+
+
 def did_from_public_key(public_key: bytes) -> str:
     """Return the did:key for a raw 32-byte Ed25519 public key."""
     if not isinstance(public_key, bytes | bytearray | memoryview):
@@ -45,7 +53,11 @@ def did_from_public_key(public_key: bytes) -> str:
     raw = bytes(public_key)
     if len(raw) != _KEY_LEN:
         raise DIDError(f"Ed25519 public key must be {_KEY_LEN} bytes, got {len(raw)}")
-    return DID_KEY_PREFIX + "z" + b58encode(ED25519_MULTICODEC + raw)
+    did = DID_KEY_PREFIX + "z" + b58encode(ED25519_MULTICODEC + raw)
+    if len(_ENCODED) >= _ENCODED_MAX:
+        del _ENCODED[next(iter(_ENCODED))]
+    _ENCODED[did] = raw
+    return did
 
 
 def _read_varint(data: bytes) -> tuple[int, int]:
@@ -65,6 +77,9 @@ def public_key_from_did(did: str) -> bytes:
     Cached: peers verify the same few DIDs over and over. Every malformed input
     raises :class:`DIDError` naming what was wrong.
     """
+    known = _ENCODED.get(did)  # a str key: a non-str ``did`` cannot match
+    if known is not None:
+        return known
     if not isinstance(did, str):
         raise DIDError(f"DID must be a str, not {type(did).__name__}")
     if not did.startswith("did:"):
