@@ -97,3 +97,26 @@ def test_parse_is_cached() -> None:
     public_key_from_did(GOOD)
     info = public_key_from_did.cache_info()
     assert (info.hits, info.misses) == (1, 1)
+
+
+def test_a_did_encoded_here_decodes_by_lookup_to_the_same_key() -> None:
+    """did_from_public_key remembers what it encoded; the answer equals a real decode."""
+    import talos_sdk.did as did_mod
+
+    key = bytes(range(32))
+    did = did_from_public_key(key)
+    assert did_mod._ENCODED[did] == key
+    public_key_from_did.cache_clear()
+    assert public_key_from_did(did) == key == b58decode(did[len("did:key:z") :])[2:]
+    did_mod._ENCODED.clear()  # and without the table, the base58 path agrees
+    public_key_from_did.cache_clear()
+    assert public_key_from_did(did) == key
+
+
+def test_the_table_of_encoded_dids_is_bounded() -> None:
+    import talos_sdk.did as did_mod
+
+    for i in range(did_mod._ENCODED_MAX + 10):
+        did_from_public_key(i.to_bytes(32, "big"))
+    assert len(did_mod._ENCODED) == did_mod._ENCODED_MAX
+    assert did_from_public_key(bytes(32)) in did_mod._ENCODED
