@@ -236,7 +236,7 @@ FAST_SUSTAINED_RECORDS = 20_000
 GROUP = 16  # records per write transaction, as a node's group commit appends them
 #: The windows measured: records [0, N/100), [N/100, N/10), [N/10, N), i.e.
 #: 0-10k, 10k-100k and 100k-1M. Each spans several record-index batches
-#: (talos/chain/record_index.py: a batch every ~1/8 of the log), so its bytes
+#: (talos/chain/record_index.py: a batch every ~1/4 of the log), so its bytes
 #: per record are the amortised cost, not whether a batch fell inside it.
 WINDOWS = ((0, 100), (100, 10), (10, 1))
 WINDOW_NAMES = ("first", "mid", "last")

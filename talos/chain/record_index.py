@@ -5,19 +5,23 @@ each block's ids straight into the ``records`` B-tree dirtied about one leaf
 page per record once the tree was large: at a million records 41.9 KB was
 written per 376-byte record, 18x the first ten thousand. Here the ids of the
 newest blocks live in a dict (:attr:`RecordIndex.recent`) and go into
-``records`` in one batch when the dict holds an eighth of what ``records``
+``records`` in one batch when the dict holds a quarter of what ``records``
 does (at least :data:`MIN_BATCH`, at most :data:`MAX_BATCH`).
 
 A batch *rewrites* ``records``: the old tree, read from a snapshot, and the
 sorted dict are merged into the emptied database in key order with LMDB's
 append mode, so its pages are written once, full and contiguous. Merging in
-place was tried first: a batch of n/8 random ids touches every leaf anyway,
+place was tried first: a batch of n/8 random ids touched every leaf anyway,
 and the leaves it frees lie all over the file; the small transactions that
 follow reuse those pages, each dirtying a different large page-cache folio.
 Measured at 1M records (bench_chain): in place, write(2) bytes per record
 grew 1.3x but device bytes (``write_bytes``) 7.4x; rewritten, both stay
-flat. The price is CPU: each id is copied about eight times over the life of
-the log (~0.5 us each), every ~n/8 records, in the seal's transaction.
+flat. The price is CPU and memory: each id is copied about four times over
+the life of the log (~0.5 us each; a rewrite every ~n/4 records, in the
+seal's transaction), and up to :data:`MAX_BATCH` ids are held in memory.
+A quarter, not an eighth: a rewrite costs 38 bytes per entry of the tree,
+so 152 rather than 304 bytes per record; write(2) bytes per record at
+100k-1M records were 1.15x the first 10k with a quarter, 1.29x with an eighth.
 
 Nothing durable depends on the dict. ``meta`` :data:`WATERMARK_KEY` holds the
 height below which every sealed record is in ``records``; it is written in the
@@ -45,12 +49,12 @@ __all__ = ["MAX_BATCH", "MIN_BATCH", "WATERMARK_KEY", "RecordIndex", "record_id_
 WATERMARK_KEY = b"chain:indexed_below"
 #: Fewest ids merged at once (a small log keeps its ids in memory until then).
 MIN_BATCH = 4096
-#: Most ids held in memory: ~120 B each in CPython, so ~16 MB. Up to 8x this
-#: many records (1M) a batch is an eighth of the tree and the bytes written per
-#: record stay flat; beyond, each leaf is touched by fewer ids per batch.
-MAX_BATCH = 1 << 17
-#: A batch is merged when it holds this fraction of the ids already in ``records``.
-BATCH_FRACTION = 8
+#: Most ids held in memory: 134 B each in CPython (measured), so ~35 MB. Up to
+#: 4x this many records (1M) a batch is a quarter of the tree and the bytes
+#: written per record stay flat; beyond, rewrites come more often per record.
+MAX_BATCH = 1 << 18
+#: A batch is written when it holds 1/BATCH_FRACTION of the ids in ``records``.
+BATCH_FRACTION = 4
 
 _U64 = struct.Struct(">Q")
 
