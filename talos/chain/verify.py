@@ -24,9 +24,9 @@ index entries that matched are counted; only if ``records`` holds more
 entries than that is it walked to name the extra ones. Records at and above
 the index watermark (``meta`` ``chain:indexed_below``, ADR 0013) may be
 missing from ``records``: the node keeps their ids in memory until a batch.
-Their ids are kept in a set here to catch a duplicate among them (at most
-``record_index.MAX_BATCH`` of them in a log the node wrote); a store without
-the watermark row must have every record indexed.
+Their ids are kept here to catch a duplicate among them (at most
+``record_index.MAX_BATCH`` of them in a log the node wrote, ~35 MB); a store
+without the watermark row must have every record indexed.
 
 Hybrid nodes (ADR 0005): the caller passes the node's ML-DSA-65 public key,
 taken from its wallet (or a pin), never from the store being audited; blocks
@@ -255,7 +255,8 @@ class _IndexCheck:
         mark = txn.get("meta", WATERMARK_KEY)
         # No row: a store that indexed every record as it sealed it.
         self._below = int.from_bytes(mark, "big") if mark and len(mark) == 8 else None
-        self._unindexed: dict[bytes, tuple[int, int]] = {}
+        # id -> height << 32 | index: an int, not a tuple, keeps ~134 B per id.
+        self._unindexed: dict[bytes, int] = {}
         # Ids whose index entry was already reported wrong (bounded by the defects).
         self._reported: set[bytes] = set()
 
@@ -281,10 +282,14 @@ class _IndexCheck:
                 self._report(record_id, h, i, "index points elsewhere")
 
     def _unindexed_seen(self, record_id: bytes, h: int, i: int) -> None:
-        first = self._unindexed.setdefault(record_id, (h, i))
-        if first != (h, i):
+        here = h << 32 | i
+        first = self._unindexed.setdefault(record_id, here)
+        if first != here:
             self._report(
-                record_id, h, i, f"record id also sealed at block {first[0]}, record {first[1]}"
+                record_id,
+                h,
+                i,
+                f"record id also sealed at block {first >> 32}, record {first & 0xFFFFFFFF}",
             )
 
     def finish(self) -> None:
