@@ -5,14 +5,18 @@ home, ``talos-proxy connect|serve`` use its identity and links through
 :class:`AttachedTransport` instead of opening the store themselves, so any
 number of agents share one node. A connecting proxy claims the ``mcp`` channel
 *keyed*: the node allots it a range of tunnel session ids (the u32 at
-:data:`SESSION_OFFSET` of every tunnel frame) and routes the serving peer's
-frames in that range to it alone; its own tool sessions are therefore its own,
-on both sides. A serving proxy claims the channel unkeyed and gets the rest.
+:data:`SESSION_OFFSET` of every tunnel frame) from its half of the id space
+toward that peer, and routes the serving peer's frames in that range to it
+alone; its own tool sessions are therefore its own, on both sides, and never
+collide with sessions the peer's own attached agents open toward this node. A
+serving proxy claims the channel unkeyed and gets the rest; its callers may
+link to the node while it is attached (the claim lends them ``allow``).
 
 Stopping an attached proxy leaves the node running. When the node stops, every
 link reads as down (pending requests are answered with an error by the tunnel
 client) and :attr:`AttachedTransport.gone` says why, so the proxy can exit with
-that message.
+that message; until it leaves, the node still answers its calls (a serve
+writes the audit of the sessions that ended with the node).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class AttachedTransport:
         self.app = app
         self.did = client.did
         self.first_sid = 1
+        self.sid_end = 1 << 20  # mcp_proxy.client.EMBEDDED_SID_END until a keyed claim
         self._up: set[str] = set(client.hello.get("up", ()))
         # Until a peer's bound is known, ours: what send_app refuses above anyway.
         self._own_bound = text_limit(int(client.hello["max_frame"]))
@@ -51,21 +56,26 @@ class AttachedTransport:
         client.on_event(self._on_event)
         client.set_app_receiver(self._on_app)
 
-    async def claim(self, peer: str | None, *, keyed: bool) -> None:
-        """Receive the channel's frames: of ``peer`` in our own session range, or the rest."""
+    async def claim(self, peer: str | None, *, keyed: bool, allow: list[str] | None = None) -> None:
+        """Receive the channel's frames: of ``peer`` in our own session range, or the rest.
+
+        ``allow``: DIDs the node lets link while we are attached (a serve's callers).
+        """
         args: dict[str, Any] = {"channel": self.app}
         if peer is not None:
             args["peer"] = peer
         if keyed:
             args["key_offset"] = SESSION_OFFSET
+        if allow:
+            args["allow"] = allow
         got = await self.client.call("app.claim", **args)
         if keyed:
-            self.first_sid = int(got["lo"])
+            self.first_sid, self.sid_end = int(got["lo"]), int(got["hi"])
 
     @property
     def gone(self) -> asyncio.Future[str]:
-        """Resolves with the reason once the node stopped (or closed our connection)."""
-        return self.client.gone
+        """Resolves with the reason once the node stops (or closed our connection)."""
+        return self.client.stopping
 
     def max_payload_for(self, peer: str) -> int:
         # The node says the peer's bound with the link (hello, link-up event).
@@ -84,7 +94,7 @@ class AttachedTransport:
         self._listeners.append(listener)
 
     def is_up(self, peer: str) -> bool:
-        return peer in self._up and not self.client.gone.done()
+        return peer in self._up and not self.client.stopping.done()
 
     def _on_app(self, channel: str, peer: str, payload: bytes) -> Awaitable[None] | None:
         if channel == self.app and self._receiver is not None:

@@ -26,7 +26,9 @@ the last interval of audit, never a tool call). In ``strict`` mode the caller
 awaits its record being on disk; concurrent strict callers share one fsync.
 
 The sink is the boundary: :class:`BlockLogSink` appends ``kind="mcp"`` records
-to the node's block log, so audit records are sealed into signed blocks.
+to the node's block log, so audit records are sealed into signed blocks; an
+attached serve's :class:`~mcp_proxy.node_audit.NodeAuditSink` (an
+:class:`AsyncAuditSink`) has the running node append them.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 import orjson
 
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUDIT_KEY_FILE",
+    "AsyncAuditSink",
     "AuditKey",
     "AuditMode",
     "AuditRecord",
@@ -215,6 +218,19 @@ class AuditSink(Protocol):
     def sync(self) -> None: ...
 
 
+class AsyncAuditSink(Protocol):
+    """A sink that commits from the event loop (``sync``: durable before it returns)."""
+
+    @property
+    def commits_from_loop(self) -> bool: ...
+
+    async def commit(self, records: Sequence[AuditRecord], sync: bool) -> None: ...
+
+
+def _commits_from_loop(sink: object) -> bool:
+    return bool(getattr(sink, "commits_from_loop", False))
+
+
 class BlockLogSink:
     """Append audit records to the node's block log (authored by the node, unsigned).
 
@@ -229,6 +245,10 @@ class BlockLogSink:
         self.block_log = block_log
         self.node_did = node_did
         self.writer = writer
+
+    @property
+    def commits_from_loop(self) -> bool:
+        return self.writer is not None
 
     def _append_all(self, records: Sequence[AuditRecord]) -> Callable[[Txn], None]:
         from talos.chain.block import Record
@@ -279,7 +299,7 @@ class Auditor:
 
     def __init__(
         self,
-        sink: AuditSink,
+        sink: AuditSink | AsyncAuditSink,
         *,
         mode: AuditMode = AuditMode.GROUP,
         key: AuditKey | None = None,
@@ -362,8 +382,8 @@ class Auditor:
         sync = bool(durable or barriers) and (self._dirty or bool(batch))
         sink = self.sink
         try:
-            if (batch or sync) and isinstance(sink, BlockLogSink) and sink.writer is not None:
-                await sink.commit(batch, sync)
+            if (batch or sync) and _commits_from_loop(sink):
+                await cast(AsyncAuditSink, sink).commit(batch, sync)
                 self._wrote(len(batch), sync)
             elif batch or sync:
                 # LMDB's writer lock may be held by the node's writer thread (and fsync is
@@ -381,10 +401,11 @@ class Auditor:
                 fut.set_result(None)
 
     def _write(self, batch: list[AuditRecord], sync: bool) -> None:
+        sink = cast(AuditSink, self.sink)
         if batch:
-            self.sink.write(batch)
+            sink.write(batch)
         if sync:
-            self.sink.sync()
+            sink.sync()
         self._wrote(len(batch), sync)
 
     def _wrote(self, count: int, sync: bool) -> None:

@@ -3,13 +3,16 @@
 The records are ``kind="mcp"`` entries of the serve node's block log: sealed
 ones in their blocks (with the height that proves them) and those not sealed
 yet. :func:`read_entries` collects both, oldest first; :class:`AuditFilter`
-selects by peer, tool, outcome, event and time. The store is opened read-only
-in spirit (nothing is written) but, like every talos home, only while no
-``talos-proxy serve`` or ``talosd`` holds it.
+selects by peer, tool, outcome, event and time. While a node runs on the home
+(``talosd run``, with or without an attached serve) the records come from it
+over its local socket (``log.records``, docs/adr/0012-local-clients.md);
+otherwise the store is opened read-only in spirit (nothing is written), which
+an embedded ``talos-proxy serve`` still running on the home prevents.
 """
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -23,7 +26,14 @@ import orjson
 from mcp_proxy.audit import RECORD_KIND
 from talos_sdk.errors import UsageError
 
-__all__ = ["AuditEntry", "AuditFilter", "format_entry", "parse_since", "read_entries"]
+__all__ = [
+    "AuditEntry",
+    "AuditFilter",
+    "entry_of",
+    "format_entry",
+    "parse_since",
+    "read_entries",
+]
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -91,28 +101,79 @@ class AuditFilter:
         )
 
 
-def _entry(record: Any, height: int | None) -> AuditEntry | None:
-    if record.kind != RECORD_KIND:
-        return None
+def entry_of(
+    *,
+    commitment: bytes,
+    recipient: str,
+    timestamp_ms: int,
+    height: int | None,
+    record_id: str,
+    extra: bytes,
+) -> AuditEntry:
+    """An audit record's stored fields as an entry (its commitment is the JSON body)."""
     try:
-        body = orjson.loads(record.commitment)
+        body = orjson.loads(commitment)
     except orjson.JSONDecodeError:
         body = {"outcome": "unreadable"}
     if not isinstance(body, dict):
         body = {"outcome": "unreadable"}
-    body.setdefault("caller", record.recipient)
-    return AuditEntry(record.timestamp_ms, height, record.record_id.hex(), body, record.extra)
+    body.setdefault("caller", recipient)
+    return AuditEntry(timestamp_ms, height, record_id, body, extra)
+
+
+def _entry(record: Any, height: int | None) -> AuditEntry | None:
+    if record.kind != RECORD_KIND:
+        return None
+    return entry_of(
+        commitment=record.commitment,
+        recipient=record.recipient,
+        timestamp_ms=record.timestamp_ms,
+        height=height,
+        record_id=record.record_id.hex(),
+        extra=record.extra,
+    )
+
+
+def _read_from_node(home: Path) -> list[AuditEntry]:
+    """The records as the running node of ``home`` reads them, a page at a time."""
+    from talos.local.call import call
+
+    pending: dict[str, AuditEntry] = {}
+    sealed: dict[str, AuditEntry] = {}
+    after: str | None = None
+    while True:
+        page = call(home, "log.records", {"kind": RECORD_KIND, "after": after})
+        for row in page["records"]:
+            entry = entry_of(
+                commitment=base64.b64decode(row["commitment"]),
+                recipient=str(row["recipient"]),
+                timestamp_ms=int(row["timestamp_ms"]),
+                height=row["height"],
+                record_id=str(row["record_id"]),
+                extra=base64.b64decode(row["extra"]),
+            )
+            (pending if entry.height is None else sealed)[entry.record_id] = entry
+        after = page["next"]
+        if after is None:
+            break
+    # A record sealed while we paged was met twice: its sealed copy wins.
+    return [*sealed.values(), *(e for rid, e in pending.items() if rid not in sealed)]
 
 
 def read_entries(home: Path) -> list[AuditEntry]:
     """Every audit record of the proxy home ``home``: sealed blocks first, then pending ones."""
     from talos.chain.block import Record
     from talos.config import Home
+    from talos.local.call import NoNodeError
     from talos.store import Store
 
     talos_home = Home(home)
     if not talos_home.exists():
         raise UsageError(f"{home} is not a talos home (no identity)")
+    try:
+        return _read_from_node(home)
+    except NoNodeError:
+        pass  # no node runs there: the store is ours to read
     store = Store(talos_home.store_dir, map_size=talos_home.load_config().map_size)
     out: list[AuditEntry] = []
     try:

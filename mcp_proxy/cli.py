@@ -78,20 +78,21 @@ async def _serve(args: argparse.Namespace) -> None:
         url=args.url,
         headers=headers,
     )
+    if args.max_sessions < 1:
+        raise SystemExit("--max-sessions must be at least 1")
+    from mcp_proxy.attach import attach
+
+    # A talosd already running on the home: serve through its identity and links (ADR 0012).
+    attached = await attach(args.home)
+    if attached is not None:
+        await _serve_attached(args, policy, attached)
+        return
     if not args.listen and not args.relay:
         raise SystemExit("serve needs --listen HOST:PORT, --relay nats://HOST:PORT, or both")
     node = make_node(args.home, listen=args.listen, relays=args.relay, **_keys(args))
     # Default deny at the link: a DID the policy does not name never gets a session.
     node.authorizer = policy.is_peer_allowed
-    if args.max_sessions < 1:
-        raise SystemExit("--max-sessions must be at least 1")
-    server = TunnelServer(
-        NodeTransport(node),
-        policy,
-        max_sessions=args.max_sessions,
-        env=parse_env_assignments(args.env),
-        pass_environment=args.pass_environment,
-    )
+    server = _tunnel_server(args, NodeTransport(node), policy)
     await node.start()
     auditor = Auditor(
         BlockLogSink(node.log, node.did, node.writer),
@@ -110,6 +111,65 @@ async def _serve(args: argparse.Namespace) -> None:
         await server.stop()
         await auditor.stop()
         await node.stop()
+
+
+def _tunnel_server(args: argparse.Namespace, transport: Any, policy: Policy) -> TunnelServer:
+    return TunnelServer(
+        transport,
+        policy,
+        max_sessions=args.max_sessions,
+        env=parse_env_assignments(args.env),
+        pass_environment=args.pass_environment,
+    )
+
+
+async def _serve_attached(args: argparse.Namespace, policy: Policy, attached: Any) -> None:
+    """``serve`` on the running node of the home: its links, its store (for the audit)."""
+    from mcp_proxy.node_audit import NodeAuditSink
+    from talos.local.call import LocalUsageError
+
+    home = args.home
+    if args.listen or args.relay:
+        print(
+            f"talos-proxy: attached to the running node of {home}: callers reach its own "
+            "address; --listen/--relay are not used",
+            file=sys.stderr,
+        )
+    server = _tunnel_server(args, attached, policy)
+    auditor = Auditor(
+        NodeAuditSink(attached.client),
+        mode=AuditMode(args.audit),
+        key=AuditKey.load(home),
+        plaintext=args.audit_plaintext,
+    )
+    await auditor.start()
+    server.auditor = auditor
+    try:
+        try:
+            # The policy's DIDs may link to the node while this serve is attached.
+            await attached.claim(None, keyed=False, allow=sorted(policy.grants))
+        except LocalUsageError as exc:
+            raise LocalUsageError(
+                exc.code, f"cannot serve through the running node of {home}: {exc}"
+            ) from None
+        did, listen = attached.did, attached.client.hello.get("listen")
+        print(f"talos-proxy: did {did} (attached to the running node of {home})", file=sys.stderr)
+        where = f"{listen}#{did}" if listen else f"the node's relays as {did}"
+        print(f"talos-proxy: serving on {where}", file=sys.stderr, flush=True)
+        signalled = asyncio.ensure_future(_until_signalled())
+        await asyncio.wait({signalled, attached.gone}, return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+    finally:
+        node_gone = attached.gone.done()  # before our own close resolves it
+        # A stopping node still answers until we leave: sessions end, their audit is written.
+        await server.stop()
+        try:
+            await auditor.stop()
+        except TalosError as exc:
+            log.error("audit records not written: %s", exc)
+        await attached.close()
+    if node_gone:
+        raise NodeGoneError(f"{attached.gone.result()}; this proxy ends with it")
 
 
 async def _connect(args: argparse.Namespace) -> None:
@@ -142,7 +202,7 @@ async def _connect(args: argparse.Namespace) -> None:
         peer_did,
         args.server,
         link_wait=args.link_wait,
-        first_sid=attached.first_sid if attached is not None else 1,
+        **({"first_sid": attached.first_sid, "sid_end": attached.sid_end} if attached else {}),
     )
     if node is not None:
         await node.start()

@@ -48,7 +48,7 @@ from mcp_proxy.jsonrpc import (
 from mcp_proxy.lines import LineSplitter
 from mcp_proxy.transport import FrameSender, TunnelTransport
 from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES, FrameKind, Joiner, decode_frame
-from talos_sdk.errors import OversizeError, ProtocolError
+from talos_sdk.errors import OversizeError, ProtocolError, UsageError
 
 __all__ = ["ClientSession", "TunnelClient", "serve_stdio"]
 
@@ -58,6 +58,9 @@ Deliver = Callable[[bytes], None]
 #: Several lines at once (those of one tunnel frame), for a sink that can write them together.
 DeliverMany = Callable[[list[bytes]], None]
 STDIO_LINE_LIMIT = MAX_MESSAGE_BYTES
+#: An embedded connect's session ids stay below the first range a node hands attached
+#: clients (talos/local/server.py KEY_RANGE), so an attached serve's node routes them to it.
+EMBEDDED_SID_END = 1 << 20
 
 
 class ClientSession:
@@ -234,6 +237,7 @@ class TunnelClient:
         *,
         link_wait: float = 10.0,
         first_sid: int = 1,
+        sid_end: int = EMBEDDED_SID_END,
     ) -> None:
         self.transport = transport
         self.server_did = server_did
@@ -242,7 +246,12 @@ class TunnelClient:
         self.sender = FrameSender(transport, server_did)
         self.sessions: set[ClientSession] = set()
         self._by_sid: dict[int, ClientSession] = {}
-        # An attached proxy shares its node's "mcp" channel: its ids come from its range.
+        # An attached proxy shares its node's "mcp" channel: its ids come from its range
+        # [first_sid, sid_end) and wrap inside it (docs/adr/0012-local-clients.md).
+        if not 0 < first_sid < sid_end <= 1 << 32:
+            raise UsageError(f"bad tunnel session id range [{first_sid}, {sid_end})")
+        self._first_sid = first_sid
+        self._sid_end = sid_end
         self._next_sid = first_sid
         self._up = asyncio.Event()
         if transport.is_up(server_did):
@@ -269,7 +278,8 @@ class TunnelClient:
         """Give ``session`` a new tunnel session id (on every attach)."""
         self._by_sid.pop(session.sid, None)
         session.sid = self._next_sid
-        self._next_sid = self._next_sid % 0xFFFFFFFF + 1
+        following = self._next_sid + 1
+        self._next_sid = following if following < self._sid_end else self._first_sid
         self._by_sid[session.sid] = session
 
     def forget_sid(self, session: ClientSession) -> None:

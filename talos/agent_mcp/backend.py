@@ -39,7 +39,8 @@ class AttachedBackend:
         self.did = client.did
 
     async def call(self, op: str, **args: Any) -> Any:
-        if self.client.gone.done():
+        if self.client.stopping.done():
+            await self.client.close()
             try:
                 self.client = await LocalClient.connect(self.home)
             except NoNodeError:

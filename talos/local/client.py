@@ -69,7 +69,10 @@ class _Protocol(asyncio.Protocol):
             self.client._on_frame(frame)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.client._gone("the node closed the connection")
+        stopping = self.client.stopping
+        self.client._gone(
+            stopping.result() if stopping.done() else "the node closed the connection"
+        )
         self._wake()
 
     def pause_writing(self) -> None:
@@ -96,7 +99,11 @@ class LocalClient:
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._listeners: list[EventListener] = []
         self._app: AppReceiver | None = None
-        self.gone: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        #: The node said it stops (or the connection ended): calls still work until ``gone``.
+        self.stopping: asyncio.Future[str] = loop.create_future()
+        #: The connection ended; pending and later calls fail with NodeGoneError.
+        self.gone: asyncio.Future[str] = loop.create_future()
 
     @classmethod
     async def connect(cls, home: Path, *, watch: bool = False) -> LocalClient:
@@ -185,9 +192,15 @@ class LocalClient:
             else:
                 fut.set_result(body.get("result"))
         elif frame.kind is wire.Kind.EVENT:
-            if body.get("event") in ("stopping", "refused"):
-                self._gone(f"the node of {self.home} stopped: {body.get('reason')}")
+            kind = body.get("event")
+            if kind == "refused":
+                self._gone(f"the node of {self.home} refused us: {body.get('reason')}")
                 return
+            if kind == "stopping":
+                if self.stopping.done():
+                    return
+                # A client holding app channels may still finish its work (ADR 0012).
+                self.stopping.set_result(f"the node of {self.home} stopped: {body.get('reason')}")
             for listener in list(self._listeners):
                 listener(body)
 
@@ -211,6 +224,9 @@ class LocalClient:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(NodeGoneError(reason))
+        if self.stopping.done():
+            return  # listeners heard it already
+        self.stopping.set_result(reason)
         stop = {"event": "stopping", "reason": reason}
         for listener in list(self._listeners):
             with contextlib.suppress(Exception):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from talos import peer_names
 from talos.chain.log import UnknownRecordError
+from talos.local.log_ops import op_log_append, op_log_records
 from talos_sdk.errors import StorageFullError, TalosError, UsageError
 
 if TYPE_CHECKING:
@@ -315,6 +316,8 @@ OPS: dict[str, Op] = {
     "files.send": op_files_send,
     "files.list": op_files_list,
     "files.accept": op_files_accept,
+    "log.append": op_log_append,
+    "log.records": op_log_records,
 }
 
 

@@ -10,7 +10,17 @@ link's app frames on it and sends APP frames to put its own on a link. Several
 clients may share a channel: a *keyed* claim gets a range of 32-bit keys read
 at a fixed offset of each payload (a channel that multiplexes sessions puts the
 session id there, as the MCP tunnel does) and receives only frames whose key
-falls in its range; an unkeyed claim receives the rest (ADR 0012).
+falls in its range; an unkeyed claim receives the rest (ADR 0012). A keyed
+claim names its peer, and its range lies in the half of the key space that
+the order of the two DIDs gives this end (:func:`key_half`): the peer's node
+hands its own keyed clients ranges from the other half, so the sessions each
+end opens can never be mistaken for the other's. A claim may also lend
+``allow`` DIDs the right to link while it lives (an attached serve's callers).
+
+Stopping: every client hears ``stopping``; those holding app channels keep the
+connection (calls still answered, links still up) until they leave or
+:data:`DRAIN_SECONDS` pass, so an attached serve ends its sessions and writes
+their audit through the node before it goes.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import logging
 import os
 import socket
 import struct
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -41,6 +51,22 @@ _log = logging.getLogger("talos.local")
 KEY_RANGE = 1 << 20
 _HIGH_WATER = 1 << 20
 _KEY = struct.Struct(">I")
+#: How long a stopping node waits for clients holding app channels to leave.
+DRAIN_SECONDS = 5.0
+_RANGES_PER_HALF = (1 << 31) // KEY_RANGE
+
+
+def key_half(own_did: str, peer_did: str) -> tuple[int, int]:
+    """Range numbers ``[first, end)`` this end hands keyed claims toward ``peer_did``.
+
+    The lower DID's end takes the lower half (less the unkeyed range 0), the
+    other end the upper half: both ends compute the same split, no message needed.
+    """
+    if own_did < peer_did:
+        return 1, _RANGES_PER_HALF
+    return _RANGES_PER_HALF, 2 * _RANGES_PER_HALF
+
+
 _CREDS = struct.Struct("3i")
 
 
@@ -87,6 +113,7 @@ class _Conn(asyncio.Protocol):
         self.tasks: set[asyncio.Task[None]] = set()
         self.watch = False
         self.closed = False
+        self.lent: list[str] = []  # DIDs this client lets link while it is attached
         self._drained: asyncio.Future[None] | None = None
         self._app_out: deque[wire.AppFrame] = deque()
         self._app_task: asyncio.Task[None] | None = None
@@ -231,8 +258,10 @@ class LocalServer:
         self.claims: dict[str, list[_Claim]] = {}
         self._key_offsets: dict[str, int] = {}
         self._server: asyncio.AbstractServer | None = None
-        self._next_range: dict[str, int] = {}
+        self._next_range: dict[tuple[str, int], int] = {}
         self._registered: set[str] = set()
+        self._lent: Counter[str] = Counter()
+        self._draining: asyncio.Event | None = None
 
     async def start(self) -> None:
         if len(os.fsencode(self.path)) > 107:
@@ -249,14 +278,27 @@ class LocalServer:
             os.umask(old)
         os.chmod(self.path, 0o600)
         self.node.on_link_change(self._on_link)
+        own = self.node.authorizer
+        self.node.authorizer = lambda did: own(did) or self._lent[did] > 0
+
+    def _holders(self) -> set[_Conn]:
+        return {c.conn for claims in self.claims.values() for c in claims}
 
     async def close(self) -> None:
-        """Tell every client the node stops, then close them."""
+        """Tell every client the node stops; let app channel holders drain; close them."""
         if self._server is None:
             return
         self._server.close()
+        holders = self._holders()
         for conn in list(self.conns):
             conn.event({"event": "stopping", "reason": "the node is shutting down"})
+            if conn not in holders:
+                conn.close()
+        if holders:
+            self._draining = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._draining.wait(), DRAIN_SECONDS)
+        for conn in list(self.conns):
             conn.close()
         await self._server.wait_closed()
         self._server = None
@@ -267,6 +309,10 @@ class LocalServer:
         self.conns.discard(conn)
         for claims in self.claims.values():
             claims[:] = [c for c in claims if c.conn is not conn]
+        self._lent.subtract(conn.lent)
+        conn.lent = []
+        if self._draining is not None and not self._holders():
+            self._draining.set()
 
     def _on_link(self, did: str, up: bool) -> None:
         obj: dict[str, Any] = {"event": "link", "did": did, "up": up}
@@ -293,6 +339,10 @@ class LocalServer:
         peer_ref = args.get("peer")
         peer = resolve(self.node, peer_ref) if isinstance(peer_ref, str) else None
         offset = args.get("key_offset")
+        allow = args.get("allow", [])
+        if not isinstance(allow, list) or not all(isinstance(a, str) for a in allow):
+            raise UsageError("'allow' must be a list of DIDs or peer names")
+        lent = [resolve(self.node, ref) for ref in allow]
         claims = self.claims.setdefault(channel, [])
         if channel not in self._registered and channel in getattr(self.node, "_apps", {}):
             raise UsageError(f"app channel {channel!r} belongs to the node itself")
@@ -300,13 +350,12 @@ class LocalServer:
         if offset is not None:
             if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 64:
                 raise UsageError("'key_offset' must be an integer 0..63")
+            if peer is None:
+                raise UsageError("a keyed claim names its 'peer'")
             known = self._key_offsets.setdefault(channel, offset)
             if known != offset:
                 raise UsageError(f"channel {channel!r} is keyed at offset {known}")
-            n = self._next_range.get(channel, 1)
-            if n * KEY_RANGE >= 1 << 32:
-                raise UsageError(f"no key range left on channel {channel!r}")
-            self._next_range[channel] = n + 1
+            n = self._free_range(channel, *key_half(self.node.did, peer))
             claim.lo, claim.hi = n * KEY_RANGE, (n + 1) * KEY_RANGE
         else:
             for other in claims:
@@ -319,7 +368,24 @@ class LocalServer:
             self.node.register_app(channel, self._deliverer(channel))
             self._registered.add(channel)
         claims.append(claim)
+        conn.lent.extend(lent)
+        self._lent.update(lent)
         return {"channel": channel, "peer": peer, "lo": claim.lo, "hi": claim.hi}
+
+    def _free_range(self, channel: str, first: int, end: int) -> int:
+        """The next range number in ``[first, end)`` no live claim holds, round robin.
+
+        Round robin rather than lowest-free: a range comes back to a new client as
+        late as possible, after frames of its previous holder's sessions are long gone.
+        """
+        held = {c.lo // KEY_RANGE for c in self.claims.get(channel, ()) if c.hi}
+        start = self._next_range.get((channel, first), first)
+        for i in range(end - first):
+            n = first + (start - first + i) % (end - first)
+            if n not in held:
+                self._next_range[(channel, first)] = n + 1 if n + 1 < end else first
+                return n
+        raise UsageError(f"no key range left on channel {channel!r}")
 
     def _deliverer(self, channel: str) -> Any:
         def deliver(peer: str, payload: bytes) -> asyncio.Future[None] | None:

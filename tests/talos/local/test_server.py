@@ -222,3 +222,67 @@ def test_client_commands_do_not_import_the_node() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_keyed_ranges_of_the_two_ends_of_a_link_never_overlap() -> None:
+    from talos.local.server import KEY_RANGE, key_half
+
+    low, high = "did:key:zA", "did:key:zB"
+    first_a, end_a = key_half(low, high)
+    first_b, end_b = key_half(high, low)
+    assert first_a * KEY_RANGE == KEY_RANGE  # range 0 stays for embedded callers
+    assert end_a == first_b and end_b * KEY_RANGE == 1 << 32
+
+
+async def test_app_claims_ranges_lending_and_log_records(tmp_path: Path) -> None:
+    import base64
+
+    a, b = await _pair(tmp_path)
+    try:
+        one = await LocalClient.connect(a.home.path)
+        two = await LocalClient.connect(a.home.path)
+        ka = await one.call("app.claim", channel="t", peer=b.did, key_offset=2)
+        kb = await two.call("app.claim", channel="t", peer=b.did, key_offset=2)
+        assert ka["hi"] - ka["lo"] == kb["hi"] - kb["lo"] and ka["lo"] != kb["lo"]
+        with pytest.raises(LocalUsageError, match="names its 'peer'"):
+            await one.call("app.claim", channel="t", key_offset=2)
+        with pytest.raises(LocalUsageError, match="offset 2"):
+            await one.call("app.claim", channel="t", peer=b.did, key_offset=3)
+        # an unkeyed claim lends its allow list the right to link, while it lives
+        stranger = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+        assert not a.authorizer(stranger)
+        await two.call("app.claim", channel="u", allow=[stranger])
+        assert a.authorizer(stranger)
+        await two.close()
+        await until(lambda: not a.authorizer(stranger), what="the lent allow to end")
+        # app records: appended through the node's writer, read back a page at a time
+        rec = {
+            "recipient": b.did,
+            "commitment": base64.b64encode(b'{"x":1}').decode(),
+            "timestamp_ms": 5,
+        }
+        assert (await one.call("log.append", kind="app", records=[rec] * 3))["appended"] == 3
+        await one.call("log.append", kind="app", records=[], durable=True)
+        page = await one.call("log.records", kind="app")
+        rows = page["records"]
+        while page["next"] is not None:
+            page = await one.call("log.records", kind="app", after=page["next"])
+            rows += page["records"]
+        assert len({r["record_id"] for r in rows}) == 3
+        assert base64.b64decode(rows[0]["commitment"]) == b'{"x":1}'
+        bad = [
+            ({"kind": "msg", "records": [rec]}, "the node's own"),
+            ({"kind": "app", "records": [{**rec, "commitment": "%%"}]}, "base64"),
+            ({"kind": "app", "records": [{**rec, "timestamp_ms": -1}]}, "timestamp_ms"),
+            ({"kind": "app", "records": [rec] * 1001}, "at most"),
+            ({"kind": "x" * 33, "records": [rec]}, "kind"),
+        ]
+        for args, expected in bad:
+            with pytest.raises(LocalUsageError, match=expected):
+                await one.call("log.append", **args)
+        with pytest.raises(LocalUsageError, match="'after'"):
+            await one.call("log.records", kind="app", after="zz")
+        await one.close()
+    finally:
+        await a.stop()
+        await b.stop()
