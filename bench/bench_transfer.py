@@ -91,11 +91,11 @@ async def plain_ws_copy(source: Path, root: Path) -> float:
     return elapsed
 
 
-def _api(home: Path) -> Any:
-    from talos.client import ApiClient
-    from talos.config import Home
+def _call(home: Path, op: str, args: dict[str, Any] | None = None) -> Any:
+    """One op on the running node of ``home`` over its local socket (ADR 0012)."""
+    from talos.local.call import call
 
-    return ApiClient.for_home(Home(home))
+    return call(home, op, args)
 
 
 async def _until(cond: Any, what: str, timeout: float = 60.0) -> Any:
@@ -123,20 +123,19 @@ async def talos_transfer(source: Path, root: Path) -> tuple[float, int, int]:
         listen = (await b.wait_line(r"listening on (\S+) did=")).group(1)
         a_argv = [*TALOSD, "run", "--home", str(a_home), "--peer", f"{listen}#{did_b}"]
         async with child(a_argv, "talosd run (A)") as a:
-            await a.wait_line(r"^running did=")  # printed once node.json names the API
-            api = _api(a_home)
+            await a.wait_line(r"^running did=")  # printed once the local socket listens
 
             def linked() -> bool:
-                links = api.call("GET", "/v1/status")["links"]
+                links = _call(a_home, "status")["links"]
                 return any(x["did"] == did_b and x["ready"] for x in links)
 
             await _until(linked, "the A -> B link")
             start = time.perf_counter()
-            body = {"did": did_b, "path": str(source)}
-            tid = (await asyncio.to_thread(api.call, "POST", "/v1/files", body))["id"]
+            body = {"to": did_b, "path": str(source)}
+            tid = (await asyncio.to_thread(_call, a_home, "files.send", body))["tid"]
 
             def finished() -> dict[str, Any] | None:
-                info: dict[str, Any] = api.call("GET", f"/v1/files/{tid}")
+                info: dict[str, Any] = _call(a_home, "files.get", {"id": tid})
                 return info if info["state"] in FINAL else None
 
             info = await _until(finished, "the transfer", TRANSFER_TIMEOUT)

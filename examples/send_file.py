@@ -7,8 +7,9 @@ Shows (docs/adr/0004-bulk-transfer-path.md, docs/PROTOCOL.md "File transfer"):
 3. bob did not pre-authorise alice's files, so the offer waits as *pending*
    until bob runs ``talosd files accept ID`` (``"transfer": {"auto_accept":
    [DID]}`` in bob's config.json would skip this step).
-4. Progress is read from alice's control API (``GET /v1/files``), the same
-   data ``talosd files --json`` prints; on a terminal ``send-file`` draws a bar.
+4. Progress is read from alice's node over its local socket (the ``files.get``
+   op, docs/adr/0012-local-clients.md), the same data ``talosd files --json``
+   prints; on a terminal ``send-file`` draws a bar.
 5. The received file in ``<bob home>/files/`` has the same SHA-256.
 
 Runs in a temporary folder removed at the end.
@@ -29,8 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from talos.client import ApiClient
-from talos.config import Home
+from talos.local.call import call
 
 TALOSD = str(Path(sys.executable).parent / "talosd")
 TIMEOUT = 30.0
@@ -99,10 +99,10 @@ def main() -> None:
             procs.append(proc_b)
             proc_a, _ = run_node(alice, "--peer", f"{url_b}#{did_b}")
             procs.append(proc_a)
-            api_a, api_b = ApiClient.for_home(Home(alice)), ApiClient.for_home(Home(bob))
+            # The running nodes answer over their local sockets (docs/adr/0012-local-clients.md).
             poll(
                 "the link",
-                lambda: any(link["ready"] for link in api_a.call("GET", "/v1/status")["links"]),
+                lambda: any(link["ready"] for link in call(alice, "status")["links"]),
             )
             print("link alice <-> bob is up")
 
@@ -115,7 +115,7 @@ def main() -> None:
 
             offer = poll(
                 "bob to see the offer",
-                lambda: [r for r in api_b.call("GET", "/v1/files") if r["state"] == "pending"],
+                lambda: [r for r in call(bob, "files.list") if r["state"] == "pending"],
             )[0]
             print(f"bob: pending offer {offer['tid']} {offer['name']} ({offer['size']} B)")
             print(talosd("files", "--home", str(bob), "accept", offer["tid"]))
@@ -123,7 +123,7 @@ def main() -> None:
             last = -1
             while last < 100:
                 running = sender.poll() is None
-                row = api_a.call("GET", f"/v1/files/{offer['tid']}")
+                row = call(alice, "files.get", {"id": offer["tid"]})
                 # "transferred" counts bytes on the wire (framing included): cap it.
                 done = min(row["transferred"], row["size"])
                 pct = 100 * done // max(row["size"], 1)

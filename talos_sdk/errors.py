@@ -56,8 +56,6 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     ├── NotConnectedError          no ready link to that peer (talos/node.py; also ConnectionError)
     │   └── ConnectTimeoutError    wait_connected gave up (also TimeoutError)
     ├── LinkDownError              the tunnel's peer is not linked (mcp_proxy/transport.py)
-    ├── ApiError                   the control API answered an error (talos/client.py)
-    ├── NodeNotRunningError        no node runs on that home (talos/client.py)
     ├── NoNodeError                nothing listens on the home's local socket (talos/local/call.py)
     ├── NodeGoneError              the node stopped while attached (also ConnectionError)
     ├── LocalCallError             a local call answered with an error (talos/local/call.py)

@@ -297,6 +297,19 @@ async def op_files_accept(host: LocalHost, args: dict[str, Any]) -> Any:
     return _file_view(host, info.tid)
 
 
+async def op_files_get(host: LocalHost, args: dict[str, Any]) -> Any:
+    from talos.transfer.routes import parse_tid
+
+    return _file_view(host, parse_tid(_str(args, "id")))
+
+
+async def op_files_reject(host: LocalHost, args: dict[str, Any]) -> Any:
+    from talos.transfer.routes import parse_tid
+
+    info = await _transfers(host).reject(parse_tid(_str(args, "id")))
+    return _file_view(host, info.tid)
+
+
 OPS: dict[str, Op] = {
     "hello": op_hello,
     "id": op_id,
@@ -316,6 +329,8 @@ OPS: dict[str, Op] = {
     "files.send": op_files_send,
     "files.list": op_files_list,
     "files.accept": op_files_accept,
+    "files.get": op_files_get,
+    "files.reject": op_files_reject,
     "log.append": op_log_append,
     "log.records": op_log_records,
 }

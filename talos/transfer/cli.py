@@ -1,18 +1,20 @@
 """``talosd send-file`` / ``talosd files`` (docs/PROTOCOL.md "File transfer", docs/cli.md).
 
 Registered with one line, ``register_cli(sub, add)`` in talos/cli_parser.py;
-the commands talk to the running node's control API (routes in
-talos/transfer/routes.py). Settings come from the ``transfer`` section of
+the commands talk to the running node over its local socket (the ``files.*``
+ops of talos/local/ops.py, docs/adr/0012-local-clients.md), like the other
+client commands. Settings come from the ``transfer`` section of
 ``<home>/config.json`` (:class:`~talos.transfer.records.TransferConfig`);
 received files land in ``<home>/files/`` unless ``--files-dir`` or that
-section names another folder. Imports stay light: building ``talosd``'s
-parser must not load aiohttp or pydantic.
+section names another folder. Imports stay light: neither building
+``talosd``'s parser nor running these commands loads aiohttp or pydantic.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -22,25 +24,27 @@ from typing import Any
 __all__ = ["register_cli"]
 
 
-def _client(args: argparse.Namespace) -> Any:
-    from talos.client import ApiClient
-    from talos.config import Home, default_home
+def _call(args: argparse.Namespace, op: str, body: dict[str, Any] | None = None) -> Any:
+    """``op`` on the node running on the home (NoNodeError when none runs there)."""
+    from talos.local.call import call
 
-    return ApiClient.for_home(Home(Path(args.home) if args.home else default_home()))
+    # talos.config.default_home, without importing pydantic.
+    home = Path(args.home or os.environ.get("TALOS_HOME") or Path.home() / ".talos")
+    return call(home, op, body)
 
 
 def cmd_send_file(args: argparse.Namespace) -> int:
     """``talosd send-file [--wait] DID PATH``."""
     from talos.transfer.protocol import TransferState, is_final
 
-    client = _client(args)
-    path = Path(args.path).resolve()
-    tid = client.call("POST", "/v1/files", {"did": args.did, "path": str(path)})["id"]
+    # Resolved here: the node runs in another working directory.
+    path = Path(args.path).expanduser().resolve()
+    tid = _call(args, "files.send", {"to": args.did, "path": str(path)})["tid"]
     if not args.wait and not sys.stderr.isatty():
         print(tid)
         return 0
     deadline = time.monotonic() + args.timeout
-    info = client.call("GET", f"/v1/files/{tid}")
+    info = _call(args, "files.get", {"id": tid})
     if sys.stderr.isatty():
         from rich.progress import Progress
 
@@ -49,7 +53,7 @@ def cmd_send_file(args: argparse.Namespace) -> int:
             while not is_final(TransferState(info["state"])) and time.monotonic() < deadline:
                 bar.update(task, completed=min(info["transferred"], info["size"]))
                 time.sleep(0.1)
-                info = client.call("GET", f"/v1/files/{tid}")
+                info = _call(args, "files.get", {"id": tid})
     while args.wait and not is_final(TransferState(info["state"])):
         if time.monotonic() > deadline:
             print(
@@ -58,7 +62,7 @@ def cmd_send_file(args: argparse.Namespace) -> int:
             )
             return 1
         time.sleep(0.05)
-        info = client.call("GET", f"/v1/files/{tid}")
+        info = _call(args, "files.get", {"id": tid})
     print(tid)
     if args.wait and info["state"] != TransferState.COMPLETE.value:
         print(f"talosd: error: transfer {info['state']}: {info['error']}", file=sys.stderr)
@@ -68,15 +72,14 @@ def cmd_send_file(args: argparse.Namespace) -> int:
 
 def cmd_files(args: argparse.Namespace) -> int:
     """``talosd files [--json]`` / ``talosd files accept|reject ID``."""
-    client = _client(args)
     if args.action in ("accept", "reject"):
         if not args.id:
             print(f"talosd: error: files {args.action} needs a transfer ID", file=sys.stderr)
             return 2
-        info = client.call("POST", f"/v1/files/{args.id}/{args.action}", {})
+        info = _call(args, f"files.{args.action}", {"id": args.id})
         print(f"{info['tid']} {info['state']}")
         return 0
-    rows = client.call("GET", "/v1/files")
+    rows = _call(args, "files.list")
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from talos.client import ApiClient
 from talos.config import Home
+from tests.talos.api_client import ApiClient
 
 TALOSD = [sys.executable, "-m", "talos.cli"]
 # Without the caller's passphrase variables: each test says how its key is kept.

@@ -13,9 +13,9 @@ import pytest
 
 from talos.chain.block import Record
 from talos.chain.log import BlockLog
-from talos.client import ApiClient, ApiError
 from talos.store import Store
 from talos_sdk.keyfile import load_wallet
+from tests.talos.api_client import ApiClient, ApiError
 from tests.talos.daemons import ENV, TALOSD, Daemon, fast_config, talosd, wait_for
 
 

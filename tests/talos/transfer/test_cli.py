@@ -126,3 +126,45 @@ def test_run_files_dir_receives_there(tmp_path: Path) -> None:
         assert not (b / "files" / "notes.txt").exists()
     finally:
         nodes.close()
+
+
+def _fail(*args: str) -> str:
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.startswith("talosd: error:") and "Traceback" not in done.stderr
+    return done.stderr
+
+
+def test_reject_and_bad_input_over_the_local_socket(
+    tmp_path: Path, two_nodes: tuple[Path, Path, str, str]
+) -> None:
+    a, b, _, did_b = two_nodes
+    src = tmp_path / "offer.bin"
+    src.write_bytes(os.urandom(10_000))
+    _wait_linked(a, did_b)
+    tid = _run("send-file", "--home", str(a), did_b, str(src))
+    _wait_state(b, tid, "pending")
+    assert _run("files", "--home", str(b), "reject", tid) == f"{tid} rejected"
+    assert _wait_state(a, tid, "rejected")["to"] == did_b
+    # each bad input is one line on stderr; the nodes keep running
+    assert "must be hex" in _fail("files", "--home", str(b), "accept", "zz")
+    assert "no transfer with id" in _fail("files", "--home", str(b), "accept", "0" * 32)
+    assert "not a pending incoming" in _fail("files", "--home", str(b), "accept", tid)
+    assert "unknown peer name 'carol'" in _fail("send-file", "--home", str(a), "carol", str(src))
+    assert "no such file" in _fail("send-file", "--home", str(a), did_b, str(tmp_path / "nope"))
+    idle = tmp_path / "idle"
+    _run("init", "--home", str(idle), "--no-passphrase")
+    assert "no node is running" in _fail("files", "--home", str(idle))
+    # the commands load neither the node's HTTP stack nor its models
+    code = (
+        "import sys\n"
+        "from talos.cli import main\n"
+        "assert main(['files', '--json', '--home', sys.argv[1]]) == 0\n"
+        "heavy = [m for m in ('aiohttp', 'pydantic', 'talos.node', 'lmdb') if m in sys.modules]\n"
+        "print(','.join(heavy), file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(b)], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
+    assert json.loads(done.stdout)[0]["tid"] == tid

@@ -1,6 +1,8 @@
-"""A small synchronous client for the control API (used by ``talosd``).
+"""A small synchronous client of a running node's loopback HTTP API, for the tests of that API.
 
-Standard library only (urllib): the CLI starts fast and needs no event loop.
+The ``talosd`` commands use the local socket (talos/local/call.py); the HTTP API
+(talos/api.py) stays for HTTP users and ``/metrics``, and these tests drive it
+with the standard library only (urllib).
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ import urllib.request
 from typing import Any
 
 from talos.config import Home
-from talos_sdk.errors import TalosError
 
 __all__ = ["ApiClient", "ApiError", "NodeNotRunningError"]
 
 
-class ApiError(TalosError):
+class ApiError(Exception):
     """The API answered with an error."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -24,7 +25,7 @@ class ApiError(TalosError):
         self.status = status
 
 
-class NodeNotRunningError(TalosError):
+class NodeNotRunningError(Exception):
     """No running node answers for this home."""
 
 
