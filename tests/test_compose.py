@@ -395,6 +395,14 @@ def test_entrypoint_relayed_nodes_message_each_other_through_nats(
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         south_did = (directory / "south.did").read_text().strip()
+        # `send --wait` needs north's node up, not only its entrypoint started.
+        deadline = time.monotonic() + DEADLINE_S
+        while subprocess.run(
+            [str(BIN / "talosd"), "status", "--home", str(tmp_path / "north")],
+            capture_output=True, timeout=DEADLINE_S, check=False,
+        ).returncode != 0:  # fmt: skip
+            assert time.monotonic() < deadline, "north's node never came up"
+            time.sleep(0.2)
         sent = subprocess.run(
             [str(BIN / "talosd"), "send", "--home", str(tmp_path / "north"), "--wait",
              "--timeout", "60", south_did, "hello across networks"],
