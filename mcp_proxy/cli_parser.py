@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_audit = command(
         sub,
         "audit",
-        "read the audit records of a (stopped) serve home",
+        "read the audit records of a serve home (its node running or not)",
         "Print the tunnel's audit records from a serve home's block log: time, event,"
         " outcome, caller, tool; never arguments (unless serve ran with"
         " --audit-plaintext, and even then not here). Filters combine.",
@@ -131,7 +131,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "Expose an MCP server to the peers this side allows: each caller session gets"
         " its own tool process (the command after --), or is bridged to a Streamable"
         " HTTP MCP server (--url). Callers are refused at the link unless --allow or"
-        " the policy file names their DID; every call is recorded in the audit log.",
+        " the policy file names their DID; every call is recorded in the audit log."
+        " With talosd running on the home, attach to it: its DID, links and address"
+        " (--listen/--relay unused), the audit kept by the node; it keeps running after.",
         (
             f"talos-proxy serve --home ./tool --listen 127.0.0.1:7500 --allow {AGENT}"
             " --tools get_current_time -- python -m mcp_server_time",
@@ -141,7 +143,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     _home(p)
     p.add_argument(
-        "--listen", metavar="HOST:PORT", help="accept peer links on HOST:PORT (or --relay, or both)"
+        "--listen",
+        metavar="HOST:PORT",
+        help="accept peer links on HOST:PORT (or --relay, or both; unused when attached)",
     )
     _relay(p, "NATS relay peers reach this tool through (talosd run --relay)")
     _key_args(p)
