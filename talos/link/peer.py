@@ -7,17 +7,26 @@ compression off (frames are ciphertext, and compressing before encrypting
 leaks), ``max_size`` bounded to the largest sealed frame, keepalive pings.
 After the handshake every frame is sealed here, so callers send and receive
 plaintext link frames; a frame that fails to open closes the link (4010).
+
+Only documented websockets API is used (its "Both sides" and server
+references: ``send``, ``recv``, ``close``, ``state``, ``close_code``,
+``broadcast``, and the ``create_connection`` factory of ``connect`` / ``serve``
+for a connection subclass). That subclass keeps the asyncio transport it is
+given and notes asyncio's flow-control callbacks (``pause_writing`` /
+``resume_writing``, asyncio "Transports and Protocols"), which is how
+:meth:`Link.send_nowait` knows a send would not wait.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.connection import Connection
+from websockets.asyncio.server import Server, ServerConnection, broadcast, serve
 from websockets.exceptions import (
     ConnectionClosed,
     ConnectionClosedError,
@@ -51,6 +60,7 @@ __all__ = [
     "accept_link",
     "dial_link",
     "initiate_link",
+    "listen_links",
 ]
 
 #: Below the asyncio default low-water mark: a send this far under it never blocks.
@@ -84,6 +94,39 @@ class LinkSettings:
     def ws_max_size(self) -> int:
         # Handshake messages (under 8 KiB, hybrid) fit: max_frame is at least 16 KiB.
         return self.max_frame + 64 + TAGLEN
+
+
+class _LinkConnection(Connection):
+    """A websockets connection a link runs on; made through ``create_connection``.
+
+    Keeps the transport (asyncio ``connection_made``) and whether the transport
+    asked us to stop writing (``pause_writing`` until ``resume_writing``: its
+    buffer passed the high-water mark set by ``write_limit``).
+    """
+
+    link_transport: asyncio.Transport | None = None
+    write_paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A TCP transport (uvloop's too, which does not subclass asyncio.Transport).
+        self.link_transport = cast(asyncio.Transport, transport)
+        super().connection_made(transport)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        super().pause_writing()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        super().resume_writing()
+
+
+class _LinkClientConnection(_LinkConnection, ClientConnection):
+    """The dialling side's connection (``connect(create_connection=...)``)."""
+
+
+class _LinkServerConnection(_LinkConnection, ServerConnection):
+    """The accepting side's connection (``serve(create_connection=...)``)."""
 
 
 class FrameStream(Protocol):
@@ -134,6 +177,9 @@ class Link:
         self.transcript_hash = auth.transcript_hash
         self.role = role
         self._channel = channel
+        # Only our own connections can write without waiting (see _LinkConnection).
+        self._conn = ws if isinstance(ws, _LinkConnection) else None
+        self._transport = self._conn.link_transport if self._conn is not None else None
         #: Set when a received frame failed to open and the link was closed for it.
         self.unauthentic = False
 
@@ -161,14 +207,17 @@ class Link:
                 # Sealed but not sent: the counters are out of step, the link is done.
                 raise ConnectionClosedError(None, None)
             return True
-        if not self.writable:
+        conn = self._conn
+        if conn is None or not self._writable(conn):
             return False
-        ws.protocol.send_binary(self._channel.seal(data))
         try:
-            ws.send_data()
-        except Exception as exc:
-            ws.set_connection_exc(exc)
-            ws.transport.abort()
+            # broadcast() writes at once, as send() does before its first suspension;
+            # links never send fragmented messages, so it skips nothing here.
+            broadcast((conn,), self._channel.seal(data), raise_exceptions=True)
+        except ExceptionGroup as exc:
+            # Sealed but not written: the counters are out of step, the link is done.
+            if self._transport is not None:
+                self._transport.abort()
             raise ConnectionClosedError(None, None) from exc
         return True
 
@@ -178,20 +227,26 @@ class Link:
         ws = self.ws
         if not isinstance(ws, Connection):
             return ws.writable
+        conn = self._conn
+        return conn is not None and self._writable(conn)
+
+    def _writable(self, conn: _LinkConnection) -> bool:
+        transport = self._transport
         return (
-            ws.protocol.state is State.OPEN
-            and ws.send_in_progress is None
-            and not ws.paused
-            and not ws.transport.is_closing()
+            not conn.write_paused
+            and transport is not None
+            and conn.state is State.OPEN
+            and not transport.is_closing()
         )
 
     @property
     def can_send_now(self) -> bool:
         """True when :meth:`send` would write without waiting for flow control."""
-        if not isinstance(self.ws, Connection):
-            return self.ws.can_send_now
-        transport = self.ws.transport
-        return transport.get_write_buffer_size() < _SEND_NOW_LIMIT
+        ws = self.ws
+        if not isinstance(ws, Connection):
+            return ws.can_send_now
+        transport = self._transport
+        return transport is not None and transport.get_write_buffer_size() < _SEND_NOW_LIMIT
 
     async def recv(self) -> bytes:
         """Next plaintext frame; raises ConnectionClosed when the link ends.
@@ -290,6 +345,30 @@ async def accept_link(
     return Link(ws, auth, Role.RESPONDER, channel)
 
 
+async def listen_links(
+    handler: Callable[[ServerConnection], Awaitable[None]],
+    host: str,
+    port: int,
+    settings: LinkSettings,
+) -> Server:
+    """A WebSocket server for links on ``host:port``; ``handler`` runs :func:`accept_link`."""
+    return await serve(
+        handler, host, port, create_connection=_LinkServerConnection, **_ws_options(settings)
+    )
+
+
+def _ws_options(settings: LinkSettings) -> dict[str, Any]:
+    """What both ends of a link's WebSocket are opened with (see the module docstring)."""
+    return {
+        "compression": None,
+        "max_size": settings.ws_max_size,
+        "ping_interval": settings.ping_interval,
+        "ping_timeout": settings.ping_interval,
+        "close_timeout": 2,
+        "max_queue": MAX_QUEUE,
+    }
+
+
 async def dial_link(
     url: str,
     expected_did: str,
@@ -302,13 +381,9 @@ async def dial_link(
         async with asyncio.timeout(settings.handshake_timeout):
             ws: ClientConnection = await connect(
                 url,
-                compression=None,
-                max_size=settings.ws_max_size,
-                ping_interval=settings.ping_interval,
-                ping_timeout=settings.ping_interval,
+                create_connection=_LinkClientConnection,
                 open_timeout=settings.handshake_timeout,
-                close_timeout=2,
-                max_queue=MAX_QUEUE,
+                **_ws_options(settings),
             )
     except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:
         raise ConnectionError(f"cannot reach {url}: {exc or type(exc).__name__}") from None

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection
 
 from talos.config import PeerAddr
 from talos.discovery import SOURCE_DIALLED, Resolver
@@ -31,13 +31,13 @@ from talos.link.admission import Admission, Backoff, keep_new_link
 from talos.link.auth import CLOSE_DOWNGRADE
 from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_SHUTDOWN, Signer
 from talos.link.peer import (
-    MAX_QUEUE,
     FrameStream,
     Link,
     LinkSettings,
     PeerRefused,
     accept_link,
     dial_link,
+    listen_links,
 )
 from talos.logging import event
 from talos.metrics import Metrics
@@ -198,18 +198,7 @@ class LinkSupervisor:
 
     async def listen(self, host: str, port: int) -> str:
         """Accept links on ``host:port`` (OSError if it cannot); the ``ws://`` URL bound."""
-        settings = self.settings
-        self.server = await serve(
-            self.accept,
-            host,
-            port,
-            compression=None,
-            max_size=settings.ws_max_size,
-            ping_interval=settings.ping_interval,
-            ping_timeout=settings.ping_interval,
-            close_timeout=2,
-            max_queue=MAX_QUEUE,
-        )
+        self.server = await listen_links(self.accept, host, port, self.settings)
         sock = next(iter(self.server.sockets))
         real_host, real_port = sock.getsockname()[:2]
         return f"ws://{real_host}:{real_port}"

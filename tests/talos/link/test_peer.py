@@ -218,3 +218,45 @@ async def test_send_nowait_on_a_closed_link_sends_nothing(listener: Listener) ->
         assert not link.open
         assert not link.writable
         assert not link.send_nowait(wire.encode(wire.Msg(1, b"late")))
+
+
+def test_send_nowait_both_ways_on_the_loop_talosd_runs() -> None:
+    """Links made by listen_links / dial_link write without waiting on either end, on the
+    loop ``talosd run`` uses (uvloop when installed: its transports are not asyncio's)."""
+    from talos import runtime
+    from talos.link.peer import listen_links
+
+    async def main() -> None:
+        a, b = Wallet.generate(), Wallet.generate()
+        accepted: asyncio.Queue[Link] = asyncio.Queue()
+
+        async def on_link(ws: ServerConnection) -> None:
+            await accepted.put(await accept_link(ws, b, lambda did: True, SETTINGS))
+            await ws.wait_closed()
+
+        server = await listen_links(on_link, "127.0.0.1", 0, SETTINGS)
+        try:
+            async with asyncio.timeout(10):
+                port = next(iter(server.sockets)).getsockname()[1]
+                link = await dial_link(f"ws://127.0.0.1:{port}", b.did, a, lambda d: True, SETTINGS)
+                peer = await accepted.get()
+                for end in (link, peer):
+                    assert end.writable and end.can_send_now
+                assert link.send_nowait(wire.encode(wire.Msg(1, b"to b")))
+                assert peer.send_nowait(wire.encode(wire.Msg(1, b"to a")))
+                assert wire.decode(await peer.recv()) == wire.Msg(1, b"to b")
+                assert wire.decode(await link.recv()) == wire.Msg(1, b"to a")
+                peer.ws.pause_writing()  # what the transport calls above its high-water mark
+                assert not peer.writable
+                assert not peer.send_nowait(wire.encode(wire.Msg(2, b"held")))
+                peer.ws.resume_writing()
+                assert peer.send_nowait(wire.encode(wire.Msg(2, b"sent")))
+                assert wire.decode(await link.recv()) == wire.Msg(2, b"sent")
+                await link.close()
+                await peer.ws.wait_closed()
+                assert not peer.writable and not peer.send_nowait(b"\x21")
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    runtime.run(main())
