@@ -5,7 +5,8 @@ Commands that need the running node talk to it over its local socket
 offline (id, peers, send, inbox, chain) open the home's store directly when no
 node runs there. Client commands import neither the node, aiohttp nor
 pydantic until they need them. Expected failures print one line on stderr and
-exit 1; argparse usage errors exit 2; nothing prints a traceback.
+exit with the code of talos/exit_codes.py that says what kind of failure it
+was (:func:`exit_code_for`); nothing prints a traceback.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from talos.local.call import LocalCallError, NoNodeError
+from talos import exit_codes
+from talos.local.call import NoNodeError
 from talos.local.call import call as node_call
-from talos_sdk.errors import TalosError, UsageError
+from talos_sdk.errors import LinkRefusedError, PeerUnreachableError, TalosError, UsageError
 
-__all__ = ["main"]
+__all__ = ["exit_code_for", "main"]
 
 _NOT_RUNNING = object()
 
@@ -212,7 +214,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     status = _online(path, "status")
     if status is _NOT_RUNNING:
         raise NoNodeError(f"no node is running on {path}")
-    _out(status)
+    if args.json:
+        _out(status)
+    else:
+        from talos.status_text import status_lines
+
+        print("\n".join(status_lines(status)))
+    return 0
+
+
+def cmd_outbox(args: argparse.Namespace) -> int:
+    path = _home_path(args)
+    _require_identity(path)
+    peers = _online(path, "outbox", {"peer": args.peer})
+    if peers is _NOT_RUNNING:
+        raise NoNodeError(
+            f"no node is running on {path}; queued messages move once `talosd run` does"
+        )
+    if args.json:
+        _out(peers)
+    else:
+        from talos.status_text import outbox_lines
+
+        print("\n".join(outbox_lines(peers)))
     return 0
 
 
@@ -416,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
             "run": cmd_run,
             "peers": cmd_peers,
             "status": cmd_status,
+            "outbox": cmd_outbox,
             "send": cmd_send,
             "inbox": cmd_inbox,
             "chain": cmd_chain,
@@ -431,13 +456,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
-    except LocalCallError as exc:
-        print(f"talosd: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return exit_codes.INTERRUPTED
     except (TalosError, OSError) as exc:
         print(f"talosd: error: {exc}", file=sys.stderr)
-    except KeyboardInterrupt:
-        return 130
-    return 1
+        return exit_code_for(exc)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code of a failed command (talos/exit_codes.py): whose fault, what kind."""
+    if isinstance(exc, UsageError):
+        return exit_codes.BAD_INPUT
+    if isinstance(exc, LinkRefusedError):
+        return exit_codes.REFUSED
+    if isinstance(exc, TimeoutError):
+        return exit_codes.TIMED_OUT
+    if isinstance(exc, NoNodeError | PeerUnreachableError | ConnectionError):
+        return exit_codes.UNREACHABLE
+    return exit_codes.FAILED
 
 
 if __name__ == "__main__":

@@ -224,19 +224,35 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
     _json(pl, "the peer list")
     _home(pl, inherited=True)
 
-    add(
+    sp = add(
         "status",
-        "links, sessions, queues of the running node",
-        "Show the running node's state: links, sessions, queues, block log.",
-        ("talosd status --home ./alice",),
+        "links with their state and last refusal, sessions, queues",
+        "Show the running node's state: each peer's link (ready, connecting, refused by"
+        " the peer or by this node, unreachable) with its last refusal and outbox depth,"
+        " sessions, queues, chain height, post-quantum settings. Sequence numbers read"
+        " epoch.n.",
+        ("talosd status --home ./alice", "talosd status --json"),
     )
+    _json(sp, "the full status")
+
+    sp = add(
+        "outbox",
+        "queued messages per peer and why they are not moving",
+        "List the messages waiting for a peer's acknowledgement, per peer: their"
+        " sequence number (epoch.n), time, id and state, and why they do not move"
+        " (link refused by the peer, peer unreachable, waiting for session, ...).",
+        ("talosd outbox", f"talosd outbox --json {DID_EXAMPLE}"),
+    )
+    sp.add_argument("peer", nargs="?", metavar="PEER", help="only this peer (a DID or a peer name)")
+    _json(sp, "the queued messages")
 
     sp = add(
         "send",
         "send a text message to a peer",
         "Queue a text message for a peer and print its id. The message is stored"
         " durably and delivered when a link to the peer is up; with the node stopped it"
-        " waits for the next run. --wait blocks until the peer acknowledged it.",
+        " waits for the next run. --wait blocks until the peer acknowledged it, and fails"
+        " at once (exit 3) with the reason when the peer refuses the link.",
         ("talosd send alice 'hello'", f"talosd send --wait --timeout 10 {DID_EXAMPLE} 'hi'"),
     )
     sp.add_argument(
@@ -249,7 +265,8 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="with --wait: give up after SECONDS (exit 5); the message stays queued",
+        help="with --wait: give up after SECONDS (exit 5, or 4 when the peer is unreachable);"
+        " the message stays queued",
     )
     sp.add_argument("did", metavar="PEER", help="the recipient: a DID or a peer name")
     sp.add_argument("text", metavar="TEXT", help="the message (UTF-8 text)")

@@ -47,7 +47,7 @@ from talos.metrics import Metrics
 from talos.node_apps import ConnectTimeoutError, NodeApps, NotConnectedError
 from talos.node_base import AppHandler, Incoming, LinkCallback, Peer
 from talos.node_delivery import NodeDelivery, take
-from talos.node_links import NodeLinks
+from talos.node_links import NodeLinks, ProblemCallback
 from talos.pins import load_pin, store_pin
 from talos.pipeline import MessageTooLargeError, text_limit
 from talos.sessions import (
@@ -110,6 +110,8 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         self._allow: set[str] = set(self.config.allow)
         self._tasks: list[asyncio.Task[Any]] = []
         self._link_tasks: set[asyncio.Task[Any]] = set()
+        self._problem_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._problem_callbacks: list[ProblemCallback] = []
         self._incoming: list[Incoming] = []
         self._outgoing: list[tuple[pl.OutboxEntry, asyncio.Future[None]]] = []
         self._epoch = 0
@@ -170,6 +172,8 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
             run_link=self._run_link,
             reconnect_initial=self.config.reconnect_initial,
             reconnect_max=self.config.reconnect_max,
+            noted=self._problem_noted,
+            clock=self._clock,
         )
         # Opening syncs, closing syncs: both off the loop like every other fsync.
         self.store = await asyncio.to_thread(
@@ -361,44 +365,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
             return txn.count("outbox")
 
     def status(self) -> dict[str, Any]:
-        """Links, sessions with their suites, and queue depths."""
-        links = []
-        sessions = self.sessions.info()
-        session_suites = {s["did"]: s["suite"] for s in sessions}
-        for did, peer in sorted(self._peers.items()):
-            links.append(
-                {
-                    "did": did,
-                    "connected": peer.link is not None,
-                    "ready": peer.ready.is_set(),
-                    "role": peer.link.role.name.lower() if peer.link is not None else None,
-                    "via": peer.link.via if peer.link is not None else None,
-                    "auth_suite": peer.link.auth_suite if peer.link is not None else None,
-                    "session_suite": session_suites.get(did),
-                    "acked": peer.tx.acked,
-                    "sent": peer.tx.sent,
-                    "delivered": peer.rx.delivered,
-                }
-            )
-        with self.store.read() as txn:
-            outbox = txn.count("outbox")
-            inbox = txn.count("inbox")
-        return {
-            "did": self.did,
-            "listen": self.listen_url,
-            "relay": self.relay.status() if self.relay is not None else None,
-            "auth_suite": self.wallet.suite,
-            "require_pq": self.config.require_pq,
-            "links": links,
-            "sessions": sessions,
-            "queues": {
-                "outbox": outbox,
-                "inbox": inbox,
-                "incoming_batch": len(self._incoming),
-                "log_pending": self.log.pending_count,
-            },
-            "chain_height": self.log.height,
-            "quarantined_records": self.quarantined_count(),
-            "equivocations": self.heads.equivocations(),
-            "equivocation_counts": self.heads.equivocation_counts(),
-        }
+        """Links with their state and last refusal, sessions, queues (talos/views.py)."""
+        from talos.views import node_status
+
+        return node_status(self)

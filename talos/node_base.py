@@ -79,6 +79,9 @@ class NodeBase:
     _apps: dict[str, AppHandler]
     _link_callbacks: list[LinkCallback]
     _link_tasks: set[asyncio.Task[Any]]
+    #: Who waits for the next link problem of a peer, and who hears of every one.
+    _problem_waiters: dict[str, list[asyncio.Future[None]]]
+    _problem_callbacks: list[Callable[[str, Any], None]]
     _incoming: list[Incoming]
     _outgoing: list[tuple[OutboxEntry, asyncio.Future[None]]]
     _outbox_busy: bool
@@ -105,3 +108,9 @@ class NodeBase:
         def _notify_link(self, did: str, up: bool) -> None: ...
 
         async def _on_app(self, peer: Peer, frame: Any) -> None: ...
+
+        def redial_now(self, did: str) -> None: ...
+
+        def link_problem(self, did: str) -> Any: ...
+
+        def problem_changed(self, did: str) -> asyncio.Future[None]: ...

@@ -40,7 +40,7 @@ from talos.peer_pipeline import UNSENT_BATCH, Failed, Received, Retry
 from talos.pipeline import MessageTooLargeError
 from talos.sessions import MessageSignatureError, UnsignedMessageError
 from talos.store import Txn
-from talos_sdk.errors import ProtocolError, StorageError, UsageError
+from talos_sdk.errors import LinkRefusedError, ProtocolError, StorageError, UsageError
 
 __all__ = ["NodeDelivery", "take"]
 
@@ -200,6 +200,7 @@ class NodeDelivery(NodeBase):
 
         public_key_from_did(did)  # a clear DIDError for a malformed recipient
         peer = self._peer(did)
+        since = int(self._clock() * 1000)
         # ADR 0007: the number is unique across crashes, so the frame may leave
         # before its outbox row is durable; the caller hears back only after.
         row = peer.assign(text, os.urandom(pl.MSG_ID_LEN), int(self._clock() * 1000), self._epoch)
@@ -218,8 +219,26 @@ class NodeDelivery(NodeBase):
         await committed
         self.metrics.inc("messages_out")
         if waiter is not None:
-            await waiter
+            await self._wait_acked(peer, waiter, since)
         return row.msg_id.hex()
+
+    async def _wait_acked(self, peer: Peer, acked: asyncio.Future[None], since: int) -> None:
+        """Until the peer acks, or a link attempt after ``since`` (ms) is refused for good:
+        then LinkRefusedError at once, the message staying queued (talos/link/refusals.py)."""
+        if not peer.ready.is_set():
+            self.redial_now(peer.did)  # a refusal noted earlier may be stale by now
+        while not acked.done():
+            problem = self.link_problem(peer.did)
+            if problem is not None and problem.decisive and problem.at_ms >= since:
+                raise LinkRefusedError(
+                    f"{problem.message(peer.did)}; the message stays queued (talosd outbox)"
+                )
+            changed = self.problem_changed(peer.did)
+            try:
+                await asyncio.wait((acked, changed), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+        acked.result()
 
     def _flush_outbox(self) -> None:
         """Group commit of the outbox: sends arriving while one commit runs share the next."""

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from websockets.exceptions import ConnectionClosed
@@ -26,6 +27,7 @@ from talos.link import wire
 from talos.link.auth import check_bundle_auth
 from talos.link.handshake import CLOSE_PROTOCOL
 from talos.link.peer import Link
+from talos.link.refusals import LinkProblem
 from talos.logging import event
 from talos.node_apps import ConnectTimeoutError
 from talos.node_base import NodeBase, Peer
@@ -41,9 +43,12 @@ from talos_sdk.errors import (
     UsageError,
 )
 
-__all__ = ["NodeLinks"]
+__all__ = ["NodeLinks", "ProblemCallback"]
 
 _log = logging.getLogger("talos.node")
+
+#: ``callback(did, problem)``: a link to ``did`` was refused, or a dial failed.
+ProblemCallback = Callable[[str, LinkProblem], None]
 
 
 class NodeLinks(NodeBase):
@@ -123,6 +128,66 @@ class NodeLinks(NodeBase):
 
     # --- one link ------------------------------------------------------------------------------
 
+    # --- why a peer has no link (talos/link/refusals.py) ------------------------------------------
+
+    def _problem_noted(self, did: str, problem: LinkProblem) -> None:
+        """From the supervisor: wake who waits on ``did``, tell every listener."""
+        for fut in self._problem_waiters.pop(did, []):
+            if not fut.done():
+                fut.set_result(None)
+        for cb in list(self._problem_callbacks):
+            try:
+                cb(did, problem)
+            except Exception as exc:
+                event(_log, "link_callback_failed", level=logging.ERROR, error=repr(exc))
+
+    def on_link_problem(self, callback: ProblemCallback) -> None:
+        """Call ``callback(did, problem)`` whenever a link is refused or a dial fails."""
+        self._problem_callbacks.append(callback)
+
+    def link_problem(self, did: str) -> LinkProblem | None:
+        """The latest refusal or failed dial of ``did`` since its last ready link."""
+        return self.links.problems.get(did)
+
+    def problem_changed(self, did: str) -> asyncio.Future[None]:
+        """Resolves when the next problem of ``did`` is noted."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._problem_waiters.setdefault(did, []).append(fut)
+        fut.add_done_callback(functools.partial(self._forget_problem_waiter, did))
+        return fut
+
+    def _forget_problem_waiter(self, did: str, fut: asyncio.Future[None]) -> None:
+        waiters = self._problem_waiters.get(did)
+        if waiters is not None and fut in waiters:
+            waiters.remove(fut)
+            if not waiters:
+                del self._problem_waiters[did]
+
+    def redial_now(self, did: str) -> None:
+        """Dial ``did`` again at once if its last attempt failed (the refusal may be stale)."""
+        self.links.redial_now(did)
+
+    def link_state(self, did: str) -> tuple[str, str]:
+        """``(state, why)`` of the link to ``did`` for status and the outbox: ready,
+        linked (session pending), refused_by_peer / refused_by_us / unreachable,
+        connecting, no_address or idle; ``why`` says why messages do not move."""
+        peer = self._peers.get(did)
+        if peer is not None and peer.ready.is_set():
+            return "ready", ""
+        if peer is not None and peer.link is not None:
+            return "linked", "waiting for session"
+        problem = self.links.problems.get(did)
+        if problem is not None:
+            return problem.kind, problem.why()
+        if self.links.dialling(did):
+            return "connecting", "connecting to the peer"
+        if not self.links.resolve(did):
+            return (
+                "no_address",
+                "no address known for the peer (talosd peers add ws://HOST:PORT#DID)",
+            )
+        return "idle", "not linked"
+
     async def _run_link(self, link: Link) -> bool:
         """Own an authenticated ``link`` (from talos/link/supervisor.py) until it closes:
         session setup, then the read loop. True if its session became ready."""
@@ -168,6 +233,7 @@ class NodeLinks(NodeBase):
             self._notify_link(peer.did, False)
 
     def _set_ready(self, peer: Peer) -> None:
+        self.links.problems.clear(peer.did)
         peer.ready.set()
         peer.session_ready(time.monotonic())
         event(_log, "session_ready", peer=peer.did, suite=self.sessions.suite(peer.did))

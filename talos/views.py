@@ -1,19 +1,31 @@
 """JSON views of the node's state, shared by the control API and the offline CLI.
 
-Plain dicts, no I/O: the API (talos/api.py) serialises them, ``talosd``
-prints them. Field names are the API's (docs/ARCHITECTURE.md "Module map and contracts").
+Plain dicts: the local ops (talos/local/ops.py) send them, ``talosd`` prints
+them (talos/status_text.py for people). Field names are the API's
+(docs/ARCHITECTURE.md "Module map and contracts"). Sequence numbers stay u64
+here; ``*_text`` twins give ``epoch.n`` (docs/adr/0007-epoch-sequence-numbers.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
+from talos import pipeline as pl
 from talos.chain.block import Block
 from talos.chain.log import Quarantined
 from talos.chain.verify import VerifyReport
+from talos.peer_names import names as peer_names
+from talos.status_text import seq_text
 
-__all__ = ["block_json", "quarantined_json", "report_json"]
+if TYPE_CHECKING:
+    from talos.node import Node
+    from talos.store import Txn
+
+__all__ = ["block_json", "node_status", "outbox_json", "quarantined_json", "report_json"]
+
+#: Messages listed per peer by ``talosd outbox`` (the count covers them all).
+OUTBOX_LIST_LIMIT = 100
 
 
 def block_json(block: Block) -> dict[str, Any]:
@@ -52,3 +64,128 @@ def quarantined_json(q: Quarantined) -> dict[str, Any]:
         "record_id": record.record_id.hex() if record is not None else None,
         "sender": record.sender if record is not None else None,
     }
+
+
+def _outbox_rows(txn: Txn, did: str | None = None) -> Iterator[pl.OutboxEntry]:
+    """Every outbox row (of ``did`` only, when given), in peer then sequence order."""
+    start = pl.outbox_prefix(did) if did is not None else None
+    for key, value in txn.items("outbox", start):
+        row = pl.decode_outbox(key, value)
+        if did is not None and row.peer != did:
+            return
+        yield row
+
+
+def _outbox_counts(txn: Txn) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for key, _ in txn.items("outbox"):
+        did = key[:-9].decode()
+        counts[did] = counts.get(did, 0) + 1
+    return counts
+
+
+def _peer_row(node: Node, did: str, outbox: int, names: dict[str, str]) -> dict[str, Any]:
+    peer = node._peers.get(did)
+    link = peer.link if peer is not None else None
+    state, why = node.link_state(did)
+    problem = node.link_problem(did)
+    row: dict[str, Any] = {
+        "did": did,
+        "name": names.get(did),
+        "state": state,
+        "why": why or None,
+        "connected": link is not None,
+        "ready": peer is not None and peer.ready.is_set(),
+        "role": link.role.name.lower() if link is not None else None,
+        "via": link.via if link is not None else None,
+        "auth_suite": link.auth_suite if link is not None else None,
+        "kem": link.kem if link is not None else None,
+        "session_suite": node.sessions.suite(did) if node.sessions.has(did) else None,
+        "outbox": outbox,
+        "acked": peer.tx.acked if peer is not None else None,
+        "sent": peer.tx.sent if peer is not None else None,
+        "delivered": peer.rx.delivered if peer is not None else None,
+        "last_refusal": None,
+    }
+    if problem is not None:
+        row["last_refusal"] = {**problem.to_json(), "message": problem.message(did)}
+    for key in ("acked", "sent", "delivered"):
+        row[f"{key}_text"] = seq_text(row[key]) if row[key] is not None else None
+    return row
+
+
+def node_status(node: Node) -> dict[str, Any]:
+    """``talosd status --json``: this node, every peer it knows of (link state, last
+    refusal, outbox depth), sessions, queues, chain height, post-quantum state."""
+    with node.store.read() as txn:
+        outbox_by_peer = _outbox_counts(txn)
+        inbox = txn.count("inbox")
+        names = peer_names(txn)
+    dids = set(node._peers) | set(node.known_peers()) | set(outbox_by_peer)
+    dids |= {did for did, _ in node.links.problems.items()}
+    dids.discard(node.did)
+    return {
+        "did": node.did,
+        "listen": node.listen_url,
+        "relay": node.relay.status() if node.relay is not None else None,
+        "auth_suite": node.wallet.suite,
+        "require_pq": node.config.require_pq,
+        "pq": node.config.pq,
+        "epoch": node.epoch,
+        "links": [_peer_row(node, d, outbox_by_peer.get(d, 0), names) for d in sorted(dids)],
+        "sessions": node.sessions.info(),
+        "queues": {
+            "outbox": sum(outbox_by_peer.values()),
+            "inbox": inbox,
+            "incoming_batch": len(node._incoming),
+            "log_pending": node.log.pending_count,
+        },
+        "chain_height": node.log.height,
+        "quarantined_records": node.quarantined_count(),
+        "equivocations": node.heads.equivocations(),
+        "equivocation_counts": node.heads.equivocation_counts(),
+    }
+
+
+def outbox_json(node: Node, did: str | None = None) -> list[dict[str, Any]]:
+    """``talosd outbox --json``: per peer with queued messages, the link's state, why
+    they do not move, and the first :data:`OUTBOX_LIST_LIMIT` messages."""
+    by_peer: dict[str, list[pl.OutboxEntry]] = {}
+    with node.store.read() as txn:
+        counts = _outbox_counts(txn) if did is None else {}
+        for row in _outbox_rows(txn, did):
+            rows = by_peer.setdefault(row.peer, [])
+            if len(rows) < OUTBOX_LIST_LIMIT:
+                rows.append(row)
+            if did is not None:
+                counts[did] = counts.get(did, 0) + 1
+        names = peer_names(txn)
+    out = []
+    for peer_did in sorted(by_peer):
+        state, why = node.link_state(peer_did)
+        peer = node._peers.get(peer_did)
+        sent = peer.tx.sent if peer is not None else 0
+        problem = node.link_problem(peer_did)
+        out.append(
+            {
+                "did": peer_did,
+                "name": names.get(peer_did),
+                "state": state,
+                "why": why or None,
+                "last_refusal": problem.to_json() if problem is not None else None,
+                "count": counts.get(peer_did, 0),
+                "messages": [
+                    {
+                        "id": row.msg_id.hex(),
+                        "seq": row.seq,
+                        "seq_text": seq_text(row.seq),
+                        "ts": row.ts_ms,
+                        "bytes": len(row.data),
+                        "text": row.text,
+                        "state": "sent, awaiting ack" if row.seq <= sent else "queued",
+                    }
+                    for row in by_peer[peer_did]
+                ],
+            }
+        )
+    return out

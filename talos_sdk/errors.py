@@ -55,6 +55,8 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     │       └── RecordIndexError       (talos/chain/verify.py)
     ├── NotConnectedError          no ready link to that peer (talos/node.py; also ConnectionError)
     │   └── ConnectTimeoutError    wait_connected gave up (also TimeoutError)
+    ├── LinkRefusedError           a link was refused, by the peer or by us (talos/node_links.py)
+    ├── PeerUnreachableError       the peer cannot be reached now (also ConnectionError)
     ├── LinkDownError              the tunnel's peer is not linked (mcp_proxy/transport.py)
     ├── NoNodeError                nothing listens on the home's local socket (talos/local/call.py)
     ├── NodeGoneError              the node stopped while attached (also ConnectionError)
@@ -80,8 +82,10 @@ __all__ = [
     "EncodingError",
     "HandshakeError",
     "KeyFileError",
+    "LinkRefusedError",
     "MalformedFrameError",
     "OversizeError",
+    "PeerUnreachableError",
     "ProtocolError",
     "SignatureError",
     "StorageError",
@@ -157,3 +161,12 @@ class StorageFullError(StorageError):
 
 class ChainError(TalosError):
     """The block log has a defect (broken link, bad root, bad signature)."""
+
+
+class LinkRefusedError(TalosError):
+    """A link to the peer was refused: by the peer (its allow list, pins, PQ policy)
+    or by this node. Neither misuse nor a protocol fault: a decision of one side."""
+
+
+class PeerUnreachableError(TalosError, ConnectionError):
+    """The peer cannot be reached right now (no address, connection refused, no route)."""

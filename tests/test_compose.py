@@ -415,7 +415,7 @@ def test_entrypoint_relayed_nodes_message_each_other_through_nats(
         )  # fmt: skip
         assert [m["text"] for m in json.loads(inbox.stdout)] == ["hello across networks"]
         status = subprocess.run(
-            [str(BIN / "talosd"), "status", "--home", str(tmp_path / "north")],
+            [str(BIN / "talosd"), "status", "--json", "--home", str(tmp_path / "north")],
             capture_output=True, text=True, timeout=DEADLINE_S, check=True,
         )  # fmt: skip
         links = json.loads(status.stdout)["links"]

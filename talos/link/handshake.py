@@ -135,6 +135,8 @@ class Refusal(HandshakeError):
         self.code = code
         self.reason = reason
         self.farewell: bytes | None = None
+        #: The DID the peer claimed, once its identity payload was read (not proven).
+        self.peer_did: str | None = None
 
 
 class PeerRefused(HandshakeError):
@@ -355,6 +357,13 @@ class LinkHandshake:
 
     def _judge(self, peer: _Identity) -> Authenticated:
         """Check the peer's identity payload: claim, authorization, suites, signature, pin."""
+        try:
+            return self._judge_claim(peer)
+        except Refusal as refusal:
+            refusal.peer_did = peer.did
+            raise
+
+    def _judge_claim(self, peer: _Identity) -> Authenticated:
         assert self._noise is not None
         if self._expected is not None and peer.did != self._expected:
             raise Refusal(

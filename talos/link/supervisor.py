@@ -11,6 +11,11 @@ anything (docs/adr/0005-hybrid-signatures.md), and the duplicate-link rule
 the rule is handed to the node's ``run_link``, which sets up the session and
 reads the link until it closes; its result (did the session become ready?)
 is what resets the dialler's backoff.
+
+Every failed dial and every refused handshake is kept as the peer's latest
+:class:`~talos.link.refusals.LinkProblem` (close code, reason in words, time)
+until a link to it reaches a ready session, and handed to ``noted`` so that
+waiting senders and local clients hear of it at once.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +35,7 @@ from talos.config import PeerAddr
 from talos.discovery import SOURCE_DIALLED, Resolver
 from talos.link.admission import Admission, Backoff, keep_new_link
 from talos.link.auth import CLOSE_DOWNGRADE
-from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_SHUTDOWN, Signer
+from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_SHUTDOWN, Refusal, Signer
 from talos.link.peer import (
     FrameStream,
     Link,
@@ -38,6 +44,15 @@ from talos.link.peer import (
     accept_link,
     dial_link,
     listen_links,
+)
+from talos.link.refusals import (
+    BY_PEER,
+    BY_US,
+    UNREACHABLE,
+    LinkProblem,
+    LinkProblems,
+    our_refusal_text,
+    peer_refusal_text,
 )
 from talos.logging import event
 from talos.metrics import Metrics
@@ -53,6 +68,12 @@ CLOSE_TRY_AGAIN = 1013
 RunLink = Callable[[Link], Awaitable[bool]]
 #: ``pin(did, key)``: store a first hybrid contact's ML-DSA-65 key durably.
 Pin = Callable[[str, bytes], Awaitable[None]]
+#: ``noted(did, problem)``: a dial failed or a handshake was refused (kept in ``problems``).
+Noted = Callable[[str, LinkProblem], None]
+
+
+def _ignore(did: str, problem: LinkProblem) -> None:
+    pass
 
 
 @dataclass(slots=True)
@@ -79,6 +100,8 @@ class LinkSupervisor:
         run_link: RunLink,
         reconnect_initial: float,
         reconnect_max: float,
+        noted: Noted = _ignore,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.did = did
         self.signer = signer
@@ -97,6 +120,10 @@ class LinkSupervisor:
         self._dialers: dict[str, asyncio.Task[None]] = {}
         self._current: dict[str, _Current] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: The latest refusal or failed dial per peer (talos/link/refusals.py).
+        self.problems = LinkProblems()
+        self._noted = noted
+        self._clock = clock
 
     # --- dialling ------------------------------------------------------------------------------
 
@@ -163,12 +190,7 @@ class LinkSupervisor:
             try:
                 link = await self._dial(addr)
             except Exception as exc:  # any failure to dial is retried, never fatal
-                level = logging.DEBUG  # an unreachable peer is normal; a refusal is not
-                if isinstance(exc, PeerRefused):
-                    level = logging.WARNING
-                elif not isinstance(exc, ConnectionError | HandshakeError | OSError):
-                    level = logging.ERROR
-                event(_log, "dial_failed", level=level, peer=addr.did, error=repr(exc))
+                self._dial_failed(addr, exc)
                 addr = self._next_addr(addr)
                 # Exponential backoff with full jitter, capped (AWS architecture blog).
                 await asyncio.sleep(random.uniform(0.5, 1.0) * backoff.failed())
@@ -186,6 +208,49 @@ class LinkSupervisor:
             else:
                 # Authenticated but never ready (session setup failed): keep backing off.
                 await asyncio.sleep(random.uniform(0.5, 1.0) * backoff.failed())
+
+    def _dial_failed(self, addr: PeerAddr, exc: Exception) -> None:
+        """Log a failed dial and keep it as the peer's latest problem, in words."""
+        level = logging.DEBUG  # an unreachable peer is normal; a refusal is not
+        now = int(self._clock() * 1000)
+        if isinstance(exc, PeerRefused):
+            level = logging.WARNING
+            text = peer_refusal_text(exc.code, exc.reason)
+            problem = LinkProblem(BY_PEER, text, now, exc.code)
+        elif isinstance(exc, Refusal):
+            level = logging.WARNING
+            problem = LinkProblem(BY_US, our_refusal_text(exc.code, exc.reason), now, exc.code)
+        else:
+            if not isinstance(exc, ConnectionError | HandshakeError | OSError):
+                level = logging.ERROR
+            problem = LinkProblem(UNREACHABLE, str(exc) or type(exc).__name__, now)
+        event(
+            _log,
+            "dial_failed",
+            level=level,
+            peer=addr.did,
+            addr=addr.url,
+            kind=problem.kind,
+            code=problem.code,
+            reason=problem.reason,
+        )
+        self._note(addr.did, problem)
+
+    def _note(self, did: str, problem: LinkProblem) -> None:
+        self.problems.note(did, problem)
+        self._noted(did, problem)
+
+    def redial_now(self, did: str) -> None:
+        """Dial ``did`` again at once, skipping the backoff, if it has no link but a problem:
+        whoever waits for an answer must not be judged by a stale refusal."""
+        if self.stopping or did in self._current:
+            return
+        if self.problems.get(did) is None:
+            self.ensure(did)
+            return
+        urls = self.resolve(did)
+        if urls:
+            self._start_dialer(PeerAddr(urls[0], did))
 
     async def _dial(self, addr: PeerAddr) -> Link:
         """A link to ``addr``: a WebSocket, or a stream through the relay (talos/relay)."""
@@ -227,7 +292,22 @@ class LinkSupervisor:
             link = await accept_link(ws, self.signer, self._authorize, self.settings)
         except HandshakeError as exc:
             self.metrics.inc("links_refused")
-            event(_log, "link_refused", level=logging.WARNING, reason=str(exc))
+            # The DID is the one the peer claimed: shown, never trusted (talos/link/refusals.py).
+            did = exc.peer_did if isinstance(exc, Refusal) else None
+            code = exc.code if isinstance(exc, Refusal | PeerRefused) else None
+            event(
+                _log,
+                "link_refused",
+                level=logging.WARNING,
+                peer=did,
+                address=address,
+                code=code,
+                reason=str(exc),
+            )
+            if isinstance(exc, Refusal) and did is not None:
+                text = our_refusal_text(exc.code, exc.reason)
+                now = int(self._clock() * 1000)
+                self._note(did, LinkProblem(BY_US, text, now, exc.code, "accept"))
             return
         finally:
             self.admission.leave(address)

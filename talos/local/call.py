@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from talos.local import wire
-from talos_sdk.errors import TalosError, UsageError
+from talos_sdk.errors import LinkRefusedError, PeerUnreachableError, TalosError, UsageError
 
 __all__ = [
     "SOCKET_NAME",
@@ -58,6 +58,10 @@ def raise_for(error: Any) -> None:
         raise LocalUsageError(code, message)
     if code == "timeout":
         raise TimeoutError(message)
+    if code == "refused":
+        raise LinkRefusedError(message)
+    if code == "unreachable":
+        raise PeerUnreachableError(message)
     raise LocalCallError(code, message)
 
 

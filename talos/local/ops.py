@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 from talos import peer_names
 from talos.chain.log import UnknownRecordError
 from talos.local.log_ops import op_log_append, op_log_records
-from talos_sdk.errors import StorageFullError, TalosError, UsageError
+from talos_sdk.errors import (
+    LinkRefusedError,
+    PeerUnreachableError,
+    StorageFullError,
+    TalosError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     from talos.node import Node
@@ -181,9 +187,32 @@ async def op_send(host: LocalHost, args: dict[str, Any]) -> Any:
     timeout = _num(args, "timeout", 30.0, 0.001, 3600.0)
     if not wait:
         return {"id": await node.send_message(did, text), "to": did, "acked": False}
-    async with asyncio.timeout(timeout):
-        msg_id = await node.send_message(did, text, wait=True)
+    try:
+        async with asyncio.timeout(timeout):
+            msg_id = await node.send_message(did, text, wait=True)
+    except TimeoutError:
+        # Say why nothing came back: an unreachable peer is not a slow one.
+        state, why = node.link_state(did)
+        queued = "the message stays queued (talosd outbox)"
+        if state in ("unreachable", "no_address"):
+            raise PeerUnreachableError(f"{did}: {why}; {queued}") from None
+        if state.startswith("refused"):
+            raise LinkRefusedError(f"{did}: {why}; {queued}") from None
+        raise TimeoutError(
+            f"no acknowledgement from {did} within {timeout:g} s"
+            + (f" ({why})" if why else "")
+            + f"; {queued}"
+        ) from None
     return {"id": msg_id, "to": did, "acked": True}
+
+
+async def op_outbox(host: LocalHost, args: dict[str, Any]) -> Any:
+    """Queued messages per peer, their state, and why they do not move."""
+    from talos.views import outbox_json
+
+    node = host.node
+    ref = _str(args, "peer", optional=True)
+    return outbox_json(node, resolve(node, ref) if ref is not None else None)
 
 
 async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
@@ -321,6 +350,7 @@ OPS: dict[str, Op] = {
     "status": op_status,
     "send": op_send,
     "inbox": op_inbox,
+    "outbox": op_outbox,
     "inbox.mark_read": op_mark_read,
     "chain.verify": op_chain_verify,
     "chain.show": op_chain_show,
@@ -353,6 +383,10 @@ def error_json(exc: BaseException) -> dict[str, str]:
         code = "timeout"
     elif isinstance(exc, StorageFullError):
         code = "storage_full"
+    elif isinstance(exc, LinkRefusedError):
+        code = "refused"
+    elif isinstance(exc, PeerUnreachableError):
+        code = "unreachable"
     elif isinstance(exc, TalosError):
         code = "node"
     else:

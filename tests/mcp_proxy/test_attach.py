@@ -64,7 +64,7 @@ async def test_two_agents_share_one_running_node(tmp_path: Path) -> None:
             assert node.proc.poll() is None
             assert did_of(home) == node.did
             status = json.loads(
-                (await asyncio.to_thread(talosd, "status", "--home", str(home))).stdout
+                (await asyncio.to_thread(talosd, "status", "--json", "--home", str(home))).stdout
             )
             assert status["did"] == node.did
     finally:

@@ -33,7 +33,7 @@ def test_init_creates_private_files_and_refuses_to_overwrite(tmp_path: Path) -> 
     for name in ("identity.key", "api.token"):
         assert stat.S_IMODE((home / name).stat().st_mode) == 0o600
     again = talosd("init", "--home", str(home), "--no-passphrase")
-    assert again.returncode == 1
+    assert again.returncode == 2
     assert "refusing to overwrite" in again.stderr
     assert "Traceback" not in again.stderr
     res = talosd("id", "--home", str(home), "--json")
@@ -62,16 +62,19 @@ def test_init_home_and_store_are_owner_only_under_a_lax_umask(tmp_path: Path) ->
 
 
 def test_commands_on_a_missing_home_fail_clearly(tmp_path: Path) -> None:
+    # Exit codes (talos/exit_codes.py): 2 bad input, 4 no node to talk to.
     res = talosd("id", "--home", str(tmp_path / "nope"))
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert "talosd init" in res.stderr and "Traceback" not in res.stderr
     home, _ = init(tmp_path, "a")
     res = talosd("status", "--home", str(home))
-    assert res.returncode == 1 and "no node is running" in res.stderr
+    assert res.returncode == 4 and "no node is running" in res.stderr
+    res = talosd("outbox", "--home", str(home))
+    assert res.returncode == 4 and "no node is running" in res.stderr
     res = talosd("peers", "add", "ws://127.0.0.1:1", "--home", str(home))
-    assert res.returncode == 1 and "needs the peer's DID" in res.stderr
+    assert res.returncode == 2 and "needs the peer's DID" in res.stderr
     res = talosd("run", "--home", str(home), "--listen", "nonsense")
-    assert res.returncode == 1 and "HOST:PORT" in res.stderr
+    assert res.returncode == 2 and "HOST:PORT" in res.stderr
 
 
 def test_run_api_and_clean_shutdown(tmp_path: Path) -> None:
@@ -92,7 +95,7 @@ def test_run_api_and_clean_shutdown(tmp_path: Path) -> None:
         assert res.returncode == 0, res.stderr
         listed = talosd("peers", "list", "--json", "--home", str(home))
         assert json.loads(listed.stdout)[0]["did"] == other
-        status = json.loads(talosd("status", "--home", str(home)).stdout)
+        status = json.loads(talosd("status", "--json", "--home", str(home)).stdout)
         assert status["did"] == did and status["queues"]["outbox"] == 0
         assert "talos_peers_connected 0" in d.api.call("GET", "/metrics")
         # A second node on the same home is refused clearly (the store is locked).
@@ -129,7 +132,7 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
         assert inbox[0]["id"] == msg_id
         assert inbox[0]["from"] == did_a and inbox[0]["text"] == "hello from A"
         assert set(inbox[0]) == {"n", "id", "from", "from_name", "text", "ts"}
-        status = json.loads(talosd("status", "--home", str(home_a)).stdout)
+        status = json.loads(talosd("status", "--json", "--home", str(home_a)).stdout)
         assert status["sessions"][0]["suite"] == "x25519-mlkem768"
         wait_for(lambda: b.api.call("GET", "/v1/chain/heads")["height"] >= 0, what="a block")
         res = talosd("chain", "proof", msg_id, "--home", str(home_b))

@@ -46,7 +46,7 @@ def _secret(tmp_path: Path, text: str, name: str = "pass.txt") -> str:
 def test_init_without_a_passphrase_choice_fails_and_names_the_options(tmp_path: Path) -> None:
     home = tmp_path / "a"
     res = talosd("init", "--home", str(home))
-    assert res.returncode == 1
+    assert res.returncode == 2  # bad input: no way to get a passphrase
     assert "Traceback" not in res.stderr
     for option in ("--passphrase-file", "TALOS_PASSPHRASE", "--no-passphrase"):
         assert option in res.stderr
@@ -77,7 +77,7 @@ def test_sealed_identity_init_run_and_offline_commands(tmp_path: Path) -> None:
     assert talosd("id", "--home", str(home)).stdout.strip() == did
     # run without any means to unlock: one clear line, no prompt, no traceback.
     res = talosd("run", "--home", str(home))
-    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "encrypted" in res.stderr and "--passphrase-file" in res.stderr
     res = _run([*TALOSD, "run", "--home", str(home)], {"TALOS_PASSPHRASE": "wrong"})
     assert res.returncode == 1 and "wrong passphrase" in res.stderr
@@ -112,7 +112,7 @@ def test_passphrase_command_changes_and_removes_it(tmp_path: Path) -> None:
     assert unlock(key, passphrase_file=new).did == did
     # The new one from the environment works too; a missing one is refused clearly.
     res = talosd("passphrase", "--home", str(home), "--passphrase-file", new)
-    assert res.returncode == 1 and "TALOS_NEW_PASSPHRASE" in res.stderr
+    assert res.returncode == 2 and "TALOS_NEW_PASSPHRASE" in res.stderr
     res = _run(
         [*TALOSD, "passphrase", "--home", str(home), "--passphrase-file", new],
         {"TALOS_NEW_PASSPHRASE": "third"},

@@ -206,12 +206,12 @@ def test_cli_names_work_where_dids_do(tmp_path: Path) -> None:
     assert f"{other_did} (bob)" in listing
     assert talosd("send", "bob", "queued for bob", "--home", str(home)).returncode == 0
     res = talosd("send", "carol", "x", "--home", str(home))
-    assert res.returncode == 1 and "unknown peer name 'carol'" in res.stderr
+    assert res.returncode == 2 and "unknown peer name 'carol'" in res.stderr
     res = talosd("peers", "name", other_did, "robert", "--home", str(home))
     assert res.returncode == 0, res.stderr
     assert f"{other_did} (robert)" in talosd("peers", "list", "--home", str(home)).stdout
     res = talosd("send", "did:key:zBAD", "x", "--home", str(home))
-    assert res.returncode == 1 and "error" in res.stderr
+    assert res.returncode == 2 and "multicodec" in res.stderr
 
 
 def test_client_commands_do_not_import_the_node() -> None:

@@ -69,9 +69,14 @@ def two_nodes(tmp_path: Path) -> Iterator[tuple[Path, Path, str, str]]:
     yield from _nodes(tmp_path)
 
 
+def _ready(home: Path, did: str) -> bool:
+    links = json.loads(_run("status", "--json", "--home", str(home)))["links"]
+    return any(link["did"] == did and link["ready"] for link in links)
+
+
 def _wait_linked(home: Path, did: str) -> None:
     deadline = time.monotonic() + 20
-    while did not in _run("status", "--home", str(home)):  # the link comes up asynchronously
+    while not _ready(home, did):  # the link comes up asynchronously
         if time.monotonic() > deadline:
             raise TimeoutError(f"{home} never linked to {did}")
         time.sleep(0.1)
@@ -94,10 +99,7 @@ def test_send_file_pending_accept_and_list(
     src = tmp_path / "payload.bin"
     src.write_bytes(os.urandom(3 * (1 << 20) + 11))
     deadline = time.monotonic() + 20
-    while True:  # the link comes up asynchronously after start
-        status = _run("status", "--home", str(a))
-        if did_b in status or time.monotonic() > deadline:
-            break
+    while not _ready(a, did_b) and time.monotonic() < deadline:  # the link comes up later
         time.sleep(0.1)
     tid = _run("send-file", "--home", str(a), did_b, str(src))
     pending = _wait_state(b, tid, "pending")
