@@ -265,8 +265,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="with --wait: give up after SECONDS (exit 5, or 4 when the peer is unreachable);"
-        " the message stays queued",
+        help="with --wait: give up after SECONDS (exit 5; 4 if unreachable), still queued",
     )
     sp.add_argument("did", metavar="PEER", help="the recipient: a DID or a peer name")
     sp.add_argument("text", metavar="TEXT", help="the message (UTF-8 text)")
