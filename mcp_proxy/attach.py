@@ -26,7 +26,13 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from mcp_proxy.transport import APP_NAME, MAX_BATCH_BYTES, LinkListener, Receiver
+from mcp_proxy.transport import (
+    APP_NAME,
+    MAX_BATCH_BYTES,
+    LinkListener,
+    Receiver,
+    RefusalListener,
+)
 from talos.local.client import LocalClient, NoNodeError
 from talos.pipeline import text_limit
 
@@ -52,6 +58,10 @@ class AttachedTransport:
             str(did): int(n) for did, n in client.hello.get("max_payload", {}).items()
         }
         self._listeners: list[LinkListener] = []
+        self._refusal_listeners: list[RefusalListener] = []
+        # Peers whose last link attempt was refused for good: DID -> why (talos/link/refusals.py).
+        self._refused: dict[str, str] = dict(client.hello.get("refused", {}))
+        self._redials: set[asyncio.Task[Any]] = set()
         self._receiver: Receiver | None = None
         client.on_event(self._on_event)
         client.set_app_receiver(self._on_app)
@@ -96,6 +106,24 @@ class AttachedTransport:
     def is_up(self, peer: str) -> bool:
         return peer in self._up and not self.client.stopping.done()
 
+    def add_refusal_listener(self, listener: RefusalListener) -> None:
+        self._refusal_listeners.append(listener)
+
+    def refusal(self, peer: str) -> str | None:
+        return self._refused.get(peer)
+
+    def redial(self, peer: str) -> None:
+        if self.client.gone.done():
+            return
+        task = asyncio.ensure_future(self.client.call("peers.redial", peer=peer))
+        self._redials.add(task)
+        task.add_done_callback(self._redialled)
+
+    def _redialled(self, task: asyncio.Task[Any]) -> None:
+        self._redials.discard(task)
+        if not task.cancelled():
+            task.exception()  # a node that went meanwhile: the link events say so
+
     def _on_app(self, channel: str, peer: str, payload: bytes) -> Awaitable[None] | None:
         if channel == self.app and self._receiver is not None:
             return self._receiver(peer, payload)
@@ -107,11 +135,17 @@ class AttachedTransport:
             did, up = str(event.get("did")), bool(event.get("up"))
             if up:
                 self._up.add(did)
+                self._refused.pop(did, None)
                 if "max_payload" in event:
                     self._bounds[did] = int(event["max_payload"])
             else:
                 self._up.discard(did)
             self._tell(did, up)
+        elif kind == "link_problem" and event.get("decisive"):
+            did, message = str(event.get("did")), str(event.get("message"))
+            self._refused[did] = message
+            for refusal_listener in list(self._refusal_listeners):
+                refusal_listener(did, message)
         elif kind == "stopping":
             down, self._up = self._up, set()
             for did in down:
@@ -123,6 +157,9 @@ class AttachedTransport:
 
     async def close(self) -> None:
         self._listeners.clear()  # our own leaving is no link going down
+        self._refusal_listeners.clear()
+        for task in list(self._redials):
+            task.cancel()
         await self.client.close()
 
 

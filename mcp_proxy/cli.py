@@ -29,9 +29,11 @@ from mcp_proxy.policy import Policy, PolicyError, load_policy_file
 from mcp_proxy.server import TunnelServer
 from mcp_proxy.toolenv import parse_env_assignments
 from mcp_proxy.transport import NodeTransport
+from talos import exit_codes
+from talos.cli import exit_code_for
 from talos.local.call import NodeGoneError
 from talos.runtime import run
-from talos_sdk.errors import TalosError
+from talos_sdk.errors import TalosError, UsageError
 
 __all__ = ["build_parser", "main"]
 
@@ -79,7 +81,7 @@ async def _serve(args: argparse.Namespace) -> None:
         headers=headers,
     )
     if args.max_sessions < 1:
-        raise SystemExit("--max-sessions must be at least 1")
+        raise UsageError("--max-sessions must be at least 1")
     from mcp_proxy.attach import attach
 
     # A talosd already running on the home: serve through its identity and links (ADR 0012).
@@ -88,7 +90,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await _serve_attached(args, policy, attached)
         return
     if not args.listen and not args.relay:
-        raise SystemExit("serve needs --listen HOST:PORT, --relay nats://HOST:PORT, or both")
+        raise UsageError("serve needs --listen HOST:PORT, --relay nats://HOST:PORT, or both")
     node = make_node(args.home, listen=args.listen, relays=args.relay, **_keys(args))
     # Default deny at the link: a DID the policy does not name never gets a session.
     node.authorizer = policy.is_peer_allowed
@@ -229,7 +231,7 @@ async def _connect(args: argparse.Namespace) -> None:
                     max_sessions=args.http_max_sessions,
                 )
             except ValueError as exc:
-                raise SystemExit(f"talos-proxy: {exc}") from None
+                raise UsageError(str(exc)) from None
             await front.start()
             print(f"talos-proxy: Streamable HTTP on {front.url}", file=sys.stderr, flush=True)
             try:
@@ -299,12 +301,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(completion_script(build_parser(), args.shell), end="")
         else:
             run(_connect(args))
-    except TalosError as exc:
+    except (TalosError, OSError) as exc:
+        # The codes of talos/exit_codes.py: 2 bad input, 3 refused, 4 unreachable, ...
         print(f"talos-proxy: {exc}", file=sys.stderr)
-        return 2
+        return exit_code_for(exc)
     except KeyboardInterrupt:
-        return 130
-    return 0
+        return exit_codes.INTERRUPTED
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

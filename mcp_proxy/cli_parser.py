@@ -281,5 +281,6 @@ def _connect_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=15.0,
         metavar="SECONDS",
-        help="how long a request waits for the link to the serve side to come up",
+        help="how long a request waits for the link to the serve side to come up"
+        " (a refusal of the link answers at once, -32004)",
     )

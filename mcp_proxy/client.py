@@ -6,7 +6,9 @@ notifications (progress, cancellation, initialized). Every message of the tool
 comes back the same way. Locally the client only checks that a line is
 JSON-RPC (-32700 / -32600 replies otherwise) and remembers which request ids
 are unanswered, so that a dropped link answers them (-32002) instead of
-leaving the agent waiting.
+leaving the agent waiting. A request waiting for a link the serving peer
+refuses (it does not allow this DID, a pin or post-quantum policy) is answered
+at the refusal with -32004 and the reason, not after ``link_wait``.
 
 Every message crosses as one line (:func:`mcp_proxy.jsonrpc.one_line`): bytes
 with a raw CR or LF, from the agent or from the tunnel, are re-encoded from
@@ -26,7 +28,6 @@ is never replayed: it is answered (with the link error) or forwarded once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 from collections import deque
@@ -37,6 +38,7 @@ from mcp_proxy.jsonrpc import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
     LINK_DOWN,
+    LINK_REFUSED,
     JsonRpcError,
     Kind,
     RequestId,
@@ -104,7 +106,8 @@ class ClientSession:
             if msg.kind is Kind.REQUEST:
                 assert msg.id is not None
                 self.pending.pop(msg.id, None)
-                self.deliver(error_reply(msg.id, LINK_DOWN, self.client.down_message()))
+                code, text = self.client.down_error()
+                self.deliver(error_reply(msg.id, code, text))
             return
         self._forward(msg, line)
 
@@ -256,8 +259,12 @@ class TunnelClient:
         self._up = asyncio.Event()
         if transport.is_up(server_did):
             self._up.set()
+        # Why the serving peer refused the link (its allow list, pins, PQ policy), if it did.
+        self._refused: str | None = transport.refusal(server_did)
+        self._refusal = asyncio.Event()
         transport.set_receiver(self._on_payload)
         transport.add_link_listener(self._on_link)
+        transport.add_refusal_listener(self._on_refused)
         self._closing = False
 
     @property
@@ -266,6 +273,12 @@ class TunnelClient:
 
     def down_message(self) -> str:
         return f"tunnel link to {self.server_did} is down"
+
+    def down_error(self) -> tuple[int, str]:
+        """The JSON-RPC error for a request the link cannot carry: refused, or down."""
+        if self._refused is not None:
+            return LINK_REFUSED, f"tunnel link refused: {self._refused}"
+        return LINK_DOWN, self.down_message()
 
     def open_session(
         self, deliver: Deliver, deliver_many: DeliverMany | None = None
@@ -291,10 +304,25 @@ class TunnelClient:
         self._by_sid.pop(session.sid, None)
 
     async def wait_link(self) -> bool:
+        """True once the link is up; False after ``link_wait`` or at a refusal of it.
+
+        A refusal heard earlier may be stale (the peer's allow list changes): the
+        peer is dialled again at once and this waits for that attempt's answer.
+        """
         if self._up.is_set():
             return True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._up.wait(), self.link_wait)
+        if self._refused is not None:
+            self._refused = None
+            self._refusal.clear()
+            self.transport.redial(self.server_did)
+        up = asyncio.ensure_future(self._up.wait())
+        refused = asyncio.ensure_future(self._refusal.wait())
+        try:
+            first = asyncio.FIRST_COMPLETED
+            await asyncio.wait((up, refused), timeout=self.link_wait, return_when=first)
+        finally:
+            for waiter in (up, refused):
+                waiter.cancel()
         return self._up.is_set()
 
     async def close(self) -> None:
@@ -339,11 +367,21 @@ class TunnelClient:
         self.sender.control(FrameKind.CLOSE, session.sid)
         session.detach(INTERNAL_ERROR, str(exc))
 
+    def _on_refused(self, peer: str, message: str) -> None:
+        """The serving peer (or this node) refused the link: answer waiting requests now."""
+        if peer != self.server_did or self._up.is_set():
+            return
+        (log.info if self._closing else log.warning)("tunnel link refused: %s", message)
+        self._refused = message
+        self._refusal.set()
+
     def _on_link(self, peer: str, up: bool) -> None:
         if peer != self.server_did:
             return
         if up:
             log.info("tunnel link to %s is up", peer)
+            self._refused = None
+            self._refusal.clear()
             self._up.set()
             for session in list(self.sessions):
                 # Reopen at once so the tool can talk first (list_changed, logging).

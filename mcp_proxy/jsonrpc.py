@@ -31,6 +31,7 @@ __all__ = [
     "INTERNAL_ERROR",
     "INVALID_REQUEST",
     "LINK_DOWN",
+    "LINK_REFUSED",
     "PARSE_ERROR",
     "TOOL_DENIED",
     "JsonRpcError",
@@ -49,6 +50,8 @@ INTERNAL_ERROR = -32603
 # Implementation-defined server errors live in -32000..-32099 (JSON-RPC 2.0 §5.1).
 TOOL_DENIED = -32001
 LINK_DOWN = -32002
+#: The link to the serving peer was refused (its allow list, pins, PQ policy): no outage.
+LINK_REFUSED = -32004
 
 RequestId = int | str
 

@@ -26,7 +26,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from mcp_proxy.tunnel_wire import FrameKind, encode_frame
 from talos.apphost import AppHost
@@ -40,6 +40,7 @@ __all__ = [
     "LoopbackTransport",
     "NodeTransport",
     "Receiver",
+    "RefusalListener",
     "TunnelTransport",
 ]
 
@@ -55,6 +56,8 @@ _FRAME_SLACK = 64
 # A receiver returns an awaitable to make the link stop reading until it is done (backpressure).
 Receiver = Callable[[str, bytes], Awaitable[None] | None]
 LinkListener = Callable[[str, bool], None]
+#: ``listener(peer, message)``: the link to ``peer`` was refused for good (the words say why).
+RefusalListener = Callable[[str, str], None]
 
 
 class LinkDownError(TalosError):
@@ -79,6 +82,22 @@ class TunnelTransport(Protocol):
     def add_link_listener(self, listener: LinkListener) -> None: ...
 
     def is_up(self, peer: str) -> bool: ...
+
+    def add_refusal_listener(self, listener: RefusalListener) -> None:
+        """Hear of a link to a peer refused for good (talos/link/refusals.py, decisive)."""
+        ...
+
+    def refusal(self, peer: str) -> str | None:
+        """Why the last link attempt to ``peer`` was refused for good, if it was."""
+        ...
+
+    def redial(self, peer: str) -> None:
+        """Try the peer again now (a refusal may be stale: its allow list may have changed)."""
+        ...
+
+
+def _refusal_text(did: str, problem: Any) -> str | None:
+    return str(problem.message(did)) if problem is not None and problem.decisive else None
 
 
 class NodeTransport:
@@ -114,6 +133,20 @@ class NodeTransport:
     def is_up(self, peer: str) -> bool:
         return self.node.is_connected(peer)
 
+    def add_refusal_listener(self, listener: RefusalListener) -> None:
+        def on_problem(did: str, problem: Any) -> None:
+            text = _refusal_text(did, problem)
+            if text is not None:
+                listener(did, text)
+
+        self.node.on_link_problem(on_problem)
+
+    def refusal(self, peer: str) -> str | None:
+        return _refusal_text(peer, self.node.link_problem(peer))
+
+    def redial(self, peer: str) -> None:
+        self.node.redial_now(peer)
+
 
 class LoopbackTransport:
     """One end of an in-process connected pair; frames keep their order."""
@@ -124,6 +157,9 @@ class LoopbackTransport:
         self.up = True
         self._receiver: Receiver | None = None
         self._listeners: list[LinkListener] = []
+        self._refusal_listeners: list[RefusalListener] = []
+        self.refused: str | None = None
+        self.redials = 0
         self.sent_frames = 0
         #: The bound toward the other end (tests lower it to see PART frames).
         self.max_payload = MAX_BATCH_BYTES
@@ -184,11 +220,31 @@ class LoopbackTransport:
     def is_up(self, peer: str) -> bool:
         return self.up and self.other is not None and self.other.did == peer
 
+    def add_refusal_listener(self, listener: RefusalListener) -> None:
+        self._refusal_listeners.append(listener)
+
+    def refusal(self, peer: str) -> str | None:
+        return self.refused
+
+    def redial(self, peer: str) -> None:
+        self.redials += 1
+        if self.refused is not None:  # the other end still refuses: say so again
+            self.refuse(self.refused)
+
+    def refuse(self, message: str) -> None:
+        """The other end refuses the link (until :meth:`set_link` brings it up)."""
+        self.refused = message
+        peer = self.other.did if self.other is not None else ""
+        for listener in list(self._refusal_listeners):
+            asyncio.get_running_loop().call_soon(listener, peer, message)
+
     def set_link(self, up: bool) -> None:
         """Drop or restore the link; both ends hear about it."""
         assert self.other is not None
         for end in (self, self.other):
             end.up = up
+            if up:
+                end.refused = None
         for end in (self, self.other):
             peer = end.other.did if end.other is not None else ""
             for listener in list(end._listeners):

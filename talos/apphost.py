@@ -5,7 +5,8 @@ File transfer (talos/transfer/), the MCP tunnel (mcp_proxy/transport.py) and
 head gossip (talos/chain/head_gossip.py) are all *app-channel services*: they
 register a named channel, send sealed payloads to linked peers in link
 order (not durable: a service that needs durability keeps its own rows), hear
-when a peer's session comes up or goes away, and write the store only through
+when a peer's session comes up or goes away (and why a link was refused), and
+write the store only through
 the node's one writer. :class:`~talos.node.Node` implements this protocol;
 tests implement it with in-process pairs.
 """
@@ -13,7 +14,7 @@ tests implement it with in-process pairs.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from talos.chain.log import BlockLog
 from talos.store import Store
@@ -64,6 +65,19 @@ class AppHost(Protocol):
     def on_link_change(self, callback: LinkCallback) -> None: ...
 
     def is_connected(self, did: str) -> bool: ...
+
+    def on_link_problem(self, callback: Callable[[str, Any], None]) -> None:
+        """``callback(did, problem)`` at each refused link or failed dial
+        (a :class:`talos.link.refusals.LinkProblem`)."""
+        ...
+
+    def link_problem(self, did: str) -> Any:
+        """The latest refusal or failed dial of ``did`` since its last ready link, or None."""
+        ...
+
+    def redial_now(self, did: str) -> None:
+        """Dial ``did`` again at once if its last attempt failed (the refusal may be stale)."""
+        ...
 
     def channel_binding(self, did: str) -> bytes:
         """The current link's handshake hash (b"" without a link): what tokens bind to."""

@@ -41,6 +41,7 @@ from talos.keys import unlock
 from talos.link.auth import AuthPolicy
 from talos.link.handshake import CLOSE_SHUTDOWN
 from talos.link.peer import LinkSettings
+from talos.link.refusals import LinkProblems
 from talos.link.supervisor import CLOSE_TRY_AGAIN, LinkSupervisor
 from talos.logging import event
 from talos.metrics import Metrics
@@ -110,6 +111,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         self._allow: set[str] = set(self.config.allow)
         self._tasks: list[asyncio.Task[Any]] = []
         self._link_tasks: set[asyncio.Task[Any]] = set()
+        self._problems = LinkProblems()  # read before start() too (a proxy's tunnel client)
         self._problem_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._problem_callbacks: list[ProblemCallback] = []
         self._incoming: list[Incoming] = []
@@ -174,6 +176,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
             reconnect_max=self.config.reconnect_max,
             noted=self._problem_noted,
             clock=self._clock,
+            problems=self._problems,
         )
         # Opening syncs, closing syncs: both off the loop like every other fsync.
         self.store = await asyncio.to_thread(

@@ -19,6 +19,7 @@ from talos.chain.log import BlockLog
 from talos.config import NodeConfig
 from talos.discovery import Resolver
 from talos.link.peer import Link, LinkSettings
+from talos.link.refusals import LinkProblems
 from talos.link.supervisor import LinkSupervisor
 from talos.metrics import Metrics
 from talos.peer_pipeline import PeerPipeline
@@ -79,7 +80,9 @@ class NodeBase:
     _apps: dict[str, AppHandler]
     _link_callbacks: list[LinkCallback]
     _link_tasks: set[asyncio.Task[Any]]
-    #: Who waits for the next link problem of a peer, and who hears of every one.
+    #: The supervisor's latest refusal / failed dial per peer (talos/link/refusals.py),
+    #: who waits for the next one of a peer, and who hears of every one.
+    _problems: LinkProblems
     _problem_waiters: dict[str, list[asyncio.Future[None]]]
     _problem_callbacks: list[Callable[[str, Any], None]]
     _incoming: list[Incoming]

@@ -147,7 +147,7 @@ class NodeLinks(NodeBase):
 
     def link_problem(self, did: str) -> LinkProblem | None:
         """The latest refusal or failed dial of ``did`` since its last ready link."""
-        return self.links.problems.get(did)
+        return self._problems.get(did)
 
     def problem_changed(self, did: str) -> asyncio.Future[None]:
         """Resolves when the next problem of ``did`` is noted."""
@@ -176,7 +176,7 @@ class NodeLinks(NodeBase):
             return "ready", ""
         if peer is not None and peer.link is not None:
             return "linked", "waiting for session"
-        problem = self.links.problems.get(did)
+        problem = self._problems.get(did)
         if problem is not None:
             return problem.kind, problem.why()
         if self.links.dialling(did):
@@ -233,7 +233,7 @@ class NodeLinks(NodeBase):
             self._notify_link(peer.did, False)
 
     def _set_ready(self, peer: Peer) -> None:
-        self.links.problems.clear(peer.did)
+        self._problems.clear(peer.did)
         peer.ready.set()
         peer.session_ready(time.monotonic())
         event(_log, "session_ready", peer=peer.did, suite=self.sessions.suite(peer.did))

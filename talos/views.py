@@ -122,7 +122,7 @@ def node_status(node: Node) -> dict[str, Any]:
         inbox = txn.count("inbox")
         names = peer_names(txn)
     dids = set(node._peers) | set(node.known_peers()) | set(outbox_by_peer)
-    dids |= {did for did, _ in node.links.problems.items()}
+    dids |= {did for did, _ in node._problems.items()}
     dids.discard(node.did)
     return {
         "did": node.did,

@@ -102,6 +102,7 @@ class LinkSupervisor:
         reconnect_max: float,
         noted: Noted = _ignore,
         clock: Callable[[], float] = time.time,
+        problems: LinkProblems | None = None,
     ) -> None:
         self.did = did
         self.signer = signer
@@ -121,7 +122,7 @@ class LinkSupervisor:
         self._current: dict[str, _Current] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: The latest refusal or failed dial per peer (talos/link/refusals.py).
-        self.problems = LinkProblems()
+        self.problems = problems if problems is not None else LinkProblems()
         self._noted = noted
         self._clock = clock
 

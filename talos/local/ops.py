@@ -113,7 +113,18 @@ async def op_hello(host: LocalHost, args: dict[str, Any]) -> Any:
         "up": sorted(up),
         # Per linked peer: the largest app payload both nodes' frame bounds take.
         "max_payload": {d: node.max_app_payload(d) for d in up},
+        # Per peer whose last link attempt was refused for good: why (talos/link/refusals.py).
+        "refused": _refused(node),
     }
+
+
+def _refused(node: Node) -> dict[str, str]:
+    out = {}
+    for did in node.known_peers():
+        problem = node.link_problem(did)
+        if problem is not None and problem.decisive:
+            out[did] = problem.message(did)
+    return out
 
 
 async def op_id(host: LocalHost, args: dict[str, Any]) -> Any:
@@ -164,6 +175,14 @@ async def op_peers_allow(host: LocalHost, args: dict[str, Any]) -> Any:
     node = host.node
     did = resolve(node, _str(args, "peer"))
     node.allow(did)
+    return {"did": did}
+
+
+async def op_peers_redial(host: LocalHost, args: dict[str, Any]) -> Any:
+    """Dial the peer again now, skipping the backoff (its last refusal may be stale)."""
+    node = host.node
+    did = resolve(node, _str(args, "peer"))
+    node.redial_now(did)
     return {"did": did}
 
 
@@ -346,6 +365,7 @@ OPS: dict[str, Op] = {
     "peers.add": op_peers_add,
     "peers.name": op_peers_name,
     "peers.allow": op_peers_allow,
+    "peers.redial": op_peers_redial,
     "resolve": op_resolve,
     "status": op_status,
     "send": op_send,

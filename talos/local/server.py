@@ -278,6 +278,7 @@ class LocalServer:
             os.umask(old)
         os.chmod(self.path, 0o600)
         self.node.on_link_change(self._on_link)
+        self.node.on_link_problem(self._on_problem)
         own = self.node.authorizer
         self.node.authorizer = lambda did: own(did) or self._lent[did] > 0
 
@@ -319,6 +320,19 @@ class LocalServer:
         if up:
             obj["max_payload"] = self.host.node.max_app_payload(did)
         frame = wire.encode_json(wire.Kind.EVENT, obj)
+        for conn in list(self.conns):
+            if conn.watch:
+                conn.write(frame)
+
+    def _on_problem(self, did: str, problem: Any) -> None:
+        body = {
+            "event": "link_problem",
+            "did": did,
+            **problem.to_json(),
+            "message": problem.message(did),
+            "decisive": problem.decisive,
+        }
+        frame = wire.encode_json(wire.Kind.EVENT, body)
         for conn in list(self.conns):
             if conn.watch:
                 conn.write(frame)
