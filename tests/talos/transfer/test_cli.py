@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from talos import exit_codes
+
 CLI = [sys.executable, "-m", "talos.cli"]
 
 
@@ -130,9 +132,9 @@ def test_run_files_dir_receives_there(tmp_path: Path) -> None:
         nodes.close()
 
 
-def _fail(*args: str) -> str:
+def _fail(*args: str, code: int = exit_codes.BAD_INPUT) -> str:
     done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=30)
-    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.returncode == code, (done.stdout, done.stderr)
     assert done.stderr.startswith("talosd: error:") and "Traceback" not in done.stderr
     return done.stderr
 
@@ -156,7 +158,7 @@ def test_reject_and_bad_input_over_the_local_socket(
     assert "no such file" in _fail("send-file", "--home", str(a), did_b, str(tmp_path / "nope"))
     idle = tmp_path / "idle"
     _run("init", "--home", str(idle), "--no-passphrase")
-    assert "no node is running" in _fail("files", "--home", str(idle))
+    assert "no node is running" in _fail("files", "--home", str(idle), code=exit_codes.UNREACHABLE)
     # the commands load neither the node's HTTP stack nor its models
     code = (
         "import sys\n"
