@@ -247,18 +247,18 @@ async def test_sealed_identity_without_its_passphrase_is_a_clear_error(tmp_path:
     wrong.write_text("not it\n")
     env = {k: v for k, v in os.environ.items() if "PASSPHRASE" not in k}
     env["PYTHONPATH"] = str(REPO)
-    cases = [
-        ([], "TALOS_PASSPHRASE"),  # no passphrase to be had, no terminal to ask on
-        (["--passphrase-file", str(wrong)], "passphrase"),
+    cases = [  # exit codes of talos/exit_codes.py: 2 bad input, 1 failed
+        ([], "TALOS_PASSPHRASE", 2),  # no passphrase to be had, no terminal to ask on
+        (["--passphrase-file", str(wrong)], "passphrase", 1),
     ]
-    for extra, expected in cases:
+    for extra, expected, code in cases:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "talos.cli", "mcp", "--home", str(home), *extra,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, cwd=REPO, env=env,
         )  # fmt: skip
         out, err = await asyncio.wait_for(proc.communicate(), 60)
-        assert proc.returncode == 1, err
+        assert proc.returncode == code, err
         assert out == b""  # nothing on the MCP channel
         text = err.decode()
         assert text.startswith("talosd: error:") and expected in text, text
