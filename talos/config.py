@@ -23,7 +23,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -156,19 +156,30 @@ class PeerAddr:
         return f"{self.url}#{self.did}"
 
 
+def _host_port_url(value: str, schemes: tuple[str, ...], what: str, shape: str) -> SplitResult:
+    """``value`` split, with one of ``schemes``, a host and a port (UsageError otherwise).
+
+    ``what`` names the value in the errors, ``shape`` shows what it must look like.
+    """
+    parts = urlsplit(value)
+    if parts.scheme not in schemes or not parts.hostname:
+        raise UsageError(f"{shape}, got {value!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise UsageError(f"bad port in {what} {value!r}") from None
+    if port is None:
+        raise UsageError(f"{what} needs a port: {value!r}")
+    return parts
+
+
 def parse_peer_addr(addr: str) -> PeerAddr:
     """Parse ``ws://HOST:PORT#DID`` (``wss://`` too); the DID fragment is required."""
     from talos_sdk.did import public_key_from_did
 
-    parts = urlsplit(addr)
-    if parts.scheme not in ("ws", "wss") or not parts.hostname:
-        raise UsageError(f"peer address must look like ws://HOST:PORT#DID, got {addr!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        raise UsageError(f"bad port in peer address {addr!r}") from None
-    if port is None:
-        raise UsageError(f"peer address needs a port: {addr!r}")
+    parts = _host_port_url(
+        addr, ("ws", "wss"), "peer address", "peer address must look like ws://HOST:PORT#DID"
+    )
     if not parts.fragment:
         raise UsageError(f"peer address needs the peer's DID after '#': {addr!r}")
     public_key_from_did(parts.fragment)  # raises DIDError for a malformed DID
@@ -178,15 +189,9 @@ def parse_peer_addr(addr: str) -> PeerAddr:
 
 def parse_relay_url(value: str) -> str:
     """Check ``nats://HOST:PORT`` (or ``tls://``); returns it unchanged."""
-    parts = urlsplit(value)
-    if parts.scheme not in ("nats", "tls") or not parts.hostname:
-        raise UsageError(f"relay must look like nats://HOST:PORT, got {value!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        raise UsageError(f"bad port in relay address {value!r}") from None
-    if port is None:
-        raise UsageError(f"relay address needs a port: {value!r}")
+    parts = _host_port_url(
+        value, ("nats", "tls"), "relay address", "relay must look like nats://HOST:PORT"
+    )
     if parts.username or parts.password or parts.path not in ("", "/") or parts.query:
         raise UsageError(
             f"relay address must be nats://HOST:PORT only (the node signs in with its key):"
