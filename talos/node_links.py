@@ -272,15 +272,7 @@ class NodeLinks(NodeBase):
                     raise ProtocolError(f"unexpected {type(frame).__name__} after handshake")
             except (ProtocolError, DecryptionError, SignatureError, UsageError) as exc:
                 # Bad input costs the frame, never the node or the link.
-                self.metrics.inc("frames_rejected")
-                event(
-                    _log,
-                    "frame_rejected",
-                    level=logging.WARNING,
-                    peer=peer.did,
-                    kind=type(exc).__name__,
-                    error=str(exc),
-                )
+                self._frame_lost(peer, "frames_rejected", "frame_rejected", logging.WARNING, exc)
                 if isinstance(exc, DecryptionError) and peer.decrypt_failed():
                     await self._resync(peer, link)
                     return
@@ -288,15 +280,12 @@ class NodeLinks(NodeBase):
                 raise
             except Exception as exc:
                 # A bug here must not take the link down with it; say so loudly.
-                self.metrics.inc("frames_failed")
-                event(
-                    _log,
-                    "frame_handling_failed",
-                    level=logging.ERROR,
-                    peer=peer.did,
-                    kind=type(exc).__name__,
-                    error=str(exc),
-                )
+                self._frame_lost(peer, "frames_failed", "frame_handling_failed", logging.ERROR, exc)
+
+    def _frame_lost(self, peer: Peer, counter: str, name: str, level: int, exc: Exception) -> None:
+        """Count and log a frame the read loop dropped (the exception's type and text only)."""
+        self.metrics.inc(counter)
+        event(_log, name, level=level, peer=peer.did, kind=type(exc).__name__, error=str(exc))
 
     async def _resync(self, peer: Peer, link: Link) -> None:
         """Sessions out of step (e.g. frames lost beyond MAX_SKIP): drop ours, relink.
