@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import Final
 
+from talos_sdk.binfmt import utf8
 from talos_sdk.errors import MalformedFrameError, OversizeError
 
 __all__ = [
@@ -145,13 +146,6 @@ def _split(data: bytes, count: int) -> list[bytes]:
     return out
 
 
-def _text(raw: bytes, what: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise MalformedFrameError(f"{what} is not UTF-8") from None
-
-
 def encode(frame: LinkFrame) -> bytes:
     """Encode one link frame to the bytes of one WebSocket binary message."""
     if isinstance(frame, Msg):
@@ -205,7 +199,7 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
         code_raw, reason = _split(data, 2)
         if len(code_raw) != 2:
             raise MalformedFrameError("REFUSE code must be 2 bytes")
-        return Refuse(_H.unpack(code_raw)[0], _text(reason, "reason"))
+        return Refuse(_H.unpack(code_raw)[0], utf8(reason, "reason"))
     if t == T_SESSION_OFFER:
         try:
             bundle, sid = _split(data, 2)
