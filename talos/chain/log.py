@@ -159,8 +159,6 @@ class BlockLog:
             self._tip = Block.from_bytes(last[1]) if last else None
             since = txn.get("meta", HYBRID_SINCE_KEY)
             self._index = RecordIndex(store, txn, self.height + 1)
-        if self._index.stale:
-            self._writes.run(self._index.watermark_row, kind="log")
         self._key_id: bytes | None = None
         hybrid = wallet.hybrid_public_key
         if hybrid is not None:
@@ -291,6 +289,8 @@ class BlockLog:
                     txn.delete("pending", key)
                 written = self._write_block(txn, keep) if keep else None
                 batched = False
+                if index.stale:  # with the first block sealed since open (ADR 0013)
+                    index.watermark_row(txn)
                 if written is not None:
                     new.update(
                         (r.record_id, record_key(written.height, i)) for i, r in enumerate(keep)

@@ -88,7 +88,13 @@ class RecordIndex:
         self._indexed = txn.count("records")
 
     def watermark_row(self, txn: Txn) -> None:
-        """Write the watermark (the caller commits it)."""
+        """Write the watermark (the caller commits it, and only then may count it written).
+
+        Written by the first seal after open when the row is missing or was
+        lowered, in that seal's transaction: no block can be sealed above an
+        unwritten watermark, and opening a log writes nothing (it may run on
+        the event loop thread, where the node's writer cannot be waited for).
+        """
         txn.put("meta", WATERMARK_KEY, _U64.pack(self.watermark))
 
     def get(self, txn: Txn, record_id: bytes) -> bytes | None:
@@ -119,6 +125,7 @@ class RecordIndex:
 
     def committed(self, new: dict[bytes, bytes], *, batched: bool, below: int) -> None:
         """Account for a committed seal: its ids join the dict, or the batch is on disk."""
+        self.stale = False
         if batched:
             self._indexed += len(self.recent) + len(new)
             self.watermark = below
