@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 import orjson
 
+from talos.logging import event
 from talos_sdk.canonical import canonical_json_bytes
 from talos_sdk.errors import EncodingError, UsageError
 
@@ -371,8 +372,8 @@ class Auditor:
             due = loop.time() >= next_sync
             try:
                 await self._flush(durable=due)
-            except Exception:
-                log.exception("audit write failed; records of this batch are lost")
+            except Exception as exc:  # the writer goes on; this batch's records are lost
+                event(log, "audit_write_failed", logging.ERROR, records="lost", error=repr(exc))
             if due:
                 next_sync = loop.time() + self.sync_interval
 

@@ -32,6 +32,8 @@ from mcp_proxy.transport import NodeTransport
 from talos import exit_codes
 from talos.cli import exit_code_for
 from talos.local.call import NodeGoneError
+from talos.logging import configure, event
+from talos.peer_refs import check_did, check_peer_addr, check_peer_ref
 from talos.runtime import run
 from talos_sdk.errors import TalosError, UsageError
 
@@ -68,6 +70,8 @@ async def _serve(args: argparse.Namespace) -> None:
     if command[:1] == ["--"]:
         command = command[1:]
     tools = None if args.tools is None else [t for t in args.tools.split(",") if t]
+    for ref in args.allow:
+        check_peer_ref(ref, "--allow")
     policy_file = load_policy_file(args.policy) if args.policy is not None else None
     headers = _headers(args.header)
     from mcp_proxy.attach import resolve_names
@@ -80,6 +84,11 @@ async def _serve(args: argparse.Namespace) -> None:
         url=args.url,
         headers=headers,
     )
+    if not policy.grants and not args.allow_none:
+        raise PolicyError(
+            "serve allows no caller, so it would refuse every link: give --allow DID (or a"
+            ' peer name), a [peers."DID"] table in --policy, or --allow-none to start anyway'
+        )
     if args.max_sessions < 1:
         raise UsageError("--max-sessions must be at least 1")
     from mcp_proxy.attach import attach
@@ -168,7 +177,7 @@ async def _serve_attached(args: argparse.Namespace, policy: Policy, attached: An
         try:
             await auditor.stop()
         except TalosError as exc:
-            log.error("audit records not written: %s", exc)
+            event(log, "audit_not_written", logging.ERROR, error=str(exc))
         await attached.close()
     if node_gone:
         raise NodeGoneError(f"{attached.gone.result()}; this proxy ends with it")
@@ -178,6 +187,10 @@ async def _connect(args: argparse.Namespace) -> None:
     from mcp_proxy.attach import attach
     from talos.config import parse_peer_addr
 
+    if args.peer.startswith(("ws://", "wss://")):
+        check_peer_addr(args.peer, "--peer")
+    else:  # a DID through the relay, or a DID or peer name the running node knows
+        check_peer_ref(args.peer, "--peer")
     relayed = args.relay and args.peer.startswith("did:")
     # A talosd already running on the home: share its identity and links (ADR 0012).
     attached = None if args.relay else await attach(args.home)
@@ -264,6 +277,8 @@ async def _connect(args: argparse.Namespace) -> None:
 def _audit(args: argparse.Namespace) -> None:
     from mcp_proxy.audit_log import AuditFilter, format_entry, parse_since, read_entries, select
 
+    if args.peer is not None:
+        check_did(args.peer, "--peer")
     keep = AuditFilter(
         peer=args.peer,
         tool=args.tool,
@@ -283,11 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The proxy's home holds a node identity and store: owner-only files.
     os.umask(0o077)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure(args.log_format, args.log_level, roots=("talos", "mcp_proxy"))
     try:
         if args.cmd == "id":
             print(node_did(args.home, **_keys(args)))

@@ -15,6 +15,7 @@ from mcp_proxy.server import MAX_SESSIONS_PER_PEER
 from mcp_proxy.toolenv import DEFAULT_PASS
 from talos.cli_completion import add_completion_command
 from talos.cli_help import HelpFormatter, command, epilog
+from talos.logging import add_arguments as add_log_arguments
 
 __all__ = ["build_parser"]
 
@@ -67,12 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=HelpFormatter,
     )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        metavar="LEVEL",
-        help="least severe stderr log level: DEBUG, INFO, WARNING, ERROR",
-    )
+    add_log_arguments(parser)
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
 
     p_id = command(
@@ -142,6 +138,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         ),
     )
     _home(p)
+    add_log_arguments(p, inherit=True)
     p.add_argument(
         "--listen",
         metavar="HOST:PORT",
@@ -155,6 +152,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=[],
         metavar="DID",
         help="a caller DID (or peer name) allowed every server and tool (repeatable)",
+    )
+    p.add_argument(
+        "--allow-none",
+        action="store_true",
+        help="start even though no caller is allowed (--allow, policy file): every link is"
+        " refused; without it such a serve refuses to start",
     )
     p.add_argument(
         "--tools",
@@ -233,6 +236,7 @@ def _connect_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     _home(p)
+    add_log_arguments(p, inherit=True)
     p.add_argument(
         "--peer",
         required=True,

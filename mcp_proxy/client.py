@@ -28,8 +28,8 @@ is never replayed: it is answered (with the link error) or forwarded once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -50,11 +50,13 @@ from mcp_proxy.jsonrpc import (
 from mcp_proxy.lines import LineSplitter
 from mcp_proxy.transport import FrameSender, TunnelTransport
 from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES, FrameKind, Joiner, decode_frame
+from talos.logging import event
 from talos_sdk.errors import OversizeError, ProtocolError, UsageError
 
 __all__ = ["ClientSession", "TunnelClient", "serve_stdio"]
 
 log = logging.getLogger(__name__)
+WARN = logging.WARNING
 
 Deliver = Callable[[bytes], None]
 #: Several lines at once (those of one tunnel frame), for a sink that can write them together.
@@ -63,6 +65,8 @@ STDIO_LINE_LIMIT = MAX_MESSAGE_BYTES
 #: An embedded connect's session ids stay below the first range a node hands attached
 #: clients (talos/local/server.py KEY_RANGE), so an attached serve's node routes them to it.
 EMBEDDED_SID_END = 1 << 20
+#: Seconds ``connect`` waits, after the end of its stdin, for responses still due.
+EOF_DRAIN = 30.0
 
 
 class ClientSession:
@@ -194,7 +198,7 @@ class ClientSession:
             msg = sniff(line)
             line = one_line(line, msg)
         except JsonRpcError as exc:
-            log.warning("session %d: malformed message from the tunnel: %s", self.sid, exc)
+            event(log, "tunnel_message_malformed", WARN, session=self.sid, error=str(exc))
             return None
         if msg.kind is Kind.RESPONSE or msg.kind is Kind.ERROR:
             rid = msg.id
@@ -203,7 +207,7 @@ class ClientSession:
                 return None  # the replayed initialize's reply: the agent had its own
             if rid is None or self.pending.pop(rid, None) is None:
                 # Not (or no longer) awaited: one request gets exactly one response.
-                log.warning("session %d: response for no pending request dropped", self.sid)
+                event(log, "unmatched_response_dropped", WARN, session=self.sid)
                 return None
             if rid == self._init_id and msg.kind is Kind.RESPONSE:
                 self._initialized = True
@@ -334,12 +338,12 @@ class TunnelClient:
 
     def _on_payload(self, peer: str, payload: bytes) -> None:
         if peer != self.server_did:
-            log.warning("tunnel frame from unexpected peer %s ignored", peer)
+            event(log, "tunnel_frame_unexpected_peer", WARN, peer=peer)
             return
         try:
             frame = decode_frame(payload)
         except ProtocolError as exc:
-            log.warning("bad tunnel frame from %s: %s", peer, exc)
+            event(log, "tunnel_frame_bad", WARN, peer=peer, error=str(exc))
             return
         session = self._by_sid.get(frame.session)
         if session is None:
@@ -358,12 +362,20 @@ class TunnelClient:
                 self._oversize(session, exc)
         elif frame.kind in (FrameKind.ERROR, FrameKind.CLOSE):
             reason = frame.messages[0].decode("utf-8", "replace") if frame.messages else "closed"
-            log.warning("remote session %d ended: %s", frame.session, reason)
+            event(
+                log,
+                "remote_session_ended",
+                WARN,
+                peer=peer,
+                session=frame.session,
+                kind=frame.kind.name.lower(),
+                reason=reason,
+            )
             session.detach(INTERNAL_ERROR, reason)
 
     def _oversize(self, session: ClientSession, exc: OversizeError) -> None:
         # Only a faulty server sends this (its tool lines are bounded the same way).
-        log.warning("session %d: %s from the tunnel; session ended", session.sid, exc)
+        event(log, "tunnel_message_oversize", WARN, session=session.sid, error=str(exc))
         self.sender.control(FrameKind.CLOSE, session.sid)
         session.detach(INTERNAL_ERROR, str(exc))
 
@@ -371,7 +383,8 @@ class TunnelClient:
         """The serving peer (or this node) refused the link: answer waiting requests now."""
         if peer != self.server_did or self._up.is_set():
             return
-        (log.info if self._closing else log.warning)("tunnel link refused: %s", message)
+        level = logging.INFO if self._closing else WARN
+        event(log, "tunnel_link_refused", level, peer=peer, reason=message)
         self._refused = message
         self._refusal.set()
 
@@ -379,7 +392,7 @@ class TunnelClient:
         if peer != self.server_did:
             return
         if up:
-            log.info("tunnel link to %s is up", peer)
+            event(log, "tunnel_link_up", peer=peer)
             self._refused = None
             self._refusal.clear()
             self._up.set()
@@ -388,7 +401,8 @@ class TunnelClient:
                 if session.resumable:
                     session.attach()
             return
-        (log.info if self._closing else log.warning)("tunnel link to %s is down", peer)
+        # Down during our own close is the shutdown itself, not a fault.
+        event(log, "tunnel_link_down", logging.INFO if self._closing else WARN, peer=peer)
         self._up.clear()
         self.sender.discard()
         for session in list(self.sessions):
@@ -458,27 +472,46 @@ class _StdinLines(asyncio.Protocol):
             self.done.set()
 
 
-async def serve_stdio(client: TunnelClient) -> None:
-    """Run one MCP session over this process's stdin/stdout until stdin closes."""
-    loop = asyncio.get_running_loop()
-    out_transport, _ = await loop.connect_write_pipe(asyncio.Protocol, sys.stdout.buffer)
+async def serve_stdio(client: TunnelClient, *, drain: float = EOF_DRAIN) -> None:
+    """Run one MCP session over this process's stdin/stdout until stdin closes.
+
+    Either may be a pipe, a socket, a terminal, a regular file or /dev/null
+    (:mod:`mcp_proxy.stdio` picks how to drive each). After the end of stdin
+    the requests already sent still get their responses (``talos-proxy connect
+    < requests.jsonl``), for up to ``drain`` seconds; any left then are
+    answered with an error, so each request has exactly one response.
+    """
+    from mcp_proxy.stdio import open_stdin, open_stdout
+
+    out = await open_stdout()
+    answered = asyncio.Event()
 
     def deliver(line: bytes) -> None:
-        out_transport.write(line + b"\n")
+        out.write(line + b"\n")
+        answered.set()
 
     def deliver_many(lines: list[bytes]) -> None:
         # One pipe write per tunnel frame, not one per line: per-line writes were 22 % of
         # connect's GIL time at 64 in flight.
         lines.append(b"")
-        out_transport.write(b"\n".join(lines))
+        out.write(b"\n".join(lines))
+        answered.set()
 
     session = client.open_session(deliver, deliver_many)
     lines = _StdinLines(session)
-    in_transport, _ = await loop.connect_read_pipe(lambda: lines, sys.stdin.buffer)
+    in_transport = await open_stdin(lines)
     try:
         await lines.done.wait()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(drain):
+                while session.pending:
+                    answered.clear()
+                    await answered.wait()
+        late, session.pending = session.pending, {}
+        for request_id in late:
+            deliver(error_reply(request_id, INTERNAL_ERROR, "connect stopped before the response"))
     finally:
         in_transport.close()
         session.close()
         await client.close()
-        out_transport.close()
+        await out.aclose()

@@ -47,6 +47,7 @@ from mcp_proxy.jsonrpc import (
     one_line,
     sniff,
 )
+from talos.logging import event
 
 __all__ = ["ENDPOINT", "MAX_SESSIONS", "HttpFront", "parse_bind"]
 
@@ -109,7 +110,7 @@ class HttpFront:
         self._reaper: asyncio.Task[None] | None = None
         self.host, self.port = parse_bind(bind)
         if self.host not in LOOPBACK_HOSTS:
-            log.warning("Streamable HTTP bound to %s: reachable beyond this machine", self.host)
+            event(log, "http_not_loopback", logging.WARNING, host=self.host)
         self.sessions: dict[str, LegacySession] = {}
         self.pool = StatelessPool(client, self._may_open)
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=[self._guard])
@@ -149,11 +150,11 @@ class HttpFront:
             now = loop.time()
             for session in list(self.sessions.values()):
                 if session.idle_since(now) > self.idle_timeout:
-                    log.info("http session %s idle, closed", session.id[:8])
+                    event(log, "http_session_idle_closed", http_session=session.id[:8])
                     del self.sessions[session.id]
                     session.close()
             if closed := self.pool.reap(now, self.idle_timeout):
-                log.info("%d idle stateless tool session(s) closed", closed)
+                event(log, "stateless_sessions_idle_closed", count=closed)
 
     async def stop(self) -> None:
         if self._reaper is not None:

@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from mcp_proxy.client import ClientSession, TunnelClient
 from mcp_proxy.http_sse import Exchange, Item
 from mcp_proxy.jsonrpc import JsonRpcError, Kind, RequestId, Sniffed, error_reply, sniff
+from talos.logging import event
 
 __all__ = ["KEPT_EXCHANGES", "LegacySession"]
 
@@ -126,7 +127,7 @@ class LegacySession:
         try:
             msg = sniff(line)
         except JsonRpcError:
-            log.warning("http session %s: dropping a malformed message", self.id[:8])
+            event(log, "http_message_malformed_dropped", logging.WARNING, http_session=self.id[:8])
             return
         if msg.kind in (Kind.RESPONSE, Kind.ERROR) and msg.id is not None:
             exchange = self.waiters.pop(msg.id, None)
@@ -134,7 +135,7 @@ class LegacySession:
                 exchange.emit(line)
                 self._end(exchange)
             else:
-                log.debug("http session %s: answer to a cancelled request dropped", self.id[:8])
+                event(log, "cancelled_answer_dropped", logging.DEBUG, http_session=self.id[:8])
             return
         if msg.method == "notifications/progress" and isinstance(msg.params, dict):
             token = msg.params.get("progressToken")

@@ -31,6 +31,7 @@ import orjson
 from mcp_proxy.client import ClientSession, TunnelClient
 from mcp_proxy.http_sse import Exchange
 from mcp_proxy.jsonrpc import JsonRpcError, Kind, RequestId, Sniffed, sniff
+from talos.logging import event
 
 __all__ = ["SPREAD", "StatelessPool"]
 
@@ -85,7 +86,7 @@ class _Member:
         try:
             msg = sniff(line)
         except JsonRpcError:
-            log.warning("stateless session %d: dropping a malformed message", self.tunnel.sid)
+            event(log, "http_message_malformed_dropped", logging.WARNING, session=self.tunnel.sid)
             return
         if msg.kind in (Kind.RESPONSE, Kind.ERROR) and msg.id is not None:
             exchange = self._forget(msg.id)
@@ -109,7 +110,9 @@ class _Member:
         if target is not None:
             target.emit(line)
         else:
-            log.debug("stateless session %d: unroutable %s dropped", self.tunnel.sid, msg.method)
+            event(
+                log, "unroutable_dropped", logging.DEBUG, session=self.tunnel.sid, method=msg.method
+            )
 
     def close(self) -> None:
         for exchange in self.inflight.values():

@@ -23,8 +23,9 @@ import asyncio
 import base64
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -33,6 +34,7 @@ from mcp_proxy.http_rules import META_VERSION, MODERN_VERSIONS, NAME_FIELDS
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, JsonRpcError, Kind, RequestId, Sniffed, sniff
 from mcp_proxy.jsonrpc import error_reply as _error_reply
 from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES
+from talos.logging import event
 
 __all__ = ["HttpUpstream"]
 
@@ -65,11 +67,13 @@ class HttpUpstream:
         on_exit: Callable[[int], None],
         *,
         label: str = "upstream",
+        log_fields: Mapping[str, object] | None = None,
         on_batch: Callable[[], None] | None = None,
     ) -> None:
         self.url = url
         self.headers = headers
         self.label = label
+        self.log_fields = dict(log_fields) if log_fields is not None else {"tool": label}
         self._on_line = on_line
         self._on_exit = on_exit
         self._on_batch = on_batch
@@ -103,7 +107,9 @@ class HttpUpstream:
         timeout = aiohttp.ClientTimeout(total=None, connect=30, sock_read=None)
         self._http = aiohttp.ClientSession(timeout=timeout, headers=self.headers)
         self._spawn(self._pump())
-        log.info("%s: bridging to %s", self.label, self.url)
+        # Scheme, host and path only: a query string may hold a credential.
+        where = urlsplit(self.url)._replace(query="", fragment="").geturl()
+        event(log, "upstream_bridging", **self.log_fields, url=where)
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
@@ -210,8 +216,13 @@ class HttpUpstream:
         headers = {**self._session_headers(), "Content-Type": "application/json"}
         async with self._http.post(self.url, data=line, headers=headers) as resp:
             if resp.status >= 400:
-                log.warning(
-                    "%s: upstream refused a %s (HTTP %d)", self.label, msg.kind, resp.status
+                event(
+                    log,
+                    "upstream_refused",
+                    logging.WARNING,
+                    **self.log_fields,
+                    kind=msg.kind.value,
+                    status=resp.status,
                 )
         if msg.method == "notifications/initialized" and self._session_id is not None:
             self._spawn(self._listen())
@@ -288,7 +299,7 @@ class HttpUpstream:
             line = _one_line(data)
             reply = sniff(line)
         except (orjson.JSONDecodeError, JsonRpcError):
-            log.warning("%s: dropping a malformed upstream message", self.label)
+            event(log, "upstream_malformed_dropped", logging.WARNING, **self.log_fields)
             return
         if msg is not None and msg.method == "initialize" and reply.kind is Kind.RESPONSE:
             result = reply.result if isinstance(reply.result, dict) else {}
@@ -300,5 +311,5 @@ class HttpUpstream:
 
     def _answer(self, request_id: RequestId, reason: str) -> None:
         if request_id in self.pending:
-            log.warning("%s: %s", self.label, reason)
+            event(log, "upstream_request_failed", logging.WARNING, **self.log_fields, reason=reason)
             self._on_line(_error_reply(request_id, INTERNAL_ERROR, reason))

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from talos.peer_refs import check_did
 from talos_sdk.errors import UsageError
 
 __all__ = [
@@ -102,9 +103,12 @@ def load_policy_file(path: Path) -> PolicyFile:
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"policy file {path} is not valid TOML: {exc}") from exc
     try:
-        return PolicyFile.model_validate(data)
+        policy = PolicyFile.model_validate(data)
     except ValidationError as exc:
         raise PolicyError(f"policy file {path} is invalid: {exc}") from exc
+    for did in policy.peers:
+        check_did(did, f"policy file {path}: [peers.KEY] with KEY")
+    return policy
 
 
 def _as_set(names: Iterable[str]) -> frozenset[str] | None:
@@ -163,9 +167,7 @@ class Policy:
                         raise PolicyError(f"peer {did} names unknown server {server!r}")
                 grants[did] = grant
         for did in allow:
-            if not did.startswith("did:"):
-                raise PolicyError(f"--allow needs a DID, got {did!r}")
-            grants.setdefault(did, _Grant(None, None))
+            grants.setdefault(check_did(did, "--allow"), _Grant(None, None))
         if not servers:
             raise PolicyError("no tool server: give -- CMD ARGS or [servers.NAME] in --policy")
         global_tools = None if tools is None else _as_set(tools)

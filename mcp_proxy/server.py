@@ -47,11 +47,13 @@ from mcp_proxy.toolenv import tool_environment
 from mcp_proxy.toolproc import ToolProcess
 from mcp_proxy.transport import FrameSender, TunnelTransport
 from mcp_proxy.tunnel_wire import FrameKind, Joiner, TunnelFrame, decode_frame
+from talos.logging import event
 from talos_sdk.errors import OversizeError, ProtocolError
 
 __all__ = ["INBOX_FRAMES", "MAX_SESSIONS_PER_PEER", "TunnelServer"]
 
 log = logging.getLogger(__name__)
+WARN = logging.WARNING
 
 # Tool processes one peer may hold at once (each session is one process).
 MAX_SESSIONS_PER_PEER = 16
@@ -70,6 +72,7 @@ class _Session:
         self.sid = sid
         self.name = name
         self.label = proc_label
+        self.log_fields: dict[str, object] = {"peer": peer, "session": sid, "server": name}
         self.calls: dict[RequestId, Call] = {}
         self.asks: dict[RequestId, Call] = {}  # the tool's requests to the caller
         self.proc: ToolProcess | HttpUpstream | None = None
@@ -127,7 +130,7 @@ class _Session:
         if kind is Kind.RESPONSE or kind is Kind.ERROR:
             ask = self.asks.pop(msg.id, None) if msg.id is not None else None
             if ask is None:
-                log.warning("%s: caller answered no pending tool request; dropped", self.label)
+                event(log, "unmatched_response_dropped", WARN, **self.log_fields, source="caller")
                 self.audit.refusal(msg.id, "unmatched-response", "answers no pending tool request")
                 return
             outcome = "ok" if kind is Kind.RESPONSE else "error"
@@ -137,7 +140,7 @@ class _Session:
         if msg.method == "tools/call":
             # Not a request, so nothing could answer a denial: refuse whatever the policy says,
             # so no kind of message runs a tool unchecked.
-            log.warning("%s: tools/call sent as a notification refused", self.label)
+            event(log, "notification_call_refused", WARN, **self.log_fields)
             self.audit.call(None, self.audit.new_call(msg, wire), "refused-notification")
             return
         if msg.method == "notifications/cancelled":
@@ -161,7 +164,7 @@ class _Session:
             msg = sniff(line)
             wire = encode(msg)
         except JsonRpcError as exc:
-            log.warning("%s: malformed output from the tool: %s", self.label, exc)
+            event(log, "tool_output_malformed", WARN, **self.log_fields, error=str(exc))
             call = self.calls.pop(exc.request_id, None) if exc.request_id is not None else None
             if call is not None and exc.request_id is not None:
                 assert self.proc is not None
@@ -177,7 +180,7 @@ class _Session:
             call = self.calls.pop(msg.id, None) if msg.id is not None else None
             if call is None:
                 # Unasked, a duplicate, or answering a cancelled call: one request, one response.
-                log.warning("%s: tool answered no pending request; dropped", self.label)
+                event(log, "unmatched_response_dropped", WARN, **self.log_fields, source="tool")
                 return
             assert self.proc is not None and msg.id is not None
             self.proc.settle(msg.id)
@@ -313,7 +316,7 @@ class TunnelServer:
         try:
             frame = decode_frame(payload)
         except ProtocolError as exc:
-            log.warning("bad tunnel frame from %s: %s", peer, exc)
+            event(log, "tunnel_frame_bad", WARN, peer=peer, error=str(exc))
             return None
         queue = self._inbox.get(peer)
         if queue is None:
@@ -348,8 +351,8 @@ class TunnelServer:
                 return
             try:
                 await self._handle(peer, frame)
-            except Exception:
-                log.exception("handling a tunnel frame from %s failed", peer)
+            except Exception as exc:  # one bad frame must not stop the peer's worker
+                event(log, "tunnel_frame_failed", logging.ERROR, peer=peer, error=repr(exc))
 
     async def _handle(self, peer: str, frame: TunnelFrame) -> None:
         key = (peer, frame.session)
@@ -391,7 +394,7 @@ class TunnelServer:
             lines = session.joiner.messages(frame.messages)
         except OversizeError as exc:
             # No id is known for a message never seen whole: the session fails, naming the bound.
-            log.warning("%s: %s; session ended", session.label, exc)
+            event(log, "tunnel_message_oversize", WARN, **session.log_fields, error=str(exc))
             session.audit.refusal(None, "oversize", str(exc))
             self.session_failed(session, str(exc))
             return
@@ -408,14 +411,14 @@ class TunnelServer:
         try:
             name, spec = self.policy.server_for(peer, name)
         except PolicyDenied as exc:
-            log.warning("session %d from %s refused: %s", sid, peer, exc)
+            event(log, "session_refused", WARN, peer=peer, session=sid, reason=str(exc))
             self.sender_for(peer).control(FrameKind.ERROR, sid, str(exc).encode())
             self._refuse(peer, sid, "refused", str(exc), Event.SESSION)
             return
         held = sum(1 for p, _ in self.sessions if p == peer)
         if held >= self.max_sessions:
             reason = f"too many sessions: {peer} holds {held} (limit {self.max_sessions})"
-            log.warning("session %d refused: %s", sid, reason)
+            event(log, "session_refused", WARN, peer=peer, session=sid, reason=reason)
             self.sender_for(peer).control(FrameKind.ERROR, sid, reason.encode())
             self._refuse(peer, sid, "refused", reason, Event.SESSION)
             return
@@ -428,6 +431,7 @@ class TunnelServer:
                 session.from_tool,
                 session.on_exit,
                 label=session.label,
+                log_fields=session.log_fields,
                 on_batch=session.flush,
             )
         else:
@@ -439,6 +443,7 @@ class TunnelServer:
                 session.from_tool,
                 session.on_exit,
                 label=session.label,
+                log_fields=session.log_fields,
                 grace=self.grace,
                 on_batch=session.flush,
                 env=env,

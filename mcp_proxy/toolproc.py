@@ -23,6 +23,7 @@ from mcp_proxy.jsonrpc import INTERNAL_ERROR, RequestId, error_reply
 from mcp_proxy.lines import LineSplitter
 from mcp_proxy.policy import ServerSpec
 from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES
+from talos.logging import event
 
 __all__ = ["EXIT_SPAWN_FAILED", "ToolProcess"]
 
@@ -90,6 +91,7 @@ class ToolProcess:
         on_exit: ExitCallback,
         *,
         label: str = "tool",
+        log_fields: Mapping[str, object] | None = None,
         grace: float = 2.0,
         on_batch: BatchCallback | None = None,
         env: Mapping[str, str] | None = None,
@@ -98,6 +100,8 @@ class ToolProcess:
         # The whole environment of the tool (mcp_proxy.toolenv); None: this process's plus spec.env.
         self._env = dict(env) if env is not None else {**os.environ, **spec.env}
         self.label = label
+        # Who this process serves, on every event it logs (peer, session, server).
+        self.log_fields = dict(log_fields) if log_fields is not None else {"tool": label}
         self._on_line = on_line
         self._on_exit = on_exit
         # After the lines of one stdout read were handed on: lets the owner send them together.
@@ -142,13 +146,20 @@ class ToolProcess:
                 start_new_session=True,
             )
         except OSError as exc:
-            log.warning("%s: cannot start %r: %s", self.label, self.spec.command, exc)
+            event(
+                log,
+                "tool_spawn_failed",
+                logging.WARNING,
+                **self.log_fields,
+                command=self.spec.command,
+                error=exc.strerror or str(exc),
+            )
             self._finish(EXIT_SPAWN_FAILED)
             return
         self._transport, self._pipes = transport, pipes
         # Not an isinstance check: uvloop's pipe transports do not subclass asyncio's ABCs.
         self._stdin = cast(asyncio.WriteTransport, transport.get_pipe_transport(0))
-        log.info("%s: started pid %d", self.label, transport.get_pid())
+        event(log, "tool_started", **self.log_fields, pid=transport.get_pid())
 
     def send(self, line: bytes, request_id: RequestId | None = None) -> None:
         """Write one message; a request id is remembered until ``settle`` or exit."""
@@ -242,10 +253,10 @@ class ToolProcess:
         self._on_line(line)
 
     def _on_stderr(self, line: bytes) -> None:
-        log.info("%s stderr: %s", self.label, line.decode("utf-8", "replace"))
+        event(log, "tool_stderr", **self.log_fields, line=line.decode("utf-8", "replace"))
 
     def _on_overflow(self) -> None:
-        log.warning("%s: output line above %d bytes; stopping the tool", self.label, LINE_LIMIT)
+        event(log, "tool_line_oversize", logging.WARNING, **self.log_fields, limit=LINE_LIMIT)
         self._why = f"tool output line above {LINE_LIMIT} bytes"
         self._signal(signal.SIGKILL)
 
@@ -268,7 +279,7 @@ class ToolProcess:
         if self.exit_code is not None:
             return
         self.exit_code = code
-        log.info("%s: exited with code %d", self.label, code)
+        event(log, "tool_exited", **self.log_fields, code=code)
         # Exit first: the session is reported failed before its pending calls are
         # answered, so a caller that retries at once never races the failure notice.
         self._on_exit(code)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from mcp_proxy.tunnel_wire import FrameKind, encode_frame
 from talos.apphost import AppHost
+from talos.logging import event
 from talos_sdk.errors import OversizeError, TalosError
 
 __all__ = [
@@ -206,7 +207,7 @@ class LoopbackTransport:
 
     def _resume(self, done: asyncio.Future[None]) -> None:
         if not done.cancelled() and done.exception() is not None:
-            log.warning("loopback receiver wait failed: %r", done.exception())
+            event(log, "loopback_wait_failed", logging.WARNING, error=repr(done.exception()))
         self._paused = None
         while self._held and self._paused is None:
             self._deliver(*self._held.popleft())
@@ -377,7 +378,7 @@ class FrameSender:
     def _lost(self, exc: Exception) -> None:
         # The link listener fails the pending requests; a lost frame is not retried
         # because the sessions it belonged to are torn down with the link.
-        log.warning("mcp frame to %s not sent: %s", self.peer, exc)
+        event(log, "tunnel_frame_not_sent", logging.WARNING, peer=self.peer, error=str(exc))
 
     async def _run(self) -> None:
         """The busy-link path: send with waiting until the queue is empty, then end."""

@@ -23,6 +23,7 @@ from typing import Any
 from talos import exit_codes
 from talos.local.call import NoNodeError
 from talos.local.call import call as node_call
+from talos.peer_refs import check_peer_addr, check_peer_ref
 from talos_sdk.errors import LinkRefusedError, PeerUnreachableError, TalosError, UsageError
 
 __all__ = ["exit_code_for", "main"]
@@ -112,26 +113,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
+    from pydantic import ValidationError
+
     from talos import runtime
-    from talos.config import NodeConfig, parse_listen, parse_peer_addr, parse_relay_url
+    from talos.config import NodeConfig, parse_listen, parse_relay_url, validation_text
     from talos.daemon import Daemon
     from talos.keys import unlock
     from talos.logging import configure
 
     home = _home(args)
     _require_identity(home.path)
-    wallet = unlock(home.identity, passphrase_file=args.passphrase_file)
+    # Every DID in full (and config.json's) before the passphrase prompt: bad input costs nothing.
+    for addr in args.peer:
+        check_peer_addr(addr, "--peer")
+    for ref in args.allow:
+        check_peer_ref(ref, "--allow")
     config = home.load_config()
+    allow = [_allowed_did(home.path, ref) for ref in args.allow]
+    wallet = unlock(home.identity, passphrase_file=args.passphrase_file)
     updates: dict[str, Any] = {}
     if args.listen:
         parse_listen(args.listen)
         updates["listen"] = args.listen
     if args.peer:
-        for addr in args.peer:
-            parse_peer_addr(addr)
         updates["peers"] = (*config.peers, *args.peer)
-    if args.allow:
-        updates["allow"] = (*config.allow, *args.allow)
+    if allow:
+        updates["allow"] = (*config.allow, *allow)
     if args.relay:
         updates["relays"] = tuple(
             dict.fromkeys([*config.relays, *(parse_relay_url(r) for r in args.relay)])
@@ -144,9 +151,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         updates["ratchet_max_age"] = args.ratchet_max_age
     try:
         config = NodeConfig.model_validate({**config.model_dump(), **updates})
-    except ValueError as exc:  # pydantic's ValidationError: a bad flag value
-        raise UsageError(f"invalid run option: {exc}") from None
-    configure(config.log_format)
+    except ValidationError as exc:  # a bad flag value
+        raise UsageError(f"invalid run option: {validation_text(exc)}") from None
+    configure(args.log_format or config.log_format, args.log_level)
 
     async def run() -> None:
         daemon = Daemon(home.path, config, files_dir=args.files_dir, wallet=wallet)
@@ -169,9 +176,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _allowed_did(home: Path, ref: str) -> str:
+    """``run --allow`` takes a peer name too: the store (no node runs yet) knows its DID."""
+    from talos.peer_names import is_did, offline_resolve
+
+    return ref if is_did(ref) else offline_resolve(home, ref)
+
+
 def cmd_peers(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
+    if args.peers_cmd == "add":
+        check_peer_addr(args.addr, "ADDR")
+    elif args.peers_cmd == "name":
+        check_peer_ref(args.peer, "PEER")
     if args.peers_cmd == "add":
         res = _online(path, "peers.add", {"addr": args.addr, "name": args.name})
         if res is _NOT_RUNNING:
@@ -243,6 +261,7 @@ def cmd_outbox(args: argparse.Namespace) -> int:
 def cmd_send(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
+    check_peer_ref(args.did, "PEER")
     body = {"to": args.did, "text": args.text, "wait": args.wait, "timeout": args.timeout}
     res = _online(path, "send", body, timeout=args.timeout + 5)
     if res is not _NOT_RUNNING:

@@ -14,6 +14,7 @@ from typing import Any
 
 from talos.cli_completion import add_completion_command
 from talos.cli_help import HelpFormatter, command, epilog
+from talos.logging import add_arguments as add_log_arguments
 
 __all__ = ["HOME_HELP", "Handler", "build_parser"]
 
@@ -146,7 +147,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="DID",
-        help="accept links from this DID without dialling it (repeatable)",
+        help="accept links from this DID (or peer name) without dialling it (repeatable)",
     )
     sp.add_argument(
         "--relay",
@@ -178,6 +179,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="lazy mode: also renew a sending chain older than SECONDS (default: 60)",
     )
+    add_log_arguments(sp, format_default="config.json's log_format, else kv")
 
     sp = add(
         "peers",

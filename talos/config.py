@@ -28,6 +28,7 @@ from urllib.parse import SplitResult, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from talos.logging import event
+from talos.peer_refs import PeerAddr, check_did, check_peer_addr, parse_peer_addr
 from talos_sdk.errors import UsageError
 
 __all__ = [
@@ -144,16 +145,15 @@ class NodeConfig(BaseModel):
     def _check_relays(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(parse_relay_url(v) for v in value)
 
+    @field_validator("peers")
+    @classmethod
+    def _check_peers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(check_peer_addr(v) for v in value)
 
-@dataclass(frozen=True, slots=True)
-class PeerAddr:
-    """A dialable peer: WebSocket URL plus the DID it must prove."""
-
-    url: str
-    did: str
-
-    def __str__(self) -> str:
-        return f"{self.url}#{self.did}"
+    @field_validator("allow")
+    @classmethod
+    def _check_allow(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(check_did(v) for v in value)
 
 
 def _host_port_url(value: str, schemes: tuple[str, ...], what: str, shape: str) -> SplitResult:
@@ -173,18 +173,14 @@ def _host_port_url(value: str, schemes: tuple[str, ...], what: str, shape: str) 
     return parts
 
 
-def parse_peer_addr(addr: str) -> PeerAddr:
-    """Parse ``ws://HOST:PORT#DID`` (``wss://`` too); the DID fragment is required."""
-    from talos_sdk.did import public_key_from_did
-
-    parts = _host_port_url(
-        addr, ("ws", "wss"), "peer address", "peer address must look like ws://HOST:PORT#DID"
-    )
-    if not parts.fragment:
-        raise UsageError(f"peer address needs the peer's DID after '#': {addr!r}")
-    public_key_from_did(parts.fragment)  # raises DIDError for a malformed DID
-    url = addr.split("#", 1)[0]
-    return PeerAddr(url, parts.fragment)
+def validation_text(exc: ValidationError) -> str:
+    """Pydantic's errors on one line: ``field: what is wrong; ...`` (no URLs, no input echo)."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)
 
 
 def parse_relay_url(value: str) -> str:
@@ -259,7 +255,7 @@ class Home:
         try:
             return NodeConfig.model_validate_json(self.config_file.read_bytes())
         except ValidationError as exc:
-            raise UsageError(f"invalid config {self.config_file}: {exc}") from None
+            raise UsageError(f"invalid config {self.config_file}: {validation_text(exc)}") from None
 
     def save_config(self, config: NodeConfig) -> None:
         unset = {"transfer"} if config.transfer is None else None  # no "transfer": null

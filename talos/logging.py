@@ -10,6 +10,7 @@ U+2029) escaped: one event is always one line and never a terminal command.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -17,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["configure", "event"]
+__all__ = ["FORMATS", "LEVELS", "add_arguments", "configure", "event"]
 
 _FIELDS = "talos_fields"
 
@@ -83,11 +84,56 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
-def configure(fmt: str = "kv", level: int = logging.INFO) -> None:
-    """Send ``talos`` logs to stderr in the chosen format."""
+#: ``--log-level`` choices, lowest first (the stdlib level names).
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+FORMATS = ("kv", "json")
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, *, inherit: bool = False, format_default: str = "kv"
+) -> None:
+    """``--log-format`` and ``--log-level``, alike on ``talosd`` and ``talos-proxy``.
+
+    ``inherit``: a subcommand's copy, which only overrides the value given
+    before the subcommand (``talos-proxy --log-level WARNING connect ...``).
+    """
+    parser.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default=argparse.SUPPRESS if inherit else None,
+        help=f"stderr log lines as key=value pairs or JSON objects (default {format_default})",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LEVELS,
+        default=argparse.SUPPRESS if inherit else None,
+        metavar="LEVEL",
+        help="least severe event logged: debug, info, warning, error (default info)",
+    )
+
+
+def configure(
+    fmt: str | None = "kv",
+    level: int | str | None = logging.INFO,
+    roots: tuple[str, ...] = ("talos",),
+) -> None:
+    """Send logs to stderr in the chosen format: ``roots`` at ``level``, libraries at WARNING.
+
+    The handler sits on the root logger so that a library's warning (websockets,
+    asyncio) is one escaped line in the same format rather than a bare message.
+    """
+    if level is None:
+        level = logging.INFO
+    elif isinstance(level, str):
+        level = int(logging.getLevelName(level.upper()))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else KeyValueFormatter())
-    root = logging.getLogger("talos")
+    root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level)
-    root.propagate = False
+    root.setLevel(max(level, logging.WARNING))
+    for name in roots:
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.setLevel(level)
+        logger.propagate = True

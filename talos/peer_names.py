@@ -8,10 +8,10 @@ table as ``name:<name> -> DID`` and are never sent to anyone.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from talos.peer_refs import is_did, validate_name
 from talos.store import Store, Txn
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import UsageError
@@ -30,24 +30,10 @@ __all__ = [
 ]
 
 _PREFIX = b"name:"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class UnknownPeerNameError(UsageError):
     """A peer name this node does not know."""
-
-
-def is_did(ref: str) -> bool:
-    return ref.startswith("did:")
-
-
-def validate_name(name: str) -> str:
-    """A name is 1..64 of ``A-Z a-z 0-9 _ . -``, starting with a letter or digit."""
-    if is_did(name) or not _NAME.fullmatch(name):
-        raise UsageError(
-            f"peer name must be 1-64 letters, digits, '_', '.' or '-' (not a DID), got {name!r}"
-        )
-    return name
 
 
 def _key(name: str) -> bytes:

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from talos.peer_refs import check_did
 from talos.relay.serverconf import render_server_config
-from talos_sdk.did import public_key_from_did
 
 __all__ = ["register_cli"]
 
@@ -21,8 +21,8 @@ def cmd_relay_config(args: argparse.Namespace) -> int:
     dids = list(args.did)
     for home in args.node_home:
         dids.append(load_wallet(Home(Path(home)).identity).did)
-    for did in dids:
-        public_key_from_did(did)  # a clear DIDError for a malformed one
+    for did in args.did:
+        check_did(did, "DID")
     if not dids:
         print("talosd: error: name at least one DID or --node-home", file=sys.stderr)
         return 1

@@ -158,7 +158,7 @@ async def test_unauthorised_did_refused_and_tool_never_started(tmp_path: Path) -
             async with sdk_client(tmp_path / "c", serve.address, "--link-wait", "2") as client:
                 await client.send_ping()
         assert "link" in repr(info.value) or "Connection closed" in repr(info.value)
-    assert "started pid" not in serve.log
+    assert "event=tool_started" not in serve.log
 
 
 async def test_tool_crash_then_next_call_gets_a_fresh_process(tmp_path: Path) -> None:
@@ -269,7 +269,7 @@ async def test_malformed_json_rpc_both_ways(tmp_path: Path) -> None:
                 proc.kill()
                 await proc.wait()
         assert proc.returncode == 0
-    assert "malformed output from the tool" in serve.log
+    assert "event=tool_output_malformed" in serve.log
 
 
 async def test_streamable_http_through_real_nodes(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import orjson
@@ -14,10 +15,11 @@ from mcp_proxy.policy import (
     PolicyError,
     load_policy_file,
 )
+from talos_sdk.did import did_from_public_key
+from talos_sdk.errors import DIDError
+from tests.talos.bad_dids import BAD_DIDS
 
-ALICE = "did:key:z6MkAlice"
-BOB = "did:key:z6MkBob"
-EVE = "did:key:z6MkEve"
+ALICE, BOB, EVE = (did_from_public_key(bytes([n]) * 32) for n in (1, 2, 3))
 
 POLICY_TOML = f"""
 [servers.time]
@@ -112,6 +114,16 @@ def test_bad_policy_file(tmp_path: Path, text: str, match: str) -> None:
         load_policy_file(path)
 
 
+@pytest.mark.parametrize(("did", "what"), BAD_DIDS)
+def test_policy_file_peer_key_must_be_a_full_did(tmp_path: Path, did: str, what: str) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(f'[peers."{did}"]\n')
+    with pytest.raises(DIDError, match=re.escape(f"{did}: not a valid did:key: ")) as info:
+        load_policy_file(path)
+    assert str(info.value).startswith(f"policy file {path}: ")
+    assert what in str(info.value)
+
+
 def test_missing_policy_file(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="cannot read"):
         load_policy_file(tmp_path / "absent.toml")
@@ -120,10 +132,10 @@ def test_missing_policy_file(tmp_path: Path) -> None:
 def test_bad_build_arguments(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="no tool server"):
         Policy.build(allow=[ALICE])
-    with pytest.raises(PolicyError, match="needs a DID"):
+    with pytest.raises(DIDError, match=r"^--allow alice: not a valid did:key: not a DID"):
         Policy.build(allow=["alice"], command=["t"])
     path = tmp_path / "p.toml"
-    path.write_text('[peers."did:key:z"]\nservers = ["ghost"]\n')
+    path.write_text(f'[peers."{ALICE}"]\nservers = ["ghost"]\n')
     with pytest.raises(PolicyError, match="unknown server 'ghost'"):
         Policy.build(command=["t"], policy_file=load_policy_file(path))
     path.write_text('[servers.default]\ncommand = "x"\n')

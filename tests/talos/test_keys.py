@@ -174,10 +174,8 @@ def test_proxy_seals_a_new_identity_and_unlocks_it(tmp_path: Path) -> None:
     assert is_encrypted(sealed / "identity.key")
     assert res.stdout.strip() == key_file_did(sealed / "identity.key")
     # serve unlocks by the same means; the wrong passphrase is one clear line.
-    res = _run(
-        [*PROXY, "serve", "--home", str(sealed), "--listen", "127.0.0.1:0", "--", "true"],
-        {"TALOS_PASSPHRASE": "not it"},
-    )
+    serve = ["serve", "--home", str(sealed), "--listen", "127.0.0.1:0", "--allow-none"]
+    res = _run([*PROXY, *serve, "--", "true"], {"TALOS_PASSPHRASE": "not it"})
     assert res.returncode != 0 and "wrong passphrase" in res.stderr
     assert "Traceback" not in res.stderr
     # No passphrase to be had: created unencrypted, and said so; --no-passphrase is quiet.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 
 import pytest
 
@@ -29,16 +30,37 @@ def test_json_lines() -> None:
     assert out["n"] == "3"
 
 
-def test_event_goes_through_configured_handler(capsys: pytest.CaptureFixture[str]) -> None:
-    root = logging.getLogger("talos")
-    saved = (root.handlers[:], root.propagate, root.level)
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """configure() rewires the root logger: put it back (pytest's caplog relies on it)."""
+    loggers = [logging.getLogger(n) for n in ("", "talos", "mcp_proxy")]
+    saved = [(lg.handlers[:], lg.propagate, lg.level) for lg in loggers]
     try:
-        configure("kv")
-        event(logging.getLogger("talos.test"), "hello", peer="x")
-        assert "event=hello peer=x" in capsys.readouterr().err
-    finally:  # other tests rely on propagation to pytest's caplog
-        root.handlers[:], root.propagate = saved[0], saved[1]
-        root.setLevel(saved[2])
+        yield
+    finally:
+        for lg, (handlers, propagate, level) in zip(loggers, saved, strict=True):
+            lg.handlers[:], lg.propagate = handlers, propagate
+            lg.setLevel(level)
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_event_goes_through_configured_handler(capsys: pytest.CaptureFixture[str]) -> None:
+    configure("kv")
+    event(logging.getLogger("talos.test"), "hello", peer="x")
+    assert "event=hello peer=x" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_configure_sets_level_per_root_and_libraries_stay_at_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    configure("json", "debug", roots=("talos", "mcp_proxy"))
+    event(logging.getLogger("mcp_proxy.client"), "tunnel_link_up", logging.DEBUG, peer="p")
+    logging.getLogger("websockets.client").info("chatty library line")
+    logging.getLogger("websockets.client").warning("library warning\r\nforged")
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines()]
+    assert [x["event"] for x in lines] == ["tunnel_link_up", "library warning\\x0d\\x0aforged"]
+    assert lines[0] == {**lines[0], "level": "debug", "logger": "mcp_proxy.client", "peer": "p"}
 
 
 HOSTILE = "ok\r\nts=forged level=info event=fake\x1b[2J\x1b]0;title\x07\x00\x7f\x85\x9b\u2028end"
