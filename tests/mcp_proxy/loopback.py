@@ -14,9 +14,11 @@ from mcp_proxy.client import ClientSession, TunnelClient
 from mcp_proxy.policy import Policy
 from mcp_proxy.server import TunnelServer
 from mcp_proxy.transport import LoopbackTransport
+from talos_sdk.did import did_from_public_key
 
-CLIENT_DID = "did:key:z6MkClientClientClient"
-SERVER_DID = "did:key:z6MkServerServerServer"
+# Well-formed DIDs (a policy parses every DID it is given) of fixed keys.
+CLIENT_DID = did_from_public_key(b"C" * 32)
+SERVER_DID = did_from_public_key(b"S" * 32)
 EVERYTHING = [sys.executable, "-m", "tests.tools.everything_server"]
 
 

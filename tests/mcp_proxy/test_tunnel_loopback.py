@@ -12,6 +12,7 @@ import pytest
 from mcp_proxy.audit import Auditor
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, LINK_DOWN, PARSE_ERROR, TOOL_DENIED
 from mcp_proxy.policy import Policy
+from talos_sdk.did import did_from_public_key
 from tests.mcp_proxy.loopback import CLIENT_DID, EVERYTHING, Agent, MemorySink, Pair
 from tests.talos.nodes import until
 
@@ -149,7 +150,7 @@ async def test_link_down_too_long_answers_with_link_error() -> None:
 
 
 async def test_unauthorised_peer_refused_and_tool_never_started() -> None:
-    pair = Pair(Policy.build(allow=["did:key:z6MkSomeoneElse"], command=EVERYTHING))
+    pair = Pair(Policy.build(allow=[did_from_public_key(b"E" * 32)], command=EVERYTHING))
     agent = Agent(pair.client)
     try:
         async with asyncio.timeout(TIMEOUT):
