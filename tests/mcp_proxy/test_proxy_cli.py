@@ -239,6 +239,43 @@ async def connect_process(
             await proc.wait()
 
 
+@pytest.mark.parametrize(("serve_format", "connect_format"), [("json", "kv"), ("kv", "json")])
+async def test_refusal_names_did_code_and_reason_on_both_sides(
+    tmp_path: Path, serve_format: str, connect_format: str
+) -> None:
+    client_did = did_of(tmp_path / "c")
+    someone_else = did_of(tmp_path / "other")
+    args = ["--allow", someone_else, "--log-format", serve_format]
+    async with asyncio.timeout(TIMEOUT), serving(tmp_path / "s", args) as serve:
+        serve_did = serve.address.split("#", 1)[1]
+        extra = ("--log-format", connect_format, "--link-wait", "5")
+        async with connect_process(tmp_path / "c", serve.address, *extra) as proc:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(request_lines([INIT]))
+            await proc.stdin.drain()
+            reply = orjson.loads(await proc.stdout.readline())  # an error, never a hang
+            assert reply["id"] == 1 and reply["error"]["code"] < 0
+            proc.stdin.close()
+            assert proc.stderr is not None
+            connect_err = (await proc.stderr.read()).decode()
+    serve_events = log_events(serve.log)
+    connect_events = log_events(connect_err)
+    if serve_format == "json":
+        assert all(line.startswith(("{", "talos-proxy:")) for line in serve.log.splitlines())
+    # The refusing side names the caller's DID, the close code and the reason.
+    refused = [e for e in serve_events if e["event"] == "link_refused"]
+    assert refused, serve.log
+    assert refused[0]["level"] == "warning"
+    assert refused[0]["peer"] == client_did
+    assert str(refused[0]["code"]) == "4003"
+    assert refused[0]["reason"]
+    # The refused side names the serve side's DID, the code and the reason it was given.
+    told = [e for e in connect_events if e.get("peer") == serve_did and "code" in e]
+    assert told, connect_err
+    assert str(told[0]["code"]) == "4003" and told[0]["reason"]
+    assert told[0]["level"] == "warning"
+
+
 # --- a clean stop is quiet ---------------------------------------------------------------------
 
 
