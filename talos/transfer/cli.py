@@ -35,10 +35,10 @@ def _call(args: argparse.Namespace, op: str, body: dict[str, Any] | None = None)
 
 def cmd_send_file(args: argparse.Namespace) -> int:
     """``talosd send-file [--wait] DID PATH``."""
-    from talos.peer_refs import check_did
+    from talos.peer_refs import check_peer_ref
     from talos.transfer.protocol import TransferState, is_final
 
-    check_did(args.did, "DID")
+    check_peer_ref(args.did, "PEER")
     # Resolved here: the node runs in another working directory.
     path = Path(args.path).expanduser().resolve()
     tid = _call(args, "files.send", {"to": args.did, "path": str(path)})["tid"]
