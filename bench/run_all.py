@@ -44,7 +44,15 @@ IMG_DIR = DOCS / "img"
 DEFAULT_PYPERF_ARGS = "--processes 3 --values 3 --warmups 1 --min-time 0.05"
 # Scripts that are plain asyncio programs, not pyperf runners: no pyperf options.
 NON_PYPERF = frozenset(
-    {"bench_agents", "bench_e2e", "bench_relay", "bench_scale", "bench_tunnel", "bench_transfer"}
+    {
+        "bench_agents",
+        "bench_cli",
+        "bench_e2e",
+        "bench_relay",
+        "bench_scale",
+        "bench_tunnel",
+        "bench_transfer",
+    }
 )
 
 
