@@ -23,12 +23,17 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-from urllib.parse import SplitResult, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from talos.logging import event
-from talos.peer_refs import PeerAddr, check_did, check_peer_addr, parse_peer_addr
+from talos.peer_refs import (
+    PeerAddr,
+    check_did,
+    check_peer_addr,
+    host_port_url,
+    parse_peer_addr,
+)
 from talos_sdk.errors import UsageError
 
 __all__ = [
@@ -156,23 +161,6 @@ class NodeConfig(BaseModel):
         return tuple(check_did(v) for v in value)
 
 
-def _host_port_url(value: str, schemes: tuple[str, ...], what: str, shape: str) -> SplitResult:
-    """``value`` split, with one of ``schemes``, a host and a port (UsageError otherwise).
-
-    ``what`` names the value in the errors, ``shape`` shows what it must look like.
-    """
-    parts = urlsplit(value)
-    if parts.scheme not in schemes or not parts.hostname:
-        raise UsageError(f"{shape}, got {value!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        raise UsageError(f"bad port in {what} {value!r}") from None
-    if port is None:
-        raise UsageError(f"{what} needs a port: {value!r}")
-    return parts
-
-
 def validation_text(exc: ValidationError) -> str:
     """Pydantic's errors on one line: ``field: what is wrong; ...`` (no URLs, no input echo)."""
     parts = []
@@ -185,7 +173,7 @@ def validation_text(exc: ValidationError) -> str:
 
 def parse_relay_url(value: str) -> str:
     """Check ``nats://HOST:PORT`` (or ``tls://``); returns it unchanged."""
-    parts = _host_port_url(
+    parts = host_port_url(
         value, ("nats", "tls"), "relay address", "relay must look like nats://HOST:PORT"
     )
     if parts.username or parts.password or parts.path not in ("", "/") or parts.query:

@@ -21,8 +21,8 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Final, Protocol, runtime_checkable
-from urllib.parse import urlsplit
 
+from talos.peer_refs import host_port_url
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import UsageError
 
@@ -72,15 +72,9 @@ def normalize_address(addr: str) -> str:
     """
     if not isinstance(addr, str):
         raise BadAddressError(f"address must be a string, got {type(addr).__name__}")
-    parts = urlsplit(addr)
-    if parts.scheme not in ("ws", "wss") or not parts.hostname:
-        raise BadAddressError(f"address must look like ws://HOST:PORT, got {addr!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        raise BadAddressError(f"bad port in address {addr!r}") from None
-    if port is None:
-        raise BadAddressError(f"address needs a port: {addr!r}")
+    parts = host_port_url(
+        addr, ("ws", "wss"), "address", "address must look like ws://HOST:PORT", BadAddressError
+    )
     if parts.path not in ("", "/") or parts.query:
         raise BadAddressError(f"address must not carry a path or query: {addr!r}")
     return f"{parts.scheme}://{parts.netloc}"

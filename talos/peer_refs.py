@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import DIDError, UsageError
@@ -27,6 +27,7 @@ __all__ = [
     "check_did",
     "check_peer_addr",
     "check_peer_ref",
+    "host_port_url",
     "is_did",
     "parse_peer_addr",
     "shown",
@@ -91,17 +92,35 @@ class PeerAddr:
         return f"{self.url}#{self.did}"
 
 
-def parse_peer_addr(addr: str) -> PeerAddr:
-    """Parse ``ws://HOST:PORT#DID`` (``wss://`` too); the DID fragment is required."""
-    parts = urlsplit(addr)
-    if parts.scheme not in ("ws", "wss") or not parts.hostname:
-        raise UsageError(f"peer address must look like ws://HOST:PORT#DID, got {addr!r}")
+def host_port_url(
+    value: str,
+    schemes: tuple[str, ...],
+    what: str,
+    shape: str,
+    error: type[UsageError] = UsageError,
+) -> SplitResult:
+    """``value`` split, with one of ``schemes``, a host and a port (``error`` otherwise).
+
+    ``what`` names the value in the errors, ``shape`` shows what it must look like. The
+    one check behind peer addresses, relay URLs and dialable addresses (talos/discovery.py).
+    """
+    parts = urlsplit(value)
+    if parts.scheme not in schemes or not parts.hostname:
+        raise error(f"{shape}, got {value!r}")
     try:
         port = parts.port
     except ValueError:
-        raise UsageError(f"bad port in peer address {addr!r}") from None
+        raise error(f"bad port in {what} {value!r}") from None
     if port is None:
-        raise UsageError(f"peer address needs a port: {addr!r}")
+        raise error(f"{what} needs a port: {value!r}")
+    return parts
+
+
+def parse_peer_addr(addr: str) -> PeerAddr:
+    """Parse ``ws://HOST:PORT#DID`` (``wss://`` too); the DID fragment is required."""
+    parts = host_port_url(
+        addr, ("ws", "wss"), "peer address", "peer address must look like ws://HOST:PORT#DID"
+    )
     if not parts.fragment:
         raise UsageError(f"peer address needs the peer's DID after '#': {addr!r}")
     public_key_from_did(parts.fragment)  # raises DIDError for a malformed DID
