@@ -9,7 +9,6 @@ that says whose fault it was (4xx: the request, 5xx: the node).
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -18,9 +17,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from talos.chain.log import UnknownRecordError
-from talos.chain.verify import verify_chain
 from talos.transfer.routes import register_routes
-from talos.views import block_json, report_json
+from talos.views import block_json, node_verify_json
 from talos_sdk.errors import StorageFullError, TalosError, UsageError
 
 if TYPE_CHECKING:
@@ -202,17 +200,7 @@ def build_app(node: Node, token: str, transfers: TransferManager | None = None) 
 
     @routes.get("/v1/chain/verify")
     async def verify(request: web.Request) -> web.Response:
-        await asyncio.to_thread(node.log.seal)
-        report = await asyncio.to_thread(
-            functools.partial(
-                verify_chain,
-                node.store,
-                node.did,
-                workers=1,
-                mldsa65_public_key=node.wallet.mldsa_public_key,
-            )
-        )
-        return _json(report_json(report, node.log.quarantined()))
+        return _json(await asyncio.to_thread(node_verify_json, node))
 
     @routes.get("/v1/chain/show")
     async def show(request: web.Request) -> web.Response:

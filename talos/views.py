@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from talos import pipeline as pl
 from talos.chain.block import Block
 from talos.chain.log import Quarantined
-from talos.chain.verify import VerifyReport
+from talos.chain.verify import VerifyReport, verify_chain
 from talos.peer_names import names as peer_names
 from talos.status_text import seq_text
 
@@ -54,6 +54,18 @@ def report_json(report: VerifyReport, quarantined: Iterable[Quarantined] = ()) -
         ],
         "quarantined": [quarantined_json(q) for q in quarantined],
     }
+
+
+def node_verify_json(node: Node) -> dict[str, Any]:
+    """The node's own log sealed, then verified (one worker), as :func:`report_json`.
+
+    Blocking (LMDB, signatures): the API and the local socket run it in a thread.
+    """
+    node.log.seal()
+    report = verify_chain(
+        node.store, node.did, workers=1, mldsa65_public_key=node.wallet.mldsa_public_key
+    )
+    return report_json(report, node.log.quarantined())
 
 
 def quarantined_json(q: Quarantined) -> dict[str, Any]:

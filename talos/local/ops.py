@@ -274,21 +274,9 @@ async def op_mark_read(host: LocalHost, args: dict[str, Any]) -> Any:
 
 
 async def op_chain_verify(host: LocalHost, args: dict[str, Any]) -> Any:
-    node = host.node
-    from talos.chain.verify import verify_chain
-    from talos.views import report_json
+    from talos.views import node_verify_json
 
-    await asyncio.to_thread(node.log.seal)
-    report = await asyncio.to_thread(
-        functools.partial(
-            verify_chain,
-            node.store,
-            node.did,
-            workers=1,
-            mldsa65_public_key=node.wallet.mldsa_public_key,
-        )
-    )
-    return report_json(report, node.log.quarantined())
+    return await asyncio.to_thread(node_verify_json, host.node)
 
 
 async def op_chain_peer_heads(host: LocalHost, args: dict[str, Any]) -> Any:
