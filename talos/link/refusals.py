@@ -99,9 +99,13 @@ class LinkProblem:
         """A refusal a waiting sender should hear of at once (not a passing state)."""
         return self.refused and self.direction == "dial" and self.code in DEFINITE
 
+    @property
+    def _code(self) -> str:
+        return f" (close code {self.code})" if self.code is not None else ""
+
     def message(self, did: str) -> str:
         """One sentence for an error line or a status row."""
-        code = f" (close code {self.code})" if self.code is not None else ""
+        code = self._code
         if self.kind == BY_PEER:
             return f"{did} refused the link: {self.reason}{code}"
         if self.kind == BY_US:
@@ -110,7 +114,7 @@ class LinkProblem:
 
     def why(self) -> str:
         """Why a queued message does not move (``talosd outbox``), without the DID."""
-        code = f" (close code {self.code})" if self.code is not None else ""
+        code = self._code
         if self.kind == BY_PEER:
             return f"link refused by peer: {self.reason}{code}"
         if self.kind == BY_US:

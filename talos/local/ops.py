@@ -381,24 +381,21 @@ async def run_op(host: LocalHost, op: str, args: dict[str, Any]) -> Any:
     return await fn(host, args)
 
 
+#: REPLY error codes, first match wins: the specific classes before their TalosError root.
+_ERROR_CODES: tuple[tuple[type[BaseException], str], ...] = (
+    (UnknownRecordError, "not_found"),
+    (UsageError, "usage"),
+    (TimeoutError, "timeout"),
+    (StorageFullError, "storage_full"),
+    (LinkRefusedError, "refused"),
+    (PeerUnreachableError, "unreachable"),
+    (TalosError, "node"),
+)
+
+
 def error_json(exc: BaseException) -> dict[str, str]:
     """The REPLY error of a failed op: a code saying whose fault, and a message."""
-    if isinstance(exc, UnknownRecordError):
-        code = "not_found"
-    elif isinstance(exc, UsageError):
-        code = "usage"
-    elif isinstance(exc, TimeoutError):
-        code = "timeout"
-    elif isinstance(exc, StorageFullError):
-        code = "storage_full"
-    elif isinstance(exc, LinkRefusedError):
-        code = "refused"
-    elif isinstance(exc, PeerUnreachableError):
-        code = "unreachable"
-    elif isinstance(exc, TalosError):
-        code = "node"
-    else:
-        code = "internal"
+    code = next((c for cls, c in _ERROR_CODES if isinstance(exc, cls)), "internal")
     message = str(exc.args[0]) if exc.args else type(exc).__name__
     if code == "timeout" and not exc.args:
         message = "timed out"
