@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import Final
 
-from talos_sdk.binfmt import utf8
+from talos_sdk.binfmt import ByteReader, utf8
 from talos_sdk.errors import MalformedFrameError, OversizeError
 
 __all__ = [
@@ -127,23 +127,9 @@ def _fields(type_byte: int, *fields: bytes) -> bytes:
     return b"".join(parts)
 
 
-def _split(data: bytes, count: int) -> list[bytes]:
-    """Parse exactly ``count`` u32-length-prefixed fields after the type byte."""
-    out: list[bytes] = []
-    pos = 1
-    end = len(data)
-    for _ in range(count):
-        if pos + 4 > end:
-            raise MalformedFrameError("truncated field length")
-        (n,) = _I.unpack_from(data, pos)
-        pos += 4
-        if pos + n > end:
-            raise MalformedFrameError("field longer than frame")
-        out.append(data[pos : pos + n])
-        pos += n
-    if pos != end:
-        raise MalformedFrameError("trailing bytes after last field")
-    return out
+def _reader(data: bytes, name: str) -> ByteReader:
+    """A reader over the u32-length-prefixed fields after the type byte."""
+    return ByteReader(memoryview(data)[1:], f"{name} frame")
 
 
 def encode(frame: LinkFrame) -> bytes:
@@ -196,16 +182,19 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
             raise MalformedFrameError("ACCEPT carries no fields")
         return Accept()
     if t == T_REFUSE:
-        code_raw, reason = _split(data, 2)
+        r = _reader(data, "REFUSE")
+        code_raw, reason = r.var32(), r.var32()
+        r.end()
         if len(code_raw) != 2:
             raise MalformedFrameError("REFUSE code must be 2 bytes")
         return Refuse(_H.unpack(code_raw)[0], utf8(reason, "reason"))
     if t == T_SESSION_OFFER:
-        try:
-            bundle, sid = _split(data, 2)
+        r = _reader(data, "SESSION_OFFER")
+        bundle, sid = r.var32(), r.var32()
+        if not r.remaining:
             return SessionOffer(bundle, sid)
-        except MalformedFrameError:
-            bundle, sid, bound = _split(data, 3)
+        bound = r.var32()
+        r.end()
         if len(bound) != _I.size:
             raise MalformedFrameError("SESSION_OFFER max_frame must be 4 bytes")
         (max_frame,) = _I.unpack(bound)
@@ -215,7 +204,9 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
             )
         return SessionOffer(bundle, sid, max_frame)
     if t == T_SESSION_INIT:
-        sid, payload = _split(data, 2)
+        r = _reader(data, "SESSION_INIT")
+        sid, payload = r.var32(), r.var32()
+        r.end()
         if not sid:
             raise MalformedFrameError("SESSION_INIT needs a session id")
         return SessionInit(sid, payload)

@@ -43,8 +43,8 @@ def test_hot_path_frames_are_compact() -> None:
         (b"\x21" + b"\x00" * 9, "ACK must be"),
         (b"\x04\x00", "ACCEPT carries no fields"),
         (b"\x01", "unknown link frame type"),  # the old HELLO is gone
-        (b"\x03\x00\x00", "truncated field length"),
-        (b"\x03\x00\x00\x00\x09abc", "field longer"),
+        (b"\x03\x00\x00", "REFUSE frame: truncated"),
+        (b"\x03\x00\x00\x00\x09abc", "truncated"),
         (b"\x03\x00\x00\x00\x02ab\x00\x00\x00\x00x", "trailing bytes"),
         (b"\x03\x00\x00\x00\x02\x0f\xa0\x00\x00\x00\x02\xff\xfe", "reason is not UTF-8"),
         (b"\x03" + b"\x00\x00\x00\x01x" + b"\x00\x00\x00\x00", "code must be 2"),
