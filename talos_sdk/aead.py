@@ -39,6 +39,11 @@ CHUNK_HEADER_SIZE = 9
 _FINAL = 1
 _MAX_COUNTER = 2**64 - 1
 _HEADER = struct.Struct(">QB")
+# nonce = 4-byte prefix || counter in one pack: building it as ``prefix +
+# header[:8]`` cost a slice and a concatenation per chunk; with the bound
+# encrypt method below, a 35-byte seal went 1.76 -> 1.68 us of CPU where the
+# raw encrypt call takes 1.03 us (bench_crypto "stream.seal.35B").
+_NONCE = struct.Struct(">4sQ")
 _STREAM_INFO = b"Talos_Stream_ChaCha20Poly1305_v1|"
 # From this chunk size on, seal() encrypts into a scratch buffer kept by the
 # sealer and copies it out once. Building ``header + encrypt(...)`` instead
@@ -58,7 +63,7 @@ def derive_stream_key(secret: bytes, label: bytes) -> bytes:
 
 
 class _StreamBase:
-    __slots__ = ("_aead", "_counter", "_done", "_prefix", "_scratch", "_stream_id")
+    __slots__ = ("_aead", "_counter", "_done", "_encrypt", "_prefix", "_scratch", "_stream_id")
 
     def __init__(self, key: bytes, stream_id: bytes) -> None:
         if not isinstance(key, bytes) or len(key) != KEY_SIZE:
@@ -67,6 +72,8 @@ class _StreamBase:
             raise UsageError("stream_id must be bytes")
         # One AEAD object for the whole stream: its key schedule is paid once.
         self._aead = ChaCha20Poly1305(key)
+        # Bound once: seal() on small chunks is dominated by per-call lookups.
+        self._encrypt = self._aead.encrypt
         self._stream_id = stream_id
         self._prefix = hashlib.sha256(stream_id).digest()[:4]
         self._counter = 0
@@ -109,7 +116,7 @@ class StreamSealer(_StreamBase):
         if counter >= _MAX_COUNTER:
             raise UsageError("stream counter exhausted")
         header = _HEADER.pack(counter, _FINAL if final else 0)
-        sealed = self._aead.encrypt(self._prefix + header[:8], chunk, self._stream_id + header)
+        sealed = self._encrypt(_NONCE.pack(self._prefix, counter), chunk, self._stream_id + header)
         self._counter = counter + 1
         self._done = final
         return header + sealed
@@ -131,7 +138,7 @@ class StreamSealer(_StreamBase):
         view = memoryview(buf)
         view[:CHUNK_HEADER_SIZE] = header
         self._aead.encrypt_into(
-            self._prefix + header[:8],
+            _NONCE.pack(self._prefix, counter),
             chunk,
             self._stream_id + header,
             view[CHUNK_HEADER_SIZE:total],
@@ -156,7 +163,9 @@ class StreamOpener(_StreamBase):
             raise DecryptionError()
         try:
             plain = self._aead.decrypt(
-                self._prefix + header[:8], sealed[CHUNK_HEADER_SIZE:], self._stream_id + header
+                _NONCE.pack(self._prefix, counter),
+                sealed[CHUNK_HEADER_SIZE:],
+                self._stream_id + header,
             )
         except InvalidTag:
             raise DecryptionError() from None
@@ -181,7 +190,7 @@ class StreamOpener(_StreamBase):
             raise DecryptionError()
         try:
             self._aead.decrypt_into(
-                self._prefix + header[:8],
+                _NONCE.pack(self._prefix, counter),
                 memoryview(sealed)[CHUNK_HEADER_SIZE:],
                 self._stream_id + header,
                 memoryview(buf)[:size],

@@ -161,3 +161,24 @@ def test_large_chunks_through_the_scratch_buffer_match_the_layout() -> None:
     assert opener.finished
     with pytest.raises(UsageError, match="finished"):
         sealer.seal(chunks[0])
+
+
+def test_small_chunks_match_libsodium() -> None:
+    # The per-chunk fast path (nonce packed in one call) checked against an
+    # independent ChaCha20-Poly1305: libsodium's IETF construction (RFC 8439).
+    import hashlib
+    import struct
+
+    from nacl.bindings import crypto_aead_chacha20poly1305_ietf_encrypt
+
+    sealer, opener = pair(b"small")
+    prefix = hashlib.sha256(b"small").digest()[:4]
+    chunks = [b"", b"x" * 35, bytes(range(200)), b"last"]
+    for counter, chunk in enumerate(chunks):
+        final = counter == len(chunks) - 1
+        header = struct.pack(">QB", counter, int(final))
+        nonce = prefix + counter.to_bytes(8, "big")
+        expected = crypto_aead_chacha20poly1305_ietf_encrypt(chunk, b"small" + header, nonce, KEY)
+        sealed = sealer.seal(chunk, final=final)
+        assert sealed == header + expected
+        assert opener.open(sealed) == chunk
