@@ -12,7 +12,7 @@ import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from talos.local import wire
 from talos.local.call import (
@@ -25,6 +25,7 @@ from talos.local.call import (
     raise_for,
     socket_path,
 )
+from talos.local.flow import FlowControlled
 from talos_sdk.errors import TalosError
 
 __all__ = [
@@ -39,25 +40,15 @@ __all__ = [
 
 # --- asyncio, for attached proxies and talosd mcp ----------------------------------------------
 
-_HIGH_WATER = 1 << 20
-
 AppReceiver = Callable[[str, str, bytes], Awaitable[None] | None]
 EventListener = Callable[[dict[str, Any]], None]
 
 
-class _Protocol(asyncio.Protocol):
+class _Protocol(FlowControlled):
     def __init__(self, client: LocalClient) -> None:
+        super().__init__()
         self.client = client
         self.reader = wire.FrameReader()
-        self.transport: asyncio.Transport | None = None
-        self.drained: asyncio.Future[None] | None = None
-        self.paused: asyncio.Future[None] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        transport = cast(asyncio.Transport, transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(high=_HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -73,19 +64,7 @@ class _Protocol(asyncio.Protocol):
         self.client._gone(
             stopping.result() if stopping.done() else "the node closed the connection"
         )
-        self._wake()
-
-    def pause_writing(self) -> None:
-        if self.drained is None:
-            self.drained = asyncio.get_running_loop().create_future()
-
-    def resume_writing(self) -> None:
-        self._wake()
-
-    def _wake(self) -> None:
-        fut, self.drained = self.drained, None
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        self.wake_writers()
 
 
 class LocalClient:

@@ -33,10 +33,11 @@ import socket
 import struct
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from talos.local import wire
 from talos.local.call import SOCKET_NAME, socket_path
+from talos.local.flow import FlowControlled
 from talos.local.ops import LocalHost, error_json, resolve, run_op
 from talos.logging import event
 from talos_sdk.errors import MalformedFrameError, OversizeError, TalosError, UsageError
@@ -49,7 +50,6 @@ __all__ = ["SOCKET_NAME", "LocalServer", "peer_allowed", "peer_uid", "socket_pat
 _log = logging.getLogger("talos.local")
 #: A keyed claim's share of the 32-bit key space; keys below the first range stay unkeyed.
 KEY_RANGE = 1 << 20
-_HIGH_WATER = 1 << 20
 _KEY = struct.Struct(">I")
 #: How long a stopping node waits for clients holding app channels to leave.
 DRAIN_SECONDS = 5.0
@@ -103,18 +103,17 @@ class _Claim:
         return True
 
 
-class _Conn(asyncio.Protocol):
+class _Conn(FlowControlled):
     """One local client."""
 
     def __init__(self, server: LocalServer) -> None:
+        super().__init__()
         self.server = server
-        self.transport: asyncio.Transport | None = None
         self.reader = wire.FrameReader()
         self.tasks: set[asyncio.Task[None]] = set()
         self.watch = False
         self.closed = False
         self.lent: list[str] = []  # DIDs this client lets link while it is attached
-        self._drained: asyncio.Future[None] | None = None
         self._app_out: deque[wire.AppFrame] = deque()
         self._app_task: asyncio.Task[None] | None = None
         self._replies: list[bytes] = []
@@ -123,10 +122,7 @@ class _Conn(asyncio.Protocol):
     # --- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        transport = cast(asyncio.Transport, transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(high=_HIGH_WATER)
+        super().connection_made(transport)
         uid = peer_uid(transport.get_extra_info("socket"))
         if not peer_allowed(uid, os.getuid()):
             self.server.node.metrics.inc("local_clients_refused")
@@ -163,19 +159,7 @@ class _Conn(asyncio.Protocol):
             task.cancel()  # a client gone mid-long-poll: its call ends, nothing was consumed
         if self._app_task is not None:
             self._app_task.cancel()
-        self._wake()
-
-    def pause_writing(self) -> None:
-        if self._drained is None:
-            self._drained = asyncio.get_running_loop().create_future()
-
-    def resume_writing(self) -> None:
-        self._wake()
-
-    def _wake(self) -> None:
-        fut, self._drained = self._drained, None
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        self.wake_writers()
 
     # --- writing -----------------------------------------------------------------------------
 
@@ -188,7 +172,7 @@ class _Conn(asyncio.Protocol):
         if self.closed or self.transport is None:
             return None
         self.transport.write(data)
-        return self._drained
+        return self.drained
 
     def reply(self, data: bytes) -> None:
         """Write a REPLY together with the others of this loop pass, in one write.
