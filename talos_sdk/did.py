@@ -9,8 +9,6 @@ exactly one spelling and string equality is identity equality.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from talos_sdk.base58 import b58decode, b58encode
 from talos_sdk.errors import DIDError, EncodingError
 
@@ -38,12 +36,18 @@ _CODEC_NAMES = {
 }
 
 
-#: DIDs this process encoded, with their keys: decoding one of them (a wallet's
-#: own DID, both ends of an in-process session) is then a lookup. base58
-#: decoding is a Python loop over 48 digits, ~1/5 of an X25519 DH; a session
-#: setup between two local wallets decoded two DIDs (bench_ratchet create_pair).
-_ENCODED: dict[str, bytes] = {}
-_ENCODED_MAX = 1024
+#: The one cache of DIDs and their keys, bounded (oldest entry evicted first):
+#: every DID this process encoded (a wallet's own, both ends of an in-process
+#: session) and every DID it decoded (peers are verified over and over). A hit
+#: skips base58 decoding, a Python loop over 48 digits, ~1/5 of an X25519 DH.
+_KEYS: dict[str, bytes] = {}
+_KEYS_MAX = 16384
+
+
+def _remember(did: str, key: bytes) -> None:
+    if len(_KEYS) >= _KEYS_MAX:
+        del _KEYS[next(iter(_KEYS))]
+    _KEYS[did] = key
 
 
 def did_from_public_key(public_key: bytes) -> str:
@@ -54,9 +58,7 @@ def did_from_public_key(public_key: bytes) -> str:
     if len(raw) != _KEY_LEN:
         raise DIDError(f"Ed25519 public key must be {_KEY_LEN} bytes, got {len(raw)}")
     did = DID_KEY_PREFIX + "z" + b58encode(ED25519_MULTICODEC + raw)
-    if len(_ENCODED) >= _ENCODED_MAX:
-        del _ENCODED[next(iter(_ENCODED))]
-    _ENCODED[did] = raw
+    _remember(did, raw)
     return did
 
 
@@ -70,18 +72,17 @@ def _read_varint(data: bytes) -> tuple[int, int]:
     raise DIDError("did:key multicodec prefix is not a valid unsigned varint")
 
 
-@lru_cache(maxsize=16384)
 def public_key_from_did(did: str) -> bytes:
     """Parse a did:key and return its raw 32-byte Ed25519 public key.
 
-    Cached: peers verify the same few DIDs over and over. Every malformed input
-    raises :class:`DIDError` naming what was wrong.
+    Cached (``_KEYS``); every malformed input raises :class:`DIDError` naming
+    what was wrong (malformed DIDs are not cached).
     """
-    known = _ENCODED.get(did)  # a str key: a non-str ``did`` cannot match
-    if known is not None:
-        return known
     if not isinstance(did, str):
         raise DIDError(f"DID must be a str, not {type(did).__name__}")
+    known = _KEYS.get(did)
+    if known is not None:
+        return known
     if not did.startswith("did:"):
         raise DIDError(f"not a DID (expected 'did:key:z...'): {did[:64]!r}")
     if not did.startswith(DID_KEY_PREFIX):
@@ -110,4 +111,5 @@ def public_key_from_did(did: str) -> bytes:
     key = decoded[used:]
     if len(key) != _KEY_LEN:
         raise DIDError(f"did:key Ed25519 key must be {_KEY_LEN} bytes, got {len(key)}")
+    _remember(did, key)
     return key

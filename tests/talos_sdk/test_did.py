@@ -91,32 +91,38 @@ def test_bad_public_key_type() -> None:
         did_from_public_key("00" * 32)  # type: ignore[arg-type]
 
 
-def test_parse_is_cached() -> None:
-    public_key_from_did.cache_clear()
-    public_key_from_did(GOOD)
-    public_key_from_did(GOOD)
-    info = public_key_from_did.cache_info()
-    assert (info.hits, info.misses) == (1, 1)
-
-
-def test_a_did_encoded_here_decodes_by_lookup_to_the_same_key() -> None:
-    """did_from_public_key remembers what it encoded; the answer equals a real decode."""
+def test_parse_is_cached_and_equals_a_real_decode() -> None:
+    """One table holds what was encoded and what was decoded; a hit equals a decode."""
     import talos_sdk.did as did_mod
 
+    did_mod._KEYS.clear()
+    assert public_key_from_did(GOOD) == KEY0
+    assert did_mod._KEYS == {GOOD: KEY0}
+    assert public_key_from_did(GOOD) is did_mod._KEYS[GOOD]
     key = bytes(range(32))
     did = did_from_public_key(key)
-    assert did_mod._ENCODED[did] == key
-    public_key_from_did.cache_clear()
+    assert did_mod._KEYS[did] == key
     assert public_key_from_did(did) == key == b58decode(did[len("did:key:z") :])[2:]
-    did_mod._ENCODED.clear()  # and without the table, the base58 path agrees
-    public_key_from_did.cache_clear()
+    did_mod._KEYS.clear()  # and without the table, the base58 path agrees
     assert public_key_from_did(did) == key
 
 
-def test_the_table_of_encoded_dids_is_bounded() -> None:
+def test_malformed_dids_are_not_cached() -> None:
     import talos_sdk.did as did_mod
 
-    for i in range(did_mod._ENCODED_MAX + 10):
+    did_mod._KEYS.clear()
+    with pytest.raises(DIDError):
+        public_key_from_did("did:key:zTjsVPtY")
+    assert did_mod._KEYS == {}
+
+
+def test_the_cache_is_bounded() -> None:
+    import talos_sdk.did as did_mod
+
+    for i in range(did_mod._KEYS_MAX + 10):
         did_from_public_key(i.to_bytes(32, "big"))
-    assert len(did_mod._ENCODED) == did_mod._ENCODED_MAX
-    assert did_from_public_key(bytes(32)) in did_mod._ENCODED
+    assert len(did_mod._KEYS) == did_mod._KEYS_MAX
+    assert did_from_public_key(bytes(32)) in did_mod._KEYS
+    decoded = public_key_from_did(GOOD)
+    assert len(did_mod._KEYS) == did_mod._KEYS_MAX
+    assert did_mod._KEYS[GOOD] == decoded
