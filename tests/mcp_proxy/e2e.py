@@ -128,3 +128,43 @@ def connect_params(home: Path, address: str, *extra: str) -> StdioServerParamete
 def sdk_client(home: Path, address: str, *extra: str, **kwargs: Any) -> Client:
     """The real MCP SDK client launching ``talos-proxy connect`` as its stdio server."""
     return Client(connect_params(home, address, *extra), mode="legacy", **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def http_connect(home: Path, address: str) -> AsyncIterator[tuple[str, str]]:
+    """``talos-proxy connect --http 127.0.0.1:0`` running: (its URL, its bearer token)."""
+    proc = await asyncio.create_subprocess_exec(
+        *PROXY,
+        "connect",
+        "--home",
+        str(home),
+        "--peer",
+        address,
+        "--http",
+        "127.0.0.1:0",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=ENV,
+    )
+    assert proc.stderr is not None
+    drain: asyncio.Task[bytes] | None = None
+    try:
+        url = ""
+        while not url:
+            line = (await proc.stderr.readline()).decode()
+            assert line, "connect --http exited early"
+            if match := re.search(r"Streamable HTTP on (\S+)", line):
+                url = match.group(1)
+        drain = asyncio.create_task(proc.stderr.read())
+        yield url, (home / "proxy-http.token").read_text().strip()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), 15)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if drain is not None:
+            drain.cancel()

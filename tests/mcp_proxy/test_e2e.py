@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from tests.mcp_proxy.e2e import (
     REPO,
     Serve,
     did_of,
+    http_connect,
     sdk_client,
     serving,
     start_serve,
@@ -278,47 +278,18 @@ async def test_streamable_http_through_real_nodes(tmp_path: Path) -> None:
     from mcp.client.streamable_http import streamable_http_client
 
     client_did = did_of(tmp_path / "c")
-    async with asyncio.timeout(TIMEOUT), serving(tmp_path / "s", ["--allow", client_did]) as serve:
-        proc = await asyncio.create_subprocess_exec(
-            *PROXY,
-            "connect",
-            "--home",
-            str(tmp_path / "c"),
-            "--peer",
-            serve.address,
-            "--http",
-            "127.0.0.1:0",
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            cwd=REPO,
-            env=ENV,
-        )
-        assert proc.stderr is not None
-        try:
-            url = ""
-            while not url:
-                line = (await proc.stderr.readline()).decode()
-                assert line, "connect --http exited early"
-                if match := re.search(r"Streamable HTTP on (\S+)", line):
-                    url = match.group(1)
-            token_file = tmp_path / "c" / "proxy-http.token"
-            assert os.stat(token_file).st_mode & 0o777 == 0o600
-            token = token_file.read_text().strip()
-            async with (
-                httpx2.AsyncClient(
-                    headers={"Authorization": f"Bearer {token}"}, timeout=30
-                ) as http,
-                Client(streamable_http_client(url, http_client=http), mode="legacy") as client,
-            ):
-                assert text(await client.call_tool("echo", {"text": "over http"})) == "over http"
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), 15)
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+    async with (
+        asyncio.timeout(TIMEOUT),
+        serving(tmp_path / "s", ["--allow", client_did]) as serve,
+        http_connect(tmp_path / "c", serve.address) as (url, token),
+    ):
+        token_file = tmp_path / "c" / "proxy-http.token"
+        assert os.stat(token_file).st_mode & 0o777 == 0o600
+        async with (
+            httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=30) as http,
+            Client(streamable_http_client(url, http_client=http), mode="legacy") as client,
+        ):
+            assert text(await client.call_tool("echo", {"text": "over http"})) == "over http"
 
 
 async def test_policy_file_named_servers_and_strict_audit_in_the_block_log(tmp_path: Path) -> None:

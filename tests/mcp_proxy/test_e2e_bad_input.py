@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -22,7 +20,7 @@ from typing import Any
 import orjson
 
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, PARSE_ERROR, TOOL_DENIED
-from tests.mcp_proxy.e2e import ENV, PROXY, REPO, did_of, serving
+from tests.mcp_proxy.e2e import ENV, PROXY, REPO, did_of, http_connect, serving
 
 TIMEOUT = 120
 BASE = b'{"jsonrpc":"2.0","id":%d,"method":"tools/list","params":{"x":[1,"a"],"y":{"z":null}}}'
@@ -249,42 +247,3 @@ def sse_messages(body: bytes) -> list[dict[str, Any]]:
         assert len(lines) == 2 and b"\r" not in lines[1], event
         out.append(orjson.loads(lines[1][6:]))
     return out
-
-
-@contextlib.asynccontextmanager
-async def http_connect(home: Path, address: str) -> AsyncIterator[tuple[str, str]]:
-    proc = await asyncio.create_subprocess_exec(
-        *PROXY,
-        "connect",
-        "--home",
-        str(home),
-        "--peer",
-        address,
-        "--http",
-        "127.0.0.1:0",
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=REPO,
-        env=ENV,
-    )
-    assert proc.stderr is not None
-    drain: asyncio.Task[bytes] | None = None
-    try:
-        url = ""
-        while not url:
-            line = (await proc.stderr.readline()).decode()
-            assert line, "connect --http exited early"
-            if match := re.search(r"Streamable HTTP on (\S+)", line):
-                url = match.group(1)
-        drain = asyncio.create_task(proc.stderr.read())
-        yield url, (home / "proxy-http.token").read_text().strip()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), 15)
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        if drain is not None:
-            drain.cancel()
