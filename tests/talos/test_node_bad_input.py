@@ -16,8 +16,9 @@ from talos.link import wire
 from talos.link.handshake import CLOSE_PROTOCOL
 from talos.link.peer import Link, LinkSettings, dial_link
 from talos.node import Node
-from talos.sessions import SessionManager
+from talos.sessions import MSG_FRAME_TYPE, SessionManager
 from talos.store import Store
+from talos_sdk.frames import Frame, RatchetFrameCrypto
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import link, make_home, started, until
 
@@ -262,23 +263,25 @@ async def test_sessions_out_of_step_are_rekeyed(victim: Node, rogue: Rogue) -> N
         await until(lambda: got == [b"in step"], what="frame on the new session")
 
 
+def first_message(sender: str, recipient: str, text: bytes) -> Frame:
+    """Message frame number 1 from ``sender``, its payload a fixed message id and ``text``."""
+    return Frame(
+        type=MSG_FRAME_TYPE,
+        sender=sender,
+        recipient=recipient,
+        sequence=1,
+        timestamp=5,
+        payload=b"1" * 16 + (0).to_bytes(8, "big") + text,
+    )
+
+
 async def test_unsigned_message_frame_is_refused(victim: Node, rogue: Rogue) -> None:
     """A MSG frame without the sender's signature never reaches the inbox."""
-    from talos.sessions import MSG_FRAME_TYPE
-    from talos_sdk.frames import Frame
-
     me = rogue.wallet.did
     async with asyncio.timeout(20):
         link = await rogue.connect(victim)
         await rogue.establish(victim)
-        frame = Frame(
-            type=MSG_FRAME_TYPE,
-            sender=me,
-            recipient=victim.did,
-            sequence=1,
-            timestamp=5,
-            payload=b"1" * 16 + (0).to_bytes(8, "big") + b"unsigned",
-        )
+        frame = first_message(me, victim.did, b"unsigned")
         entry = rogue.sessions._get(victim.did)
         body = rogue.sessions._crypto(entry).seal(frame, sign=False)
         await link.send(wire.encode(wire.Msg(1, body)))
@@ -304,21 +307,12 @@ async def test_message_frame_with_a_bad_signature_is_refused(victim: Node, rogue
     from typing import cast
 
     from talos.pipeline import OutboxEntry
-    from talos.sessions import MSG_FRAME_TYPE
-    from talos_sdk.frames import Frame, RatchetFrameCrypto
 
     me = rogue.wallet.did
     async with asyncio.timeout(20):
         link = await rogue.connect(victim)
         await rogue.establish(victim)
-        frame = Frame(
-            type=MSG_FRAME_TYPE,
-            sender=me,
-            recipient=victim.did,
-            sequence=1,
-            timestamp=5,
-            payload=b"1" * 16 + (0).to_bytes(8, "big") + b"forged signature",
-        )
+        frame = first_message(me, victim.did, b"forged signature")
         session = rogue.sessions._get(victim.did).session
         forger = RatchetFrameCrypto(cast(Wallet, _GarbageSigner(me)), session)
         await link.send(wire.encode(wire.Msg(1, forger.seal(frame, sign=True))))
