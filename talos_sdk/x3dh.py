@@ -59,6 +59,11 @@ _SUITE_CODES = {SUITE_X25519: 0, SUITE_HYBRID: 1}
 _SUITE_NAMES = {v: k for k, v in _SUITE_CODES.items()}
 _INFO = {SUITE_X25519: INFO_X25519, SUITE_HYBRID: INFO_HYBRID}
 _IDS = struct.Struct(">II")
+# Parsing: IK_A | binding signature | EK_A | SPK id | OPK id, then (hybrid) PQ
+# prekey id | KEM ciphertext, one unpack each instead of a reader call per field
+# (the responder parses this on every session start).
+_KEYS_AND_IDS = struct.Struct(f">{KEY_SIZE}s{SIGNATURE_SIZE}s{KEY_SIZE}sII")
+_PQ_PART = struct.Struct(f">I{MLKEM768_CIPHERTEXT_SIZE}s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,11 +107,10 @@ class InitialData:
         if suite is None:
             raise MalformedFrameError("X3DH initial data: unknown suite code")
         did = r.text16()
-        ik, binding, ek = r.take(KEY_SIZE), r.take(SIGNATURE_SIZE), r.take(KEY_SIZE)
-        spk_id, opk_id = r.u32(), r.u32()
+        ik, binding, ek, spk_id, opk_id = _KEYS_AND_IDS.unpack(r.take(_KEYS_AND_IDS.size))
         pq_id = ct = None
         if suite == SUITE_HYBRID:
-            pq_id, ct = r.u32(), r.take(MLKEM768_CIPHERTEXT_SIZE)
+            pq_id, ct = _PQ_PART.unpack(r.take(_PQ_PART.size))
         r.end()
         return cls(suite, did, ik, binding, ek, spk_id, opk_id or None, pq_id, ct)
 
