@@ -22,7 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Suite
 from cryptography.hazmat.primitives.asymmetric import ed25519, mldsa, mlkem, x25519
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from nacl.bindings import crypto_sign, crypto_sign_open, crypto_sign_seed_keypair
+from nacl.bindings import (
+    crypto_scalarmult,
+    crypto_scalarmult_base,
+    crypto_sign,
+    crypto_sign_open,
+    crypto_sign_seed_keypair,
+)
 from nacl.signing import SigningKey
 
 from talos_sdk.aead import StreamSealer
@@ -127,11 +133,31 @@ def bench_wallet(suite: Suite) -> None:
 
 
 def bench_x25519(suite: Suite) -> None:
-    """One X25519 DH: the unit cost of X3DH and of every DH ratchet step."""
+    """One X25519 DH and one key pair, in both libraries: the unit costs of X3DH
+    and of every DH ratchet step. talos_sdk.bundle runs X25519 on libsodium with
+    raw 32-byte keys; these rows show whether that is still the faster choice
+    (an OpenSSL DH needs key objects, and parsing a raw private key costs OpenSSL
+    a base-point multiplication)."""
     a = x25519.X25519PrivateKey.generate()
     b_pub = x25519.X25519PrivateKey.generate().public_key()
+    a_raw, b_raw = a.private_bytes_raw(), b_pub.public_bytes_raw()
     suite.floor("x25519.exchange", "OpenSSL X25519 exchange", lambda: a.exchange(b_pub))
+    suite.floor(
+        "x25519.exchange.nacl",
+        "libsodium X25519 (crypto_scalarmult)",
+        partial(crypto_scalarmult, a_raw, b_raw),
+    )
     suite.floor("x25519.generate", "OpenSSL X25519 generate", x25519.X25519PrivateKey.generate)
+    suite.floor(
+        "x25519.generate.nacl",
+        "libsodium X25519 key pair (os.urandom + crypto_scalarmult_base)",
+        _nacl_x25519_keypair,
+    )
+
+
+def _nacl_x25519_keypair() -> tuple[bytes, bytes]:
+    private = os.urandom(32)
+    return private, crypto_scalarmult_base(private)
 
 
 def bench_aead(suite: Suite) -> None:

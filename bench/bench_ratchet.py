@@ -17,14 +17,17 @@ import hashlib
 import hmac
 import os
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Suite
 from cryptography.hazmat.primitives.asymmetric import x25519
 from cryptography.hazmat.primitives.asymmetric.mlkem import MLKEM768PrivateKey, MLKEM768PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from nacl.bindings import (
     crypto_scalarmult,
@@ -58,24 +61,49 @@ def _hkdf(ikm: bytes, info: bytes, blocks: int = 1) -> bytes:
     return out
 
 
-def _raw_pair(hybrid: bool) -> bytes:
+def _nacl_keypair() -> tuple[bytes, bytes]:
+    private = os.urandom(32)
+    return private, crypto_scalarmult_base(private)
+
+
+def _openssl_keypair() -> tuple[X25519PrivateKey, bytes]:
+    private = X25519PrivateKey.generate()
+    return private, private.public_key().public_bytes_raw()
+
+
+def _openssl_dh(private: X25519PrivateKey, public: bytes) -> bytes:
+    return private.exchange(X25519PublicKey.from_public_bytes(public))
+
+
+#: X25519 in each library: (key pair from the OS CSPRNG, DH on a raw public key).
+X25519_LIBS: dict[str, tuple[Callable[[], tuple[Any, bytes]], Callable[[Any, bytes], bytes]]] = {
+    "libsodium": (_nacl_keypair, crypto_scalarmult),
+    "openssl": (_openssl_keypair, _openssl_dh),
+}
+
+
+def _raw_pair(hybrid: bool, x25519_lib: str = "libsodium") -> bytes:
     """Every primitive call ``Session.create_pair`` needs, with no encoding, state or checks.
 
     Two Ed25519 identities (seed -> key pair); Bob's X25519 identity key and
     signed prekey, Alice's identity, ephemeral and first ratchet key (five
-    X25519 base-point multiplications); three Ed25519 signatures (both identity
-    bindings, Bob's bundle) and two verifies (the bundle, Alice's binding);
-    X3DH's three DHs on each side plus one each for the first ratchet step
-    (eight); X3DH's HKDF on each side, KDF_RK (64 bytes) on each side, KDF_CK
-    on each side, and the first (empty) message sealed and opened. The hybrid
-    suite adds an ML-KEM-768 key from its seed, the public key parsed from the
-    bundle, one encapsulation and one decapsulation.
+    X25519 key pairs); three Ed25519 signatures (both identity bindings, Bob's
+    bundle) and two verifies (the bundle, Alice's binding); X3DH's three DHs on
+    each side plus one each for the first ratchet step (eight); X3DH's HKDF on
+    each side, KDF_RK (64 bytes) on each side, KDF_CK on each side, and the
+    first (empty) message sealed and opened. The hybrid suite adds an
+    ML-KEM-768 key from its seed, the public key parsed from the bundle, one
+    encapsulation and one decapsulation. ``x25519_lib`` picks the X25519
+    library (Ed25519 stays on libsodium, the faster one in bench_crypto): the
+    floor is whichever is faster in this run.
     """
     rng = os.urandom
+    keypair, dh = X25519_LIBS[x25519_lib]
     a_pk, a_sk = crypto_sign_seed_keypair(rng(32))
     b_pk, b_sk = crypto_sign_seed_keypair(rng(32))
-    priv = [rng(32) for _ in range(5)]
-    b_ik, b_spk, a_ik, a_ek, a_rt = (crypto_scalarmult_base(k) for k in priv)
+    pairs = [keypair() for _ in range(5)]
+    priv = [p for p, _ in pairs]
+    b_ik, b_spk, a_ik, a_ek, a_rt = (pub for _, pub in pairs)
     b_bind = crypto_sign(b"Talos_IdentityKey_v1\0" + b_pk + b_ik, b_sk)
     bundle = crypto_sign(b"bundle" + b_bind[:64] + b_spk, b_sk)
     a_bind = crypto_sign(b"Talos_IdentityKey_v1\0" + a_pk + a_ik, a_sk)
@@ -87,21 +115,11 @@ def _raw_pair(hybrid: bool) -> bytes:
         public = MLKEM768PublicKey.from_public_bytes(kem.public_key().public_bytes_raw())
         kem_a, ct = public.encapsulate()
         kem_b = kem.decapsulate(ct)
-    ikm_a = (
-        crypto_scalarmult(priv[2], b_spk)
-        + crypto_scalarmult(priv[3], b_ik)
-        + crypto_scalarmult(priv[3], b_spk)
-        + kem_a
-    )
-    ikm_b = (
-        crypto_scalarmult(priv[1], a_ik)
-        + crypto_scalarmult(priv[0], a_ek)
-        + crypto_scalarmult(priv[1], a_ek)
-        + kem_b
-    )
+    ikm_a = dh(priv[2], b_spk) + dh(priv[3], b_ik) + dh(priv[3], b_spk) + kem_a
+    ikm_b = dh(priv[1], a_ik) + dh(priv[0], a_ek) + dh(priv[1], a_ek) + kem_b
     sk_a, sk_b = _hkdf(ikm_a, b"x3dh"), _hkdf(ikm_b, b"x3dh")
-    rk_a = _hkdf(sk_a + crypto_scalarmult(priv[4], b_spk), b"rk", 2)
-    rk_b = _hkdf(sk_b + crypto_scalarmult(priv[1], a_rt), b"rk", 2)
+    rk_a = _hkdf(sk_a + dh(priv[4], b_spk), b"rk", 2)
+    rk_b = _hkdf(sk_b + dh(priv[1], a_rt), b"rk", 2)
     mk_a = hmac.digest(rk_a[32:], b"\x01", "sha256")
     hmac.digest(rk_a[32:], b"\x02", "sha256")
     mk_b = hmac.digest(rk_b[32:], b"\x01", "sha256")
@@ -139,6 +157,11 @@ def main() -> None:
         "3 sign, 2 verify, HKDF/HMAC, AEAD",
         raw_key="session.create_pair.x25519.primitives",
     )
+    suite.floor(
+        "session.create_pair.x25519.primitives.openssl",
+        "sum of its primitives, X25519 on OpenSSL key objects",
+        partial(_raw_pair, False, "openssl"),
+    )
     suite.pair(
         "session.create_pair.x25519-mlkem768",
         "Session.create_pair, x25519-mlkem768 (keys included)",
@@ -146,6 +169,11 @@ def main() -> None:
         partial(Session.create_pair, SUITE_HYBRID),
         raw_label="sum of its primitives, plus ML-KEM-768 keygen, parse, encaps, decaps",
         raw_key="session.create_pair.x25519-mlkem768.primitives",
+    )
+    suite.floor(
+        "session.create_pair.x25519-mlkem768.primitives.openssl",
+        "sum of its primitives (hybrid), X25519 on OpenSSL key objects",
+        partial(_raw_pair, True, "openssl"),
     )
     alice, _ = Session.create_pair(SUITE_X25519)
     ck = os.urandom(32)

@@ -200,17 +200,43 @@ TARGETS: tuple[Target, ...] = (
         "sum of raw Ed25519 + ML-DSA-65 verify",
         (AtLeastRatio("hybrid.verify.64B", ("hybrid.verify.64B.raw",), 0.9),),
     ),
+    # Below the floor on this machine: a create pair is at least 2 Ed25519 key
+    # pairs, 5 X25519 key pairs, 8 X25519 DHs, 3 Ed25519 signs and 2 verifies
+    # (bench_ratchet._raw_pair). At the costs of docs/BENCHMARKS.md's quiet run
+    # (Ed25519 key pair 37 us, DH 40 us, sign 34 us, verify 65 us) and a
+    # libsodium X25519 key pair of ~22 us (bench_crypto "x25519.generate.nacl")
+    # that is 2*37 + 5*22 + 8*40 + 3*34 + 2*65 = 736 us, 1.36k/s; the measured
+    # primitive sum (the "raw floor" column) was 818 us, 1.22k/s. 3k/s is 333 us:
+    # the eight DHs alone take 320 us. The hybrid adds ML-KEM-768 key from seed,
+    # encapsulate and decapsulate (~110 + 26 + 43 us): >= 915 us, <= 1.09k/s,
+    # under 1.5k/s. Kept as set, shown as a miss; the ratio rows below are what
+    # we can move.
     Target(
         "Session create pair, X3DH, keys included",
         "669 /s (1.49 ms)",
-        "X25519 27k DH/s",
-        (AtLeastRate("session.create_pair.x25519", 3_000, floor="x25519.exchange"),),
+        "X25519 27k DH/s; BELOW ITS FLOOR here: 2 Ed25519 + 5 X25519 key pairs, "
+        "8 DH, 3 sign, 2 verify = 2×37 + 5×22 + 8×40 + 3×34 + 2×65 µs ≈ 736 µs "
+        "(1.36k/s), the 8 DHs alone 320 µs; 3k/s = 333 µs",
+        (
+            AtLeastRate(
+                "session.create_pair.x25519",
+                3_000,
+                floor="session.create_pair.x25519.primitives",
+            ),
+        ),
     ),
     Target(
         "Session create pair, PQ hybrid (ML-KEM-768)",
         "—",
-        "—",
-        (AtLeastRate("session.create_pair.x25519-mlkem768", 1_500, floor="x25519.exchange"),),
+        "BELOW ITS FLOOR here: the classical floor ≈ 736 µs plus ML-KEM-768 key from "
+        "seed + encaps + decaps ≈ 180 µs ≈ 915 µs (1.09k/s); 1.5k/s = 667 µs",
+        (
+            AtLeastRate(
+                "session.create_pair.x25519-mlkem768",
+                1_500,
+                floor="session.create_pair.x25519-mlkem768.primitives",
+            ),
+        ),
     ),
     Target(
         "link frame seal + open, 35 B",
@@ -302,7 +328,12 @@ TARGETS: tuple[Target, ...] = (
         "its primitives alone ≈ 405 µs",
         (
             AtLeastRatio(
-                "session.create_pair.x25519", ("session.create_pair.x25519.primitives",), 0.8
+                "session.create_pair.x25519",
+                (
+                    "session.create_pair.x25519.primitives",
+                    "session.create_pair.x25519.primitives.openssl",
+                ),
+                0.8,
             ),
         ),
     ),
@@ -313,7 +344,10 @@ TARGETS: tuple[Target, ...] = (
         (
             AtLeastRatio(
                 "session.create_pair.x25519-mlkem768",
-                ("session.create_pair.x25519-mlkem768.primitives",),
+                (
+                    "session.create_pair.x25519-mlkem768.primitives",
+                    "session.create_pair.x25519-mlkem768.primitives.openssl",
+                ),
                 0.8,
             ),
         ),
