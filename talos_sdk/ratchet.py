@@ -350,6 +350,19 @@ class Session:
         self._pending = False
         self._chain_started = self._now()
 
+    def prepare_send(self) -> bool:
+        """Take the sending step the next :meth:`encrypt` owes now; True if one was taken.
+
+        The same step at the same point of the message stream (ADR 0002), only
+        earlier: a caller that has just handed on what it received runs it while
+        the peer's reply is being made, so the key pair and DH (about two thirds
+        of a turn's ratchet cost) leave the round trip's critical path.
+        """
+        if self._pending and self._owes_step():
+            self._ratchet_send()
+            return True
+        return False
+
     def encrypt(self, plaintext: bytes, ad: bytes = b"") -> bytes:
         """Seal ``plaintext`` as the next message (DR spec §3.4 RatchetEncrypt)."""
         if self._pending and self._owes_step():

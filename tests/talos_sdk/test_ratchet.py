@@ -374,6 +374,41 @@ def test_ratchet_vectors(name: str) -> None:
     assert alice.to_dict()["rk"] == bob.to_dict()["rk"] == v["final_root_key"]
 
 
+@pytest.mark.parametrize("name", ["conversation.json", "conversation-lazy.json"])
+def test_prepare_send_changes_no_byte_of_the_conversation(name: str) -> None:
+    """The owed sending step taken right after each receipt: the vectors' bytes exactly."""
+    v = json.loads((VECTORS / "ratchet" / name).read_text())
+    alice, bob, _ = vector_sessions(v["ratchet_every"])
+    sides = {"alice": (alice, bob), "bob": (bob, alice)}
+    steps = 0
+    *messages, last = v["messages"]
+    for m in messages:
+        tx, rx = sides[m["from"]]
+        ad = m["ad"].encode()
+        assert tx.encrypt(m["plaintext"].encode(), ad).hex() == m["wire"]
+        assert rx.decrypt(bytes.fromhex(m["wire"]), ad) == m["plaintext"].encode()
+        steps += rx.prepare_send()
+        assert not rx.prepare_send()  # one step per turn, never a second
+    assert steps > 0
+    tx, rx = sides[last["from"]]
+    rx.decrypt(tx.encrypt(last["plaintext"].encode(), last["ad"].encode()), last["ad"].encode())
+    # Not prepared after the last message: the recorded final state has not taken that step yet.
+    assert alice.to_dict()["rk"] == bob.to_dict()["rk"] == v["final_root_key"]
+
+
+def test_prepare_send_takes_no_step_that_is_not_owed() -> None:
+    a, b = Session.create_pair()
+    assert not a.prepare_send()  # nothing received since its last send
+    b.decrypt(a.encrypt(b"x"))
+    assert not a.prepare_send()
+    keys = {b.to_dict()["dhs_pub"]}
+    assert b.prepare_send()
+    keys.add(b.to_dict()["dhs_pub"])
+    assert len(keys) == 2
+    assert a.decrypt(b.encrypt(b"y")) == b"y"
+    assert b.to_dict()["dhs_pub"] in keys  # encrypt took no second step
+
+
 def test_first_message_matches_the_documented_formulas() -> None:
     """Open the vector's first message with cryptography's HKDF, HMAC and AEAD only."""
     x = json.loads((VECTORS / "x3dh" / "x25519.json").read_text())
