@@ -475,6 +475,12 @@ class SessionManager:
         self._dirty.add(peer)
         return entry.session.encrypt(bytes((len(raw),)) + raw + payload, _APP_AD)
 
+    def prepare_send(self, peer: str) -> None:
+        """Take the sending step ``peer``'s session owes now (ADR 0002 point 5), if any."""
+        entry = self._entries.get(peer)
+        if entry is not None and entry.session.prepare_send():
+            self._dirty.add(peer)
+
     def open_app(self, peer: str, body: bytes) -> tuple[str, bytes]:
         plain = self._get(peer).session.decrypt(body, _APP_AD)
         self._dirty.add(peer)

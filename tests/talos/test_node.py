@@ -7,6 +7,7 @@ bounded by ``asyncio.timeout`` and polls with deadlines instead of sleeping.
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from talos.node import ConnectTimeoutError, Node, NotConnectedError
 from talos.pipeline import make_seq
 from talos_sdk.errors import BundleError, DIDError, UsageError
 from talos_sdk.keyfile import load_wallet
+from talos_sdk.ratchet import Session
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import addr, link, make_home, started, until
 
@@ -243,6 +245,40 @@ async def test_try_send_app_sends_inline_in_order_with_send_app(
         await a.send_app(b.did, "echo", b"after")
         await until(lambda: got[-1:] == [b"after"], what="frame after the pause")
         assert b"held" not in got
+
+
+def _ratchet_state(node: Node, peer: str) -> dict[str, Any]:
+    blob = node.sessions.snapshot([peer])[peer]
+    (n,) = struct.unpack_from(">H", blob)
+    return Session.from_bytes(blob[2 + n :]).to_dict()
+
+
+async def test_the_owed_ratchet_step_is_taken_once_an_app_frame_is_handed_on(
+    pair: tuple[Node, Node],
+) -> None:
+    """ADR 0002 point 5: the key pair + DH of a turn is made before the reply is sealed."""
+    a, b = pair
+    got: list[tuple[str, bytes]] = []
+    for node in pair:
+        node.register_app("echo", lambda peer, payload: got.append((peer, payload)))
+    async with asyncio.timeout(20):
+        await link(a, b)
+        keys_of_b = set()
+        for turn in range(5):
+            await a.send_app(b.did, "echo", b"ping %d" % turn)
+            await until(lambda n=2 * turn + 1: len(got) == n, what="ping delivered")
+            # B heard A's new ratchet key and has handed the frame on: its new key
+            # pair exists already, and sealing the reply makes no other.
+            held = _ratchet_state(b, a.did)["dhs_pub"]
+            keys_of_b.add(held)
+            await b.send_app(a.did, "echo", b"pong %d" % turn)
+            await until(lambda n=2 * turn + 2: len(got) == n, what="pong delivered")
+            assert _ratchet_state(a, b.did)["dhr"] == held
+        # One new key per turn (Signal's schedule with the node's default of 1).
+        assert len(keys_of_b) == 5
+        assert [p for _, p in got] == [
+            m for t in range(5) for m in (b"ping %d" % t, b"pong %d" % t)
+        ]
 
 
 async def test_unknown_peer_is_refused(pair: tuple[Node, Node]) -> None:
