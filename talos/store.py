@@ -35,7 +35,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, cast
+from typing import IO
 
 import lmdb
 
@@ -79,7 +79,7 @@ class Txn:
     __slots__ = ("_dbs", "_map_size", "raw")
 
     def __init__(
-        self, raw: lmdb.Transaction, dbs: dict[str, lmdb._Database], map_size: int
+        self, raw: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], map_size: int
     ) -> None:
         self.raw = raw
         self._dbs = dbs
@@ -93,12 +93,12 @@ class Txn:
 
     def get(self, db: str, key: bytes) -> bytes | None:
         """Value under ``key`` or ``None``."""
-        # Inlined lookups: this and put() are the per-item cost the bench compares to raw lmdb.
+        # One expression, no typing.cast call: this and put() are the per-item cost
+        # bench_storage compares to raw lmdb (cast alone was ~8 % of a get).
         try:
-            handle = self._dbs[db]
+            return self.raw.get(key, None, self._dbs[db])
         except KeyError:
             raise UsageError(f"unknown store database {db!r}") from None
-        return cast("bytes | None", self.raw.get(key, None, handle))
 
     def put(self, db: str, key: bytes, value: bytes, *, overwrite: bool = True) -> bool:
         """Store ``value``; with ``overwrite=False`` returns False if ``key`` exists."""
@@ -146,12 +146,12 @@ class Txn:
                 ok = cur.last() if start is None else _seek_at_or_before(cur, start)
                 if not ok:
                     return
-                yield from cast(Iterator[tuple[bytes, bytes]], cur.iterprev(keys=True, values=True))
+                yield from cur.iterprev(keys=True, values=True)
             else:
                 ok = cur.first() if start is None else cur.set_range(start)
                 if not ok:
                     return
-                yield from cast(Iterator[tuple[bytes, bytes]], cur.iternext(keys=True, values=True))
+                yield from cur.iternext(keys=True, values=True)
         finally:
             cur.close()
 
