@@ -11,16 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import orjson
 import pytest
-from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
-from mcp.types import CreateMessageResult, ElicitResult, TextContent
+from mcp.shared.exceptions import MCPError
 
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, LINK_DOWN, PARSE_ERROR, TOOL_DENIED
 from tests.mcp_proxy.e2e import (
@@ -34,33 +31,12 @@ from tests.mcp_proxy.e2e import (
     serving,
     start_serve,
 )
+from tests.mcp_proxy.sdk_callbacks import SDK_DEPRECATIONS_ALLOWED, elicitation, sampling, text
 
 TIMEOUT = 60
 
 
-@pytest.fixture(autouse=True)
-def _quiet_sdk_deprecations() -> Iterator[None]:
-    # Sampling/elicitation/logging are deprecated in the SDK's newest protocol but are what a
-    # handshake-era agent uses; the tunnel must carry them.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", MCPDeprecationWarning)
-        yield
-
-
-def text(result: Any) -> str:
-    return str(result.content[0].text)
-
-
-async def sampling(_ctx: Any, params: Any) -> CreateMessageResult:
-    prompt = params.messages[0].content.text
-    return CreateMessageResult(
-        role="assistant", content=TextContent(type="text", text=f"model saw {prompt}"), model="m"
-    )
-
-
-async def elicitation(_ctx: Any, _params: Any) -> ElicitResult:
-    return ElicitResult(action="accept", content={"name": "Ada"})
+pytestmark = SDK_DEPRECATIONS_ALLOWED
 
 
 async def test_everything_through_the_tunnel(tmp_path: Path) -> None:
@@ -94,7 +70,7 @@ async def test_everything_through_the_tunnel(tmp_path: Path) -> None:
         )
         assert text(slow) == "done 3"
         assert text(await client.call_tool("sample", {"prompt": "ping"})) == "model saw ping"
-        assert text(await client.call_tool("elicit", {"question": "name?"})) == "hello Ada"
+        assert text(await client.call_tool("elicit", {"question": "name?"})) == "hello ada"
         assert text(await client.call_tool("log", {"message": "hi"})) == "logged"
         resource = await client.read_resource("res://greeting")
         assert resource.contents[0].text == "hello from a resource"  # type: ignore[union-attr]

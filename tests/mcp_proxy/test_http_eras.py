@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -15,12 +14,17 @@ import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared.exceptions import MCPDeprecationWarning
-from mcp.types import CreateMessageResult, ElicitResult, ListRootsResult, Root, TextContent
 
 from mcp_proxy.http_front import HttpFront
 from mcp_proxy.policy import Policy
 from tests.mcp_proxy.loopback import CLIENT_DID, Pair
+from tests.mcp_proxy.sdk_callbacks import (
+    SDK_DEPRECATIONS_ALLOWED,
+    elicitation,
+    list_roots,
+    sampling,
+    text,
+)
 from tests.talos.nodes import until
 
 TOKEN = "test-token-eras"
@@ -30,27 +34,7 @@ MODES = ["2026-07-28", "auto", "legacy"]
 BIG = 3 * 1024 * 1024  # above the SDK client's default 1 MiB SSE event limit
 
 
-@pytest.fixture(autouse=True)
-def _quiet_sdk_deprecations() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", MCPDeprecationWarning)
-        yield
-
-
-async def sampling(_ctx: Any, params: Any) -> CreateMessageResult:
-    prompt = params.messages[0].content.text
-    return CreateMessageResult(
-        role="assistant", content=TextContent(type="text", text=f"model saw {prompt}"), model="m"
-    )
-
-
-async def elicitation(_ctx: Any, _params: Any) -> ElicitResult:
-    return ElicitResult(action="accept", content={"name": "ada"})
-
-
-async def list_roots(_ctx: Any) -> ListRootsResult:
-    return ListRootsResult(roots=[Root(uri="file:///work/a"), Root(uri="file:///work/b")])
+pytestmark = SDK_DEPRECATIONS_ALLOWED
 
 
 @contextlib.asynccontextmanager
@@ -78,10 +62,6 @@ async def sdk(url: str, mode: str) -> AsyncIterator[Client]:
         ) as client,
     ):
         yield client
-
-
-def text(result: Any) -> str:
-    return str(result.content[0].text)
 
 
 async def exercise(client: Client) -> None:

@@ -7,30 +7,24 @@ import asyncio
 import contextlib
 import subprocess
 import sys
-import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
-from mcp.shared.exceptions import MCPDeprecationWarning
 
 from mcp_proxy.http_front import HttpFront
 from mcp_proxy.policy import Policy, PolicyError
 from tests.mcp_proxy.e2e import ENV, REPO, did_of, serving
 from tests.mcp_proxy.loopback import CLIENT_DID, Pair
-from tests.mcp_proxy.test_http_eras import MODES, TOKEN, exercise, sdk, text
+from tests.mcp_proxy.sdk_callbacks import SDK_DEPRECATIONS_ALLOWED, text
+from tests.mcp_proxy.test_http_eras import MODES, TOKEN, exercise, sdk
 from tests.talos.nodes import until
 
 TIMEOUT = 90
 
 
-@pytest.fixture(autouse=True)
-def _quiet_sdk_deprecations() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", MCPDeprecationWarning)
-        yield
+pytestmark = SDK_DEPRECATIONS_ALLOWED
 
 
 @contextlib.asynccontextmanager
