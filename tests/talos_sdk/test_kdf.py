@@ -69,8 +69,20 @@ def test_kdf_ck_is_the_two_chain_hmacs(ck: bytes) -> None:
     assert kdf_ck(ck) == (hmac.digest(ck, b"\x01", "sha256"), hmac.digest(ck, b"\x02", "sha256"))
 
 
-@pytest.mark.parametrize("salt_len", [0, 32, 63, 64, 65, 200])
+@pytest.mark.parametrize("salt_len", [0, 31, 32, 33, 63, 64, 65, 200])
 def test_extract_matches_hmac_for_every_key_length(salt_len: int) -> None:
     salt, ikm = bytes(range(salt_len)), b"input keying material"
     expected = hmac.digest(salt or bytes(32), ikm, "sha256")
     assert hkdf_extract(salt, ikm) == expected
+
+
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 64])
+def test_one_and_two_block_expand_match_cryptography(length: int) -> None:
+    # One block takes the uncopied path; the shared empty-salt states must not
+    # be consumed by it, so the same call twice gives the same output.
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
+
+    prk = hkdf_extract(b"", b"ikm")
+    ref = HKDFExpand(algorithm=hashes.SHA256(), length=length, info=b"i").derive(prk)
+    assert hkdf_expand(prk, b"i", length) == ref
+    assert hkdf(b"ikm", info=b"i", length=length) == ref == hkdf(b"ikm", info=b"i", length=length)
