@@ -37,8 +37,10 @@ from nacl.bindings import (
     crypto_sign_seed_keypair,
 )
 
-from talos_sdk.bundle import SUITE_HYBRID, SUITE_X25519
+from talos_sdk.bundle import _BUNDLE_DOMAIN, SUITE_HYBRID, SUITE_X25519
+from talos_sdk.prekeys import PrekeySecrets
 from talos_sdk.ratchet import Session
+from talos_sdk.wallet import Wallet
 
 SIZES = {"35 B": 35, "10 KB": 10 * 1024}
 AD = bytes(73)  # an X3DH AD (two 33-byte identity keys) plus a few header bytes
@@ -82,6 +84,18 @@ X25519_LIBS: dict[str, tuple[Callable[[], tuple[Any, bytes]], Callable[[Any, byt
 }
 
 
+def _bundle_framing(hybrid: bool) -> bytes:
+    """Zero bytes as long as a real signed bundle body minus its keys (X25519
+    identity and signed prekey, and the ML-KEM-768 key when hybrid)."""
+    wallet = Wallet.from_seed(bytes(32))
+    bundle = PrekeySecrets.generate(wallet, pq=hybrid).bundle()
+    keys = len(bundle.identity_dh) + len(bundle.spk) + len(bundle.pq_key or b"")
+    return bytes(len(_BUNDLE_DOMAIN + bundle.signed_body()) - keys)
+
+
+_BUNDLE_FRAMING = {False: _bundle_framing(False), True: _bundle_framing(True)}
+
+
 def _raw_pair(hybrid: bool, x25519_lib: str = "libsodium") -> bytes:
     """Every primitive call ``Session.create_pair`` needs, with no encoding, state or checks.
 
@@ -104,15 +118,21 @@ def _raw_pair(hybrid: bool, x25519_lib: str = "libsodium") -> bytes:
     pairs = [keypair() for _ in range(5)]
     priv = [p for p, _ in pairs]
     b_ik, b_spk, a_ik, a_ek, a_rt = (pub for _, pub in pairs)
-    b_bind = crypto_sign(b"Talos_IdentityKey_v1\0" + b_pk + b_ik, b_sk)
-    bundle = crypto_sign(b"bundle" + b_bind[:64] + b_spk, b_sk)
+    kem_raw = b""
+    if hybrid:
+        kem = MLKEM768PrivateKey.from_seed_bytes(rng(64))
+        kem_raw = kem.public_key().public_bytes_raw()
+    crypto_sign(b"Talos_IdentityKey_v1\0" + b_pk + b_ik, b_sk)
+    # The bundle signature covers the ML-KEM key (PQXDH §3.2): sign a message as
+    # long as the real signed body (framing bytes stand in for DID, suites, ids).
+    framing = _BUNDLE_FRAMING[hybrid]
+    bundle = crypto_sign(framing + b_ik + b_spk + kem_raw, b_sk)
     a_bind = crypto_sign(b"Talos_IdentityKey_v1\0" + a_pk + a_ik, a_sk)
     crypto_sign_open(bundle, b_pk)
     crypto_sign_open(a_bind, a_pk)
     kem_a = kem_b = b""
     if hybrid:
-        kem = MLKEM768PrivateKey.from_seed_bytes(rng(64))
-        public = MLKEM768PublicKey.from_public_bytes(kem.public_key().public_bytes_raw())
+        public = MLKEM768PublicKey.from_public_bytes(kem_raw)
         kem_a, ct = public.encapsulate()
         kem_b = kem.decapsulate(ct)
     ikm_a = dh(priv[2], b_spk) + dh(priv[3], b_ik) + dh(priv[3], b_spk) + kem_a
