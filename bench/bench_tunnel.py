@@ -21,7 +21,10 @@ server spawned directly on stdio in the same run:
   sequential (target: the tunnel's <= the relay's), requests/s at 8 / 64 / 256 in
   flight (>= 0.6 x raw), p99 at 256 in flight (<= 2 x raw's);
 * ``connect`` attached to a running ``talosd run`` (docs/adr/0012-local-clients.md)
-  vs the embedded node: added p50 and 64-in-flight throughput, same run.
+  vs the embedded node: added p50 and 64-in-flight throughput, same run;
+* the serving process's CPU time per ``tools/call`` (user + system, all its
+  threads, from ``/proc/PID/task/*/schedstat``; the tool process is not counted), sequential
+  and at 256 in flight, beside the naive relay's serving process, same run.
 
     python bench/bench_tunnel.py [--fast] [--count N] [--burst M]
 """
@@ -65,6 +68,24 @@ class LeanRun:
     # requests/s at each other level of LEVELS, and the latencies at the highest one
     rates: dict[int, float] = field(default_factory=dict)
     tail: list[float] = field(default_factory=list)
+    # CPU seconds per request of the serving process (``cpu_pid``): sequential, highest level
+    cpu_sequential: float = 0.0
+    cpu_top: float = 0.0
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """CPU time of process ``pid`` (all its threads, not its children); 0 if None.
+
+    The sum of each thread's ``/proc/PID/task/TID/schedstat`` run time (ns): the
+    clock-tick counters of ``/proc/PID/stat`` are too coarse for a --fast run.
+    """
+    if pid is None:
+        return 0.0
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 ECHO = {"name": "echo", "arguments": {"text": "hi"}}
@@ -105,30 +126,36 @@ async def lean_run(
     method: str = "ping",
     params: Any = None,
     levels: Sequence[int] = (),
+    cpu_pid: int | None = None,
 ) -> LeanRun:
     """Call ``method`` on ``argv`` (an MCP stdio server) one at a time, then IN_FLIGHT at a time
-    (and at each of ``levels``)."""
+    (and at each of ``levels``); with ``cpu_pid``, that process's CPU time per request."""
     client = await LeanClient.spawn(list(argv), env=ENV)
     try:
         await asyncio.wait_for(client.initialize(), SETUP_TIMEOUT)
         for _ in range(max(count // 10, 5)):  # warm-up: link, session, tool process
             await client.request(method, params)
         pings = []
+        cpu = cpu_seconds(cpu_pid)
         for _ in range(count):
             start = time.perf_counter()
             await client.request(method, params)
             pings.append(time.perf_counter() - start)
+        cpu_sequential = (cpu_seconds(cpu_pid) - cpu) / count
         sequential = count / sum(pings)
         start = time.perf_counter()
         await client.pipelined(method, (params for _ in range(burst)), IN_FLIGHT)
         in_flight = burst / (time.perf_counter() - start)
         rates: dict[int, float] = {}
         tail: list[float] = []
+        cpu_top = 0.0
         for level in levels:
+            cpu = cpu_seconds(cpu_pid)
             rates[level], tail = await timed_burst(client, method, params, burst, level)
+            cpu_top = (cpu_seconds(cpu_pid) - cpu) / burst
     finally:
         await client.close()
-    return LeanRun(pings, sequential, in_flight, rates, tail)
+    return LeanRun(pings, sequential, in_flight, rates, tail, cpu_sequential, cpu_top)
 
 
 async def sdk_pings(argv: Sequence[str], count: int) -> list[float]:
@@ -154,11 +181,19 @@ async def sdk_pings(argv: Sequence[str], count: int) -> list[float]:
 LAZY: dict[str, object] = {"ratchet_every": 64, "ratchet_max_age": 60.0}
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A running serving side: the command that connects to it and the serving process's pid."""
+
+    connect: list[str]
+    pid: int
+
+
 @contextlib.asynccontextmanager
 async def tunnel(
     root: Path, name: str, *serve_args: str, node: dict[str, object] | None = None
-) -> AsyncIterator[list[str]]:
-    """A running ``talos-proxy serve`` over the ping server; yields the connect command.
+) -> AsyncIterator[Served]:
+    """A running ``talos-proxy serve`` over the ping server; yields how to connect, its pid.
 
     ``node``: NodeConfig fields set in both homes (e.g. the lazy ratchet, ADR 0002).
     """
@@ -173,25 +208,26 @@ async def tunnel(
     argv += ["--allow", did_c, *serve_args, "--", *PING_SERVER]
     async with child(argv, f"talos-proxy serve ({name})") as serve:
         address = (await serve.wait_line(r"serving on (ws://\S+)")).group(1)
-        yield [*PROXY, *QUIET, "connect", "--home", str(c_home), "--peer", address]
+        connect = [*PROXY, *QUIET, "connect", "--home", str(c_home), "--peer", address]
+        yield Served(connect, serve.pid)
 
 
 @contextlib.asynccontextmanager
-async def naive_relay() -> AsyncIterator[list[str]]:
-    """bench/naive_ws_relay.py serving the ping server; yields its connect command."""
+async def naive_relay() -> AsyncIterator[Served]:
+    """bench/naive_ws_relay.py serving the ping server; yields its connect command and pid."""
     async with child([*RELAY, "serve", "--", *PING_SERVER], "naive relay serve") as serve:
         url = (await serve.wait_line(r"relay on (ws://\S+)")).group(1)
-        yield [*RELAY, "connect", url]
+        yield Served([*RELAY, "connect", url], serve.pid)
 
 
 @contextlib.asynccontextmanager
 async def http_front(root: Path) -> AsyncIterator[tuple[str, str]]:
     """``connect --http`` in front of a tunnel to the ping server; yields (URL, token)."""
-    async with tunnel(root, "http") as connect:
-        argv = [*connect, "--http", "127.0.0.1:0", "--http-idle", "600"]
+    async with tunnel(root, "http") as served:
+        argv = [*served.connect, "--http", "127.0.0.1:0", "--http-idle", "600"]
         async with child(argv, "talos-proxy connect --http") as front:
             url = (await front.wait_line(r"Streamable HTTP on (http://\S+)")).group(1)
-            home = Path(connect[connect.index("--home") + 1])
+            home = Path(served.connect[served.connect.index("--home") + 1])
             token = (home / "proxy-http.token").read_text().strip()
             yield url, token
 
@@ -232,18 +268,22 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
         raw = await lean_run(PING_SERVER, count, burst)
         raw_sdk = await sdk_pings(PING_SERVER, count)
         raw_echo = await lean_run(PING_SERVER, count, burst, "tools/call", ECHO, LEVELS)
-        async with naive_relay() as connect:
-            relay_echo = await lean_run(connect, count, burst, "tools/call", ECHO, LEVELS)
-        async with tunnel(root, "group") as connect:
-            ours = await lean_run(connect, count, burst)
-            ours_sdk = await sdk_pings(connect, count)
-            ours_echo = await lean_run(connect, count, burst, "tools/call", ECHO, LEVELS)
-        async with tunnel(root, "strict", "--audit", "strict") as connect:
-            strict = await lean_run(connect, count, burst)
+        async with naive_relay() as relay:
+            relay_echo = await lean_run(
+                relay.connect, count, burst, "tools/call", ECHO, LEVELS, relay.pid
+            )
+        async with tunnel(root, "group") as served:
+            ours = await lean_run(served.connect, count, burst)
+            ours_sdk = await sdk_pings(served.connect, count)
+            ours_echo = await lean_run(
+                served.connect, count, burst, "tools/call", ECHO, LEVELS, served.pid
+            )
+        async with tunnel(root, "strict", "--audit", "strict") as served:
+            strict = await lean_run(served.connect, count, burst)
         async with attached_tunnel(root) as connect:
             attached = await lean_run(connect, count, burst)
-        async with tunnel(root, "lazy", node=LAZY) as connect:
-            lazy = await lean_run(connect, count, burst)
+        async with tunnel(root, "lazy", node=LAZY) as served:
+            lazy = await lean_run(served.connect, count, burst)
         async with http_front(root) as (url, token):
             stateless = await http_run(url, token, count, burst, stateless=True)
             legacy = await http_run(url, token, count, burst, stateless=False)
@@ -396,6 +436,16 @@ def record_echo(suite: Suite, raw: LeanRun, relay: LeanRun, ours: LeanRun) -> No
         raw=f"tunnel.echo.inflight{top}.raw.p99")  # fmt: skip
     rec(f"tunnel.echo.inflight{top}.p99", f"tunnel, {top} in flight, p99", tail99, "s",
         raw=f"tunnel.echo.inflight{top}.raw.p99")  # fmt: skip
+    # Serve-side CPU per call: where the tunnel's microseconds go, beside the relay's.
+    for when, ours_cpu, relay_cpu in (
+        ("sequential", ours.cpu_sequential, relay.cpu_sequential),
+        (f"{top} in flight", ours.cpu_top, relay.cpu_top),
+    ):
+        key = "sequential" if when == "sequential" else f"inflight{top}"
+        rec(f"relay.serve.cpu.{key}", f"naive relay serving process CPU per tools/call, {when}",
+            relay_cpu, "s", row=False)  # fmt: skip
+        rec(f"tunnel.serve.cpu.{key}", f"talos-proxy serve CPU per tools/call, {when}", ours_cpu,
+            "s", raw=f"relay.serve.cpu.{key}")  # fmt: skip
     suite.record_samples("tools/call echo, naive relay", relay.pings)
     suite.record_samples("tools/call echo, tunnel", ours.pings)
 
