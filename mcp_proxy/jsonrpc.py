@@ -74,9 +74,13 @@ class JsonRpcError(ProtocolError):
         self.request_id = request_id
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sniffed:
-    """The fields of one message that policy and audit look at."""
+    """The fields of one message that policy and audit look at (treat as read-only).
+
+    Not ``frozen``: a frozen dataclass sets each of its eight fields through
+    ``object.__setattr__``, which was a fifth of :func:`sniff`'s time.
+    """
 
     kind: Kind
     id: RequestId | None
@@ -88,69 +92,67 @@ class Sniffed:
     obj: dict[str, Any]
 
 
-def _valid_id(value: Any) -> bool:
-    # bool is an int subclass but not a valid id.
-    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+def _invalid(detail: str, request_id: RequestId | None = None) -> JsonRpcError:
+    return JsonRpcError(INVALID_REQUEST, "Invalid Request: " + detail, request_id)
 
 
 def sniff(line: bytes) -> Sniffed:
-    """Classify one JSON-RPC message; raise JsonRpcError with the reply code if it is not one."""
+    """Classify one JSON-RPC message; raise JsonRpcError with the reply code if it is not one.
+
+    Runs twice per message on each side of the tunnel, so it tests exact types:
+    orjson builds only ``dict``, ``list``, ``str``, ``int``, ``float``, ``bool``
+    and ``None`` (``type(x) is int`` is False for a ``bool``, which is no valid id).
+    Measured 3.8 / 6.2 us per request / response before, vs 0.7 us for the parse.
+    """
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError:
         raise JsonRpcError(PARSE_ERROR, "Parse error") from None
-    if not isinstance(obj, dict):
-        raise JsonRpcError(INVALID_REQUEST, "Invalid Request: not a JSON object")
-    raw_id = obj.get("id")
-    request_id = raw_id if _valid_id(raw_id) else None
-    if obj.get("jsonrpc") != "2.0":
-        raise JsonRpcError(INVALID_REQUEST, 'Invalid Request: jsonrpc must be "2.0"', request_id)
-    if "id" in obj and raw_id is not None and request_id is None:
-        raise JsonRpcError(INVALID_REQUEST, "Invalid Request: id must be a string or integer")
-    method = obj.get("method")
+    if type(obj) is not dict:
+        raise _invalid("not a JSON object")
+    get = obj.get
+    raw_id = get("id")
+    id_type = type(raw_id)
+    request_id: RequestId | None = raw_id if id_type is int or id_type is str else None
+    if get("jsonrpc") != "2.0":
+        raise _invalid('jsonrpc must be "2.0"', request_id)
+    if raw_id is not None and request_id is None:
+        raise _invalid("id must be a string or integer")
+    method = get("method")
     if method is not None:
-        if not isinstance(method, str):
-            raise JsonRpcError(
-                INVALID_REQUEST, "Invalid Request: method must be a string", request_id
-            )
-        params = obj.get("params")
-        if params is not None and not isinstance(params, dict | list):
-            raise JsonRpcError(
-                INVALID_REQUEST, "Invalid Request: params must be an object", request_id
-            )
-        tool = None
-        token = None
-        if isinstance(params, dict):
+        if type(method) is not str:
+            raise _invalid("method must be a string", request_id)
+        params = get("params")
+        tool = token = None
+        if type(params) is dict:
             if method == "tools/call":
-                name = params.get("name")
-                if not isinstance(name, str):
-                    raise JsonRpcError(
-                        INVALID_REQUEST, "Invalid Request: tools/call needs params.name", request_id
-                    )
-                tool = name
+                tool = params.get("name")
+                if type(tool) is not str:
+                    raise _invalid("tools/call needs params.name", request_id)
             meta = params.get("_meta")
-            if isinstance(meta, dict) and _valid_id(meta.get("progressToken")):
-                token = meta["progressToken"]
+            if type(meta) is dict:
+                token = meta.get("progressToken")
+                if type(token) is not int and type(token) is not str:
+                    token = None
+        elif params is not None and type(params) is not list:
+            raise _invalid("params must be an object", request_id)
         elif method == "tools/call":
-            raise JsonRpcError(
-                INVALID_REQUEST, "Invalid Request: tools/call needs params.name", request_id
-            )
-        kind = Kind.NOTIFICATION if "id" not in obj else Kind.REQUEST
-        if kind is Kind.REQUEST and request_id is None:
-            raise JsonRpcError(INVALID_REQUEST, "Invalid Request: request id must not be null")
-        return Sniffed(kind, request_id, method, tool, params, None, token, obj)
+            raise _invalid("tools/call needs params.name", request_id)
+        if "id" not in obj:
+            return Sniffed(Kind.NOTIFICATION, None, method, tool, params, None, token, obj)
+        if request_id is None:
+            raise _invalid("request id must not be null")
+        return Sniffed(Kind.REQUEST, request_id, method, tool, params, None, token, obj)
     if "result" in obj:
         if request_id is None:
-            raise JsonRpcError(INVALID_REQUEST, "Invalid Request: response without an id")
+            raise _invalid("response without an id")
         return Sniffed(Kind.RESPONSE, request_id, None, None, None, obj["result"], None, obj)
     if "error" in obj:
-        if not isinstance(obj["error"], dict):
-            raise JsonRpcError(
-                INVALID_REQUEST, "Invalid Request: error must be an object", request_id
-            )
+        if type(obj["error"]) is not dict:
+            raise _invalid("error must be an object", request_id)
         # An error reply may carry a null id (it answered an unparseable request).
         return Sniffed(Kind.ERROR, request_id, None, None, None, obj["error"], None, obj)
-    raise JsonRpcError(INVALID_REQUEST, "Invalid Request: no method, result or error", request_id)
+    raise _invalid("no method, result or error", request_id)
 
 
 def error_reply(request_id: RequestId | None, code: int, message: str, data: Any = None) -> bytes:
