@@ -298,6 +298,26 @@ class Store:
         if durable and self._durable:
             self.env.sync(True)
 
+    @contextmanager
+    def nested(self, parent: Txn) -> Iterator[Txn]:
+        """A child of the open write transaction ``parent`` (LMDB nested transaction).
+
+        On success its writes join ``parent`` (durable only when ``parent``
+        commits); on an exception they are dropped and ``parent`` stays usable:
+        the store writer's group commit runs each job in one, so a failing job
+        fails alone.
+        """
+        raw = self.env.begin(write=True, parent=parent.raw)
+        try:
+            yield Txn(raw, self._dbs, self.map_size)
+        except BaseException:
+            raw.abort()
+            raise
+        try:
+            raw.commit()
+        except lmdb.MapFullError:
+            raise _full_error(self.map_size) from None
+
     def sync(self) -> None:
         """Flush every committed transaction to disk."""
         self._check_open()
