@@ -5,7 +5,17 @@ rows, session state, heads, pins, transfer rows, block sealing, audit records â€
 runs on ONE thread, in submission order. LMDB allows one writer per
 environment anyway; doing it on one thread means a durable commit (fsync)
 never blocks the event loop, frames keep arriving while it runs, and the
-next batch forms meanwhile: group commit follows from the structure.
+next batch forms meanwhile.
+
+Group commit, as databases do it: every job queued while the thread was busy
+forms the next *group*, run in ONE write transaction (each job in a nested
+child transaction, so a job that raises drops only its own writes) with at
+most one fsync (when any job of it is durable). No caller hears back before
+the group's commit and fsync returned, and then all hear back in one loop
+pass: a durable job is acknowledged only once it is on disk, whatever else
+shared its transaction. A commit or fsync that fails fails the whole group.
+At 64 sends in flight this turned ~3 write transactions and 3 loop wake-ups
+per message into one of each per group.
 
 Three ways in:
 
@@ -20,16 +30,20 @@ Three ways in:
 
 Each job has a ``kind``; :meth:`StoreWriter.before` registers a hook that runs
 on the writer thread before every job of that kind (raising fails the job).
-That is the seam fault-injection tests use to hold or fail a chosen write.
+That is the seam fault-injection tests use to hold or fail a chosen write; a
+job of a hooked kind runs alone, after the jobs queued before it committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, TypeVar, cast
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, cast
 
 from talos.store import Store, Txn
 from talos_sdk.errors import UsageError
@@ -59,8 +73,19 @@ class DirectWrites:
             return fn(txn)
 
 
+@dataclass(slots=True)
+class _Job:
+    fn: Callable[[Txn], Any] | None  # None: drain() (no transaction)
+    durable: bool
+    kind: str
+    size: int
+    #: ``done(result, exc)``, called on the writer thread once the job's group is settled.
+    done: Callable[[Any, BaseException | None], None]
+    loop: asyncio.AbstractEventLoop | None = None  # set: ``done`` runs in that loop instead
+
+
 class StoreWriter:
-    """One thread that owns every write transaction of ``store``."""
+    """One thread that owns every write transaction of ``store``, committing jobs in groups."""
 
     def __init__(self, store: Store, *, name: str = "talos-writer") -> None:
         self.store = store
@@ -68,15 +93,87 @@ class StoreWriter:
         self._thread_id: int | None = None
         self._hooks: dict[str, list[WriteHook]] = {}
         self._closed = False
+        self._lock = threading.Lock()
+        self._queue: deque[_Job] = deque()
+        self._serving = False  # a _serve call is queued or running on the thread
 
     # --- jobs ----------------------------------------------------------------------------------
 
-    def _job(self, fn: Callable[[Txn], _T], durable: bool, kind: str, size: int) -> _T:
+    def _enqueue(self, job: _Job) -> None:
+        self._check_open()
+        with self._lock:
+            self._queue.append(job)
+            if self._serving:
+                return  # the thread is busy: the job joins the next group, no wake-up
+            self._serving = True
+        self._pool.submit(self._serve)
+
+    def _serve(self) -> None:
+        """Writer thread: run what is queued, a group at a time, until the queue is empty."""
         self._thread_id = threading.get_ident()
-        for hook in self._hooks.get(kind, ()):
-            hook(kind, size)
-        with self.store.write(durable=durable) as txn:
-            return fn(txn)
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._serving = False
+                    return
+                jobs = list(self._queue)
+                self._queue.clear()
+            # A kind with hooks runs alone, outside any group: a hook that holds the
+            # writer then sees every earlier job committed, as a crash there would.
+            group: list[_Job] = []
+            for job in jobs:
+                if self._hooks.get(job.kind):
+                    if group:
+                        self._run_group(group)
+                        group = []
+                    self._run_group([job])
+                else:
+                    group.append(job)
+            if group:
+                self._run_group(group)
+
+    def _run_group(self, group: list[_Job]) -> None:
+        """One transaction and at most one fsync for ``group``; then settle each job."""
+        outcomes: list[tuple[Any, BaseException | None]] = [(None, None)] * len(group)
+        live = [i for i, job in enumerate(group) if job.fn is not None]
+        try:
+            if len(live) == 1:
+                job = group[live[0]]
+                assert job.fn is not None
+                for hook in self._hooks.get(job.kind, ()):
+                    hook(job.kind, job.size)
+                with self.store.write(durable=job.durable) as txn:
+                    outcomes[live[0]] = (job.fn(txn), None)
+            elif live:
+                durable = any(group[i].durable for i in live)
+                with self.store.write(durable=durable) as txn:
+                    for i in live:
+                        job = group[i]
+                        assert job.fn is not None
+                        try:
+                            # A child transaction: a job that raises drops its own writes only.
+                            with self.store.nested(txn) as child:
+                                outcomes[i] = (job.fn(child), None)
+                        except Exception as exc:
+                            outcomes[i] = (None, exc)
+        except BaseException as exc:
+            # The commit or its fsync failed (or the lone job raised): none of the
+            # group is known durable, so every job fails with it.
+            outcomes = [(None, exc if e is None else e) for _, e in outcomes]
+        self._settle(group, outcomes)
+
+    @staticmethod
+    def _settle(group: list[_Job], outcomes: list[tuple[Any, BaseException | None]]) -> None:
+        """Tell each job's caller; one wake-up per event loop for the whole group."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Job, Any, BaseException | None]]] = {}
+        for job, (result, exc) in zip(group, outcomes, strict=True):
+            if job.loop is None:
+                job.done(result, exc)
+            else:
+                by_loop.setdefault(job.loop, []).append((job, result, exc))
+        for loop, settled in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle_in_loop, settled)
 
     def submit(
         self,
@@ -104,16 +201,7 @@ class StoreWriter:
             if then is not None:
                 then(fut)
 
-        def job() -> None:
-            try:
-                result = self._job(fn, durable, kind, size)
-            except BaseException as exc:
-                loop.call_soon_threadsafe(settle, None, exc)
-                return
-            loop.call_soon_threadsafe(settle, result, None)
-
-        self._check_open()
-        self._pool.submit(job)
+        self._enqueue(_Job(fn, durable, kind, size, settle, loop))
         return fut
 
     async def write(
@@ -132,13 +220,28 @@ class StoreWriter:
             pass
         else:
             raise UsageError("StoreWriter.run blocks: use submit()/write() on the event loop")
-        self._check_open()
-        return self._pool.submit(self._job, fn, durable, kind, 1).result()
+        fut: Future[_T] = Future()
+
+        def done(result: _T | None, exc: BaseException | None) -> None:
+            if exc is None:
+                fut.set_result(cast(_T, result))
+            else:
+                fut.set_exception(exc)
+
+        self._enqueue(_Job(fn, durable, kind, 1, done))
+        return fut.result()
 
     async def drain(self) -> None:
         """Wait until every job queued before this call has finished (no transaction)."""
-        self._check_open()
-        await asyncio.wrap_future(self._pool.submit(_idle))
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def done(result: None, exc: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self._enqueue(_Job(None, False, "drain", 0, done, loop))
+        await fut
 
     async def sync(self) -> None:
         """Make every earlier commit durable (one fsync, queued behind them)."""
@@ -167,9 +270,10 @@ class StoreWriter:
         self._pool.shutdown(wait=True)
 
 
+def _settle_in_loop(settled: list[tuple[_Job, Any, BaseException | None]]) -> None:
+    for job, result, exc in settled:
+        job.done(result, exc)
+
+
 def _nothing(txn: Txn) -> None:
-    return None
-
-
-def _idle() -> None:
     return None

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,3 +106,175 @@ async def test_closed_writer_refuses_new_jobs(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="closed"):
         w.submit(lambda txn: None)
     store.close()
+
+
+# --- group commit -------------------------------------------------------------------------------
+
+
+def _last_txnid(w: StoreWriter) -> int:
+    return int(w.store.env.info()["last_txnid"])
+
+
+async def _held(writer: StoreWriter) -> tuple[asyncio.Future[None], threading.Event]:
+    """A job that keeps the writer thread busy until the event is set."""
+    gate = threading.Event()
+
+    def hold(txn: Txn) -> None:
+        assert gate.wait(20)
+        txn.put("meta", b"held", b"")
+
+    fut = writer.submit(hold)
+    return fut, gate
+
+
+async def test_jobs_queued_while_busy_share_one_transaction(writer: StoreWriter) -> None:
+    first, gate = await _held(writer)
+    await asyncio.sleep(0.05)  # the writer thread is inside the held job
+    before = _last_txnid(writer)
+    futs = [
+        writer.submit(lambda txn, i=i: txn.put("meta", b"g%02d" % i, b"") and i, durable=i == 3)
+        for i in range(8)
+    ]
+    gate.set()
+    assert await asyncio.gather(*futs) == list(range(8))
+    await first
+    # the held job's transaction, then ONE for the eight queued behind it
+    assert _last_txnid(writer) == before + 2
+    assert _rows(writer) == [b"g%02d" % i for i in range(8)] + [b"held"]
+
+
+async def test_a_failing_job_fails_alone_and_order_holds(writer: StoreWriter) -> None:
+    first, gate = await _held(writer)
+    await asyncio.sleep(0.05)
+    seen: list[bytes] = []
+
+    def put(key: bytes) -> Any:
+        def job(txn: Txn) -> None:
+            got = txn.get("meta", b"order")
+            seen.append(got or b"")
+            txn.put("meta", b"order", (got or b"") + key)
+            txn.put("meta", key, b"")
+
+        return job
+
+    def bad(txn: Txn) -> None:
+        txn.put("meta", b"bad", b"")
+        raise ValueError("job fails after writing")
+
+    futs = [writer.submit(put(b"a")), writer.submit(bad), writer.submit(put(b"b"))]
+    gate.set()
+    results = await asyncio.gather(*futs, return_exceptions=True)
+    await first
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], ValueError)
+    # the failed job's own writes are gone, its neighbours' kept, in submission order
+    assert seen == [b"", b"a"]
+    with writer.store.read() as txn:
+        assert txn.get("meta", b"order") == b"ab" and txn.get("meta", b"bad") is None
+
+
+async def test_no_job_settles_before_its_group_commits(writer: StoreWriter) -> None:
+    first, gate = await _held(writer)
+    await asyncio.sleep(0.05)
+    ran = threading.Event()
+    inner = threading.Event()
+
+    def early(txn: Txn) -> None:
+        txn.put("meta", b"early", b"")
+        ran.set()
+
+    def late(txn: Txn) -> None:
+        assert inner.wait(20)
+        txn.put("meta", b"late", b"")
+
+    a = writer.submit(early)
+    b = writer.submit(late)
+    gate.set()
+    await first
+    assert await asyncio.to_thread(ran.wait, 20)
+    await asyncio.sleep(0.05)
+    # `early` ran but shares its transaction with `late`, still running: not acked yet
+    assert not a.done() and not b.done()
+    with writer.store.read() as txn:
+        assert txn.get("meta", b"early") is None  # not committed either
+    inner.set()
+    await asyncio.gather(a, b)
+    assert _rows(writer)[:2] == [b"early", b"held"]
+
+
+async def test_a_job_that_fills_the_map_fails_alone(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s", map_size=1 << 20)
+    w = StoreWriter(store)
+    try:
+        first, gate = await _held(w)
+        await asyncio.sleep(0.05)
+        small = w.submit(lambda txn: txn.put("meta", b"small", b"x"))
+        # Each value alone fits; together they overflow the map: the job that
+        # overflows fails with StorageFullError, the group's others commit.
+        big = [
+            w.submit(lambda txn, i=i: txn.put("meta", b"big%d" % i, b"x" * 300_000))
+            for i in range(4)
+        ]
+        gate.set()
+        await first
+        results = await asyncio.gather(small, *big, return_exceptions=True)
+        assert results[0] is True
+        assert all(r is True or isinstance(r, StorageFullError) for r in results)
+        assert any(isinstance(r, StorageFullError) for r in results)
+        with store.read() as txn:
+            for r, key in zip(results, [b"small"] + [b"big%d" % i for i in range(4)], strict=True):
+                # whatever was acknowledged is there; whatever failed is not
+                assert (txn.get("meta", key) is not None) == (r is True)
+        await w.write(lambda txn: txn.put("meta", b"after", b""))  # the writer still works
+    finally:
+        await asyncio.to_thread(w.close)
+        store.close()
+
+
+_CRASH_CHILD = """
+import asyncio, os, signal, sys, threading
+from talos.store import Store
+from talos.writer import StoreWriter
+
+async def main() -> None:
+    store = Store(sys.argv[1], map_size=1 << 22)
+    w = StoreWriter(store)
+    await w.write(lambda txn: txn.put("meta", b"before", b""))
+    print("settled before", flush=True)
+    gate = threading.Event()
+    hold = w.submit(lambda txn: gate.wait(20) and None)
+    await asyncio.sleep(0.05)
+
+    def put(i: int):
+        def job(txn):
+            if i == 5:
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-group: jobs 0-4 already ran
+            txn.put("meta", b"g%d" % i, b"")
+        return job
+
+    for i in range(8):
+        w.submit(put(i), then=lambda f, i=i: print(f"settled g{i}", flush=True))
+    gate.set()
+    await hold
+    await asyncio.sleep(30)
+
+asyncio.run(main())
+"""
+
+
+def test_sigkill_mid_group_acknowledges_nothing_of_it(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASH_CHILD, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout.splitlines() == ["settled before"]
+    with Store(path, map_size=1 << 22) as store, store.read() as txn:
+        keys = [k for k, _ in txn.items("meta")]
+    # what was acknowledged survived; nothing of the killed group did, not even
+    # the jobs that had run before the kill
+    assert keys == [b"before"]
