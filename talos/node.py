@@ -115,7 +115,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         self._problem_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._problem_callbacks: list[ProblemCallback] = []
         self._incoming: list[Incoming] = []
-        self._outgoing: list[tuple[pl.OutboxEntry, asyncio.Future[None]]] = []
+        self._outgoing: list[tuple[pl.OutboxEntry, asyncio.Future[None], bool]] = []
         self._epoch = 0
         self._outbox_busy = False
         self._committing = False
@@ -295,7 +295,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         await asyncio.gather(
             self.links.stop(), *self._tasks, *self._link_tasks, return_exceptions=True
         )
-        for _, fut in self._outgoing:
+        for _, fut, _ in self._outgoing:
             if not fut.done():
                 fut.set_exception(UsageError("the node stopped before the message was queued"))
         try:

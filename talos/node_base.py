@@ -86,7 +86,7 @@ class NodeBase:
     _problem_waiters: dict[str, list[asyncio.Future[None]]]
     _problem_callbacks: list[Callable[[str, Any], None]]
     _incoming: list[Incoming]
-    _outgoing: list[tuple[OutboxEntry, asyncio.Future[None]]]
+    _outgoing: list[tuple[OutboxEntry, asyncio.Future[None], bool]]  # row, caller, needs fsync
     _outbox_busy: bool
     _committing: bool
     _inbox_event: asyncio.Event

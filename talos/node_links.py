@@ -36,6 +36,7 @@ from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
     DecryptionError,
     HandshakeError,
+    LinkRefusedError,
     ProtocolError,
     SignatureError,
     StorageError,
@@ -49,6 +50,11 @@ _log = logging.getLogger("talos.node")
 
 #: ``callback(did, problem)``: a link to ``did`` was refused, or a dial failed.
 ProblemCallback = Callable[[str, LinkProblem], None]
+
+
+def refused_error(did: str, problem: LinkProblem) -> LinkRefusedError:
+    """What a send waiting for ``did``'s ack raises when its link was refused for good."""
+    return LinkRefusedError(f"{problem.message(did)}; the message stays queued (talosd outbox)")
 
 
 class NodeLinks(NodeBase):
@@ -135,6 +141,9 @@ class NodeLinks(NodeBase):
         for fut in self._problem_waiters.pop(did, []):
             if not fut.done():
                 fut.set_result(None)
+        peer = self._peers.get(did)
+        if problem.decisive and peer is not None:  # sends waiting for an ack hear it now
+            peer.tx.fail_waiters(functools.partial(refused_error, did, problem))
         for cb in list(self._problem_callbacks):
             try:
                 cb(did, problem)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -274,7 +274,15 @@ def note_assigned(txn: Txn, peer: str, seq: int) -> None:
 
 def drop_acked(txn: Txn, peer: str, upto: int) -> int:
     """Delete outbox rows of ``peer`` up to ``upto``; returns how many."""
-    keys = [outbox_key(peer, e.seq) for e in iter_outbox(txn, peer) if e.seq <= upto]
+    # Keys only, stopping at the first row above ``upto``: decoding every row of the
+    # outbox per ack made an ack cost O(messages in flight).
+    prefix = outbox_prefix(peer)
+    end = outbox_key(peer, upto)
+    keys = []
+    for key, _ in txn.items("outbox", prefix):
+        if key > end or not key.startswith(prefix) or len(key) != len(prefix) + 8:
+            break
+        keys.append(key)
     for k in keys:
         txn.delete("outbox", k)
     return len(keys)
@@ -343,6 +351,14 @@ class SenderState:
                 if not fut.done():
                     fut.set_result(None)
         return True
+
+    def fail_waiters(self, error: Callable[[], BaseException]) -> None:
+        """Fail every send waiting for an ack with ``error()`` (the link was refused for good)."""
+        waiters, self.waiters = self.waiters, {}
+        for futs in waiters.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(error())
 
     def wait_for(self, seq: int) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

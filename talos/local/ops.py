@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from talos import peer_names
 from talos.chain.log import UnknownRecordError
 from talos.local.log_ops import op_log_append, op_log_records
+from talos.peer_refs import is_did
 from talos_sdk.errors import (
     LinkRefusedError,
     PeerUnreachableError,
@@ -74,8 +75,16 @@ def _num(args: dict[str, Any], key: str, default: float, lo: float, hi: float) -
 
 def resolve(node: Node, ref: str) -> str:
     """A DID or a peer name -> DID (UnknownPeerNameError / DIDError otherwise)."""
+    if is_did(ref):
+        return _checked_did(ref)  # no store read: a DID stands for itself
     with node.store.read() as txn:
         return peer_names.resolve_peer(txn, ref)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_did(did: str) -> str:
+    """``did`` once its key parsed (DIDError otherwise); a DID is checked once, not per send."""
+    return peer_names.resolve_peer_no_store(did)
 
 
 def _names(node: Node) -> dict[str, str]:
@@ -207,8 +216,7 @@ async def op_send(host: LocalHost, args: dict[str, Any]) -> Any:
     if not wait:
         return {"id": await node.send_message(did, text), "to": did, "acked": False}
     try:
-        async with asyncio.timeout(timeout):
-            msg_id = await node.send_message(did, text, wait=True)
+        msg_id = await node.send_message(did, text, wait=True, timeout=timeout)
     except TimeoutError:
         # Say why nothing came back: an unreachable peer is not a slow one.
         state, why = node.link_state(did)
