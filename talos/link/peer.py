@@ -271,6 +271,11 @@ class Link:
     def open(self) -> bool:
         return self.ws.close_code is None
 
+    @property
+    def frames_sealed(self) -> int:
+        """Frames sealed toward the peer on this link (each one WebSocket message)."""
+        return self._channel.frames_sent
+
 
 async def _refuse(ws: Connection | FrameStream, refusal: Refusal) -> None:
     try:

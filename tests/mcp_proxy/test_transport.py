@@ -15,7 +15,7 @@ from mcp_proxy.transport import (
     LoopbackTransport,
     NodeTransport,
 )
-from mcp_proxy.tunnel_wire import FrameKind, Joiner, TunnelFrame, decode_frame
+from mcp_proxy.tunnel_wire import FrameKind, Joiner, TunnelFrame, decode_frame, encode_frame
 from talos.node import Node
 from talos.pipeline import text_limit
 from tests.talos.nodes import link, make_home, started, until
@@ -60,6 +60,43 @@ async def test_flush_now_sends_one_frame_from_the_call(ends: Ends) -> None:
         assert ends.sender.frames_sent == 1
         await until(lambda: len(ends.received) == 1, what="one frame")
         assert ends.received[0] == TunnelFrame(FrameKind.MESSAGES, 7, (b"m0", b"m1", b"m2"))
+
+
+async def test_a_burst_is_one_sealed_link_frame_and_a_replayed_batch_is_refused(
+    ends: Ends,
+) -> None:
+    """One ratchet message and one link frame for a burst; its body replayed or forged opens not."""
+    a, b = ends.a, ends.b
+    link_ab = a.peer_state(b.did).link
+    assert link_ab is not None
+    async with asyncio.timeout(TIMEOUT):
+        before = b.metrics.counters.get("app_frames_in", 0)
+        sealed_before = link_ab.frames_sealed
+        burst = [b'{"id":%d}' % i for i in range(200)]
+        for line in burst:
+            ends.sender.message(4, line)
+        ends.sender.flush_now()
+        assert link_ab.frames_sealed == sealed_before + 1  # one WebSocket send for the burst
+        await until(lambda: len(ends.received) == 1, what="the burst")
+        assert ends.received[0] == TunnelFrame(FrameKind.MESSAGES, 4, tuple(burst))
+        assert b.metrics.counters.get("app_frames_in", 0) == before + 1
+        # The ratchet message of a batch, sent again inside a fresh link frame (which
+        # opens: the link is honest), or with one bit flipped: refused, nothing delivered.
+        body = a.sessions.seal_app(b.did, "mcp", encode_frame(FrameKind.MESSAGES, 4, [b"once"]))
+        await link_ab.send(b"\x30" + body)
+        await until(lambda: len(ends.received) == 2, what="the sealed body once")
+        assert ends.received[1].messages == (b"once",)
+        forged = bytearray(body)
+        forged[-1] ^= 1
+        for bad in (body, bytes(forged)):
+            await link_ab.send(b"\x30" + bad)
+        await until(lambda: b.metrics.counters.get("frames_rejected", 0) == 2, what="refusals")
+        # The link and the session carry on, in order.
+        ends.sender.message(4, b"after")
+        ends.sender.flush_now()
+        await until(lambda: len(ends.received) == 3, what="the frame after")
+        assert ends.received[2].messages == (b"after",)
+        assert b.is_connected(a.did)
 
 
 async def test_without_flush_now_the_queue_leaves_on_the_next_pass(ends: Ends) -> None:
