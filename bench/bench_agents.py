@@ -83,8 +83,9 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
             b_line = await b_proc.wait_line(r"listening on (ws://\S+) did=(\S+)")
             a = await LocalClient.connect(a_home)
             b = await LocalClient.connect(b_home)
-            await a.call("peers.add", addr=f"{b_line.group(1)}#{b_line.group(2)}", name="b")
+            # B knows A before A dials: otherwise B may refuse A's first link for good.
             await b.call("peers.add", addr=f"{a_line.group(1)}#{a_line.group(2)}", name="a")
+            await a.call("peers.add", addr=f"{b_line.group(1)}#{b_line.group(2)}", name="b")
             cursor = 0
             for _ in range(max(count // 10, 5)):  # warm-up: link, session
                 await a.call("send", to="b", text="warm", wait=True)
