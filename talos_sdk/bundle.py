@@ -12,7 +12,10 @@ so the key a peer pins is one the identity vouched for; ADR 0005).
 :class:`talos_sdk.prekeys.PrekeySecrets` holds the private halves (and rotates them).
 
 X25519 runs on libsodium (``nacl.bindings``), keys stay raw 32-byte strings:
-nothing to parse per use, and keygen measured faster than OpenSSL here.
+nothing to parse per use. bench_crypto measures both libraries each run: a
+libsodium key pair costs about half of OpenSSL's (21 vs 40 us here), a DH the
+same (38 us), and an OpenSSL DH would need key objects, whose construction from
+raw private bytes costs a base-point multiplication.
 """
 
 from __future__ import annotations
