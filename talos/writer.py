@@ -272,7 +272,12 @@ class StoreWriter:
 
 def _settle_in_loop(settled: list[tuple[_Job, Any, BaseException | None]]) -> None:
     for job, result, exc in settled:
-        job.done(result, exc)
+        try:
+            job.done(result, exc)
+        except Exception as error:  # one failing ``then`` must not keep the rest unsettled
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": f"store writer: settling a {job.kind!r} job failed", "exception": error}
+            )
 
 
 def _nothing(txn: Txn) -> None:

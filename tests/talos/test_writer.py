@@ -278,3 +278,22 @@ def test_sigkill_mid_group_acknowledges_nothing_of_it(tmp_path: Path) -> None:
     # what was acknowledged survived; nothing of the killed group did, not even
     # the jobs that had run before the kill
     assert keys == [b"before"]
+
+
+async def test_a_failing_then_does_not_keep_its_group_unsettled(writer: StoreWriter) -> None:
+    first, gate = await _held(writer)
+    await asyncio.sleep(0.05)
+    errors: list[BaseException] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda loop, ctx: errors.append(ctx["exception"]))
+
+    def boom(fut: asyncio.Future[None]) -> None:
+        raise RuntimeError("then failed")
+
+    a = writer.submit(lambda txn: None, then=boom)
+    b = writer.submit(lambda txn: txn.put("meta", b"b", b""))
+    gate.set()
+    await first
+    await asyncio.wait_for(b, 20)  # settled although the callback before it raised
+    assert a.done() and [str(e) for e in errors] == ["then failed"]
+    loop.set_exception_handler(None)
