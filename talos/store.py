@@ -32,7 +32,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -49,6 +49,7 @@ DEFAULT_DATABASES: tuple[str, ...] = (
     "blocks",  # height (u64 BE) -> encoded Block
     "block_records",  # height (u64 BE) || index (u32 BE) -> encoded Record
     "records",  # record id -> height (u64 BE) || index (u32 BE)
+    "records_b",  # the same; a rewrite of the index builds the one not in use (ADR 0013)
     "pending",  # sequence (u64 BE) -> encoded Record, not yet sealed
     "quarantine",  # record id -> reason || encoded Record (failed sealing checks)
     "sessions",
@@ -138,7 +139,7 @@ class Txn:
 
     def items(
         self, db: str, start: bytes | None = None, *, reverse: bool = False
-    ) -> Iterator[tuple[bytes, bytes]]:
+    ) -> Generator[tuple[bytes, bytes], None, None]:
         """Pairs in key order from ``start`` (inclusive), or in reverse from the end."""
         cur = self.raw.cursor(db=self._db(db))
         try:

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from talos.chain.block import (
@@ -45,7 +46,7 @@ from talos.chain.block import (
     head_statement,
     verify_inclusion_proof,
 )
-from talos.chain.record_index import RecordIndex
+from talos.chain.record_index import RecordIndex, Step
 from talos.store import Store, Txn
 from talos.writer import DirectWrites, Writes
 from talos_sdk.errors import MalformedFrameError, UsageError
@@ -275,8 +276,9 @@ class BlockLog:
         if batch:
             index = self._index
             new: dict[bytes, bytes] = {}
+            start = index.plan(adding=len(good))
 
-            def write(txn: Txn) -> tuple[Block | None, int, bool]:
+            def write(txn: Txn) -> tuple[Block | None, int, Step]:
                 keep: list[Record] = []
                 for key, record in good:
                     if index.get(txn, record.record_id) is not None:
@@ -288,22 +290,20 @@ class BlockLog:
                 for key, _ in batch:
                     txn.delete("pending", key)
                 written = self._write_block(txn, keep) if keep else None
-                batched = False
+                step = Step()
                 if index.stale:  # with the first block sealed since open (ADR 0013)
                     index.watermark_row(txn)
                 if written is not None:
                     new.update(
                         (r.record_id, record_key(written.height, i)) for i, r in enumerate(keep)
                     )
-                    batched = index.batch_due(len(new))
-                    if batched:
-                        index.write_batch(txn, new, written.height + 1)
-                return written, txn.count("pending"), batched
+                    step = index.step(txn, written.height, start)
+                return written, txn.count("pending"), step
 
-            block, remaining, batched = self._writes.run(write, durable=True, kind="seal")
+            block, remaining, step = self._writes.run(write, durable=True, kind="seal")
             if block is not None:
                 self._tip = block
-                index.committed(new, batched=batched, below=block.height + 1)
+                index.committed(new, step)
         with self._lock:
             # Appends counted since we started are kept; the store tells the rest.
             self._pending = remaining + max(0, self._pending - counted)
@@ -341,20 +341,23 @@ class BlockLog:
         return block
 
     def flush_index(self) -> None:
-        """Put every sealed id into the ``records`` database now (blocking, like :meth:`write`).
+        """Put every sealed id into the index database now (blocking, like :meth:`write`).
 
         Not needed for correctness (ADR 0013): tests call it to tamper with a
-        complete ``records``. A node does not at stop: it would rewrite the
-        whole index (~0.5 s at 1M records) to save the next open ~0.1 s.
+        complete index. A node does not at stop: it would rewrite the whole
+        index (~0.5 s at 1M records) to save the next open ~0.1 s.
         """
         with self._seal_lock:
             index, tip = self._index, self._tip
-            if tip is None or not index.recent:
+            if tip is None:
                 return
-            self._writes.run(
-                lambda txn: index.write_batch(txn, {}, tip.height + 1), durable=False, kind="log"
-            )
-            index.committed({}, batched=True, below=tip.height + 1)
+            below = tip.height + 1
+            while index.busy:
+                start = index.plan(force=True)
+                step = self._writes.run(
+                    partial(index.step, below=below, start=start), durable=False, kind="log"
+                )
+                index.committed({}, step)
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -402,9 +405,9 @@ class BlockLog:
 
     def find_record(self, record_id: bytes) -> tuple[Block, int, Record] | None:
         """Where a sealed record is: its block, index, and the record itself."""
-        in_memory = self._index.recent.get(record_id)  # before the snapshot, see RecordIndex
+        in_memory = self._index.in_memory(record_id)  # before the snapshot, see RecordIndex
         with self.store.read() as txn:
-            loc = in_memory or txn.get("records", record_id)
+            loc = in_memory or RecordIndex.stored(txn, record_id)
             if loc is None:
                 return None
             height, index = _LOC.unpack(loc)
@@ -417,9 +420,9 @@ class BlockLog:
     def inclusion_proof(self, record_id: bytes) -> dict[str, Any]:
         """A JSON-able RFC 6962 inclusion proof for a sealed record, checked by
         :func:`verify_inclusion_proof` with nothing but the node's DID."""
-        in_memory = self._index.recent.get(record_id)
+        in_memory = self._index.in_memory(record_id)
         with self.store.read() as txn:
-            loc = in_memory or txn.get("records", record_id)
+            loc = in_memory or RecordIndex.stored(txn, record_id)
             if loc is None:
                 raise UnknownRecordError(f"no sealed record with id {record_id.hex()}")
             height, index = _LOC.unpack(loc)

@@ -3,8 +3,9 @@
 Checks (docs/PROTOCOL.md "Block log"): heights are 0..n-1 with no gap and
 match their keys; every block links to the stored bytes of the one before;
 author, record count, Merkle root and node signature of every block; the
-sender signature of every record; the record index (``records``) names exactly
-the sealed records, each at its place.
+sender signature of every record; the record index (``records``, or
+``records_b`` when ``meta`` ``chain:index_db`` names it, ADR 0013) names
+exactly the sealed records, each at its place.
 
 Memory does not grow with the log: the parent walks ``blocks`` and
 ``block_records`` with two cursors of one LMDB read snapshot, cuts the stream
@@ -18,15 +19,16 @@ At a million records this keeps the verifier's own memory at a few MB where
 reading the log into dicts first took 1.24 GB.
 
 The record index is checked without a table of all record ids: each sealed
-record looks up its id in ``records`` (and, when the index names another
-place, reads the record there to tell a duplicate id from a wrong entry). The
-index entries that matched are counted; only if ``records`` holds more
-entries than that is it walked to name the extra ones. Records at and above
-the index watermark (``meta`` ``chain:indexed_below``, ADR 0013) may be
-missing from ``records``: the node keeps their ids in memory until a batch.
-Their ids are kept here to catch a duplicate among them (at most
-``record_index.MAX_BATCH`` of them in a log the node wrote, ~35 MB); a store
-without the watermark row must have every record indexed.
+record looks up its id in the index database (and, when the index names
+another place, reads the record there to tell a duplicate id from a wrong
+entry). The index entries that matched are counted; only if the index holds
+more entries than that is it walked to name the extra ones. Records at and
+above the index watermark (``meta`` ``chain:indexed_below``, ADR 0013) may be
+missing from it: the node keeps their ids in memory until a batch. Their ids
+are kept here to catch a duplicate among them (about ``record_index.MAX_BATCH``
+of them in a log the node wrote, ~35 MB, plus those sealed while a rewrite
+ran); a store without the watermark row must have every record indexed. The
+other index database (a rewrite under way, or the previous tree) is not read.
 
 Hybrid nodes (ADR 0005): the caller passes the node's ML-DSA-65 public key,
 taken from its wallet (or a pin), never from the store being audited; blocks
@@ -57,7 +59,7 @@ from talos.chain.block import (
     collect_block_defects,
 )
 from talos.chain.log import HYBRID_SINCE_KEY
-from talos.chain.record_index import WATERMARK_KEY
+from talos.chain.record_index import WATERMARK_KEY, index_db
 from talos.store import Store, Txn
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import MalformedFrameError, StorageError
@@ -250,6 +252,7 @@ class _IndexCheck:
 
     def __init__(self, txn: Txn, defects: list[Defect]) -> None:
         self._txn = txn
+        self._db = index_db(txn)
         self._defects = defects
         self._matched = 0
         mark = txn.get("meta", WATERMARK_KEY)
@@ -262,9 +265,9 @@ class _IndexCheck:
 
     def check(self, ids: Sequence[tuple[bytes, int, int]]) -> None:
         """Each sealed record must be indexed at its own place."""
-        get = self._txn.get
+        get, db = self._txn.get, self._db
         for record_id, h, i in ids:
-            loc = get("records", record_id)
+            loc = get(db, record_id)
             if loc == _LOC.pack(h, i):
                 self._matched += 1
                 continue
@@ -294,9 +297,9 @@ class _IndexCheck:
 
     def finish(self) -> None:
         """Name index entries that no sealed record matched, if there are any."""
-        if self._txn.count("records") == self._matched:
+        if self._txn.count(self._db) == self._matched:
             return
-        for record_id, loc in self._txn.items("records"):
+        for record_id, loc in self._txn.items(self._db):
             if record_id in self._reported or self._id_at(loc) == record_id:
                 continue
             where = _LOC.unpack(loc) if len(loc) == _LOC.size else (None, None)

@@ -16,6 +16,7 @@ from mcp_proxy.nodehost import make_node
 from mcp_proxy.transport import NodeTransport
 from mcp_proxy.tunnel_wire import FrameKind, TunnelFrame, decode_frame, encode_frame
 from talos.chain.log import block_key
+from talos.chain.record_index import index_db
 from talos.config import Home
 from talos.store import Store
 from tests.mcp_proxy.e2e import ENV, REPO, did_of, serving
@@ -122,9 +123,9 @@ def truncate_from(home: Path, height: int) -> None:
             doomed.append(("blocks", key))
         for key, _ in txn.items("block_records", block_key(height)):
             doomed.append(("block_records", key))
-        for key, loc in txn.items("records"):
+        for key, loc in txn.items(index_db(txn)):
             if int.from_bytes(loc[:8], "big") >= height:
-                doomed.append(("records", key))
+                doomed.append((index_db(txn), key))
         for db, key in doomed:
             txn.delete(db, key)
     assert doomed

@@ -16,7 +16,7 @@ import pytest
 import talos.chain.record_index as record_index
 from talos.chain.block import Record
 from talos.chain.log import BlockLog, block_key, verify_inclusion_proof
-from talos.chain.record_index import WATERMARK_KEY, record_id_of
+from talos.chain.record_index import WATERMARK_KEY, index_db, record_id_of
 from talos.chain.verify import verify_chain
 from talos.store import Store
 from tests.talos.chain import ALICE, NODE, audit_record, make_record
@@ -26,9 +26,11 @@ REPO = Path(__file__).resolve().parents[3]
 
 @pytest.fixture(autouse=True)
 def small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches of a few dozen ids, so a short test crosses many of them."""
+    """Batches of a few dozen ids, rewritten a few entries per seal, so a short test
+    crosses many batches and seals in the middle of a rewrite."""
     monkeypatch.setattr(record_index, "MIN_BATCH", 24)
     monkeypatch.setattr(record_index, "MAX_BATCH", 64)
+    monkeypatch.setattr(record_index, "STEP", 7)
 
 
 def node_record(i: int) -> Record:
@@ -51,7 +53,7 @@ def watermark(store: Store) -> int | None:
 
 def indexed(store: Store) -> int:
     with store.read() as txn:
-        return txn.count("records")
+        return txn.count(index_db(txn))
 
 
 def fill(log: BlockLog, start: int, count: int, per_block: int = 5) -> None:
@@ -86,7 +88,7 @@ def test_ids_go_to_records_in_batches_and_stay_findable(tmp_path: Path) -> None:
     assert mark is not None and 0 < mark <= log.height + 1
     with store.read() as txn:  # exactly the records below the watermark are in `records`
         below = [k for k, _ in txn.items("block_records") if int.from_bytes(k[:8], "big") < mark]
-        assert txn.count("records") == len(below)
+        assert txn.count(index_db(txn)) == len(below)
     assert_all_found(log, 320)
     proof = log.inclusion_proof(node_record(319).record_id)  # in memory still
     assert verify_inclusion_proof(proof, NODE.did)
@@ -112,6 +114,47 @@ def test_reopen_rebuilds_the_memory_part(tmp_path: Path) -> None:
     assert reasons == ["record id already sealed"] * 2
     fill(log, 137, 200)
     assert_all_found(log, 337)
+    assert verify_chain(store, NODE.did, workers=1).ok
+    store.close()
+
+
+def _index_rows(store: Store) -> tuple[str, int, int]:
+    """The index database in use, its rows, and the rows of the other one."""
+    with store.read() as txn:
+        current = index_db(txn)
+        other = next(db for db in record_index.INDEX_DBS if db != current)
+        return current, txn.count(current), txn.count(other)
+
+
+def test_a_rewrite_copies_a_step_per_seal_and_every_id_stays_findable(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    log = BlockLog(store, NODE, max_records=5)
+    fill(log, 0, 150)
+    seen_mid_pass = reopened = False
+    count = 150
+    while count < 600:
+        before = _index_rows(store)
+        fill(log, count, 5)
+        count += 5
+        after = _index_rows(store)
+        if after[0] == before[0] and after[2] > before[2]:
+            # One step: at most STEP old rows plus the frozen ids (<= MAX_BATCH) among them.
+            assert after[2] - before[2] <= record_index.STEP + record_index.MAX_BATCH
+            if after[2] > record_index.STEP:
+                seen_mid_pass = True
+                assert_all_found(log, count)
+                assert verify_chain(store, NODE.did, workers=1).ok
+                if not reopened:  # stop mid-rewrite: the next one starts over
+                    store.close()
+                    store = Store(tmp_path)
+                    log = BlockLog(store, NODE, max_records=5)
+                    reopened = True
+                    assert_all_found(log, count)
+    assert seen_mid_pass and reopened
+    assert_all_found(log, count)
+    log.flush_index()
+    _, rows, _ = _index_rows(store)
+    assert rows == count and watermark(store) == log.height + 1
     assert verify_chain(store, NODE.did, workers=1).ok
     store.close()
 
@@ -158,8 +201,8 @@ def test_watermark_above_a_cut_log_is_clamped(tmp_path: Path) -> None:
         doomed = [("blocks", k) for k, _ in txn.items("blocks", block_key(cut))]
         doomed += [("block_records", k) for k, _ in txn.items("block_records", block_key(cut))]
         doomed += [
-            ("records", k)
-            for k, loc in txn.items("records")
+            (index_db(txn), k)
+            for k, loc in txn.items(index_db(txn))
             if int.from_bytes(loc[:8], "big") >= cut
         ]
         for db, key in doomed:
@@ -198,7 +241,7 @@ _WRITER = textwrap.dedent(
     from tests.talos.chain.test_record_index import node_record
     from tests.talos.chain import NODE
 
-    record_index.MIN_BATCH, record_index.MAX_BATCH = 24, 64
+    record_index.MIN_BATCH, record_index.MAX_BATCH, record_index.STEP = 24, 64, 7
     store = Store(Path(sys.argv[1]))
     log = BlockLog(store, NODE, max_records=7)
     i = int(sys.argv[2])

@@ -11,6 +11,7 @@ import pytest
 
 from talos.chain.block import Block, Record
 from talos.chain.log import BlockLog, block_key, record_key
+from talos.chain.record_index import index_db
 from talos.chain.verify import CHUNK_RECORDS, Defect, _LogWalk, _run_chunk, verify_chain
 from talos.store import Store
 from talos_sdk.errors import StorageError
@@ -150,16 +151,16 @@ def test_forged_sender_signature_in_a_node_signed_block(chain: tuple[Store, Bloc
         txn.put("blocks", block_key(block.height), block.to_bytes())
         for i, r in enumerate(records):
             txn.put("block_records", record_key(block.height, i), r.encoded)
-            txn.put("records", r.record_id, record_key(block.height, i))
+            txn.put(index_db(txn), r.record_id, record_key(block.height, i))
     assert where(store) == [("sender_signature", BLOCKS, 1)]
 
 
 def test_record_index_tampering(chain: tuple[Store, BlockLog]) -> None:
     store, _ = chain
     with store.write() as txn:
-        txn.delete("records", make_record(5).record_id)  # block 1, record 1
-        txn.put("records", make_record(6).record_id, record_key(0, 0))  # block 1, record 2
-        txn.put("records", b"\x07" * 16, record_key(4, 0))
+        txn.delete(index_db(txn), make_record(5).record_id)  # block 1, record 1
+        txn.put(index_db(txn), make_record(6).record_id, record_key(0, 0))  # block 1, record 2
+        txn.put(index_db(txn), b"\x07" * 16, record_key(4, 0))
     assert where(store) == [
         ("record_index", 1, 1),
         ("record_index", 1, 2),
@@ -219,7 +220,7 @@ def test_parallel_with_threads_alive_uses_forkserver_and_agrees(
     """A running node has helper threads: the pool must not fork them, and still agree."""
     store, _ = chain
     with store.write() as txn:
-        txn.delete("records", make_record(3).record_id)
+        txn.delete(index_db(txn), make_record(3).record_id)
     release = threading.Event()
     helper = threading.Thread(target=release.wait, args=(30,))
     helper.start()
@@ -288,7 +289,7 @@ def test_duplicate_record_id_is_reported_once_at_the_copy_the_index_does_not_nam
     # The index names the later copy: the earlier one is the duplicate, and
     # the index entry of the record that was overwritten is unknown now.
     with store.write() as txn:
-        txn.put("records", make_record(1).record_id, record_key(3, 2))
+        txn.put(index_db(txn), make_record(1).record_id, record_key(3, 2))
     found = verify_chain(store, NODE.did, workers=1).defects
     assert [(d.code, d.height, d.index, d.message) for d in found if d.code == "record_index"] == [
         ("record_index", 0, 1, "record id also sealed at block 3, record 2"),
