@@ -34,8 +34,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -45,9 +47,12 @@ from nacl.bindings import crypto_sign_open
 from talos.chain.block import Record
 from talos.chain.log import BlockLog
 from talos.chain.verify import verify_chain
-from talos.store import Store
+from talos.store import Store, Txn
+from talos.writer import DirectWrites
 from talos_sdk.merkle import inclusion_proof, verify_inclusion
 from talos_sdk.wallet import Wallet
+
+_T = TypeVar("_T")
 
 RECORDS = 20_000
 FAST_RECORDS = 300
@@ -277,15 +282,33 @@ def _bounds(records: int) -> list[tuple[int, int]]:
     return [(edge[i], edge[i + 1]) for i in range(len(WINDOWS))]
 
 
+class _TimedWrites(DirectWrites):
+    """The log's writes, with the longest seal transaction (the time a node's one
+    writer thread is held by a seal: commit and fsync included) kept."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.longest_seal = 0.0
+
+    def run(self, fn: Callable[[Txn], _T], *, durable: bool = True, kind: str = "write") -> _T:
+        start = time.perf_counter()
+        try:
+            return super().run(fn, durable=durable, kind=kind)
+        finally:
+            if kind == "seal":
+                self.longest_seal = max(self.longest_seal, time.perf_counter() - start)
+
+
 def sustained_append_seal(path: Path, records: int) -> list[tuple[float, ...]]:
     """Append ``records`` unsigned node records in groups, sealing as a node does.
 
     Returns, for each window of :func:`_bounds`: page-cache bytes dirtied per
     record, write(2) bytes per record, append seconds per record, append +
-    seal seconds per record and device bytes per record (see
-    :func:`_io_counters`). Records are node-authored (no sender signature to
-    check at sealing), ~400 bytes each, so the figures are the log's storage
-    cost rather than Ed25519's.
+    seal seconds per record, device bytes per record (see
+    :func:`_io_counters`) and the longest seal transaction (the writer held by
+    one seal: a step of an index rewrite, ADR 0013, commit, fsync). Records
+    are node-authored (no sender signature to check at sealing), ~400 bytes
+    each, so the figures are the log's storage cost rather than Ed25519's.
     """
     extra = bytes(200)
     bounds = _bounds(records)
@@ -293,12 +316,14 @@ def sustained_append_seal(path: Path, records: int) -> list[tuple[float, ...]]:
     ends = {b: i for i, (_, b) in enumerate(bounds)}
     windows: list[tuple[float, ...]] = []
     with Store(path, map_size=16 << 30) as store:
-        log = BlockLog(store, NODE, max_records=BLOCK)
+        writes = _TimedWrites(store)
+        log = BlockLog(store, NODE, max_records=BLOCK, writes=writes)
         io0, t0, appending = _io_counters(path), time.perf_counter(), 0.0
         for first in range(0, records, GROUP):
             if first in starts:
                 store.sync()
                 io0, t0, appending = _io_counters(path), time.perf_counter(), 0.0
+                writes.longest_seal = 0.0
             batch = [
                 Record(
                     kind="mcp",
@@ -330,6 +355,7 @@ def sustained_append_seal(path: Path, records: int) -> list[tuple[float, ...]]:
                         appending / n,
                         (t1 - t0) / n,
                         (io1["device"] - io0["device"]) / n,
+                        writes.longest_seal,
                     )
                 )
     return windows
@@ -350,6 +376,7 @@ def bench_sustained(suite: Suite) -> None:
         ("append", "append per record (groups of 16)", "s"),
         ("total", "append + seal per record", "s"),
         ("device", "device bytes written per record (whole machine)", "B"),
+        ("hold", "longest seal transaction (writer held: index step, commit, fsync)", "s"),
     )
     spans = [f"records {a:,}-{b:,}" for a, b in _bounds(records)]
     for i, (name, label, unit) in enumerate(names):
