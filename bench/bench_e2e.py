@@ -2,8 +2,9 @@
 
 Node B is a real ``talosd run`` subprocess, node A runs in this process, so the
 two nodes use both cores as in a deployment. A times ``send_message(wait=True)``
-(sender commit, ratchet seal, link frame, receiver commit + fsync, ack) one at
-a time for p50 / p99, then with many messages in flight for throughput.
+(ratchet seal, link frame, receiver commit + fsync, ack; the sender's outbox
+commit overlaps it and needs no fsync of its own with ``wait``, ADR 0007) one
+at a time for p50 / p99, then with many messages in flight for throughput.
 
 The floor is measured in the same run, one sample of each after every message
 (the disk is shared, so its cost drifts): one durable LMDB commit (raw

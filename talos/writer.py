@@ -14,8 +14,9 @@ most one fsync (when any job of it is durable). No caller hears back before
 the group's commit and fsync returned, and then all hear back in one loop
 pass: a durable job is acknowledged only once it is on disk, whatever else
 shared its transaction. A commit or fsync that fails fails the whole group.
-At 64 sends in flight this turned ~3 write transactions and 3 loop wake-ups
-per message into one of each per group.
+What it buys, measured on a loaded 2-core machine: an ack write and an
+outbox commit queued together cost 116-125 µs of CPU per message as one
+group against 200-205 µs as two transactions (two thread and loop wake-ups).
 
 Three ways in:
 

@@ -123,6 +123,8 @@ class _Conn(FlowControlled):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        # Kept: asyncio.get_running_loop() is a getpid() syscall per call on 3.11.
+        self._loop = asyncio.get_running_loop()
         uid = peer_uid(transport.get_extra_info("socket"))
         if not peer_allowed(uid, os.getuid()):
             self.server.node.metrics.inc("local_clients_refused")
@@ -147,7 +149,8 @@ class _Conn(FlowControlled):
                 self._app(frame.body)
             elif frame.kind is wire.Kind.CALL:
                 assert isinstance(frame.body, dict)
-                task = asyncio.ensure_future(self._call(frame.body))
+                assert self._loop is not None
+                task = self._loop.create_task(self._call(frame.body))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
             # REPLY / EVENT from a client mean nothing to the node: ignored.
