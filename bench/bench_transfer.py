@@ -10,7 +10,9 @@ Peak RSS of each node is its ``VmHWM`` read before it stops.
 The floor, same run, same bytes: an unencrypted ``websockets`` copy from this
 process to a child process that writes the file and fsyncs it at the end,
 1 MiB messages, compression off. Targets: >= 1.0 x that copy, >= 400 MB/s,
-peak RSS < 200 MB per node.
+peak RSS < 200 MB per node. The CPU each end spent per MiB (``/proc/PID/stat``
+during the copy) is printed beside the plain copy's: on a shared machine it
+moves less than MB/s does.
 
     python bench/bench_transfer.py [--fast] [--size BYTES]   (default 1 GiB; --fast 4 MiB)
 """
@@ -25,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,17 @@ WS_SINK_FLAG = "--ws-sink"
 CHUNK = 1 << 20
 FINAL = frozenset({"complete", "failed", "rejected", "cancelled"})
 TRANSFER_TIMEOUT = 1800.0
-POLL = 0.005
+#: Each poll is a local-socket call the sending node serves (~0.7 ms of its CPU);
+#: 20 ms keeps that under 4 % of a core and the clock's granularity under 1 % of 1 GiB.
+POLL = 0.02
+#: Below this the CPU figures (clock ticks of 10 ms) are too coarse to print.
+CPU_ROWS_FROM = 64 << 20
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a live process has used so far (``/proc/PID/stat``, Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def make_payload(path: Path, size: int) -> None:
@@ -71,14 +84,27 @@ async def ws_sink(target: Path) -> None:
         await asyncio.Future()
 
 
-async def plain_ws_copy(source: Path, root: Path) -> float:
-    """Seconds to copy ``source`` over a plain websocket into a child process."""
+@dataclass(frozen=True)
+class Run:
+    """One copy: wall seconds and the CPU seconds each end spent during it."""
+
+    seconds: float
+    cpu_sender: float
+    cpu_receiver: float
+    rss_sender: int = 0
+    rss_receiver: int = 0
+
+
+async def plain_ws_copy(source: Path, root: Path) -> Run:
+    """Copy ``source`` over a plain websocket into a child process."""
     from websockets.asyncio.client import connect
 
     argv = [PYTHON, __file__, WS_SINK_FLAG, str(root / "plain-copy.bin")]
+    me = os.getpid()
     async with child(argv, "websocket sink") as sink:
         port = int((await sink.wait_line(r"sink on (\d+)")).group(1))
         async with connect(f"ws://127.0.0.1:{port}", compression=None) as ws:
+            cpu0 = cpu_seconds(me), cpu_seconds(sink.pid)
             start = time.perf_counter()
             with source.open("rb") as fh:
                 while chunk := fh.read(CHUNK):
@@ -86,9 +112,10 @@ async def plain_ws_copy(source: Path, root: Path) -> float:
             await ws.send("done")
             copied = int(await ws.recv())
             elapsed = time.perf_counter() - start
+            cpu1 = cpu_seconds(me), cpu_seconds(sink.pid)
     if copied != source.stat().st_size:
         raise RuntimeError(f"plain copy wrote {copied} bytes of {source.stat().st_size}")
-    return elapsed
+    return Run(elapsed, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1])
 
 
 def _call(home: Path, op: str, args: dict[str, Any] | None = None) -> Any:
@@ -110,8 +137,8 @@ async def _until(cond: Any, what: str, timeout: float = 60.0) -> Any:
         await asyncio.sleep(POLL)
 
 
-async def talos_transfer(source: Path, root: Path) -> tuple[float, int, int]:
-    """Seconds for A -> B of ``source`` and the peak RSS (bytes) of sender and receiver."""
+async def talos_transfer(source: Path, root: Path) -> Run:
+    """A -> B of ``source``, with the peak RSS (bytes) of sender and receiver."""
     from talos.home import init_home
 
     a_home, b_home = root / "a", root / "b"
@@ -130,6 +157,7 @@ async def talos_transfer(source: Path, root: Path) -> tuple[float, int, int]:
                 return any(x["did"] == did_b and x["ready"] for x in links)
 
             await _until(linked, "the A -> B link")
+            cpu0 = cpu_seconds(a.pid), cpu_seconds(b.pid)
             start = time.perf_counter()
             body = {"to": did_b, "path": str(source)}
             tid = (await asyncio.to_thread(_call, a_home, "files.send", body))["tid"]
@@ -140,13 +168,14 @@ async def talos_transfer(source: Path, root: Path) -> tuple[float, int, int]:
 
             info = await _until(finished, "the transfer", TRANSFER_TIMEOUT)
             elapsed = time.perf_counter() - start
+            cpu1 = cpu_seconds(a.pid), cpu_seconds(b.pid)
             if info["state"] != "complete":
                 raise RuntimeError(f"transfer ended {info['state']}: {info.get('error')}")
             rss_a, rss_b = peak_rss(a.pid), peak_rss(b.pid)
     received = b_home / "files" / source.name
     if received.stat().st_size != source.stat().st_size:
         raise RuntimeError(f"{received} has {received.stat().st_size} bytes")
-    return elapsed, rss_a, rss_b
+    return Run(elapsed, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], rss_a, rss_b)
 
 
 async def measure(suite: Suite, size: int) -> None:
@@ -156,19 +185,40 @@ async def measure(suite: Suite, size: int) -> None:
         make_payload(source, size)
         plain = await plain_ws_copy(source, root)
         (root / "plain-copy.bin").unlink()  # keep the disk footprint at two copies
-        ours, rss_a, rss_b = await talos_transfer(source, root)
-    mib = f"{size / (1 << 20):g} MiB"
-    suite.record("transfer.plain_ws", f"plain websocket copy {mib}", size / plain, "B/s", row=False)
+        ours = await talos_transfer(source, root)
+    mib = size / (1 << 20)
+    label = f"{mib:g} MiB"
+    suite.record(
+        "transfer.plain_ws", f"plain websocket copy {label}", size / plain.seconds, "B/s", row=False
+    )
     suite.record(
         "transfer.encrypted",
-        f"talos send-file {mib}, encrypted",
-        size / ours,
+        f"talos send-file {label}, encrypted",
+        size / ours.seconds,
         "B/s",
         raw="transfer.plain_ws",
     )
-    suite.record("transfer.peak_rss", "peak RSS, larger of the two nodes", max(rss_a, rss_b), "B")
-    suite.record("transfer.peak_rss.sender", "peak RSS, sending node", rss_a, "B")
-    suite.record("transfer.peak_rss.receiver", "peak RSS, receiving node", rss_b, "B")
+    # CPU per MiB at each end: steadier than MB/s when other jobs share the cores.
+    for end in ("sender", "receiver") if size >= CPU_ROWS_FROM else ():
+        plain_cpu = getattr(plain, f"cpu_{end}") / mib
+        suite.record(
+            f"transfer.plain_ws.cpu.{end}",
+            f"plain copy, {end} CPU per MiB",
+            plain_cpu,
+            "s",
+            row=False,
+        )
+        suite.record(
+            f"transfer.cpu.{end}",
+            f"{end} CPU per MiB",
+            getattr(ours, f"cpu_{end}") / mib,
+            "s",
+            raw=f"transfer.plain_ws.cpu.{end}",
+        )
+    rss = max(ours.rss_sender, ours.rss_receiver)
+    suite.record("transfer.peak_rss", "peak RSS, larger of the two nodes", rss, "B")
+    suite.record("transfer.peak_rss.sender", "peak RSS, sending node", ours.rss_sender, "B")
+    suite.record("transfer.peak_rss.receiver", "peak RSS, receiving node", ours.rss_receiver, "B")
 
 
 def main() -> None:

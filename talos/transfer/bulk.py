@@ -16,12 +16,14 @@ more than ``window`` chunks (the kernel's socket buffers are the queue).
 
 The handshake runs on the event loop with ``loop.sock_*`` calls on the raw
 socket (no stream read-ahead, so nothing of the data phase is swallowed).
-The data phase then runs in dedicated threads on the blocking socket: one
-thread per side does read+hash+seal+``sendall`` or ``recv_into``+open+hash+
-``pwrite`` into reused buffers (ChaCha20-Poly1305, SHA-256 and the syscalls
-release the GIL), so the loop is not woken per chunk and no page is freshly
-allocated per chunk; the kernel socket buffers overlap the two processes.
-Cancelling the awaiting task shuts the socket down, which wakes the thread.
+The data phase then runs in dedicated threads on the blocking socket, as a
+:class:`~talos.transfer.pipeline.Pipeline` per side: read -> hash -> seal ->
+``sendmsg`` on the sender, ``recv_into`` -> open -> hash -> ``pwrite`` on the
+receiver, one thread per step over a ring of reused buffers (ChaCha20-Poly1305,
+SHA-256 and the syscalls release the GIL), so the loop is not woken per chunk,
+no page is freshly allocated per chunk, and the steps of one side overlap each
+other as the kernel socket buffers overlap the two processes. Cancelling the
+awaiting task shuts the socket down, which wakes the threads.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import hmac
 import os
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from talos.link.admission import Admission
+from talos.transfer.pipeline import Pipeline, Slot, Stage
 from talos.transfer.protocol import (
     BULK_CREDIT,
     BULK_FAILED,
@@ -74,6 +77,8 @@ MAX_UNAUTHENTICATED: Final = 32
 MAX_UNAUTHENTICATED_PER_ADDRESS: Final = 8
 #: A data-phase socket call that makes no progress this long ends the attempt.
 IDLE_TIMEOUT: Final = 60.0
+#: Chunks in flight inside one process: one per pipeline stage plus slack for jitter.
+PIPELINE_SLOTS: Final = 6
 #: Socket buffers sized for a few sealed chunks in flight on a fast link.
 SOCKET_BUFFER: Final = 4 << 20
 _FINAL_FLAG_AT: Final = 8  # flags byte of the aead chunk header
@@ -383,42 +388,58 @@ class _Credits:
             return self.verdict
 
 
+class _Ended(Exception):
+    """The receiver ended the stream before the final chunk; its verdict says why."""
+
+
+def _sendmsg_all(sock: socket.socket, parts: list[memoryview]) -> None:
+    """``sendall`` of several buffers with one ``sendmsg`` each round (no concatenation)."""
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = parts[0][sent:]
+
+
 async def send_chunks(
     stream: BulkStream,
-    fill: Callable[[memoryview], int],
-    sealed_max: int,
+    stages: Sequence[Stage],
+    slots: Sequence[Slot],
     window: int,
     on_sent: Callable[[int], None] | None = None,
 ) -> bool:
     """Send sealed chunks until the final one, honouring credits; True if the receiver verified.
 
-    ``fill(buf)`` writes the next sealed chunk into ``buf`` (at least
-    ``sealed_max`` bytes, reused) and returns its length; it runs in the
-    sending thread. Returns False if the receiver reported failure; raises
+    ``stages`` fill a slot's ``sealed`` buffer (read, hash, seal: the first is
+    the pipeline's source and marks the final slot ``last``); each runs in its
+    own thread over the ring ``slots``, and a last stage here frames and sends
+    the chunk. Returns False if the receiver reported failure; raises
     ``ConnectionError`` if the stream ends without a verdict.
     """
-    if sealed_max > MAX_SEALED:
-        raise UsageError(f"sealed chunks of {sealed_max} bytes exceed {MAX_SEALED}")
+    if any(len(slot.sealed) > MAX_SEALED for slot in slots):
+        raise UsageError(f"sealed buffers larger than {MAX_SEALED} bytes")
     credits = _Credits(window)
     sock = stream.sock
     reader = threading.Thread(target=credits.read, args=(sock,), name="bulk-credits", daemon=True)
+    head = bytearray(BULK_FRAME.size)
+    index = 0
+
+    def send(slot: Slot) -> None:
+        nonlocal index
+        if not credits.wait_for(index):
+            raise _Ended
+        BULK_FRAME.pack_into(head, 0, slot.sealed_size)
+        _sendmsg_all(sock, [memoryview(head), slot.sealed[: slot.sealed_size]])
+        index += 1
+        if on_sent is not None:
+            on_sent(slot.sealed_size)
 
     def run() -> bool:
-        buf = bytearray(BULK_FRAME.size + sealed_max)
-        view = memoryview(buf)
-        body = view[BULK_FRAME.size :]
-        index = 0
-        while True:
-            n = fill(body)
-            BULK_FRAME.pack_into(buf, 0, n)
-            if not credits.wait_for(index):
-                break
-            sock.sendall(view[: BULK_FRAME.size + n])
-            index += 1
-            if on_sent is not None:
-                on_sent(n)
-            if body[_FINAL_FLAG_AT] & 1:
-                break
+        pipeline = Pipeline(slots, [*stages[1:], send], stream.abort)
+        with contextlib.suppress(_Ended):
+            pipeline.run(stages[0], "bulk-send")
         return credits.result()
 
     reader.start()
@@ -431,42 +452,61 @@ async def send_chunks(
 
 async def receive_chunks(
     stream: BulkStream,
-    process_into: Callable[[memoryview], bool],
+    stages: Sequence[Stage],
     window: int,
     on_chunk: Callable[[], None] | None = None,
+    slots: int = PIPELINE_SLOTS,
 ) -> None:
     """Receive sealed chunks up to the final one, granting credits as they are processed.
 
-    ``process_into`` (open + check + write) and ``on_chunk`` (a cheap,
-    thread-safe checkpoint trigger) run in the receiving thread; their errors
-    (``DecryptionError``, protocol errors, disk full) propagate. Returns once
-    the final chunk is processed; the caller then verifies and calls
-    :func:`send_verdict`.
+    A source here fills each slot's ``sealed`` from the socket; ``stages``
+    (open + check, hash, write) then run one thread each over a ring of
+    ``slots``; the first must set ``last`` on the final chunk. After the last
+    stage ``on_chunk`` (a cheap, thread-safe checkpoint trigger) runs and the
+    credit grows, so a slow disk slows the sender. Errors of any stage
+    (``DecryptionError``, protocol errors, disk full) propagate and nothing
+    after the failing chunk is written. Returns once the final chunk passed
+    every stage; the caller then verifies and calls :func:`send_verdict`.
     """
     sock = stream.sock
+    head = bytearray(BULK_FRAME.size)
+    processed = 0
+    granted = window
+    step = max(1, window // 4)
+
+    def receive(slot: Slot) -> None:
+        _recv_into(sock, memoryview(head))
+        (length,) = BULK_FRAME.unpack(head)
+        if length > min(len(slot.sealed), MAX_SEALED):
+            raise OversizeError(f"sealed chunk of {length} bytes exceeds {MAX_SEALED}")
+        _recv_into(sock, slot.sealed[:length])
+        slot.sealed_size = length
+        # Unauthenticated here, so only a hint to stop reading: the open stage
+        # checks the flag (it is in the AD) and fails the stream if it lied.
+        slot.last = length > _FINAL_FLAG_AT and bool(slot.sealed[_FINAL_FLAG_AT] & 1)
+
+    def credit(slot: Slot) -> None:
+        nonlocal processed, granted
+        processed += 1
+        if on_chunk is not None:
+            on_chunk()
+        if not slot.last and processed + window - granted >= step:
+            granted = processed + window
+            sock.sendall(BULK_CREDIT.pack(granted))
+
+    *first, final = stages
+
+    def final_then_credit(slot: Slot) -> None:
+        final(slot)
+        credit(slot)
+
+    def wake() -> None:
+        # Only the reading half: the verdict still has to reach the sender.
+        sock.shutdown(socket.SHUT_RD)
 
     def run() -> None:
-        head = bytearray(BULK_FRAME.size)
-        buf = bytearray(MAX_SEALED)
-        view = memoryview(buf)
-        processed = 0
-        granted = window
-        step = max(1, window // 4)
-        while True:
-            _recv_into(sock, memoryview(head))
-            (length,) = BULK_FRAME.unpack(head)
-            if length > MAX_SEALED:
-                raise OversizeError(f"sealed chunk of {length} bytes exceeds {MAX_SEALED}")
-            _recv_into(sock, view[:length])
-            final = process_into(view[:length])
-            processed += 1
-            if on_chunk is not None:
-                on_chunk()
-            if final:
-                return
-            if processed + window - granted >= step:
-                granted = processed + window
-                sock.sendall(BULK_CREDIT.pack(granted))
+        ring = Slot.ring(slots, MAX_CHUNK, MAX_SEALED)
+        Pipeline(ring, [*first, final_then_credit], wake).run(receive, "bulk-receive")
 
     await _in_thread(stream, run, "bulk-receive")
 

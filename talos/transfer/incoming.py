@@ -261,7 +261,7 @@ class IncomingTransfers(TransferBase):
         try:
             await bulk.receive_chunks(
                 stream,
-                inc.attempt.process_into,
+                inc.attempt.stages,
                 self.config.window,
                 self._checkpoint_trigger(tid, inc),
             )

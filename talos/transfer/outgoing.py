@@ -169,8 +169,9 @@ class OutgoingTransfers(TransferBase):
                 log.info("bulk path to %s unavailable (%s); using the app channel", info.peer, exc)
                 return False
             try:
+                slots = out.slots(bulk.PIPELINE_SLOTS)
                 verified = await bulk.send_chunks(
-                    stream, out.seal_next_into, out.sealed_max, msg.window, self._count(msg.tid)
+                    stream, out.stages, slots, msg.window, self._count(msg.tid)
                 )
             finally:
                 await stream.close()

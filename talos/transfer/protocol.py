@@ -21,10 +21,11 @@ import enum
 import hmac
 import struct
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from talos_sdk.binfmt import utf8
+from talos_sdk.binfmt import ByteReader, pack_u8, pack_u16, pack_u32, pack_u64, pack_var16
 from talos_sdk.errors import MalformedFrameError, OversizeError, ProtocolError, UsageError
 
 __all__ = [
@@ -95,12 +96,8 @@ T_CHUNK: Final = 7
 T_CREDIT: Final = 8
 T_CANCEL: Final = 9
 
-_OFFER = struct.Struct(">B16sQ32sH")
-_ACCEPT = struct.Struct(">B16sQIIH32sH")
-_TID = struct.Struct(">B16s")
-_TID_STR = struct.Struct(">B16sH")
+#: The fallback's per-chunk header, unpacked in one step (its tail is the sealed chunk).
 _CHUNK = struct.Struct(">B16sIQ")
-_CREDIT = struct.Struct(">B16sIQ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,59 +193,70 @@ class Credit:
 TransferMessage = Offer | Accept | Pending | Reject | Done | Failed | Cancel | Chunk | Credit
 
 
-_REASONED: dict[int, type[Reject | Failed | Cancel]] = {
-    T_REJECT: Reject,
-    T_FAILED: Failed,
-    T_CANCEL: Cancel,
-}
-
-
 def _check_tid(tid: bytes) -> None:
     if len(tid) != TID_LEN:
         raise UsageError(f"transfer id must be {TID_LEN} bytes")
 
 
 def _text(value: str, bound: int) -> bytes:
-    raw = value.encode("utf-8", "replace")
-    return raw[:bound]
+    return pack_var16(value.encode("utf-8", "replace")[:bound])
 
 
 def encode_message(msg: TransferMessage) -> bytes:
     """Binary form: a type byte, the 16-byte transfer id, fixed fields, a tail."""
     _check_tid(msg.tid)
+    if isinstance(msg, Chunk):
+        return _CHUNK.pack(T_CHUNK, msg.tid, msg.epoch, msg.index) + msg.sealed
     if isinstance(msg, Offer):
         if len(msg.key) != KEY_LEN:
             raise UsageError("offer needs a 32-byte key")
-        name = _text(msg.name, 1024)
-        return _OFFER.pack(T_OFFER, msg.tid, msg.size, msg.key, len(name)) + name
-    if isinstance(msg, Accept):
+        body = [pack_u64(msg.size), msg.key, _text(msg.name, 1024)]
+    elif isinstance(msg, Accept):
         token = msg.token if msg.bulk_port else bytes(TOKEN_LEN)
         if len(token) != TOKEN_LEN:
             raise UsageError("bulk token must be 32 bytes")
-        host = _text(msg.bulk_host, 255)
-        head = _ACCEPT.pack(
-            T_ACCEPT, msg.tid, msg.offset, msg.epoch, msg.window, msg.bulk_port, token, len(host)
-        )
-        return head + host
-    if isinstance(msg, Pending):
-        return _TID.pack(T_PENDING, msg.tid)
-    if isinstance(msg, Done):
-        return _TID.pack(T_DONE, msg.tid)
-    if isinstance(msg, Reject | Failed | Cancel):
-        kind = {Reject: T_REJECT, Failed: T_FAILED, Cancel: T_CANCEL}[type(msg)]
-        reason = _text(msg.reason, MAX_REASON)
-        return _TID_STR.pack(kind, msg.tid, len(reason)) + reason
-    if isinstance(msg, Chunk):
-        return _CHUNK.pack(T_CHUNK, msg.tid, msg.epoch, msg.index) + msg.sealed
-    if isinstance(msg, Credit):
-        return _CREDIT.pack(T_CREDIT, msg.tid, msg.epoch, msg.upto)
-    raise UsageError(f"not a transfer message: {type(msg).__name__}")
+        body = [
+            pack_u64(msg.offset),
+            pack_u32(msg.epoch),
+            pack_u32(msg.window),
+            pack_u16(msg.bulk_port),
+            token,
+            _text(msg.bulk_host, 255),
+        ]
+    elif isinstance(msg, Pending | Done):
+        body = []
+    elif isinstance(msg, Reject | Failed | Cancel):
+        body = [_text(msg.reason, MAX_REASON)]
+    elif isinstance(msg, Credit):
+        body = [pack_u32(msg.epoch), pack_u64(msg.upto)]
+    else:
+        raise UsageError(f"not a transfer message: {type(msg).__name__}")
+    return b"".join([pack_u8(_TYPES[type(msg)]), msg.tid, *body])
 
 
-def _tail(data: bytes, head: int, length: int, what: str) -> bytes:
-    if len(data) != head + length:
-        raise MalformedFrameError(f"transfer {what}: length field does not match the frame")
-    return data[head:]
+#: How each control message's fields follow its type byte and transfer id.
+_PARSERS: dict[int, Callable[[bytes, ByteReader], TransferMessage]] = {
+    T_OFFER: lambda tid, r: Offer(tid, r.u64(), r.take(KEY_LEN), r.text16()),
+    T_ACCEPT: lambda tid, r: Accept(
+        tid, r.u64(), r.u32(), r.u32(), r.u16(), r.take(TOKEN_LEN), r.text16()
+    ),
+    T_PENDING: lambda tid, r: Pending(tid),
+    T_REJECT: lambda tid, r: Reject(tid, r.text16()),
+    T_DONE: lambda tid, r: Done(tid),
+    T_FAILED: lambda tid, r: Failed(tid, r.text16()),
+    T_CREDIT: lambda tid, r: Credit(tid, r.u32(), r.u64()),
+    T_CANCEL: lambda tid, r: Cancel(tid, r.text16()),
+}
+_TYPES: dict[type, int] = {
+    Offer: T_OFFER,
+    Accept: T_ACCEPT,
+    Pending: T_PENDING,
+    Reject: T_REJECT,
+    Done: T_DONE,
+    Failed: T_FAILED,
+    Credit: T_CREDIT,
+    Cancel: T_CANCEL,
+}
 
 
 def decode_message(data: bytes) -> TransferMessage:
@@ -258,36 +266,19 @@ def decode_message(data: bytes) -> TransferMessage:
     if len(data) < 1 + TID_LEN:
         raise MalformedFrameError("transfer message too short")
     kind = data[0]
-    try:
-        if kind == T_OFFER:
-            _, tid, size, key, n = _OFFER.unpack_from(data)
-            name = utf8(_tail(data, _OFFER.size, n, "offer"), "transfer name: text")
-            return Offer(tid, size, key, name)
-        if kind == T_ACCEPT:
-            _, tid, off, epoch, window, port, token, n = _ACCEPT.unpack_from(data)
-            host = utf8(_tail(data, _ACCEPT.size, n, "accept"), "transfer host: text")
-            return Accept(tid, off, epoch, window, port, token, host)
-        if kind in (T_PENDING, T_DONE):
-            if len(data) != _TID.size:
-                raise MalformedFrameError("transfer message has trailing bytes")
-            tid = data[1 : 1 + TID_LEN]
-            return Pending(tid) if kind == T_PENDING else Done(tid)
-        if kind in (T_REJECT, T_FAILED, T_CANCEL):
-            _, tid, n = _TID_STR.unpack_from(data)
-            reason = utf8(_tail(data, _TID_STR.size, n, "reason"), "transfer reason: text")
-            cls: type[Reject | Failed | Cancel] = _REASONED[kind]
-            return cls(tid, reason)
-        if kind == T_CHUNK:
-            _, tid, epoch, index = _CHUNK.unpack_from(data)
-            return Chunk(tid, epoch, index, data[_CHUNK.size :])
-        if kind == T_CREDIT:
-            if len(data) != _CREDIT.size:
-                raise MalformedFrameError("credit message has trailing bytes")
-            _, tid, epoch, upto = _CREDIT.unpack_from(data)
-            return Credit(tid, epoch, upto)
-    except struct.error:
-        raise MalformedFrameError("transfer message truncated") from None
-    raise MalformedFrameError(f"unknown transfer message type {kind}")
+    if kind == T_CHUNK:  # the fallback's data: one unpack, the sealed tail sliced once
+        if len(data) < _CHUNK.size:
+            raise MalformedFrameError("transfer chunk message truncated")
+        _, tid, epoch, index = _CHUNK.unpack_from(data)
+        return Chunk(tid, epoch, index, data[_CHUNK.size :])
+    parse = _PARSERS.get(kind)
+    if parse is None:
+        raise MalformedFrameError(f"unknown transfer message type {kind}")
+    reader = ByteReader(data, f"transfer message type {kind}")
+    reader.take(1)
+    msg = parse(reader.take(TID_LEN), reader)
+    reader.end()
+    return msg
 
 
 # --------------------------------------------------------------------------- chunk plan

@@ -1,9 +1,11 @@
 """Receiving side of a file transfer: the partial file on disk (docs/PROTOCOL.md "File transfer").
 
-Synchronous on purpose: the asyncio layer runs these calls in a worker thread
-(ChaCha20-Poly1305, SHA-256 and ``pwrite`` release the GIL on 1 MiB buffers),
-so the event loop keeps reading the socket while the previous chunk is opened,
-hashed and written.
+Synchronous on purpose: the bulk path runs the steps of
+:class:`IncomingAttempt` (:meth:`~IncomingAttempt.open`,
+:meth:`~IncomingAttempt.hash`, :meth:`~IncomingAttempt.write`) as stages of a
+:class:`~talos.transfer.pipeline.Pipeline`, each in its own thread
+(ChaCha20-Poly1305, SHA-256 and ``pwrite`` release the GIL on 1 MiB buffers);
+the app-channel fallback runs them one after the other in a worker thread.
 
 Visibility rule (docs/adr/0004-bulk-transfer-path.md): bytes land in ``<files>/.partial/<tid>.part``
 (a hidden folder, 0700); only after the whole-file SHA-256 matched and the
@@ -18,11 +20,11 @@ import ctypes
 import errno
 import hashlib
 import hmac
-import mmap
 import os
 from pathlib import Path
 from typing import Final
 
+from talos.transfer.pipeline import Slot, Stage, aligned_buffer
 from talos.transfer.protocol import (
     MAX_CHUNK,
     ChunkPlan,
@@ -31,7 +33,7 @@ from talos.transfer.protocol import (
     numbered_name,
     stream_label,
 )
-from talos_sdk.aead import StreamOpener, derive_stream_key
+from talos_sdk.aead import CHUNK_HEADER_SIZE, TAG_SIZE, StreamOpener, derive_stream_key
 from talos_sdk.errors import StorageError, UsageError
 
 __all__ = ["PARTIAL_DIR", "IncomingAttempt", "IncomingFile", "IntegrityError", "NoSpaceError"]
@@ -86,11 +88,6 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def aligned_buffer(size: int) -> memoryview:
-    """A page-aligned writable buffer (anonymous mmap) usable for ``O_DIRECT`` writes."""
-    return memoryview(mmap.mmap(-1, max(size, 1)))
-
-
 class IncomingFile:
     """The partial file of one incoming transfer, written strictly in order."""
 
@@ -137,7 +134,16 @@ class IncomingFile:
             pos += len(block)
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
-        """Write the next bytes at ``offset`` (must equal :attr:`written`)."""
+        """Write the next bytes at ``offset`` (must equal :attr:`written`) and hash them."""
+        self.store(offset, data)
+        self.absorb(data)
+
+    def absorb(self, data: bytes | memoryview) -> None:
+        """Feed the next bytes to the running SHA-256 (in file order)."""
+        self._hash.update(data)
+
+    def store(self, offset: int, data: bytes | memoryview) -> None:
+        """Write the next bytes at ``offset`` (must equal :attr:`written`), unhashed."""
         if offset != self.written:
             raise UsageError(f"out-of-order write at {offset}, expected {self.written}")
         view = memoryview(data)
@@ -151,7 +157,6 @@ class IncomingFile:
                 offset += n
         except OSError as exc:
             raise _no_space(exc, self.path) from exc
-        self._hash.update(data)
         self.written = offset
 
     def sync(self) -> int:
@@ -212,12 +217,12 @@ class IncomingFile:
 
 
 class IncomingAttempt:
-    """One sending attempt (epoch) into an :class:`IncomingFile`: open, check, write.
+    """One sending attempt (epoch) into an :class:`IncomingFile`: open, hash, write.
 
-    :meth:`process_into` is the per-chunk work the bulk path and the app-channel
-    fallback share; it runs in a worker thread and opens into one reused
-    plaintext buffer. After the final chunk :attr:`commit` holds the sender's
-    ``(sha256, signature)`` for :meth:`IncomingFile.finish` and the manager.
+    :attr:`stages` are the per-chunk steps in order, shared by the bulk path
+    (one thread each) and the app-channel fallback (:meth:`process`). After the
+    final chunk :attr:`commit` holds the sender's ``(sha256, signature)`` for
+    :meth:`IncomingFile.finish` and the manager.
     """
 
     def __init__(self, file: IncomingFile, key: bytes, tid: bytes, epoch: int) -> None:
@@ -226,27 +231,48 @@ class IncomingAttempt:
         self.epoch = epoch
         self._opener = StreamOpener(derive_stream_key(key, label), label)
         self.plan = ChunkPlan(size=file.size, offset=file.written)
-        self._plain = aligned_buffer(MAX_CHUNK)
+        self._plain: memoryview | None = None  # the fallback's buffer, made on first use
         self.commit: tuple[bytes, bytes] | None = None
 
-    def process_into(self, sealed: bytes | memoryview) -> bool:
-        """Open one sealed chunk and write it; True when it was the final (commit) chunk.
+    @property
+    def stages(self) -> tuple[Stage, Stage, Stage]:
+        """``open``, ``hash``, ``write``: what one sealed chunk goes through, in order."""
+        return (self.open, self.hash, self.write)
 
-        Raises :class:`~talos_sdk.errors.DecryptionError` (tampered, reordered, replayed) or
-        :class:`TransferProtocolError` (size lies) before anything is written.
+    def open(self, slot: Slot) -> None:
+        """Stage 1: open ``slot.sealed`` into ``slot.plain`` and check it against the plan.
+
+        Raises :class:`~talos_sdk.errors.DecryptionError` (tampered, reordered,
+        replayed) or :class:`TransferProtocolError` (size lies), so a bad chunk
+        never reaches :meth:`write`. Sets ``slot.last`` on the commit chunk and
+        keeps its plaintext in :attr:`commit`.
         """
-        if len(sealed) > len(self._plain) + 25:
+        sealed = slot.sealed[: slot.sealed_size]
+        if len(sealed) > len(slot.plain) + CHUNK_HEADER_SIZE + TAG_SIZE:
             raise TransferProtocolError(f"sealed chunk of {len(sealed)} bytes is too large")
-        n = self._opener.open_into(sealed, self._plain)
+        n = self._opener.open_into(sealed, slot.plain)
         final = self._opener.finished
-        view = memoryview(self._plain)[:n]
-        at = self.plan.accept(n, final)
+        slot.offset = self.plan.accept(n, final)
+        slot.size = n
+        slot.last = final
         if final:
-            self.commit = decode_commit(view)
-        else:
-            self.file.write(at, view)
-        return final
+            self.commit = decode_commit(slot.plain[:n])
 
-    def process(self, sealed: bytes) -> bool:
-        """Same as :meth:`process_into` (kept for the app-channel fallback's whole chunks)."""
-        return self.process_into(sealed)
+    def hash(self, slot: Slot) -> None:
+        """Stage 2: feed a data chunk to the file's running SHA-256."""
+        if not slot.last:
+            self.file.absorb(slot.plain[: slot.size])
+
+    def write(self, slot: Slot) -> None:
+        """Stage 3: write a data chunk at its offset."""
+        if not slot.last:
+            self.file.store(slot.offset, slot.plain[: slot.size])
+
+    def process(self, sealed: bytes | memoryview) -> bool:
+        """All stages for one whole sealed chunk (the fallback); True for the final chunk."""
+        if self._plain is None:
+            self._plain = aligned_buffer(MAX_CHUNK)
+        slot = Slot(self._plain, memoryview(sealed), sealed_size=len(sealed))
+        for stage in self.stages:
+            stage(slot)
+        return slot.last

@@ -1,12 +1,14 @@
 """Sending side of a file transfer: reading, hashing and sealing chunks.
 
-docs/PROTOCOL.md "File transfer". Synchronous; the asyncio layer runs
-:meth:`OutgoingAttempt.seal_next_into` in a worker thread. Each attempt reads
-``[offset, size)`` into one reused plaintext buffer (``preadv``), feeds the
-whole-file SHA-256 and seals into a caller buffer (``seal_into``), so no page
-is freshly allocated per chunk and memory stays at a couple of chunks whatever
-the file size. The stream ends with a commit chunk carrying the SHA-256 and
-the sender's signature over :func:`~talos.transfer.protocol.file_commitment`.
+docs/PROTOCOL.md "File transfer". Synchronous; the bulk path runs the three
+steps of :class:`OutgoingAttempt` (:meth:`~OutgoingAttempt.read`,
+:meth:`~OutgoingAttempt.hash`, :meth:`~OutgoingAttempt.seal`) as stages of a
+:class:`~talos.transfer.pipeline.Pipeline`, each in its own thread over a ring
+of reused buffers, so no page is freshly allocated per chunk and memory stays
+at a few chunks whatever the file size; the app-channel fallback runs them one
+after the other (:meth:`~OutgoingAttempt.seal_next_into`). The stream ends
+with a commit chunk carrying the SHA-256 and the sender's signature over
+:func:`~talos.transfer.protocol.file_commitment`.
 
 The digest must cover the whole file. An attempt from offset 0 hashes the
 bytes it seals, in the same pass. A resumed attempt cannot (SHA-256 state
@@ -18,6 +20,7 @@ hash check fails the transfer, which is the safe outcome.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from talos.transfer.pipeline import Slot, Stage, aligned_buffer
 from talos.transfer.protocol import COMMIT_LEN, TransferProtocolError, encode_commit, stream_label
 from talos_sdk.aead import CHUNK_HEADER_SIZE, TAG_SIZE, StreamSealer, derive_stream_key
 from talos_sdk.errors import UsageError
@@ -101,7 +105,12 @@ class _WholeFileHash:
 
 
 class OutgoingAttempt:
-    """Read ``[offset, size)`` of a file in chunks and seal them for one attempt (epoch)."""
+    """Read ``[offset, size)`` of a file in chunks and seal them for one attempt (epoch).
+
+    :attr:`stages` are the per-chunk steps in order; each keeps its own
+    position, so the three may run in three threads as long as every slot
+    passes them in the same order.
+    """
 
     def __init__(
         self,
@@ -122,19 +131,28 @@ class OutgoingAttempt:
         if os.fstat(self._fd).st_size != size:
             os.close(self._fd)
             raise SourceChangedError(f"{path} changed size since it was offered")
+        # Read-ahead for a front-to-back read; harmless where unsupported.
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(self._fd, offset, size - offset, os.POSIX_FADV_SEQUENTIAL)
         self.size = size
         self.offset = offset
         self.chunk = chunk
         self._sign = sign
-        self._plain = bytearray(chunk)
+        self._plain: memoryview | None = None  # the fallback's buffer, made on first use
         self._hash = hashlib.sha256() if offset == 0 else None
         self._whole = None if offset == 0 else _WholeFileHash(path)
+        self._read_done = False
         self.digest = b""
 
     @property
     def sealed_max(self) -> int:
-        """Smallest buffer :meth:`seal_next_into` accepts."""
+        """Smallest sealed buffer a slot needs."""
         return max(self.chunk, COMMIT_LEN) + CHUNK_HEADER_SIZE + TAG_SIZE
+
+    @property
+    def plain_max(self) -> int:
+        """Smallest plaintext buffer a slot needs."""
+        return max(self.chunk, COMMIT_LEN)
 
     @property
     def finished(self) -> bool:
@@ -143,28 +161,65 @@ class OutgoingAttempt:
 
     @property
     def index(self) -> int:
-        """Index (within this attempt) of the next chunk."""
+        """Index (within this attempt) of the next chunk to seal."""
         return self._sealer.counter
 
-    def seal_next_into(self, buf: bytearray | memoryview) -> int:
-        """Read, hash and seal the next chunk into ``buf``; returns the sealed length.
+    @property
+    def stages(self) -> tuple[Stage, Stage, Stage]:
+        """``read``, ``hash``, ``seal``: what one chunk goes through, in order."""
+        return (self.read, self.hash, self.seal)
 
-        Data chunks until ``size``, then the final commit chunk.
-        """
+    def read(self, slot: Slot) -> None:
+        """Stage 1: the next data chunk into ``slot.plain``; after the data, mark the
+        commit slot (``last``) whose plaintext :meth:`hash` writes."""
+        if self._read_done:
+            raise UsageError("stream already read to its end")
         want = min(self.chunk, self.size - self.offset)
+        slot.offset = self.offset
         if want == 0:
-            return self._sealer.seal_into(self._commit(), buf, final=True)
-        view = memoryview(self._plain)[:want]
+            self._read_done = True
+            slot.size = 0
+            slot.last = True
+            return
+        view = slot.plain[:want]
         got = 0
         while got < want:
             n = os.preadv(self._fd, [view[got:]], self.offset + got)
             if n == 0:
                 raise SourceChangedError("source file shrank while it was being sent")
             got += n
-        if self._hash is not None:
-            self._hash.update(view)
         self.offset += want
-        return self._sealer.seal_into(view, buf)
+        slot.size = want
+
+    def hash(self, slot: Slot) -> None:
+        """Stage 2: feed the whole-file SHA-256; the commit slot gets the commit plaintext."""
+        if slot.last:
+            slot.plain[:COMMIT_LEN] = self._commit()
+            slot.size = COMMIT_LEN
+        elif self._hash is not None:
+            self._hash.update(slot.plain[: slot.size])
+
+    def seal(self, slot: Slot) -> None:
+        """Stage 3: seal ``slot.plain`` into ``slot.sealed`` (the commit with the final flag)."""
+        slot.sealed_size = self._sealer.seal_into(
+            slot.plain[: slot.size], slot.sealed, final=slot.last
+        )
+
+    def slots(self, count: int) -> list[Slot]:
+        """A ring of ``count`` slots sized for this attempt."""
+        return Slot.ring(count, self.plain_max, self.sealed_max)
+
+    def seal_next_into(self, buf: bytearray | memoryview) -> int:
+        """Read, hash and seal the next chunk into ``buf``; returns the sealed length.
+
+        Data chunks until ``size``, then the final commit chunk.
+        """
+        if self._plain is None:
+            self._plain = aligned_buffer(self.plain_max)
+        slot = Slot(self._plain, memoryview(buf))
+        for stage in self.stages:
+            stage(slot)
+        return slot.sealed_size
 
     def next_sealed(self) -> bytes:
         """:meth:`seal_next_into` into a fresh buffer (the app-channel fallback's path)."""

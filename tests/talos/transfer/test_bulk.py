@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from talos.transfer.bulk import (
+    PIPELINE_SLOTS,
     BulkListener,
     BulkStream,
     connect_bulk,
@@ -19,6 +20,7 @@ from talos.transfer.bulk import (
     send_chunks,
     send_verdict,
 )
+from talos.transfer.pipeline import Slot
 from talos.transfer.protocol import BULK_CHUNK
 from talos.transfer.receiver import PARTIAL_DIR, IncomingAttempt, IncomingFile
 from talos.transfer.sender import OutgoingAttempt
@@ -54,14 +56,14 @@ async def _serve_file(
     inc = IncomingFile(files, TID, size)
     att = IncomingAttempt(inc, KEY, TID, 0)
 
-    def process(sealed: memoryview) -> bool:
+    def write(slot: Slot) -> None:
         if process_hook is not None:
             process_hook()
-        return att.process_into(sealed)
+        att.write(slot)
 
     async def handler(stream: BulkStream) -> None:
         try:
-            await receive_chunks(stream, process, window)
+            await receive_chunks(stream, [att.open, att.hash, write], window)
             path = inc.finish(digest, "out.bin")
         except Exception as exc:
             inc.discard()
@@ -81,7 +83,7 @@ async def _send(port: int, src: Path, size: int, window: int, chunk: int = BULK_
     out = OutgoingAttempt(src, size, KEY, TID, 0, 0, chunk, _sign)
     stream = await connect_bulk("127.0.0.1", port, TID, TOKEN)
     try:
-        return await send_chunks(stream, out.seal_next_into, out.sealed_max, window)
+        return await send_chunks(stream, out.stages, out.slots(PIPELINE_SLOTS), window)
     finally:
         await stream.close()
         out.close()
@@ -190,6 +192,44 @@ async def test_flipped_byte_on_the_wire_is_rejected(tmp_path: Path, listener: Bu
     assert list((files / PARTIAL_DIR).iterdir()) == []
 
 
+async def test_tampered_chunk_stops_the_pipeline_before_it_is_written(
+    tmp_path: Path, listener: BulkListener
+) -> None:
+    """Chunks behind a forged one are already received into the ring; none of them,
+    nor the forged one, reaches the disk, and what is on disk is the verified prefix."""
+    size = 6 * BULK_CHUNK
+    src, _ = _source(tmp_path, size)
+    files = tmp_path / "files"
+    inc = IncomingFile(files, TID, size)
+    att = IncomingAttempt(inc, KEY, TID, 0)
+    failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    async def handler(stream: BulkStream) -> None:
+        try:
+            await receive_chunks(stream, att.stages, window=8)
+        except Exception as exc:
+            failed.set_result(exc)
+            await send_verdict(stream, False)
+        finally:
+            await stream.close()
+
+    listener.expect(TID, TOKEN, handler)
+    third = 53 + 32 + 2 * (4 + 25 + BULK_CHUNK)
+    server, close = await _flip_proxy(listener.port, third + 4 + 9 + 100)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with asyncio.timeout(20):
+            assert await _send(port, src, size, window=8) is False
+            assert isinstance(await failed, DecryptionError)
+    finally:
+        await close()
+    assert inc.written in (0, BULK_CHUNK, 2 * BULK_CHUNK)
+    on_disk = inc.path.read_bytes()
+    assert len(on_disk) == inc.written and on_disk == src.read_bytes()[: inc.written]
+    assert [p.name for p in files.iterdir() if p.name != PARTIAL_DIR] == []  # not promoted
+    inc.close()
+
+
 async def test_slow_receiver_holds_the_sender_to_its_window(
     tmp_path: Path, listener: BulkListener
 ) -> None:
@@ -216,7 +256,8 @@ async def test_slow_receiver_holds_the_sender_to_its_window(
 
     async with asyncio.timeout(20):
         stream = await connect_bulk("127.0.0.1", listener.port, TID, TOKEN)
-        assert await send_chunks(stream, out.seal_next_into, out.sealed_max, window, on_sent)
+        slots = out.slots(PIPELINE_SLOTS)
+        assert await send_chunks(stream, out.stages, slots, window, on_sent)
         await stream.close()
         await done
     out.close()

@@ -95,21 +95,21 @@ class _ChunkGate:
         self.reached = asyncio.Event()
         self.opened = threading.Event()
         loop = asyncio.get_running_loop()
-        original = IncomingAttempt.process_into
+        original = IncomingAttempt.open
         count = 0
 
-        def gated(attempt: IncomingAttempt, sealed: Any) -> bool:
+        def gated(attempt: IncomingAttempt, slot: Any) -> None:
             nonlocal count
-            count += 1  # only the receiving thread of the one live attempt calls this
+            count += 1  # only the opening thread of the one live attempt calls this
             if count == at:
                 loop.call_soon_threadsafe(self.reached.set)
                 if not self.opened.wait(LIMIT):
                     raise TimeoutError("the test never opened the chunk gate")
                 if interrupt:
                     raise ConnectionAbortedError("interrupted at the test's chunk gate")
-            return original(attempt, sealed)
+            original(attempt, slot)
 
-        monkeypatch.setattr(IncomingAttempt, "process_into", gated)
+        monkeypatch.setattr(IncomingAttempt, "open", gated)
 
 
 def _accepted_offsets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
