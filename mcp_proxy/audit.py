@@ -14,16 +14,20 @@ of a serve side becomes an :class:`AuditRecord`:
   for a session the peer does not own).
 
 Parameters and results are committed as HMAC-SHA256 under the node's audit key
-(:class:`AuditKey`, 32 random bytes kept 0600 in the home), over their RFC 8785
-form: whoever holds the key can prove what was called, while a reader of the
-log cannot recover small arguments by hashing guesses. Arguments and results
-are kept in plaintext only when asked (``--audit-plaintext``).
+(mcp_proxy/audit_record.py). Arguments and results are kept in plaintext only
+when asked (``--audit-plaintext``).
 
-The :class:`Auditor` keeps the LMDB commit off the hot path: in ``group`` mode
-a background task drains what queued within a few milliseconds into one write
-transaction that is not synced, and syncs periodically (a crash loses at most
-the last interval of audit, never a tool call). In ``strict`` mode the caller
-awaits its record being on disk; concurrent strict callers share one fsync.
+The :class:`Auditor` keeps records off the hot path. A call's end is noted as
+a plain tuple of what was seen (:meth:`Auditor.note`: the parsed params and
+result, not yet digested); every ``commit_interval`` (5 ms) the tuples queued
+meanwhile are built into records in one pass -- digests, commitments, block-log
+records -- and handed to the store writer as one write transaction: one thread
+hop per batch, no task, future or loop lookup per call. In ``group`` mode that
+transaction is not synced, and a sync follows within ``sync_interval`` of the
+first unsynced write (a process crash loses at most the records of the last
+``commit_interval``, a power loss those of the last ``sync_interval``; never a
+tool call). In ``strict`` mode the caller awaits its record being on disk;
+concurrent strict callers share one fsync.
 
 The sink is the boundary: :class:`BlockLogSink` appends ``kind="mcp"`` records
 to the node's block log, so audit records are sealed into signed blocks; an
@@ -34,24 +38,23 @@ attached serve's :class:`~mcp_proxy.node_audit.NodeAuditSink` (an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
-import hashlib
-import hmac
-import json
 import logging
 import os
-import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
-import orjson
-
+from mcp_proxy.audit_record import (
+    AUDIT_KEY_FILE,
+    MAX_COMMITMENT,
+    MAX_EXTRA,
+    RECORD_KIND,
+    AuditKey,
+    AuditRecord,
+    Event,
+    Facts,
+)
 from talos.logging import event
-from talos_sdk.canonical import canonical_json_bytes
-from talos_sdk.errors import EncodingError, UsageError
 
 if TYPE_CHECKING:
     from talos.chain.log import BlockLog
@@ -60,6 +63,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUDIT_KEY_FILE",
+    "MAX_COMMITMENT",
+    "MAX_EXTRA",
+    "RECORD_KIND",
     "AsyncAuditSink",
     "AuditKey",
     "AuditMode",
@@ -68,18 +74,10 @@ __all__ = [
     "Auditor",
     "BlockLogSink",
     "Event",
+    "Facts",
 ]
 
 log = logging.getLogger(__name__)
-
-RECORD_KIND: Final = "mcp"
-RECORD_VERSION: Final = 2
-AUDIT_KEY_FILE: Final = "proxy-audit.key"
-# The block format's bounds (talos/chain/block.py MAX_COMMITMENT, MAX_EXTRA).
-MAX_COMMITMENT = 4096
-MAX_EXTRA = 4096
-# A reason or name in a record is cut here: records must fit the block format.
-MAX_TEXT = 256
 
 
 class AuditMode(enum.Enum):
@@ -87,128 +85,6 @@ class AuditMode(enum.Enum):
 
     GROUP = "group"
     STRICT = "strict"
-
-
-class Event(enum.StrEnum):
-    """What an audit record is about (docs/PROTOCOL.md "MCP tunnel, audit record")."""
-
-    CALL = "call"
-    REQUEST = "request"
-    SESSION = "session"
-    REFUSAL = "refusal"
-
-
-def _stable_json(value: Any) -> bytes:
-    """RFC 8785 bytes (docs/DESIGN.md "Canonical encoding") so any JCS library recomputes them.
-
-    JSON-RPC may carry integers JCS cannot represent exactly (beyond 2**53); such a
-    value falls back to sorted-key JSON rather than losing the audit record.
-    """
-    try:
-        return canonical_json_bytes(value)
-    except EncodingError:
-        try:
-            return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-        except TypeError:  # beyond 64 bits: only the stdlib encoder takes it
-            return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
-
-
-class AuditKey:
-    """The node's audit key: params and results are committed as HMAC-SHA256 under it."""
-
-    __slots__ = ("_mac",)
-
-    def __init__(self, key: bytes) -> None:
-        if len(key) != 32:
-            raise UsageError("an audit key is 32 bytes")
-        # Keyed once; each digest copies the keyed state (no re-keying per call).
-        self._mac = hmac.new(key, digestmod=hashlib.sha256)
-
-    @classmethod
-    def generate(cls) -> AuditKey:
-        return cls(secrets.token_bytes(32))
-
-    @classmethod
-    def load(cls, home: Path) -> AuditKey:
-        """The key in ``home`` (``proxy-audit.key``, hex), created 0600 on first use."""
-        path = home / AUDIT_KEY_FILE
-        try:
-            text = path.read_text(encoding="ascii").strip()
-        except FileNotFoundError:
-            key = secrets.token_bytes(32)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="ascii") as fh:
-                fh.write(key.hex() + "\n")
-            tmp.replace(path)
-            return cls(key)
-        try:
-            return cls(bytes.fromhex(text))
-        except ValueError:
-            raise UsageError(f"{path} does not hold a 64-hex-digit audit key") from None
-
-    def digest(self, value: Any) -> bytes:
-        """HMAC-SHA256 of a JSON value's canonical form; empty for an absent value."""
-        if value is None:
-            return b""
-        mac = self._mac.copy()
-        mac.update(_stable_json(value))
-        return mac.digest()
-
-
-def _cut(text: str | None) -> str | None:
-    return None if text is None else text[:MAX_TEXT]
-
-
-@dataclass(frozen=True, slots=True)
-class AuditRecord:
-    """One audited event (see the module docstring for events and outcomes)."""
-
-    caller: str
-    server: str
-    method: str
-    tool: str | None
-    request_id: int | str | None
-    params_hmac: bytes
-    result_hmac: bytes
-    latency_us: int
-    outcome: str
-    timestamp_ms: int
-    plaintext: bytes = b""
-    event: Event = Event.CALL
-    session: int = 0
-    pid: int | None = None
-    detail: str = ""
-
-    def commitment(self) -> bytes:
-        """The bytes stored (and Merkle-hashed) for this record; bounded by the block format."""
-        body: dict[str, Any] = {
-            "v": RECORD_VERSION,
-            "event": str(self.event),
-            "caller": self.caller,
-            "server": self.server,
-            "session": self.session,
-            "pid": self.pid,
-            "method": self.method,
-            "tool": self.tool,
-            "id": self.request_id,
-            "params_hmac": self.params_hmac.hex(),
-            "result_hmac": self.result_hmac.hex(),
-            "latency_us": self.latency_us,
-            "outcome": self.outcome,
-            "detail": self.detail,
-        }
-        data = _stable_json(body)
-        if len(data) > MAX_COMMITMENT:
-            # Only a pathological name gets here; keep the digests, cut the names.
-            body["server"] = _cut(self.server)
-            body["method"] = _cut(self.method)
-            body["tool"] = _cut(self.tool)
-            body["id"] = _cut(None if self.request_id is None else str(self.request_id))
-            body["detail"] = _cut(self.detail)
-            data = _stable_json(body)
-        return data
 
 
 class AuditSink(Protocol):
@@ -252,26 +128,34 @@ class BlockLogSink:
         return self.writer is not None
 
     def _append_all(self, records: Sequence[AuditRecord]) -> Callable[[Txn], None]:
+        """The batch's block-log records, built here; the returned job only appends them.
+
+        Built by the caller (the event loop) rather than in the job: the writer thread
+        then holds the GIL only for the puts, so the loop is not kept waiting for it.
+        """
         from talos.chain.block import Record
 
         # One getrandom for the batch, not one per record (11k syscalls in 6 s at 64 in flight).
         ids = os.urandom(16 * len(records))
+        node_did = self.node_did
+        built = [
+            Record(
+                kind=RECORD_KIND,
+                record_id=ids[16 * i : 16 * i + 16],
+                sender=node_did,
+                recipient=rec.caller,
+                commitment=rec.commitment(),
+                signature=b"",
+                timestamp_ms=rec.timestamp_ms,
+                extra=rec.plaintext[:MAX_EXTRA],
+            )
+            for i, rec in enumerate(records)
+        ]
+        append = self.block_log.append
 
         def append_all(txn: Txn) -> None:
-            for i, rec in enumerate(records):
-                self.block_log.append(
-                    Record(
-                        kind=RECORD_KIND,
-                        record_id=ids[16 * i : 16 * i + 16],
-                        sender=self.node_did,
-                        recipient=rec.caller,
-                        commitment=rec.commitment(),
-                        signature=b"",
-                        timestamp_ms=rec.timestamp_ms,
-                        extra=rec.plaintext[:MAX_EXTRA],
-                    ),
-                    txn,
-                )
+            for record in built:
+                append(record, txn)
 
         return append_all
 
@@ -310,16 +194,21 @@ class Auditor:
     ) -> None:
         self.sink = sink
         self.commit_interval = commit_interval
-        self._timer: asyncio.TimerHandle | None = None
         self.mode = mode
         # A key of its own when none is given (tests): digests then prove nothing later.
         self.key = key if key is not None else AuditKey.generate()
         self.plaintext = plaintext
         self.sync_interval = sync_interval
-        self._queue: list[AuditRecord] = []
+        # Noted facts and submitted records, in order, until the next commit builds them.
+        self._queue: list[Facts | AuditRecord] = []
         self._barriers: list[asyncio.Future[None]] = []
-        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # The committer waits on this future (one per commit, not per record).
+        self._waiter: asyncio.Future[None] | None = None
+        self._again = False  # woken while committing: go round again before waiting
+        self._timer: asyncio.TimerHandle | None = None  # the linger of the next commit
+        self._sync_timer: asyncio.TimerHandle | None = None
+        self._sync_due_at: float | None = None  # set while unsynced writes exist
         self._dirty = False
         self._stopping = False
         self.written = 0
@@ -327,8 +216,8 @@ class Auditor:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._run(), name="mcp-audit")
+        loop = self._loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="mcp-audit")
 
     async def stop(self) -> None:
         """Write what is queued and sync, then stop."""
@@ -336,53 +225,97 @@ class Auditor:
         if task is not None and not task.done():
             # Not cancelled: a write in a worker thread must finish before the final flush.
             self._stopping = True
-            self._wake.set()
+            self._wake()
             await task
+        for timer in (self._timer, self._sync_timer):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._sync_timer = None
         await self._flush(durable=True)
 
+    def note(self, facts: Facts) -> None:
+        """Queue one event as seen (the hot path): digests and record are built in the batch."""
+        self._queue.append(facts)
+        if self._timer is None:
+            self._arm()
+
     def submit(self, rec: AuditRecord) -> None:
-        """Queue ``rec`` for the next group commit (never blocks)."""
+        """Queue a built record for the next group commit (never blocks)."""
         self._queue.append(rec)
-        if self._timer is None and not self._wake.is_set():
-            # Linger instead of waking per record: under sequential load a thread hop per
-            # call would cost more than the call; a few ms of batching costs nothing.
-            loop = self._loop or asyncio.get_running_loop()
-            self._timer = loop.call_later(self.commit_interval, self._wake.set)
+        if self._timer is None:
+            self._arm()
+
+    def _arm(self) -> None:
+        # Linger instead of waking per record: under sequential load a thread hop per
+        # call would cost more than the call; a few ms of batching costs nothing.
+        loop = self._loop or asyncio.get_running_loop()
+        self._timer = loop.call_later(self.commit_interval, self._wake)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        else:
+            self._again = True
 
     async def record_barrier(self) -> None:
         """Return once every record submitted so far is durable (``--audit strict``)."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = self._loop or asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         self._barriers.append(fut)
-        self._wake.set()
+        self._wake()
         await fut
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_sync = loop.time() + self.sync_interval
+        loop = self._loop or asyncio.get_running_loop()
         while True:
-            timeout = max(0.0, next_sync - loop.time())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            self._wake.clear()
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            if not self._again:
+                self._waiter = loop.create_future()
+                await self._waiter
+                self._waiter = None
+            self._again = False
             if self._stopping:
                 return
-            due = loop.time() >= next_sync
+            if self._timer is not None:
+                # This commit takes what the pending linger was for; the next note re-arms.
+                self._timer.cancel()
+                self._timer = None
+            due = self._sync_due_at is not None and loop.time() >= self._sync_due_at
             try:
                 await self._flush(durable=due)
             except Exception as exc:  # the writer goes on; this batch's records are lost
                 event(log, "audit_write_failed", logging.ERROR, records="lost", error=repr(exc))
-            if due:
-                next_sync = loop.time() + self.sync_interval
+            self._schedule_sync(loop)
+
+    def _schedule_sync(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A sync within ``sync_interval`` of the first unsynced write; none while clean."""
+        if not self._dirty:
+            self._sync_due_at = None
+            if self._sync_timer is not None:
+                self._sync_timer.cancel()
+                self._sync_timer = None
+        elif self._sync_due_at is None:
+            self._sync_due_at = loop.time() + self.sync_interval
+            self._sync_timer = loop.call_at(self._sync_due_at, self._wake)
+
+    def _build(self, queued: list[Facts | AuditRecord]) -> list[AuditRecord]:
+        """The queued facts as records: the batch's digests, computed in one pass."""
+        digest = self.key.digest
+        out: list[AuditRecord] = []
+        for item in queued:
+            if type(item) is AuditRecord:
+                out.append(item)
+                continue
+            out.append(AuditRecord._make((*item[:5], digest(item[5]), digest(item[6]), *item[7:])))
+        return out
 
     async def _flush(self, *, durable: bool) -> None:
-        batch, self._queue = self._queue, []
+        queued, self._queue = self._queue, []
         barriers, self._barriers = self._barriers, []
-        sync = bool(durable or barriers) and (self._dirty or bool(batch))
+        sync = bool(durable or barriers) and (self._dirty or bool(queued))
         sink = self.sink
         try:
+            batch = self._build(queued) if queued else []
             if (batch or sync) and _commits_from_loop(sink):
                 await cast(AsyncAuditSink, sink).commit(batch, sync)
                 self._wrote(len(batch), sync)

@@ -2,8 +2,10 @@
 
 :class:`SessionAudit` turns what the serve side sees -- a call and its reply, a
 request of the tool and the caller's answer, open, close, exit, a refusal --
-into :class:`mcp_proxy.audit.AuditRecord` values for the :class:`Auditor`.
-Parameters and results enter a record only as HMACs under the node's audit key.
+into facts for the :class:`Auditor` (:meth:`~mcp_proxy.audit.Auditor.note`),
+which builds the records in batches off the hot path. Parameters and results
+enter a record only as HMACs under the node's audit key; until their batch is
+built, a request in flight keeps its parsed params (a reference, not a copy).
 Without an auditor every method does nothing.
 """
 
@@ -14,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mcp_proxy.audit import Auditor, AuditRecord, Event
+from mcp_proxy.audit import Auditor, Event
 from mcp_proxy.jsonrpc import RequestId, Sniffed
 
 __all__ = ["Call", "SessionAudit", "refused_outside_a_session"]
@@ -26,7 +28,7 @@ class Call:
 
     method: str
     tool: str | None
-    params_hmac: bytes
+    params: Any  # as parsed; digested with its record's batch
     started: float
     plaintext: bytes
 
@@ -40,35 +42,15 @@ def _record(
     event: Event,
     method: str,
     *,
-    tool: str | None = None,
     request_id: RequestId | None = None,
-    params_hmac: bytes = b"",
-    result_hmac: bytes = b"",
     outcome: str,
-    started: float | None = None,
     detail: str = "",
-    plaintext: bytes = b"",
 ) -> None:
-    latency = 0 if started is None else int((time.perf_counter() - started) * 1e6)
-    auditor.submit(
-        AuditRecord(
-            caller=caller,
-            server=server,
-            method=method,
-            tool=tool,
-            request_id=request_id,
-            params_hmac=params_hmac,
-            result_hmac=result_hmac,
-            latency_us=latency,
-            outcome=outcome,
-            timestamp_ms=int(time.time() * 1000),
-            plaintext=plaintext,
-            event=event,
-            session=session,
-            pid=pid,
-            detail=detail,
-        )
-    )
+    """An event that is not a call (session open/close/exit, a refusal): no params, no latency."""
+    auditor.note(
+        (caller, server, method, None, request_id, None, None, 0, outcome,
+         int(time.time() * 1000), b"", event, session, pid, detail)
+    )  # fmt: skip
 
 
 def refused_outside_a_session(
@@ -105,17 +87,10 @@ class SessionAudit:
         self.pid = pid
 
     def new_call(self, msg: Sniffed, wire: bytes) -> Call:
-        """Remember a request for its record: method, tool, keyed digest of its params."""
+        """Remember a request for its record: method, tool, params (digested in the batch)."""
         auditor = self.auditor
-        if auditor is None:
-            return Call(msg.method or "", msg.tool, b"", time.perf_counter(), b"")
-        return Call(
-            msg.method or "",
-            msg.tool,
-            auditor.key.digest(msg.params),
-            time.perf_counter(),
-            wire if auditor.plaintext else b"",
-        )
+        plaintext = wire if auditor is not None and auditor.plaintext else b""
+        return Call(msg.method or "", msg.tool, msg.params, time.perf_counter(), plaintext)
 
     def event(self, event: Event, method: str, outcome: str, detail: str = "") -> None:
         if self.auditor is not None:
@@ -134,27 +109,20 @@ class SessionAudit:
         detail: str = "",
         event: Event = Event.CALL,
     ) -> None:
-        """A request ended: ``outcome``, the reply's result (digested) and bytes (plaintext)."""
+        """A request ended: ``outcome``, the reply's result (digested) and bytes (plaintext).
+
+        The hot path of the audit: one tuple queued, no digest (built in the batch).
+        """
         auditor = self.auditor
         if auditor is None:
             return
-        _record(
-            auditor,
-            self.peer,
-            self.name,
-            self.sid,
-            self.pid(),
-            event,
-            call.method,
-            tool=call.tool,
-            request_id=request_id,
-            params_hmac=call.params_hmac,
-            result_hmac=auditor.key.digest(result),
-            outcome=outcome,
-            started=call.started,
-            detail=detail,
-            plaintext=(call.plaintext + b"\n" + reply) if auditor.plaintext else b"",
-        )
+        now = time.perf_counter()
+        auditor.note(
+            (self.peer, self.name, call.method, call.tool, request_id, call.params, result,
+             int((now - call.started) * 1e6), outcome, int(time.time() * 1000),
+             (call.plaintext + b"\n" + reply) if auditor.plaintext else b"",
+             event, self.sid, self.pid(), detail)
+        )  # fmt: skip
 
     def refusal(self, request_id: RequestId | None, outcome: str, detail: str) -> None:
         if self.auditor is not None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mcp_proxy.audit import (
     AUDIT_KEY_FILE,
@@ -17,6 +20,8 @@ from mcp_proxy.audit import (
     Auditor,
     AuditRecord,
     BlockLogSink,
+    Event,
+    Facts,
 )
 from talos.chain.block import MAX_COMMITMENT as BLOCK_MAX_COMMITMENT
 from talos.chain.block import MAX_EXTRA as BLOCK_MAX_EXTRA
@@ -173,3 +178,126 @@ def test_digests_are_rfc8785_so_any_jcs_library_recomputes_them() -> None:
     # A value JCS cannot represent still gets a digest rather than losing the record.
     assert len(digest({"n": 2**60 + 1})) == 32
     assert len(digest({"n": 2**70 + 1})) == 32
+
+
+VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "hmac" / "rfc4231.json"
+
+
+def test_hmac256_matches_rfc4231_and_the_stdlib() -> None:
+    import hmac
+    import os
+
+    from mcp_proxy.audit_record import Hmac256
+
+    for v in orjson.loads(VECTORS.read_bytes())["vectors"]:
+        mac = Hmac256(bytes.fromhex(v["key"])).mac(bytes.fromhex(v["data"]))
+        assert mac.hex() == v["mac"], v["case"]
+    for size in (0, 1, 32, 63, 64, 65, 1000):
+        key, data = os.urandom(32), os.urandom(size)
+        assert Hmac256(key).mac(data) == hmac.new(key, data, hashlib.sha256).digest()
+
+
+def _reference_commitment(r: AuditRecord) -> bytes:
+    """The record body through the general RFC 8785 path, as every earlier version wrote it."""
+    from mcp_proxy.audit_record import _stable_json
+
+    return _stable_json(
+        {
+            "v": 2,
+            "event": str(r.event),
+            "caller": r.caller,
+            "server": r.server,
+            "session": r.session,
+            "pid": r.pid,
+            "method": r.method,
+            "tool": r.tool,
+            "id": r.request_id,
+            "params_hmac": r.params_hmac.hex(),
+            "result_hmac": r.result_hmac.hex(),
+            "latency_us": r.latency_us,
+            "outcome": r.outcome,
+            "detail": r.detail,
+        }
+    )
+
+
+@given(
+    text=st.text(max_size=40),
+    rid=st.one_of(st.none(), st.text(max_size=20), st.integers(-(2**70), 2**70)),
+    pid=st.one_of(st.none(), st.integers(0, 2**22)),
+    event=st.sampled_from(list(Event)),
+)
+@settings(max_examples=300, deadline=None)
+def test_commitment_is_the_rfc8785_body_whatever_the_fields(
+    text: str, rid: int | str | None, pid: int | None, event: Event
+) -> None:
+    r = AuditRecord(
+        caller=f"did:key:z6Mk{text}",
+        server=text,
+        method="tools/call",
+        tool=text or None,
+        request_id=rid,
+        params_hmac=digest({"t": text}),
+        result_hmac=b"",
+        latency_us=len(text) * 1000,
+        outcome="ok",
+        timestamp_ms=1_700_000_000_000,
+        event=event,
+        session=7,
+        pid=pid,
+        detail=text[::-1],
+    )
+    assert r.commitment() == _reference_commitment(r)
+
+
+class CountingSink:
+    """Records each write (one per commit) and each sync."""
+
+    def __init__(self) -> None:
+        self.writes: list[list[AuditRecord]] = []
+        self.syncs = 0
+
+    def write(self, records: Sequence[AuditRecord]) -> None:
+        self.writes.append(list(records))
+
+    def sync(self) -> None:
+        self.syncs += 1
+
+
+def facts(i: int, params: object, result: object) -> Facts:
+    return (CALLER, "default", "tools/call", "echo", i, params, result, 5, "ok",
+            1_700_000_000_000 + i, b"", Event.CALL, 3, 99, "")  # fmt: skip
+
+
+async def test_noted_calls_are_built_and_written_in_one_batch() -> None:
+    sink = CountingSink()
+    auditor = Auditor(sink, key=KEY, commit_interval=0.01, sync_interval=60)
+    async with asyncio.timeout(10):
+        await auditor.start()
+        for i in range(200):  # one loop pass: one batch, one write
+            auditor.note(facts(i, {"i": i}, {"ok": i} if i % 2 else None))
+        auditor.submit(rec(200))
+        await auditor.record_barrier()
+        assert [len(w) for w in sink.writes] == [201] and sink.syncs == 1
+        await auditor.stop()
+    records = sink.writes[0]
+    assert [r.request_id for r in records] == list(range(201))
+    assert records[1].params_hmac == digest({"i": 1})
+    assert records[1].result_hmac == digest({"ok": 1})
+    assert records[2].result_hmac == b""  # no result: no digest
+    assert records[7].session == 3 and records[7].pid == 99 and records[7].latency_us == 5
+    assert records[200] == rec(200)
+
+
+async def test_unsynced_writes_are_synced_within_the_interval() -> None:
+    sink = CountingSink()
+    auditor = Auditor(sink, commit_interval=0.001, sync_interval=0.05)
+    async with asyncio.timeout(30):
+        await auditor.start()
+        auditor.note(facts(1, None, None))
+        while not (sink.writes and sink.syncs):
+            await asyncio.sleep(0.01)
+        writes, syncs = len(sink.writes), sink.syncs
+        await asyncio.sleep(0.2)  # clean: no more writes or syncs while nothing happens
+        assert (len(sink.writes), sink.syncs) == (writes, syncs)
+        await auditor.stop()
