@@ -24,7 +24,8 @@ server spawned directly on stdio in the same run:
   vs the embedded node: added p50 and 64-in-flight throughput, same run;
 * the serving process's CPU time per ``tools/call`` (user + system, all its
   threads, from ``/proc/PID/task/*/schedstat``; the tool process is not counted), sequential
-  and at 256 in flight, beside the naive relay's serving process, same run.
+  and at 256 in flight, beside the naive relay's serving process, same run; and the
+  same for the connecting process (``talos-proxy connect`` / the relay's ``connect``).
 
     python bench/bench_tunnel.py [--fast] [--count N] [--burst M]
 """
@@ -71,6 +72,9 @@ class LeanRun:
     # CPU seconds per request of the serving process (``cpu_pid``): sequential, highest level
     cpu_sequential: float = 0.0
     cpu_top: float = 0.0
+    # The same for the process the client spawned and talks to (connect; the tool when raw)
+    front_cpu_sequential: float = 0.0
+    front_cpu_top: float = 0.0
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -129,33 +133,47 @@ async def lean_run(
     cpu_pid: int | None = None,
 ) -> LeanRun:
     """Call ``method`` on ``argv`` (an MCP stdio server) one at a time, then IN_FLIGHT at a time
-    (and at each of ``levels``); with ``cpu_pid``, that process's CPU time per request."""
+    (and at each of ``levels``); with ``cpu_pid``, that process's CPU time per request,
+    and always the CPU time of the process ``argv`` started."""
     client = await LeanClient.spawn(list(argv), env=ENV)
+    front = client.process.pid if client.process is not None else None
     try:
         await asyncio.wait_for(client.initialize(), SETUP_TIMEOUT)
         for _ in range(max(count // 10, 5)):  # warm-up: link, session, tool process
             await client.request(method, params)
         pings = []
-        cpu = cpu_seconds(cpu_pid)
+        cpu, front_cpu = cpu_seconds(cpu_pid), cpu_seconds(front)
         for _ in range(count):
             start = time.perf_counter()
             await client.request(method, params)
             pings.append(time.perf_counter() - start)
         cpu_sequential = (cpu_seconds(cpu_pid) - cpu) / count
+        front_sequential = (cpu_seconds(front) - front_cpu) / count
         sequential = count / sum(pings)
         start = time.perf_counter()
         await client.pipelined(method, (params for _ in range(burst)), IN_FLIGHT)
         in_flight = burst / (time.perf_counter() - start)
         rates: dict[int, float] = {}
         tail: list[float] = []
-        cpu_top = 0.0
+        cpu_top = front_top = 0.0
         for level in levels:
-            cpu = cpu_seconds(cpu_pid)
+            cpu, front_cpu = cpu_seconds(cpu_pid), cpu_seconds(front)
             rates[level], tail = await timed_burst(client, method, params, burst, level)
             cpu_top = (cpu_seconds(cpu_pid) - cpu) / burst
+            front_top = (cpu_seconds(front) - front_cpu) / burst
     finally:
         await client.close()
-    return LeanRun(pings, sequential, in_flight, rates, tail, cpu_sequential, cpu_top)
+    return LeanRun(
+        pings,
+        sequential,
+        in_flight,
+        rates,
+        tail,
+        cpu_sequential,
+        cpu_top,
+        front_sequential,
+        front_top,
+    )
 
 
 async def sdk_pings(argv: Sequence[str], count: int) -> list[float]:
@@ -446,6 +464,16 @@ def record_echo(suite: Suite, raw: LeanRun, relay: LeanRun, ours: LeanRun) -> No
             relay_cpu, "s", row=False)  # fmt: skip
         rec(f"tunnel.serve.cpu.{key}", f"talos-proxy serve CPU per tools/call, {when}", ours_cpu,
             "s", raw=f"relay.serve.cpu.{key}")  # fmt: skip
+    # The connecting process's CPU per call likewise (stdin/stdout, framing, sealing).
+    for when, ours_cpu, relay_cpu in (
+        ("sequential", ours.front_cpu_sequential, relay.front_cpu_sequential),
+        (f"{top} in flight", ours.front_cpu_top, relay.front_cpu_top),
+    ):
+        key = "sequential" if when == "sequential" else f"inflight{top}"
+        rec(f"relay.connect.cpu.{key}", f"naive relay connecting process CPU per tools/call, "
+            f"{when}", relay_cpu, "s", row=False)  # fmt: skip
+        rec(f"tunnel.connect.cpu.{key}", f"talos-proxy connect CPU per tools/call, {when}",
+            ours_cpu, "s", raw=f"relay.connect.cpu.{key}")  # fmt: skip
     suite.record_samples("tools/call echo, naive relay", relay.pings)
     suite.record_samples("tools/call echo, tunnel", ours.pings)
 
