@@ -183,7 +183,7 @@ class NodeDelivery(NodeBase):
             txn.put(
                 "inbox", _U64.pack(n), pl.encode_inbox(o.msg_id, item.peer, o.seq, o.ts_ms, o.text)
             )
-            self.log.append(o.record, txn)
+            self.log.append(o.record, txn, verified=True)  # checked by open_message
             top[item.peer] = o.seq
             n += 1
         for did, seq in top.items():
@@ -467,7 +467,7 @@ def _ack_txn(txn: Txn, log: BlockLog, did: str, seq: int, records: list[Record])
     """Drop acked outbox rows and log our own records of them (docs/DESIGN.md "block log")."""
     pl.drop_acked(txn, did, seq)
     for record in records:
-        log.append(record, txn)
+        log.append(record, txn, verified=True)  # signed here, by seal_message
 
 
 def take(it: Iterable[_T], n: int) -> list[_T]:

@@ -137,6 +137,33 @@ def test_bad_sender_signature_is_quarantined_not_sealed(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_record_the_appender_verified_skips_the_seals_check_until_a_restart(
+    tmp_path: Path,
+) -> None:
+    """``verified=True`` takes the appender's word (the node's own records, messages
+    its session opened); the mark is memory only, so a reopened log checks again,
+    and verify_chain re-checks every sealed record whatever the seal skipped."""
+    from talos.chain.verify import verify_chain
+
+    forged = dataclasses.replace(make_record(1), signature=BOB.sign(make_record(1).commitment))
+    store, log = open_log(tmp_path)
+    log.append(make_record(0), verified=True)
+    log.append(forged, verified=True)  # a lying appender: sealed as vouched for
+    assert [b.record_count for b in log.seal()] == [2]
+    assert log.quarantined() == []
+    assert log._verified == set()  # marks go with their records
+    defects = verify_chain(store, NODE.did, workers=1).defects
+    assert [(d.code, d.height, d.index) for d in defects] == [("sender_signature", 0, 1)]
+
+    forged2 = dataclasses.replace(make_record(2), signature=BOB.sign(make_record(2).commitment))
+    log.append(forged2, verified=True, durable=True)
+    store.close()  # "crash" before the seal: the mark is gone with the process
+    store, log = open_log(tmp_path)
+    assert log.seal() == []
+    assert [e.reason for e in log.quarantined()] == ["sender signature does not verify"]
+    store.close()
+
+
 def test_undecodable_pending_bytes_are_quarantined(tmp_path: Path) -> None:
     store, log = open_log(tmp_path)
     with store.write() as txn:
