@@ -388,10 +388,6 @@ class _Credits:
             return self.verdict
 
 
-class _Ended(Exception):
-    """The receiver ended the stream before the final chunk; its verdict says why."""
-
-
 def _sendmsg_all(sock: socket.socket, parts: list[memoryview]) -> None:
     """``sendall`` of several buffers with one ``sendmsg`` each round (no concatenation)."""
     while parts:
@@ -429,7 +425,7 @@ async def send_chunks(
     def send(slot: Slot) -> None:
         nonlocal index
         if not credits.wait_for(index):
-            raise _Ended
+            raise ConnectionError("bulk stream ended before the final chunk")
         BULK_FRAME.pack_into(head, 0, slot.sealed_size)
         _sendmsg_all(sock, [memoryview(head), slot.sealed[: slot.sealed_size]])
         index += 1
@@ -438,8 +434,12 @@ async def send_chunks(
 
     def run() -> bool:
         pipeline = Pipeline(slots, [*stages[1:], send], stream.abort)
-        with contextlib.suppress(_Ended):
+        try:
             pipeline.run(stages[0], "bulk-send")
+        except ConnectionError:
+            if credits.verdict is None:
+                raise
+            # The receiver ended the stream early; its verdict says how.
         return credits.result()
 
     reader.start()
