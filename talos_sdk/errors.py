@@ -69,9 +69,7 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
 
 Upper layers (``talos``, ``mcp_proxy``) subclass these; they do not start new roots.
 Every exception class of the product appears above
-(tests/test_errors_tree.py checks it), except one private signal that never
-leaves its module: ``_Ended`` (talos/transfer/bulk.py: the receiver ended the
-bulk stream; caught there, its verdict says why).
+(tests/test_errors_tree.py checks it).
 """
 
 from __future__ import annotations
