@@ -113,7 +113,6 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         self._tasks: list[asyncio.Task[Any]] = []
         self._link_tasks: set[asyncio.Task[Any]] = set()
         self._problems = LinkProblems()  # read before start() too (a proxy's tunnel client)
-        self._problem_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._problem_callbacks: list[ProblemCallback] = []
         self._incoming: list[Incoming] = []
         self._outgoing: list[tuple[pl.OutboxEntry, asyncio.Future[None], bool]] = []

@@ -82,9 +82,8 @@ class NodeBase:
     _link_callbacks: list[LinkCallback]
     _link_tasks: set[asyncio.Task[Any]]
     #: The supervisor's latest refusal / failed dial per peer (talos/link/refusals.py),
-    #: who waits for the next one of a peer, and who hears of every one.
+    #: and who hears of every one.
     _problems: LinkProblems
-    _problem_waiters: dict[str, list[asyncio.Future[None]]]
     _problem_callbacks: list[Callable[[str, Any], None]]
     _incoming: list[Incoming]
     _outgoing: list[tuple[OutboxEntry, asyncio.Future[None], bool]]  # row, caller, needs fsync
@@ -118,5 +117,3 @@ class NodeBase:
         def redial_now(self, did: str) -> None: ...
 
         def link_problem(self, did: str) -> Any: ...
-
-        def problem_changed(self, did: str) -> asyncio.Future[None]: ...

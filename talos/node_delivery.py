@@ -254,9 +254,8 @@ class NodeDelivery(NodeBase):
             except BaseException:
                 # Not acked (timeout, refusal, caller gone): "the message stays queued"
                 # must hold after a crash too, so its unsynced row is synced first.
-                sync = self.writer.submit(_no_write, durable=True, kind="sync")
                 with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await asyncio.shield(sync)
+                    await asyncio.shield(self.writer.sync())
                 raise
         return row.msg_id.hex()
 
@@ -442,10 +441,6 @@ class NodeDelivery(NodeBase):
 def _expire(acked: asyncio.Future[None]) -> None:
     if not acked.done():
         acked.set_exception(TimeoutError())
-
-
-def _no_write(txn: Txn) -> None:
-    return None
 
 
 def _ack_written(fut: asyncio.Future[None]) -> None:

@@ -137,10 +137,8 @@ class NodeLinks(NodeBase):
     # --- why a peer has no link (talos/link/refusals.py) ------------------------------------------
 
     def _problem_noted(self, did: str, problem: LinkProblem) -> None:
-        """From the supervisor: wake who waits on ``did``, tell every listener."""
-        for fut in self._problem_waiters.pop(did, []):
-            if not fut.done():
-                fut.set_result(None)
+        """From the supervisor: a decisive problem fails the sends waiting on ``did``; tell
+        every listener."""
         peer = self._peers.get(did)
         if problem.decisive and peer is not None:  # sends waiting for an ack hear it now
             peer.tx.fail_waiters(functools.partial(refused_error, did, problem))
@@ -157,20 +155,6 @@ class NodeLinks(NodeBase):
     def link_problem(self, did: str) -> LinkProblem | None:
         """The latest refusal or failed dial of ``did`` since its last ready link."""
         return self._problems.get(did)
-
-    def problem_changed(self, did: str) -> asyncio.Future[None]:
-        """Resolves when the next problem of ``did`` is noted."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._problem_waiters.setdefault(did, []).append(fut)
-        fut.add_done_callback(functools.partial(self._forget_problem_waiter, did))
-        return fut
-
-    def _forget_problem_waiter(self, did: str, fut: asyncio.Future[None]) -> None:
-        waiters = self._problem_waiters.get(did)
-        if waiters is not None and fut in waiters:
-            waiters.remove(fut)
-            if not waiters:
-                del self._problem_waiters[did]
 
     def redial_now(self, did: str) -> None:
         """Dial ``did`` again at once if its last attempt failed (the refusal may be stale)."""

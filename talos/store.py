@@ -284,16 +284,8 @@ class Store:
             raise UsageError("nested write transaction on the same store")
         self._local.writing = True
         try:
-            raw = self.env.begin(write=True)
-            try:
-                yield Txn(raw, self._dbs, self.map_size)
-            except BaseException:
-                raw.abort()
-                raise
-            try:
-                raw.commit()
-            except lmdb.MapFullError:
-                raise _full_error(self.map_size) from None
+            with self._committing(self.env.begin(write=True)) as txn:
+                yield txn
         finally:
             self._local.writing = False
         if durable and self._durable:
@@ -308,7 +300,12 @@ class Store:
         the store writer's group commit runs each job in one, so a failing job
         fails alone.
         """
-        raw = self.env.begin(write=True, parent=parent.raw)
+        with self._committing(self.env.begin(write=True, parent=parent.raw)) as txn:
+            yield txn
+
+    @contextmanager
+    def _committing(self, raw: lmdb.Transaction[bytes]) -> Iterator[Txn]:
+        """``raw`` as a :class:`Txn`: committed on success, aborted on any exception."""
         try:
             yield Txn(raw, self._dbs, self.map_size)
         except BaseException:
