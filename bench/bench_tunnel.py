@@ -302,11 +302,14 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
             attached = await lean_run(connect, count, burst)
         async with tunnel(root, "lazy", node=LAZY) as served:
             lazy = await lean_run(served.connect, count, burst)
+            # The same tools/call as ours_echo: what the per-turn DH ratchet costs on the path.
+            lazy_echo = await lean_run(served.connect, count, IN_FLIGHT, "tools/call", ECHO)
         async with http_front(root) as (url, token):
             stateless = await http_run(url, token, count, burst, stateless=True)
             legacy = await http_run(url, token, count, burst, stateless=False)
     record_http(suite, raw_echo, stateless, legacy)
     record_echo(suite, raw_echo, relay_echo, ours_echo)
+    record_ratchet_share(suite, raw_echo, lazy_echo)
 
     raw50, raw99 = quantiles(raw.pings)
     p50, p99 = quantiles(ours.pings)
@@ -476,6 +479,23 @@ def record_echo(suite: Suite, raw: LeanRun, relay: LeanRun, ours: LeanRun) -> No
             ours_cpu, "s", raw=f"relay.connect.cpu.{key}")  # fmt: skip
     suite.record_samples("tools/call echo, naive relay", relay.pings)
     suite.record_samples("tools/call echo, tunnel", ours.pings)
+
+
+def record_ratchet_share(suite: Suite, raw: LeanRun, lazy: LeanRun) -> None:
+    """The tools/call added p50 with the lazy ratchet (ADR 0002) beside the naive relay's.
+
+    The default tunnel's row minus this one is what the per-turn DH ratchet
+    (3 X25519 and 2 root KDFs per side per round trip) costs on the path.
+    """
+    raw50, _ = quantiles(raw.pings)
+    lazy50, _ = quantiles(lazy.pings)
+    suite.record(
+        "tunnel.lazy.echo.added.p50",
+        "tunnel added round trip, tools/call, p50, lazy ratchet (64 / 60 s)",
+        lazy50 - raw50,
+        "s",
+        raw="relay.echo.added.p50",
+    )
 
 
 def record_http(suite: Suite, raw: LeanRun, stateless: LeanRun, legacy: LeanRun) -> None:
