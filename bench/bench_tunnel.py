@@ -9,6 +9,9 @@ server spawned directly on stdio in the same run:
 * ping round trip p50 / p99 with the lean JSON-RPC client (bench/lean_jsonrpc.py)
   and with the official MCP SDK client (``stdio_client`` + ``ClientSession.send_ping``);
   added latency = tunnel - raw (targets: p50 <= +0.6 ms, p99 <= +2 ms, lean client);
+  the lean round trips behind every added-latency row (raw stdio, naive relay,
+  tunnel, lazy-ratchet tunnel) are taken in turns of 50, so each command meets
+  the same moments of load;
 * lean requests/s sequential (>= 1,000 /s) and with 64 in flight (>= 8,000 /s);
 * the same sequential figures with ``serve --audit strict`` (one durable
   audit commit per call, docs/DESIGN.md "Notes"): shown, not a target;
@@ -41,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +124,39 @@ async def timed_burst(
     await client.writer.drain()
     await asyncio.gather(*futures)
     return burst / (time.perf_counter() - start), latencies
+
+
+#: Sequential calls each command takes in one turn of :func:`interleaved_pings`.
+TURN = 50
+
+
+async def interleaved_pings(
+    argvs: Sequence[Sequence[str]], count: int, method: str, params: Any = None
+) -> list[list[float]]:
+    """``count`` sequential round trips on each of ``argvs``, in turns of :data:`TURN`.
+
+    Rows that subtract one command's p50 from another's (raw stdio, the naive
+    relay, the tunnel) then sample the same moments of a drifting machine load.
+    """
+    clients: list[LeanClient] = []
+    samples: list[list[float]] = [[] for _ in argvs]
+    try:
+        for argv in argvs:
+            client = await LeanClient.spawn(list(argv), env=ENV)
+            clients.append(client)
+            await asyncio.wait_for(client.initialize(), SETUP_TIMEOUT)
+            for _ in range(max(count // 10, 5)):  # warm-up: link, session, tool process
+                await client.request(method, params)
+        for done in range(0, count, TURN):
+            for client, out in zip(clients, samples, strict=True):
+                for _ in range(min(TURN, count - done)):
+                    start = time.perf_counter()
+                    await client.request(method, params)
+                    out.append(time.perf_counter() - start)
+    finally:
+        for client in clients:
+            await client.close()
+    return samples
 
 
 async def lean_run(
@@ -286,30 +322,41 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
         raw = await lean_run(PING_SERVER, count, burst)
         raw_sdk = await sdk_pings(PING_SERVER, count)
         raw_echo = await lean_run(PING_SERVER, count, burst, "tools/call", ECHO, LEVELS)
-        async with naive_relay() as relay:
+        async with (
+            naive_relay() as relay,
+            tunnel(root, "group") as served,
+            tunnel(root, "lazy", node=LAZY) as lazy_served,
+        ):
             relay_echo = await lean_run(
                 relay.connect, count, burst, "tools/call", ECHO, LEVELS, relay.pid
             )
-        async with tunnel(root, "group") as served:
             ours = await lean_run(served.connect, count, burst)
             ours_sdk = await sdk_pings(served.connect, count)
             ours_echo = await lean_run(
                 served.connect, count, burst, "tools/call", ECHO, LEVELS, served.pid
             )
+            lazy = await lean_run(lazy_served.connect, count, burst)
+            # The added-latency rows compare commands: measure them in turns, same moments.
+            raw_p, ours_p = await interleaved_pings([PING_SERVER, served.connect], count, "ping")
+            raw_e, relay_e, ours_e, lazy_e = await interleaved_pings(
+                [PING_SERVER, relay.connect, served.connect, lazy_served.connect],
+                count,
+                "tools/call",
+                ECHO,
+            )
+        raw, ours = replace(raw, pings=raw_p), replace(ours, pings=ours_p)
+        raw_echo, relay_echo = replace(raw_echo, pings=raw_e), replace(relay_echo, pings=relay_e)
+        ours_echo = replace(ours_echo, pings=ours_e)
         async with tunnel(root, "strict", "--audit", "strict") as served:
             strict = await lean_run(served.connect, count, burst)
         async with attached_tunnel(root) as connect:
             attached = await lean_run(connect, count, burst)
-        async with tunnel(root, "lazy", node=LAZY) as served:
-            lazy = await lean_run(served.connect, count, burst)
-            # The same tools/call as ours_echo: what the per-turn DH ratchet costs on the path.
-            lazy_echo = await lean_run(served.connect, count, IN_FLIGHT, "tools/call", ECHO)
         async with http_front(root) as (url, token):
             stateless = await http_run(url, token, count, burst, stateless=True)
             legacy = await http_run(url, token, count, burst, stateless=False)
     record_http(suite, raw_echo, stateless, legacy)
     record_echo(suite, raw_echo, relay_echo, ours_echo)
-    record_ratchet_share(suite, raw_echo, lazy_echo)
+    record_ratchet_share(suite, raw_echo, lazy_e)
 
     raw50, raw99 = quantiles(raw.pings)
     p50, p99 = quantiles(ours.pings)
@@ -481,14 +528,14 @@ def record_echo(suite: Suite, raw: LeanRun, relay: LeanRun, ours: LeanRun) -> No
     suite.record_samples("tools/call echo, tunnel", ours.pings)
 
 
-def record_ratchet_share(suite: Suite, raw: LeanRun, lazy: LeanRun) -> None:
+def record_ratchet_share(suite: Suite, raw: LeanRun, lazy: list[float]) -> None:
     """The tools/call added p50 with the lazy ratchet (ADR 0002) beside the naive relay's.
 
     The default tunnel's row minus this one is what the per-turn DH ratchet
     (3 X25519 and 2 root KDFs per side per round trip) costs on the path.
     """
     raw50, _ = quantiles(raw.pings)
-    lazy50, _ = quantiles(lazy.pings)
+    lazy50, _ = quantiles(lazy)
     suite.record(
         "tunnel.lazy.echo.added.p50",
         "tunnel added round trip, tools/call, p50, lazy ratchet (64 / 60 s)",
