@@ -30,7 +30,9 @@ tool call). In ``strict`` mode the caller awaits its record being on disk;
 concurrent strict callers share one fsync.
 
 The sink is the boundary: :class:`BlockLogSink` appends ``kind="mcp"`` records
-to the node's block log, so audit records are sealed into signed blocks; an
+to the node's block log, so audit records are sealed into signed blocks; a
+batch's events share records, as many of one caller as fit each
+(:func:`~mcp_proxy.audit_record.pack`, docs/adr/0014-audit-batch-records.md); an
 attached serve's :class:`~mcp_proxy.node_audit.NodeAuditSink` (an
 :class:`AsyncAuditSink`) has the running node append them.
 """
@@ -53,6 +55,7 @@ from mcp_proxy.audit_record import (
     AuditRecord,
     Event,
     Facts,
+    pack,
 )
 from talos.logging import event
 
@@ -135,21 +138,22 @@ class BlockLogSink:
         """
         from talos.chain.block import Record
 
+        packed = pack(records)
         # One getrandom for the batch, not one per record (11k syscalls in 6 s at 64 in flight).
-        ids = os.urandom(16 * len(records))
+        ids = os.urandom(16 * len(packed))
         node_did = self.node_did
         built = [
             Record(
                 kind=RECORD_KIND,
                 record_id=ids[16 * i : 16 * i + 16],
                 sender=node_did,
-                recipient=rec.caller,
-                commitment=rec.commitment(),
+                recipient=p.recipient,
+                commitment=p.commitment,
                 signature=b"",
-                timestamp_ms=rec.timestamp_ms,
-                extra=rec.plaintext[:MAX_EXTRA],
+                timestamp_ms=p.timestamp_ms,
+                extra=p.extra,
             )
-            for i, rec in enumerate(records)
+            for i, p in enumerate(packed)
         ]
         append = self.block_log.append
 

@@ -1,6 +1,8 @@
 """Reading the audit back: ``talos-proxy audit`` (docs/PROTOCOL.md "MCP tunnel, audit record").
 
-The records are ``kind="mcp"`` entries of the serve node's block log: sealed
+The records are ``kind="mcp"`` records of the serve node's block log, one event each
+(version 2) or several (a batch record, version 3,
+docs/adr/0014-audit-batch-records.md): sealed
 ones in their blocks (with the height that proves them) and those not sealed
 yet. :func:`read_entries` collects both, oldest first; :class:`AuditFilter`
 selects by peer, tool, outcome, event and time. While a node runs on the home
@@ -24,15 +26,17 @@ from typing import Any
 import orjson
 
 from mcp_proxy.audit import RECORD_KIND
+from mcp_proxy.audit_record import BATCH_VERSION
 from talos_sdk.errors import UsageError
 
 __all__ = [
     "AuditEntry",
     "AuditFilter",
-    "entry_of",
+    "entries_of",
     "format_entry",
     "parse_since",
     "read_entries",
+    "record_entries",
 ]
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -48,12 +52,15 @@ class AuditEntry:
     record_id: str
     body: dict[str, Any]
     plaintext: bytes
+    #: Place in a batch record (version 3), None in a record of its own (version 2).
+    index: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {
             "timestamp_ms": self.timestamp_ms,
             "height": self.height,
             "record_id": self.record_id,
+            **({} if self.index is None else {"index": self.index}),
             **self.body,
         }
         if self.plaintext:
@@ -101,7 +108,7 @@ class AuditFilter:
         )
 
 
-def entry_of(
+def entries_of(
     *,
     commitment: bytes,
     recipient: str,
@@ -109,22 +116,36 @@ def entry_of(
     height: int | None,
     record_id: str,
     extra: bytes,
-) -> AuditEntry:
-    """An audit record's stored fields as an entry (its commitment is the JSON body)."""
+) -> list[AuditEntry]:
+    """An audit record's stored fields as entries: one per event of a batch record
+    (version 3, docs/adr/0014-audit-batch-records.md), else one (version 2)."""
     try:
         body = orjson.loads(commitment)
     except orjson.JSONDecodeError:
         body = {"outcome": "unreadable"}
     if not isinstance(body, dict):
         body = {"outcome": "unreadable"}
-    body.setdefault("caller", recipient)
-    return AuditEntry(timestamp_ms, height, record_id, body, extra)
+    calls = body.get("calls")
+    if body.get("v") != BATCH_VERSION or not isinstance(calls, list):
+        body.setdefault("caller", recipient)
+        return [AuditEntry(timestamp_ms, height, record_id, body, extra)]
+    out = []
+    for index, call in enumerate(calls):
+        if not isinstance(call, dict):
+            call = {"outcome": "unreadable"}
+        when = call.pop("timestamp_ms", timestamp_ms)
+        call.setdefault("caller", recipient)
+        call["v"] = BATCH_VERSION
+        ms = when if type(when) is int else timestamp_ms
+        out.append(AuditEntry(ms, height, record_id, call, b"", index))
+    return out
 
 
-def _entry(record: Any, height: int | None) -> AuditEntry | None:
+def record_entries(record: Any, height: int | None) -> list[AuditEntry]:
+    """The audit entries of a block-log ``record`` (none unless it is an audit record)."""
     if record.kind != RECORD_KIND:
-        return None
-    return entry_of(
+        return []
+    return entries_of(
         commitment=record.commitment,
         recipient=record.recipient,
         timestamp_ms=record.timestamp_ms,
@@ -138,13 +159,13 @@ def _read_from_node(home: Path) -> list[AuditEntry]:
     """The records as the running node of ``home`` reads them, a page at a time."""
     from talos.local.call import call
 
-    pending: dict[str, AuditEntry] = {}
-    sealed: dict[str, AuditEntry] = {}
+    pending: dict[str, list[AuditEntry]] = {}
+    sealed: dict[str, list[AuditEntry]] = {}
     after: str | None = None
     while True:
         page = call(home, "log.records", {"kind": RECORD_KIND, "after": after})
         for row in page["records"]:
-            entry = entry_of(
+            entries = entries_of(
                 commitment=base64.b64decode(row["commitment"]),
                 recipient=str(row["recipient"]),
                 timestamp_ms=int(row["timestamp_ms"]),
@@ -152,12 +173,16 @@ def _read_from_node(home: Path) -> list[AuditEntry]:
                 record_id=str(row["record_id"]),
                 extra=base64.b64decode(row["extra"]),
             )
-            (pending if entry.height is None else sealed)[entry.record_id] = entry
+            rid = str(row["record_id"])
+            (pending if row["height"] is None else sealed)[rid] = entries
         after = page["next"]
         if after is None:
             break
     # A record sealed while we paged was met twice: its sealed copy wins.
-    return [*sealed.values(), *(e for rid, e in pending.items() if rid not in sealed)]
+    return [
+        *(e for entries in sealed.values() for e in entries),
+        *(e for rid, entries in pending.items() if rid not in sealed for e in entries),
+    ]
 
 
 def read_entries(home: Path) -> list[AuditEntry]:
@@ -179,13 +204,9 @@ def read_entries(home: Path) -> list[AuditEntry]:
     try:
         with store.read() as txn:
             for key, leaf in txn.items("block_records"):
-                entry = _entry(Record.from_bytes(leaf), int.from_bytes(key[:8], "big"))
-                if entry is not None:
-                    out.append(entry)
+                out += record_entries(Record.from_bytes(leaf), int.from_bytes(key[:8], "big"))
             for _, encoded in txn.items("pending"):
-                entry = _entry(Record.from_bytes(encoded), None)
-                if entry is not None:
-                    out.append(entry)
+                out += record_entries(Record.from_bytes(encoded), None)
     finally:
         store.close()
     return out

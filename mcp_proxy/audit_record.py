@@ -1,8 +1,10 @@
 """Audit records of the tunnel and the key they are committed under
 (docs/PROTOCOL.md "MCP tunnel, audit record"; docs/adr/0009-mcp-judged-bytes-and-audit.md).
 
-:class:`AuditRecord` is one event of a serve side; its :meth:`~AuditRecord.commitment`
-is the RFC 8785 body stored (and Merkle-hashed) in the block log. Parameters and
+:class:`AuditRecord` is one event of a serve side; :func:`pack` puts a batch of
+them into block-log records, as many events as fit sharing one (version 3,
+docs/adr/0014-audit-batch-records.md), the RFC 8785 bodies stored (and
+Merkle-hashed) in the block log. Parameters and
 results enter a record only as HMAC-SHA256 under the home's :class:`AuditKey`
 (32 random bytes, kept 0600), over their RFC 8785 form: whoever holds the key can
 prove what was called, while a reader of the log cannot recover small arguments
@@ -17,6 +19,7 @@ import hashlib
 import json
 import os
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
@@ -27,6 +30,7 @@ from talos_sdk.errors import EncodingError, UsageError
 
 __all__ = [
     "AUDIT_KEY_FILE",
+    "BATCH_VERSION",
     "MAX_COMMITMENT",
     "MAX_EXTRA",
     "RECORD_KIND",
@@ -36,10 +40,14 @@ __all__ = [
     "Event",
     "Facts",
     "Hmac256",
+    "Packed",
+    "pack",
 ]
 
 RECORD_KIND: Final = "mcp"
 RECORD_VERSION: Final = 2
+#: A batch record: several events' entries in one block-log record.
+BATCH_VERSION: Final = 3
 AUDIT_KEY_FILE: Final = "proxy-audit.key"
 # The block format's bounds (talos/chain/block.py MAX_COMMITMENT, MAX_EXTRA).
 MAX_COMMITMENT = 4096
@@ -177,17 +185,11 @@ class AuditRecord(NamedTuple):
     pid: int | None = None
     detail: str = ""
 
-    def commitment(self) -> bytes:
-        """The bytes stored (and Merkle-hashed) for this record; bounded by the block format.
-
-        RFC 8785 of the body: its keys are ASCII and written here in sorted order,
-        its values strings, small integers and null, for which orjson's output is
-        JCS's (talos_sdk/canonical.py) without walking the value first; an id
-        beyond 2**53 or a string orjson refuses takes the general path.
-        """
-        (caller, server, method, tool, rid, params_hmac, result_hmac, latency_us, outcome, _,
+    def _body(self) -> dict[str, Any]:
+        """The record's fields under their JSON names, keys in sorted (RFC 8785) order."""
+        (caller, server, method, _, rid, params_hmac, result_hmac, latency_us, outcome, _,
          _, event, session, pid, detail) = self  # fmt: skip
-        body: dict[str, Any] = {
+        return {
             "caller": caller,
             "detail": detail,
             "event": _EVENT_TEXT[event],
@@ -200,9 +202,16 @@ class AuditRecord(NamedTuple):
             "result_hmac": result_hmac.hex(),
             "server": server,
             "session": session,
-            "tool": tool,
-            "v": RECORD_VERSION,
         }
+
+    def _encode(self, body: dict[str, Any], limit: int) -> bytes:
+        """RFC 8785 of ``body`` (keys already sorted), names cut if it exceeds ``limit``.
+
+        Its values are strings, small integers and null, for which orjson's output
+        is JCS's (talos_sdk/canonical.py) without walking the value first; an id
+        beyond 2**53 or a string orjson refuses takes the general path.
+        """
+        rid = self.request_id
         if type(rid) is not int or -_SAFE_INT <= rid <= _SAFE_INT:
             try:
                 data = orjson.dumps(body)
@@ -210,7 +219,7 @@ class AuditRecord(NamedTuple):
                 data = _stable_json(body)
         else:
             data = _stable_json(body)
-        if len(data) > MAX_COMMITMENT:
+        if len(data) > limit:
             # Only a pathological name gets here; keep the digests, cut the names.
             body["server"] = _cut(self.server)
             body["method"] = _cut(self.method)
@@ -219,6 +228,76 @@ class AuditRecord(NamedTuple):
             body["detail"] = _cut(self.detail)
             data = _stable_json(body)
         return data
+
+    def commitment(self) -> bytes:
+        """The version 2 body: one record per event (kept for ``--audit-plaintext``)."""
+        body = self._body()
+        body["tool"] = self.tool
+        body["v"] = RECORD_VERSION
+        return self._encode(body, MAX_COMMITMENT)
+
+    def entry(self) -> bytes:
+        """This event's entry in a batch record (version 3): the v2 body with its own
+        ``timestamp_ms``, without ``v`` and without ``caller``, which is the record's
+        recipient (docs/adr/0014-audit-batch-records.md)."""
+        body = self._body()
+        del body["caller"]
+        body["timestamp_ms"] = self.timestamp_ms
+        body["tool"] = self.tool
+        return self._encode(body, _ROOM)
+
+
+class Packed(NamedTuple):
+    """One block-log record of an audit batch: its recipient, commitment, time and extra."""
+
+    recipient: str
+    commitment: bytes
+    timestamp_ms: int
+    extra: bytes
+
+
+_HEAD: Final = b'{"calls":['
+_TAIL: Final = b'],"v":%d}' % BATCH_VERSION
+#: Bytes a batch record's entries may fill (the commas between them included).
+_ROOM: Final = MAX_COMMITMENT - len(_HEAD) - len(_TAIL)
+
+
+def pack(records: Sequence[AuditRecord]) -> list[Packed]:
+    """The block-log records of a batch (docs/adr/0014-audit-batch-records.md).
+
+    Consecutive events of one caller share a version 3 record, as many as fit a
+    commitment (4096 bytes, about ten calls), in order: ``{"calls":[entry,...],"v":3}``,
+    RFC 8785 as a whole since each entry is. The record's recipient is that
+    caller, its time the earliest event's. An event that carries plaintext keeps
+    a version 2 record of its own (``extra`` is the event's).
+    """
+    out: list[Packed] = []
+    chunk: list[bytes] = []
+    size = 0
+    caller = ""
+    first_ms = 0
+    for rec in records:
+        if rec.plaintext:
+            entry = b""
+        else:
+            entry = rec.entry()
+            if chunk and caller == rec.caller and size + 1 + len(entry) <= _ROOM:
+                chunk.append(entry)
+                size += 1 + len(entry)
+                first_ms = min(first_ms, rec.timestamp_ms)
+                continue
+        if chunk:
+            out.append(Packed(caller, b"".join((_HEAD, b",".join(chunk), _TAIL)), first_ms, b""))
+            chunk = []
+        if entry:
+            chunk, size, caller, first_ms = [entry], len(entry), rec.caller, rec.timestamp_ms
+        else:
+            out.append(
+                Packed(rec.caller, rec.commitment(), rec.timestamp_ms, rec.plaintext[:MAX_EXTRA])
+            )
+    if chunk:
+        out.append(Packed(caller, b"".join((_HEAD, b",".join(chunk), _TAIL)), first_ms, b""))
+    return out
 
 
 #: What :meth:`Auditor.note` queues on the hot path: an :class:`AuditRecord`'s

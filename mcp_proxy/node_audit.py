@@ -13,7 +13,8 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 
-from mcp_proxy.audit import MAX_EXTRA, RECORD_KIND, AuditRecord
+from mcp_proxy.audit import RECORD_KIND, AuditRecord
+from mcp_proxy.audit_record import pack
 from talos.local.client import LocalClient
 
 __all__ = ["NodeAuditSink"]
@@ -39,11 +40,11 @@ class NodeAuditSink:
             durable=sync,
             records=[
                 {
-                    "recipient": rec.caller,
-                    "commitment": _b64(rec.commitment()),
-                    "timestamp_ms": rec.timestamp_ms,
-                    "extra": _b64(rec.plaintext[:MAX_EXTRA]),
+                    "recipient": p.recipient,
+                    "commitment": _b64(p.commitment),
+                    "timestamp_ms": p.timestamp_ms,
+                    "extra": _b64(p.extra),
                 }
-                for rec in records
+                for p in pack(records)
             ],
         )

@@ -23,6 +23,7 @@ from mcp_proxy.audit import (
     Event,
     Facts,
 )
+from mcp_proxy.audit_log import record_entries
 from talos.chain.block import MAX_COMMITMENT as BLOCK_MAX_COMMITMENT
 from talos.chain.block import MAX_EXTRA as BLOCK_MAX_EXTRA
 from talos.chain.log import BlockLog
@@ -57,12 +58,13 @@ def block_log(tmp_path: Path) -> BlockLog:
 
 
 def sealed_commitments(block_log: BlockLog) -> list[dict[str, object]]:
+    """Every audited event of the sealed log, batch records expanded, in order."""
     block_log.seal()
     out = []
     for height in range(block_log.height + 1):
         for r in block_log.block_records(height):
             assert r.kind == "mcp"
-            out.append(orjson.loads(r.commitment))
+            out += [e.body for e in record_entries(r, height)]
     return out
 
 
@@ -112,7 +114,7 @@ async def test_group_commit_batches_into_the_block_log(block_log: BlockLog) -> N
     first = commitments[0]
     assert first["caller"] == CALLER and first["tool"] == "echo" and first["outcome"] == "ok"
     assert first["params_hmac"] == digest({"i": 0}).hex()
-    assert first["event"] == "call" and first["v"] == 2
+    assert first["event"] == "call" and first["v"] == 3
     block_log.store.close()
 
 

@@ -19,6 +19,7 @@ import orjson
 import pytest
 from mcp.shared.exceptions import MCPError
 
+from mcp_proxy.audit_log import record_entries
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, LINK_DOWN, PARSE_ERROR, TOOL_DENIED
 from tests.mcp_proxy.e2e import (
     ENV,
@@ -314,7 +315,7 @@ tools = ["get_current_time"]
         records = [
             r for h in range(log.height + 1) for r in log.block_records(h) if r.kind == "mcp"
         ]
-        audited = [orjson.loads(r.commitment) for r in records]
+        audited = [e.body for r in records for e in record_entries(r, None)]
     finally:
         store.close()
     assert all(r.recipient == client_did and r.extra == b"" for r in records)

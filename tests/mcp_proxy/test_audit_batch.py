@@ -1,0 +1,134 @@
+"""Audit batch records (docs/adr/0014-audit-batch-records.md): several events in one
+block-log record, read back one entry per event, and tamper-evident through the chain."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import orjson
+
+from mcp_proxy.audit import Auditor, AuditRecord, BlockLogSink, Event
+from mcp_proxy.audit_log import read_entries, record_entries
+from mcp_proxy.audit_record import MAX_COMMITMENT, AuditKey, pack
+from mcp_proxy.nodehost import ensure_home
+from talos.chain.block import Record
+from talos.chain.log import BlockLog, record_key
+from talos.chain.verify import verify_chain
+from talos.config import Home
+from talos.store import Store
+from talos_sdk.canonical import canonical_json_bytes
+from talos_sdk.keyfile import load_wallet
+
+KEY = AuditKey(bytes(range(32)))
+ALICE = "did:key:z6MkAlice"
+BOB = "did:key:z6MkBob"
+
+
+def call(i: int, caller: str = ALICE, **kw: object) -> AuditRecord:
+    fields: dict[str, object] = {
+        "caller": caller,
+        "server": "default",
+        "method": "tools/call",
+        "tool": "echo",
+        "request_id": i,
+        "params_hmac": KEY.digest({"i": i}),
+        "result_hmac": KEY.digest({"r": i}),
+        "latency_us": 100 + i,
+        "outcome": "ok",
+        "timestamp_ms": 1_700_000_000_000 + i,
+        "session": 7,
+        "pid": 4242,
+    }
+    fields.update(kw)
+    return AuditRecord(**fields)  # type: ignore[arg-type]
+
+
+def test_a_batch_packs_many_calls_per_record_in_order_and_rfc8785() -> None:
+    records = [call(i) for i in range(40)]
+    packed = pack(records)
+    assert 1 < len(packed) <= 5  # about ten calls a record, not one
+    for p in packed:
+        assert len(p.commitment) <= MAX_COMMITMENT
+        assert canonical_json_bytes(orjson.loads(p.commitment)) == p.commitment
+        assert p.recipient == ALICE and p.extra == b""
+    node = "did:key:z6MkNode"
+    stored = [Record("mcp", bytes(16), node, *p[:2], b"", p.timestamp_ms) for p in packed]
+    bodies = [e.body for r in stored for e in record_entries(r, None)]
+    assert [b["id"] for b in bodies] == list(range(40))
+    one = bodies[3]
+    assert one["caller"] == ALICE and one["v"] == 3 and one["latency_us"] == 103
+    assert one["params_hmac"] == KEY.digest({"i": 3}).hex()
+    # Each entry is the version 2 body's fields, plus its own time.
+    v2 = orjson.loads(records[3].commitment())
+    assert {k: v for k, v in one.items() if k != "v"} == {k: v for k, v in v2.items() if k != "v"}
+    assert packed[0].timestamp_ms == records[0].timestamp_ms
+
+
+def test_callers_do_not_share_a_record_and_plaintext_keeps_its_own() -> None:
+    records = [call(0), call(1), call(2, BOB), call(3, plaintext=b"req\nrep"), call(4)]
+    packed = pack(records)
+    assert [p.recipient for p in packed] == [ALICE, BOB, ALICE, ALICE]
+    assert [len(orjson.loads(p.commitment).get("calls", [None])) for p in packed] == [2, 1, 1, 1]
+    assert orjson.loads(packed[2].commitment)["v"] == 2 and packed[2].extra == b"req\nrep"
+
+
+def test_an_oversized_name_is_cut_so_the_entry_fits_a_batch_record() -> None:
+    (packed,) = pack([call(1, tool="t" * 10_000, detail="d" * 10_000)])
+    assert len(packed.commitment) <= MAX_COMMITMENT
+    (entry,) = orjson.loads(packed.commitment)["calls"]
+    assert entry["tool"] == "t" * 256 and entry["detail"] == "d" * 256
+
+
+async def write_home(home: Path, records: list[AuditRecord], *, seal: bool) -> BlockLog:
+    ensure_home(home)
+    talos_home = Home(home)
+    log = BlockLog(Store(talos_home.store_dir), load_wallet(talos_home.identity))
+    auditor = Auditor(BlockLogSink(log, log.node_did), key=KEY)
+    async with asyncio.timeout(30):
+        await auditor.start()
+        for rec in records:
+            auditor.submit(rec)
+        await auditor.stop()
+    if seal:
+        log.seal()
+    return log
+
+
+async def test_talos_proxy_audit_reads_every_call_of_batch_and_old_records(
+    tmp_path: Path,
+) -> None:
+    log = await write_home(tmp_path, [call(i) for i in range(25)], seal=True)
+    # A version 2 record as stores written before batch records hold them.
+    old = call(25, event=Event.SESSION, method="exit", tool=None, outcome="exited", detail="x")
+    stamp, commitment = old.timestamp_ms, old.commitment()
+    log.append(Record("mcp", bytes(16), log.node_did, old.caller, commitment, b"", stamp))
+    log.store.close()
+    entries = await asyncio.to_thread(read_entries, tmp_path)
+    assert [e.body["id"] for e in entries] == list(range(26))
+    assert [e.timestamp_ms for e in entries] == [1_700_000_000_000 + i for i in range(26)]
+    assert entries[-1].index is None and entries[-1].body["v"] == 2
+    assert entries[-1].height is None and entries[0].height == 0
+    assert {e.record_id for e in entries[:25]} < {e.record_id for e in entries}
+    assert entries[12].to_json()["index"] == entries[12].index
+
+
+async def test_tampering_with_one_call_of_a_sealed_batch_is_detected(tmp_path: Path) -> None:
+    log = await write_home(tmp_path, [call(i) for i in range(25)], seal=True)
+    store, node_did = log.store, log.node_did
+    assert verify_chain(store, node_did, workers=1).ok
+    # Rewrite one call's outcome inside the batch record, keeping it valid JSON.
+    with store.write() as txn:
+        raw = bytes(txn.get("block_records", record_key(0, 1)) or b"")
+        record = Record.from_bytes(raw)
+        body = orjson.loads(record.commitment)
+        assert body["v"] == 3 and len(body["calls"]) > 1
+        body["calls"][1]["outcome"] = "denied"
+        forged = Record(
+            record.kind, record.record_id, record.sender, record.recipient,
+            canonical_json_bytes(body), b"", record.timestamp_ms,
+        )  # fmt: skip
+        txn.put("block_records", record_key(0, 1), forged.encoded)
+    report = verify_chain(store, node_did, workers=1)
+    assert [(d.code, d.height) for d in report.defects] == [("merkle_root", 0)]
+    store.close()
