@@ -47,7 +47,7 @@ from talos.link.supervisor import CLOSE_TRY_AGAIN, LinkSupervisor
 from talos.logging import event
 from talos.metrics import Metrics
 from talos.node_apps import ConnectTimeoutError, NodeApps, NotConnectedError
-from talos.node_base import AppHandler, Incoming, LinkCallback, Peer
+from talos.node_base import AppHandler, Incoming, LinkCallback, OnCommitted, Peer
 from talos.node_delivery import NodeDelivery, take
 from talos.node_links import NodeLinks, ProblemCallback
 from talos.pins import load_pin, store_pin
@@ -115,7 +115,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         self._problems = LinkProblems()  # read before start() too (a proxy's tunnel client)
         self._problem_callbacks: list[ProblemCallback] = []
         self._incoming: list[Incoming] = []
-        self._outgoing: list[tuple[pl.OutboxEntry, asyncio.Future[None], bool]] = []
+        self._outgoing: list[tuple[pl.OutboxEntry, OnCommitted, bool]] = []
         self._epoch = 0
         self._outbox_busy = False
         self._acks: dict[str, tuple[int, list[Record]]] = {}  # ack writes not queued yet
@@ -297,9 +297,8 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         await asyncio.gather(
             self.links.stop(), *self._tasks, *self._link_tasks, return_exceptions=True
         )
-        for _, fut, _ in self._outgoing:
-            if not fut.done():
-                fut.set_exception(UsageError("the node stopped before the message was queued"))
+        for _, committed, _ in self._outgoing:
+            committed(UsageError("the node stopped before the message was queued"))
         self._submit_acks()
         try:
             await self.writer.write(self._final_flush, kind="stop")

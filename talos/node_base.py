@@ -36,6 +36,8 @@ __all__ = ["AppHandler", "Incoming", "LinkCallback", "NodeBase", "Peer"]
 
 AppHandler = Callable[[str, bytes], Awaitable[None] | None]
 LinkCallback = Callable[[str, bool], None]
+#: Told once when a send's outbox row committed (None) or failed to (talos/node_send.py).
+OnCommitted = Callable[[BaseException | None], None]
 
 
 @dataclass(slots=True)
@@ -86,7 +88,7 @@ class NodeBase:
     _problems: LinkProblems
     _problem_callbacks: list[Callable[[str, Any], None]]
     _incoming: list[Incoming]
-    _outgoing: list[tuple[OutboxEntry, asyncio.Future[None], bool]]  # row, caller, needs fsync
+    _outgoing: list[tuple[OutboxEntry, OnCommitted, bool]]  # row, its caller, needs fsync
     _outbox_busy: bool
     _acks: dict[str, tuple[int, list[Record]]]  # per peer: highest ack, records to log
     _ack_timer: asyncio.TimerHandle | None

@@ -35,8 +35,8 @@ from talos.chain.log import BlockLog
 from talos.link import wire
 from talos.link.peer import Link
 from talos.logging import event
-from talos.node_base import Incoming, NodeBase, Peer
-from talos.node_links import refused_error
+from talos.node_base import Incoming, NodeBase, OnCommitted, Peer
+from talos.node_send import Done, Sending, settle_future
 from talos.peer_pipeline import UNSENT_BATCH, Failed, Received, Retry
 from talos.pipeline import MessageTooLargeError
 from talos.sessions import MessageSignatureError, UnsignedMessageError
@@ -48,7 +48,7 @@ __all__ = ["NodeDelivery", "take"]
 _log = logging.getLogger("talos.node")
 _U64 = struct.Struct(">Q")
 _T = TypeVar("_T")
-_Outgoing = tuple[pl.OutboxEntry, "asyncio.Future[None]", bool]  # as NodeBase._outgoing
+_Outgoing = tuple[pl.OutboxEntry, OnCommitted, bool]  # as NodeBase._outgoing
 #: Longest an ack's store write waits for an outbox commit to share a transaction with.
 ACK_WRITE_DELAY = 0.02
 
@@ -216,102 +216,79 @@ class NodeDelivery(NodeBase):
         With ``wait`` return only once the peer acknowledged its commit, or raise
         TimeoutError after ``timeout`` seconds without the ack (the message stays queued).
         """
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        sending = self.start_send(
+            did, text, functools.partial(settle_future, fut), wait=wait, timeout=timeout
+        )
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            sending.abandon()
+            raise
+
+    def start_send(
+        self, did: str, text: str, done: Done, *, wait: bool = False, timeout: float | None = None
+    ) -> Sending:
+        """:meth:`send_message` without a task: ``done(msg_id, None)`` or ``done(None, error)``
+        later (talos/node_send.py); bad input raises here, before anything is queued."""
         if not self.started or self._stopping:
             raise UsageError("the node is not running")
         if did == self.did:
             raise UsageError("cannot send a message to this node itself")
         if not isinstance(text, str):
             raise UsageError("message text must be a string")
-        from talos_sdk.did import public_key_from_did
-
         if did not in self._peers:
+            from talos_sdk.did import public_key_from_did
+
             public_key_from_did(did)  # a clear DIDError for a malformed recipient
         peer = self._peer(did)
-        since = int(self._clock() * 1000)
+        now_ms = int(self._clock() * 1000)
         # ADR 0007: the number is unique across crashes, so the frame may leave
         # before its outbox row is durable; the caller hears back only after.
-        row = peer.assign(text, os.urandom(pl.MSG_ID_LEN), int(self._clock() * 1000), self._epoch)
-        seq = row.seq
-        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        row = peer.assign(text, os.urandom(pl.MSG_ID_LEN), now_ms, self._epoch)
+        sending = Sending(self, peer, row, done, wait=wait, timeout=timeout, since=now_ms)
         # With ``wait`` the caller hears back only once the peer holds the message
         # durably, so the row needs no fsync of its own (amended ADR 0007); if the
         # wait ends without the ack, the row is synced before the caller hears so.
-        self._outgoing.append((row, committed, not wait))
-        waiter = peer.tx.wait_for(seq) if wait else None
+        self._outgoing.append((row, sending.on_committed, not wait))
         # Frame first, then the commit: the writer thread's Python work would
         # otherwise take the GIL from the seal and the socket write.
-        sent = await self._send_now(peer, row)
+        sent = self._send_now(peer, row)
         if not self._outbox_busy and self._outgoing:
             self._flush_outbox()
         if not sent:
             self._kick(peer)
             self.links.ensure(did)
-        await committed
-        self.metrics.inc("messages_out")
-        if waiter is not None:
-            try:
-                await self._wait_acked(peer, waiter, since, timeout)
-            except BaseException:
-                # Not acked (timeout, refusal, caller gone): "the message stays queued"
-                # must hold after a crash too, so its unsynced row is synced first.
-                with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await asyncio.shield(self.writer.sync())
-                raise
-        return row.msg_id.hex()
-
-    async def _wait_acked(
-        self, peer: Peer, acked: asyncio.Future[None], since: int, timeout: float | None
-    ) -> None:
-        """Until the peer acks, or a link attempt after ``since`` (ms) is refused for good:
-        then LinkRefusedError at once, the message staying queued (talos/link/refusals.py)."""
-        if not peer.ready.is_set():
-            self.redial_now(peer.did)  # a refusal noted earlier may be stale by now
-        problem = self.link_problem(peer.did)
-        if problem is not None and problem.decisive and problem.at_ms >= since:
-            raise refused_error(peer.did, problem)
-        # A refusal noted from now on fails ``acked`` itself (_problem_noted), and so
-        # does the timeout: no per-send wait on two futures nor asyncio.timeout block
-        # (together 7 % of a sending node's time at 64 sends in flight).
-        expiry = None
-        if timeout is not None:
-            expiry = asyncio.get_running_loop().call_later(timeout, _expire, acked)
-        try:
-            await acked
-        finally:
-            if expiry is not None:
-                expiry.cancel()
+        return sending
 
     def _flush_outbox(self) -> None:
         """Group commit of the outbox: sends arriving while one commit runs share the next."""
-        if self._acks:
-            self._submit_acks()  # queued together: one group, one transaction
         batch, self._outgoing = self._outgoing, []
         self._outbox_busy = True
-        self.writer.submit(
-            functools.partial(self._enqueue_batch, rows=[r for r, _, _ in batch]),
-            durable=any(durable for _, _, durable in batch),
-            then=functools.partial(self._outbox_committed, batch),
-            kind="outbox",
-            size=len(batch),
-        )
+        with self.writer.together():  # one group, one transaction, one wake-up
+            if self._acks:
+                self._submit_acks()
+            self.writer.submit(
+                functools.partial(self._enqueue_batch, rows=[r for r, _, _ in batch]),
+                durable=any(durable for _, _, durable in batch),
+                then=functools.partial(self._outbox_committed, batch),
+                kind="outbox",
+                size=len(batch),
+            )
 
     def _outbox_committed(self, batch: list[_Outgoing], fut: asyncio.Future[None]) -> None:
         self._outbox_busy = False
         exc = None if fut.cancelled() else fut.exception()
-        top: dict[str, int] = {}
-        for row, waiter, _ in batch:
-            if exc is None:
+        if exc is None:
+            top: dict[str, int] = {}
+            for row, _, _ in batch:
                 top[row.peer] = max(top.get(row.peer, 0), row.seq)
-            if waiter.done():
-                continue
-            if exc is not None:
-                # The rows stay sendable: later numbers name them as prev. The
-                # caller gets the error and no id (ADR 0007, "failed commit").
-                waiter.set_exception(exc)
-                continue
-            waiter.set_result(None)
-        for did, seq in top.items():  # once per peer, not per row
-            self._peers[did].outbox_committed(seq)
+            for did, seq in top.items():  # once per peer, not per row
+                self._peers[did].outbox_committed(seq)
+        # On failure the rows stay sendable: later numbers name them as prev. The
+        # caller gets the error and no id (ADR 0007, "failed commit").
+        for _, committed, _ in batch:
+            committed(exc)
         if self._outgoing and not self._stopping:
             self._flush_outbox()
 
@@ -340,8 +317,8 @@ class NodeDelivery(NodeBase):
         )
         return None
 
-    async def _send_now(self, peer: Peer, row: pl.OutboxEntry) -> bool:
-        """Send ``row`` from the caller's task when it is next and the socket has room."""
+    def _send_now(self, peer: Peer, row: pl.OutboxEntry) -> bool:
+        """Send ``row`` from the caller's callback when it is next and the socket has room."""
         link = peer.link
         if (
             peer.pumping
@@ -349,16 +326,33 @@ class NodeDelivery(NodeBase):
             or not peer.ready.is_set()
             or not peer.is_next(row)
             or not link.can_send_now
+            or not link.writable
         ):
             return False
-        peer.pumping = True
+        ready = self.prepare_row(peer, row)
+        if ready is None:
+            return True
+        body, record = self.sessions.seal_message(peer.did, ready)
+        peer.on_sent(ready, record, time.monotonic())
+        frame = wire.encode(wire.Msg(ready.seq, body))
         try:
-            await self._send_row(peer, link, row)
+            if link.send_nowait(frame):
+                return True
         except ConnectionClosed:
-            pass
+            return True  # the link is gone; the retry or the next link resends it
+        # Writable a moment ago: keep the pump off until this frame is out, in order.
+        peer.pumping = True
+        self._spawn(self._send_late(peer, link, frame))
+        return True
+
+    async def _send_late(self, peer: Peer, link: Link, frame: bytes) -> None:
+        try:
+            with contextlib.suppress(ConnectionClosed):
+                await link.send(frame)
         finally:
             peer.pumping = False
-        return True
+        if peer.dirty:
+            self._kick(peer)
 
     async def _send_row(self, peer: Peer, link: Link, row: pl.OutboxEntry) -> None:
         ready = self.prepare_row(peer, row)
@@ -436,11 +430,6 @@ class NodeDelivery(NodeBase):
                     self._kick(peer)  # rows queued while the link was coming up
                 elif decision is Retry.DIAL:
                     self.links.ensure(peer.did)  # outbox rows for a DID we do not dial
-
-
-def _expire(acked: asyncio.Future[None]) -> None:
-    if not acked.done():
-        acked.set_exception(TimeoutError())
 
 
 def _ack_written(fut: asyncio.Future[None]) -> None:

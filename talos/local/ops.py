@@ -31,9 +31,10 @@ from talos_sdk.errors import (
 
 if TYPE_CHECKING:
     from talos.node import Node
+    from talos.node_send import Sending
     from talos.store import Txn
 
-__all__ = ["OPS", "LocalHost", "error_json", "resolve", "run_op"]
+__all__ = ["OPS", "LocalHost", "error_json", "resolve", "run_op", "start_op_send"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +221,11 @@ def _resolve_cached(host: LocalHost, ref: str) -> str:
     return did
 
 
-async def op_send(host: LocalHost, args: dict[str, Any]) -> Any:
+def start_op_send(
+    host: LocalHost, args: dict[str, Any], done: Callable[[Any, BaseException | None], None]
+) -> Sending:
+    """The ``send`` op without a task (the local socket's path, talos/node_send.py):
+    ``done(result, None)`` or ``done(None, error)`` later; bad input raises here."""
     node = host.node
     did = _resolve_cached(host, _str(args, "to"))
     text = args.get("text")
@@ -228,24 +233,51 @@ async def op_send(host: LocalHost, args: dict[str, Any]) -> Any:
         raise UsageError("'text' must be a string")
     wait = bool(args.get("wait", False))
     timeout = _num(args, "timeout", 30.0, 0.001, 3600.0)
+
+    def finished(msg_id: str | None, exc: BaseException | None) -> None:
+        if exc is None:
+            done({"id": msg_id, "to": did, "acked": wait}, None)
+        elif wait and isinstance(exc, TimeoutError):
+            done(None, _not_acked(node, did, timeout))
+        else:
+            done(None, exc)
+
     if not wait:
-        return {"id": await node.send_message(did, text), "to": did, "acked": False}
+        return node.start_send(did, text, finished)
+    return node.start_send(did, text, finished, wait=True, timeout=timeout)
+
+
+def _not_acked(node: Node, did: str, timeout: float) -> Exception:
+    """Say why nothing came back: an unreachable peer is not a slow one."""
+    state, why = node.link_state(did)
+    queued = "the message stays queued (talosd outbox)"
+    if state in ("unreachable", "no_address"):
+        return PeerUnreachableError(f"{did}: {why}; {queued}")
+    if state.startswith("refused"):
+        return LinkRefusedError(f"{did}: {why}; {queued}")
+    return TimeoutError(
+        f"no acknowledgement from {did} within {timeout:g} s"
+        + (f" ({why})" if why else "")
+        + f"; {queued}"
+    )
+
+
+async def op_send(host: LocalHost, args: dict[str, Any]) -> Any:
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def done(result: Any, exc: BaseException | None) -> None:
+        if not fut.done():
+            if exc is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(exc)
+
+    sending = start_op_send(host, args, done)
     try:
-        msg_id = await node.send_message(did, text, wait=True, timeout=timeout)
-    except TimeoutError:
-        # Say why nothing came back: an unreachable peer is not a slow one.
-        state, why = node.link_state(did)
-        queued = "the message stays queued (talosd outbox)"
-        if state in ("unreachable", "no_address"):
-            raise PeerUnreachableError(f"{did}: {why}; {queued}") from None
-        if state.startswith("refused"):
-            raise LinkRefusedError(f"{did}: {why}; {queued}") from None
-        raise TimeoutError(
-            f"no acknowledgement from {did} within {timeout:g} s"
-            + (f" ({why})" if why else "")
-            + f"; {queued}"
-        ) from None
-    return {"id": msg_id, "to": did, "acked": True}
+        return await fut
+    except asyncio.CancelledError:
+        sending.abandon()
+        raise
 
 
 async def op_outbox(host: LocalHost, args: dict[str, Any]) -> Any:

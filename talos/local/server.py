@@ -38,12 +38,13 @@ from typing import TYPE_CHECKING, Any
 from talos.local import wire
 from talos.local.call import SOCKET_NAME, socket_path
 from talos.local.flow import FlowControlled
-from talos.local.ops import LocalHost, error_json, resolve, run_op
+from talos.local.ops import LocalHost, error_json, resolve, run_op, start_op_send
 from talos.logging import event
 from talos_sdk.errors import MalformedFrameError, OversizeError, TalosError, UsageError
 
 if TYPE_CHECKING:
     from talos.node import Node
+    from talos.node_send import Sending
 
 __all__ = ["SOCKET_NAME", "LocalServer", "peer_allowed", "peer_uid", "socket_path"]
 
@@ -111,6 +112,7 @@ class _Conn(FlowControlled):
         self.server = server
         self.reader = wire.FrameReader()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.sends: set[Sending] = set()  # sends not answered yet (no task each)
         self.watch = False
         self.closed = False
         self.lent: list[str] = []  # DIDs this client lets link while it is attached
@@ -149,6 +151,9 @@ class _Conn(FlowControlled):
                 self._app(frame.body)
             elif frame.kind is wire.Kind.CALL:
                 assert isinstance(frame.body, dict)
+                if frame.body.get("op") == "send" and isinstance(frame.body.get("args"), dict):
+                    self._send(frame.body)
+                    continue
                 assert self._loop is not None
                 task = self._loop.create_task(self._call(frame.body))
                 self.tasks.add(task)
@@ -160,6 +165,9 @@ class _Conn(FlowControlled):
         self.server.forget(self)
         for task in list(self.tasks):
             task.cancel()  # a client gone mid-long-poll: its call ends, nothing was consumed
+        for sending in list(self.sends):
+            sending.abandon()
+        self.sends.clear()
         if self._app_task is not None:
             self._app_task.cancel()
         self.wake_writers()
@@ -211,10 +219,35 @@ class _Conn(FlowControlled):
             if not isinstance(op, str) or not isinstance(args, dict):
                 raise UsageError("a CALL needs 'op' (string) and 'args' (object)")
             result = await self.server.call(self, op, args)
-            reply: dict[str, Any] = {"id": call_id, "result": result}
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self._answer(call_id, op, None, exc)
+        else:
+            self._answer(call_id, op, result, None)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        """The ``send`` op driven by callbacks: no task per call (talos/node_send.py)."""
+        call_id = msg.get("id")
+        started: list[Sending] = []
+
+        def done(result: Any, exc: BaseException | None) -> None:
+            if started:
+                self.sends.discard(started[0])
+            self._answer(call_id, "send", result, exc)
+
+        try:
+            sending = start_op_send(self.server.host, msg["args"], done)
+        except Exception as exc:
+            self._answer(call_id, "send", None, exc)
+            return
+        started.append(sending)
+        self.sends.add(sending)
+
+    def _answer(self, call_id: Any, op: Any, result: Any, exc: BaseException | None) -> None:
+        if exc is None:
+            reply: dict[str, Any] = {"id": call_id, "result": result}
+        else:
             if not isinstance(exc, TalosError | TimeoutError):
                 event(_log, "local_op_failed", level=logging.ERROR, op=op, error=repr(exc))
             reply = {"id": call_id, "error": error_json(exc)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import subprocess
 import sys
@@ -50,6 +51,33 @@ async def test_jobs_commit_in_submission_order_on_one_thread(writer: StoreWriter
     assert order == list(range(20)) and len(threads) == 1
     assert threading.get_ident() not in threads
     assert _rows(writer) == [b"k%03d" % i for i in range(20)]
+
+
+def _put(txn: Txn, key: bytes) -> None:
+    txn.put("meta", key, b"")
+
+
+async def test_jobs_submitted_together_share_one_transaction(writer: StoreWriter) -> None:
+    def txnid() -> int:
+        return int(writer.store.env.info()["last_txnid"])
+
+    await writer.write(lambda txn: txn.put("meta", b"first", b""))  # the thread is up, idle
+    for round_ in range(5):
+        before = txnid()
+        with writer.together():
+            a = writer.submit(functools.partial(_put, key=b"a%d" % round_), kind="ack")
+            b = writer.submit(functools.partial(_put, key=b"b%d" % round_), kind="outbox")
+        await asyncio.gather(a, b)
+        assert txnid() == before + 1  # one top-level commit for both jobs
+    # a hooked kind still runs alone, after the jobs queued before it committed
+    writer.before("outbox", lambda kind, size: None)
+    before = txnid()
+    with writer.together():
+        a = writer.submit(lambda txn: txn.put("meta", b"c", b""), kind="ack")
+        b = writer.submit(lambda txn: txn.put("meta", b"d", b""), kind="outbox")
+    await asyncio.gather(a, b)
+    assert txnid() == before + 2
+    assert {b"a0", b"b4", b"c", b"d"} <= set(_rows(writer))
 
 
 async def test_then_runs_in_the_pass_that_settles(writer: StoreWriter) -> None:

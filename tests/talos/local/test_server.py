@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from talos import pipeline as pl
 from talos.config import NodeConfig
 from talos.daemon import Daemon
 from talos.local.call import LocalUsageError, NodeGoneError, NoNodeError, call
@@ -173,6 +174,60 @@ async def test_client_gone_mid_long_poll_loses_nothing(tmp_path: Path) -> None:
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_client_gone_mid_send_wait_syncs_the_row(tmp_path: Path) -> None:
+    # The socket's send runs on callbacks, not a task (talos/node_send.py): a client
+    # that leaves while its send --wait is unacked still gets the row synced, as a
+    # timeout does, and the other calls on the socket go on meanwhile.
+    a, b = await _pair(tmp_path)
+    try:
+        await a.add_peer(addr(b.node))
+        await a.wait_connected(b.did, 10)
+        await b.stop()  # no ack will come
+        order: list[str] = []
+        a.writer.before("outbox", lambda kind, size: order.append(kind))
+        a.writer.before("sync", lambda kind, size: order.append(kind))
+        client = await LocalClient.connect(a.home.path)
+        pending = [
+            asyncio.ensure_future(client.call("send", to=b.did, text=f"left {i}", wait=True))
+            for i in range(3)
+        ]
+        await until(lambda: "outbox" in order, what="the outbox commit")
+        assert (await client.call("status"))["did"] == a.did  # the socket still answers
+        assert not any(p.done() for p in pending)
+        await client.close()
+        for p in pending:
+            with pytest.raises(NodeGoneError):
+                await p
+        await until(lambda: "sync" in order, timeout=30, what="the sync after the client left")
+        assert order.index("sync") > order.index("outbox")
+        with a.store.read() as txn:
+            texts = [r.text for r in pl.iter_outbox(txn, b.did)]
+        assert texts == ["left 0", "left 1", "left 2"]
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_send_bad_input_through_the_socket_queues_nothing(tmp_path: Path) -> None:
+    a = await started(*make_home(tmp_path, "a"))
+    try:
+        client = await LocalClient.connect(a.home.path)
+        for args, match in [
+            ({"text": "x"}, "'to' must be"),
+            ({"to": a.did, "text": "x"}, "this node itself"),
+            ({"to": a.did, "text": 5}, "'text' must be a string"),
+            ({"to": "nobody", "text": "x"}, "unknown peer name"),
+            ({"to": a.did, "text": "x", "wait": True, "timeout": -1}, "'timeout' must be"),
+        ]:
+            with pytest.raises(LocalUsageError, match=match):
+                await client.call("send", **args)
+        with a.store.read() as txn:
+            assert list(txn.items("outbox")) == []
+        await client.close()
+    finally:
+        await a.stop()
 
 
 async def test_stopping_node_tells_attached_clients(tmp_path: Path) -> None:

@@ -1,0 +1,187 @@
+"""One durable send in flight, driven by callbacks (docs/adr/0007-epoch-sequence-numbers.md).
+
+:meth:`~talos.node_delivery.NodeDelivery.start_send` seals and transmits a
+message from the caller's own callback and hands back a :class:`Sending`; the
+outbox commit, the peer's ack, the timeout and a refusal then call into it
+until it reports once through ``done(msg_id, None)`` or ``done(None, error)``.
+No task per send: a task and its chain of coroutines (local call, op, send,
+wait) resumed three times per message cost a sending node more than the rest
+of its Python work on the send side (see the commit that added this module).
+
+The rules are those ``send_message`` always had:
+
+* plain send: ``done`` after the outbox row is durable;
+* ``wait``: after the row's commit (no fsync of its own) *and* the peer's ack;
+* a wait that ends without the ack (timeout, refusal, caller gone) syncs the
+  row before ``done`` says the message stays queued (ADR 0007, amended);
+* a failed outbox commit: ``done(None, error)``, no id, nothing synced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from talos.node_links import refused_error
+from talos_sdk.errors import UsageError
+
+if TYPE_CHECKING:
+    from talos.node_base import Peer
+    from talos.node_delivery import NodeDelivery
+    from talos.pipeline import OutboxEntry
+
+__all__ = ["Done", "Sending"]
+
+#: ``done(msg_id_hex, None)`` or ``done(None, error)``, called once.
+Done = Callable[[str | None, BaseException | None], None]
+
+
+def _ignore(msg_id: str | None, exc: BaseException | None) -> None:
+    return None
+
+
+class Sending:
+    """The state of one send between ``start_send`` and its ``done`` call."""
+
+    __slots__ = (
+        "_acked",
+        "_committed",
+        "_done",
+        "_ended",
+        "_expiry",
+        "_node",
+        "_peer",
+        "_row",
+        "_since",
+        "_timeout",
+    )
+
+    def __init__(
+        self,
+        node: NodeDelivery,
+        peer: Peer,
+        row: OutboxEntry,
+        done: Done,
+        *,
+        wait: bool,
+        timeout: float | None,
+        since: int,
+    ) -> None:
+        self._node = node
+        self._peer = peer
+        self._row = row
+        self._done = done
+        self._timeout = timeout
+        self._since = since
+        self._committed = False
+        self._ended = False  # done is called, or is about to be (after a sync)
+        self._expiry: asyncio.TimerHandle | None = None
+        self._acked: asyncio.Future[None] | None = None
+        if wait:
+            self._acked = peer.tx.wait_for(row.seq)
+            self._acked.add_done_callback(self._on_acked)
+
+    @property
+    def msg_id(self) -> str:
+        return self._row.msg_id.hex()
+
+    def on_committed(self, exc: BaseException | None) -> None:
+        """The outbox commit of this row returned (``exc`` when it failed)."""
+        if self._ended:
+            return
+        if exc is not None:
+            self._finish(None, exc)
+            return
+        self._committed = True
+        node = self._node
+        node.metrics.inc("messages_out")
+        acked = self._acked
+        if acked is None:
+            self._finish(self.msg_id, None)
+            return
+        if acked.done():
+            self._on_acked(acked)
+            return
+        peer = self._peer
+        if not peer.ready.is_set():
+            node.redial_now(peer.did)  # a refusal noted earlier may be stale by now
+        problem = node.link_problem(peer.did)
+        if problem is not None and problem.decisive and problem.at_ms >= self._since:
+            self._unacked(refused_error(peer.did, problem))
+            return
+        # A refusal noted from now on fails the ack future itself (_problem_noted).
+        if self._timeout is not None:
+            loop = asyncio.get_running_loop()
+            self._expiry = loop.call_later(self._timeout, self._expired)
+
+    def _on_acked(self, fut: asyncio.Future[None]) -> None:
+        if self._ended or not self._committed:
+            return  # on_committed looks at the ack once the row is committed
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if fut.cancelled():
+            self._unacked(asyncio.CancelledError())
+            return
+        exc = fut.exception()
+        if exc is None:
+            self._finish(self.msg_id, None)
+        else:
+            self._unacked(exc)
+
+    def _expired(self) -> None:
+        if not self._ended:
+            self._unacked(TimeoutError())
+
+    def abandon(self) -> None:
+        """The caller is gone: nobody hears back; a committed, unacked row is synced."""
+        if self._ended:
+            return
+        self._done = _ignore
+        if self._committed:
+            self._unacked(asyncio.CancelledError())
+        else:
+            self._ended = True  # not committed yet: nothing was promised (as before)
+
+    def _unacked(self, exc: BaseException) -> None:
+        """Not acked: "the message stays queued" must hold after a crash, so the
+        unsynced row is synced before the caller hears so."""
+        self._ended = True
+        if self._expiry is not None:
+            self._expiry.cancel()
+        try:
+            synced = self._node.writer.submit(_nothing, durable=True, kind="sync")
+        except UsageError:  # the writer is closed: the node stopped
+            self._report(None, exc)
+            return
+        synced.add_done_callback(lambda f: self._synced(f, exc))
+
+    def _synced(self, fut: asyncio.Future[None], exc: BaseException) -> None:
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a failed sync changes nothing the caller hears
+        self._report(None, exc)
+
+    def _finish(self, msg_id: str | None, exc: BaseException | None) -> None:
+        self._ended = True
+        self._report(msg_id, exc)
+
+    def _report(self, msg_id: str | None, exc: BaseException | None) -> None:
+        done, self._done = self._done, _ignore
+        done(msg_id, exc)
+
+
+def _nothing(txn: object) -> None:
+    return None
+
+
+def settle_future(fut: asyncio.Future[str], msg_id: str | None, exc: BaseException | None) -> None:
+    """A :data:`Done` for an awaiting caller: the future gets the id or the error."""
+    with contextlib.suppress(asyncio.InvalidStateError):
+        if fut.done():
+            return
+        if exc is None:
+            assert msg_id is not None
+            fut.set_result(msg_id)
+        else:
+            fut.set_exception(exc)
