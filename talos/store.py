@@ -101,10 +101,16 @@ class Txn:
         except KeyError:
             raise UsageError(f"unknown store database {db!r}") from None
 
-    def put(self, db: str, key: bytes, value: bytes, *, overwrite: bool = True) -> bool:
-        """Store ``value``; with ``overwrite=False`` returns False if ``key`` exists."""
+    def put(
+        self, db: str, key: bytes, value: bytes, *, overwrite: bool = True, append: bool = False
+    ) -> bool:
+        """Store ``value``; with ``overwrite=False`` returns False if ``key`` exists.
+
+        ``append=True`` (LMDB ``MDB_APPEND``, for keys that only grow): returns
+        False and writes nothing unless ``key`` is above every key present.
+        """
         try:
-            return self.raw.put(key, value, True, overwrite, False, self._dbs[db])
+            return self.raw.put(key, value, True, overwrite, append, self._dbs[db])
         except KeyError:
             raise UsageError(f"unknown store database {db!r}") from None
         except lmdb.MapFullError:
