@@ -216,7 +216,11 @@ class BlockLog:
             self._pending += 1
             if self._oldest_ms is None:
                 self._oldest_ms = self._now_ms()
-        txn.put("pending", _U64.pack(seq), record.encoded)
+        key, data = _U64.pack(seq), record.encoded
+        # Sequence numbers only grow: MDB_APPEND (see _put_in_order). An
+        # out-of-order key (not expected) falls back to a plain put.
+        if not txn.put("pending", key, data, append=True):
+            txn.put("pending", key, data)
 
     def write(self, fn: Callable[[Txn], None], *, durable: bool = False) -> None:
         """Run ``fn(txn)`` (e.g. several :meth:`append` calls) in one write transaction.
@@ -358,10 +362,9 @@ class BlockLog:
             self.wallet.sign_auth(unsigned.header_bytes()),
             self._key_id,
         )
-        txn.put("blocks", block_key(height), block.to_bytes())
-        txn.put_many(
-            "block_records", [(record_key(height, i), leaf) for i, leaf in enumerate(leaves)]
-        )
+        if not txn.put("blocks", block_key(height), block.to_bytes(), append=True):
+            txn.put("blocks", block_key(height), block.to_bytes())
+        _put_in_order(txn, [(record_key(height, i), leaf) for i, leaf in enumerate(leaves)])
         # The ids go to the record index (talos/chain/record_index.py), not here.
         return block
 
@@ -475,6 +478,25 @@ class BlockLog:
 
 def _no_write(txn: Txn) -> None:
     return None
+
+
+def _put_in_order(txn: Txn, items: list[tuple[bytes, bytes]]) -> None:
+    """Write a block's records, whose keys sort after every record already sealed.
+
+    MDB_APPEND: the new key goes straight to the end of the last page, with
+    no search and no split of a full page in two. LMDB's own split already
+    favours in-order inserts, so the gain is modest: 4096 sealed records took
+    241 leaf pages instead of 256, and 1M records (bench_chain
+    sustained_append_seal, with ``pending`` appended the same way) a 517 MB
+    file instead of 574 MB and 2.12-2.27 kB instead of 2.23-2.38 kB of
+    write(2) per record. A store whose ``block_records`` already holds keys
+    at this height (damaged: records without their block) takes the plain
+    path, which overwrites them as before.
+    """
+    try:
+        txn.put_many("block_records", items, append=True)
+    except UsageError:
+        txn.put_many("block_records", items)
 
 
 def _records_of(txn: Txn, height: int) -> Iterator[tuple[bytes, bytes]]:

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from talos.chain.block import GENESIS_PREV, Block, Record, validate_block, verify_head_statement
-from talos.chain.log import BlockLog, UnknownRecordError, run_sealer, verify_inclusion_proof
+from talos.chain.log import (
+    BlockLog,
+    UnknownRecordError,
+    record_key,
+    run_sealer,
+    verify_inclusion_proof,
+)
 from talos.store import Store
 from talos_sdk.errors import UsageError
 from tests.talos.chain import ALICE, BOB, NODE, audit_record, make_record
@@ -309,3 +315,47 @@ if __name__ == "__main__":
     VECTOR.parent.mkdir(parents=True, exist_ok=True)
     VECTOR.write_text(json.dumps(body, indent=2) + "\n")
     print(f"wrote {VECTOR}")
+
+
+def test_sealed_records_fill_their_pages(tmp_path: Path) -> None:
+    # MDB_APPEND for keys that only grow: every leaf page full (1.05x the
+    # payload here; plain in-order puts leave 1.11x).
+    store, log = open_log(tmp_path, max_records=64)
+    for start in range(0, 2048, 64):
+        with store.write() as txn:
+            for i in range(start, start + 64):
+                log.append(audit_record(i), txn)
+        log.seal()
+    with store.read() as txn:
+        stat = txn.raw.stat(txn._db("block_records"))
+        payload = sum(len(k) + len(v) for k, v in txn.items("block_records"))
+    assert stat["entries"] == 2048
+    assert stat["leaf_pages"] * stat["psize"] < 1.08 * payload
+    store.close()
+
+
+def test_seal_over_stray_records_at_the_next_height_overwrites_them(tmp_path: Path) -> None:
+    store, log = open_log(tmp_path, max_records=4)
+    log.append(make_record(0))
+    log.seal()
+    with store.write() as txn:  # damage: a record at height 1 with no block
+        txn.put("block_records", record_key(1, 2), b"stray")
+    for i in range(1, 5):
+        log.append(make_record(i))
+    [block] = log.seal()
+    assert block.height == 1
+    assert log.block_records(1) == [make_record(i) for i in range(1, 5)]
+    store.close()
+
+
+def test_append_below_a_higher_pending_key_still_queues_the_record(tmp_path: Path) -> None:
+    store, log = open_log(tmp_path)
+    with store.write() as txn:  # a pending key above the log's next sequence number
+        txn.put("pending", (10**9).to_bytes(8, "big"), make_record(7).encoded)
+    log.append(make_record(0))
+    [block] = log.seal()
+    assert sorted(r.record_id for r in log.block_records(block.height)) == sorted(
+        make_record(i).record_id for i in (0, 7)
+    )
+    assert log.pending_count == 0
+    store.close()
