@@ -218,7 +218,8 @@ class Record:
         One pass with no re-encoding (this is the hot loop of chain verification):
         the layout is canonical, so the input bytes *are* the encoding.
         """
-        data = bytes(data)
+        if type(data) is not bytes:
+            data = bytes(data)
         n = len(data)
         try:
             if data[0] != _RECORD_VERSION:
@@ -256,12 +257,19 @@ class Record:
             raise MalformedFrameError("record fields out of bounds: signature")
         if len(commitment) > MAX_COMMITMENT or len(extra) > MAX_EXTRA:
             raise MalformedFrameError("record fields out of bounds: commitment or extra")
+        try:  # one handler for the three texts; the slow path names the bad one
+            kind, sender, recipient = kind_b.decode(), sender_b.decode(), recipient_b.decode()
+        except UnicodeDecodeError:
+            utf8(kind_b, "record kind")
+            utf8(sender_b, "record sender")
+            utf8(recipient_b, "record recipient")
+            raise
         record = object.__new__(cls)
         init = object.__setattr__
-        init(record, "kind", utf8(kind_b, "record kind"))
+        init(record, "kind", kind)
         init(record, "record_id", record_id)
-        init(record, "sender", utf8(sender_b, "record sender"))
-        init(record, "recipient", utf8(recipient_b, "record recipient"))
+        init(record, "sender", sender)
+        init(record, "recipient", recipient)
         init(record, "commitment", commitment)
         init(record, "signature", signature)
         init(record, "timestamp_ms", timestamp_ms)

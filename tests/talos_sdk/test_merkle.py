@@ -126,6 +126,15 @@ def test_all_proofs_against_reference(n: int) -> None:
         assert verify_consistency(m, n, proof, merkle_root(leaves[:m]), root)
 
 
+@pytest.mark.parametrize("n", [255, 256, 257, 1000])
+def test_root_of_a_block_against_reference_and_accumulator(n: int) -> None:
+    # merkle_root hashes level by level; the reference splits at powers of two.
+    leaves = [i.to_bytes(4, "big") * 50 for i in range(n)]
+    acc = MerkleAccumulator()
+    acc.extend(leaves)
+    assert merkle_root(leaves) == ref_mth(leaves) == acc.root()
+
+
 @settings(max_examples=40)
 @given(st.lists(st.binary(max_size=8), min_size=1, max_size=40), st.data())
 def test_tampered_proofs_fail(leaves: list[bytes], data: st.DataObject) -> None:
