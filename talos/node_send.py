@@ -4,9 +4,10 @@
 message from the caller's own callback and hands back a :class:`Sending`; the
 outbox commit, the peer's ack, the timeout and a refusal then call into it
 until it reports once through ``done(msg_id, None)`` or ``done(None, error)``.
-No task per send: a task and its chain of coroutines (local call, op, send,
-wait) resumed three times per message cost a sending node more than the rest
-of its Python work on the send side (see the commit that added this module).
+No task per send and no future between the ack and the caller: the task and
+its chain of coroutines (local call, op, send, wait), resumed after the commit,
+after the ack and to return, cost loop passes and Python frames per message
+(figures in the commits that added this module and the waiter).
 
 The rules are those ``send_message`` always had:
 
@@ -42,11 +43,14 @@ def _ignore(msg_id: str | None, exc: BaseException | None) -> None:
     return None
 
 
+_PENDING = object()  # no ack (nor a failure in its place) yet
+
+
 class Sending:
     """The state of one send between ``start_send`` and its ``done`` call."""
 
     __slots__ = (
-        "_acked",
+        "_ack",
         "_committed",
         "_done",
         "_ended",
@@ -56,6 +60,7 @@ class Sending:
         "_row",
         "_since",
         "_timeout",
+        "_wait",
     )
 
     def __init__(
@@ -78,10 +83,12 @@ class Sending:
         self._committed = False
         self._ended = False  # done is called, or is about to be (after a sync)
         self._expiry: asyncio.TimerHandle | None = None
-        self._acked: asyncio.Future[None] | None = None
+        self._wait = wait
+        self._ack: BaseException | object | None = _PENDING  # None once acked
         if wait:
-            self._acked = peer.tx.wait_for(row.seq)
-            self._acked.add_done_callback(self._on_acked)
+            # This object is the waiter (talos/pipeline.py AckWaiter): the ack reaches
+            # the caller in the pass that read it, not one loop pass later.
+            peer.tx.add_waiter(row.seq, self)
 
     @property
     def msg_id(self) -> str:
@@ -97,12 +104,11 @@ class Sending:
         self._committed = True
         node = self._node
         node.metrics.inc("messages_out")
-        acked = self._acked
-        if acked is None:
+        if not self._wait:
             self._finish(self.msg_id, None)
             return
-        if acked.done():
-            self._on_acked(acked)
+        if self._ack is not _PENDING:
+            self._acked_now()
             return
         peer = self._peer
         if not peer.ready.is_set():
@@ -111,24 +117,37 @@ class Sending:
         if problem is not None and problem.decisive and problem.at_ms >= self._since:
             self._unacked(refused_error(peer.did, problem))
             return
-        # A refusal noted from now on fails the ack future itself (_problem_noted).
+        # A refusal noted from now on fails this waiter itself (_problem_noted).
         if self._timeout is not None:
             loop = asyncio.get_running_loop()
             self._expiry = loop.call_later(self._timeout, self._expired)
 
-    def _on_acked(self, fut: asyncio.Future[None]) -> None:
+    # --- AckWaiter (talos/pipeline.py) -----------------------------------------------------------
+
+    def done(self) -> bool:
+        return self._ack is not _PENDING or self._ended
+
+    def set_result(self, result: None, /) -> None:
+        if self._ack is _PENDING:
+            self._ack = None
+            self._acked_now()
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        if self._ack is _PENDING:
+            self._ack = exception
+            self._acked_now()
+
+    def _acked_now(self) -> None:
         if self._ended or not self._committed:
             return  # on_committed looks at the ack once the row is committed
         if self._expiry is not None:
             self._expiry.cancel()
-        if fut.cancelled():
-            self._unacked(asyncio.CancelledError())
-            return
-        exc = fut.exception()
-        if exc is None:
+        ack = self._ack
+        if ack is None:
             self._finish(self.msg_id, None)
         else:
-            self._unacked(exc)
+            assert isinstance(ack, BaseException)
+            self._unacked(ack)
 
     def _expired(self) -> None:
         if not self._ended:

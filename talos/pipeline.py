@@ -40,7 +40,7 @@ import asyncio
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 from talos.store import Txn
 from talos_sdk.errors import StorageError, UsageError
@@ -324,13 +324,24 @@ class ReceiverState:
         self.accepted = self.delivered
 
 
+class AckWaiter(Protocol):
+    """Who waits for a seq's ack: an asyncio future, or a send in flight told at once
+    (talos/node_send.py: no future and no loop pass between the ack and its caller)."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: None, /) -> None: ...
+
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
 @dataclass(slots=True)
 class SenderState:
     """Per-peer send side: what is acked, what this link has sent, who waits."""
 
     acked: int
     sent: int = -1
-    waiters: dict[int, list[asyncio.Future[None]]] = field(default_factory=dict)
+    waiters: dict[int, list[AckWaiter]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.sent < 0:
@@ -362,8 +373,12 @@ class SenderState:
 
     def wait_for(self, seq: int) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if seq <= self.acked:
-            fut.set_result(None)
-        else:
-            self.waiters.setdefault(seq, []).append(fut)
+        self.add_waiter(seq, fut)
         return fut
+
+    def add_waiter(self, seq: int, waiter: AckWaiter) -> None:
+        """``waiter`` is told when ``seq`` is acked (at once if it is already)."""
+        if seq <= self.acked:
+            waiter.set_result(None)
+        else:
+            self.waiters.setdefault(seq, []).append(waiter)

@@ -99,6 +99,36 @@ async def test_sender_acks_release_waiters_in_order() -> None:
     assert tx.wait_for(2).done()
 
 
+class _Told:
+    """An AckWaiter that notes what it was told, when it was told it."""
+
+    def __init__(self) -> None:
+        self.told: list[BaseException | None] = []
+
+    def done(self) -> bool:
+        return bool(self.told)
+
+    def set_result(self, result: None, /) -> None:
+        self.told.append(result)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        self.told.append(exception)
+
+
+def test_ack_waiters_are_told_in_the_call_that_acks() -> None:
+    tx = pl.SenderState(acked=2)
+    early, later, refused = _Told(), _Told(), _Told()
+    tx.add_waiter(2, early)  # acked already: told at once
+    assert early.told == [None]
+    tx.add_waiter(4, later)
+    tx.add_waiter(6, refused)
+    assert tx.on_ack(4) and later.told == [None] and not refused.done()
+    assert not tx.on_ack(4) and later.told == [None]  # an old ack tells nobody twice
+    tx.fail_waiters(lambda: TimeoutError("refused"))
+    assert len(refused.told) == 1 and isinstance(refused.told[0], TimeoutError)
+    assert tx.on_ack(6) and len(refused.told) == 1 and tx.waiters == {}
+
+
 # --- epochs and the prev link (docs/adr/0007-epoch-sequence-numbers.md) -------------------------
 
 
