@@ -67,6 +67,14 @@ _BY_US: Final = {
 }
 
 
+# The head of a problem's sentence per kind: naming the peer, and without its DID.
+_HEADS: Final[dict[str, tuple[str, str]]] = {
+    BY_PEER: ("{did} refused the link", "link refused by peer"),
+    BY_US: ("this node refused the link with {did}", "link refused by this node"),
+    UNREACHABLE: ("{did} is unreachable", "peer unreachable"),
+}
+
+
 def peer_refusal_text(code: int, reason: str) -> str:
     """Why the peer refused us: the table's words, else the peer's own close reason."""
     return _BY_PEER.get(code) or reason or f"close code {code}"
@@ -99,27 +107,19 @@ class LinkProblem:
         """A refusal a waiting sender should hear of at once (not a passing state)."""
         return self.refused and self.direction == "dial" and self.code in DEFINITE
 
-    @property
-    def _code(self) -> str:
-        return f" (close code {self.code})" if self.code is not None else ""
+    def _sentence(self, did: str | None) -> str:
+        with_did, without_did = _HEADS[self.kind]
+        head = without_did if did is None else with_did.format(did=did)
+        code = f" (close code {self.code})" if self.refused and self.code is not None else ""
+        return f"{head}: {self.reason}{code}"
 
     def message(self, did: str) -> str:
         """One sentence for an error line or a status row."""
-        code = self._code
-        if self.kind == BY_PEER:
-            return f"{did} refused the link: {self.reason}{code}"
-        if self.kind == BY_US:
-            return f"this node refused the link with {did}: {self.reason}{code}"
-        return f"{did} is unreachable: {self.reason}"
+        return self._sentence(did)
 
     def why(self) -> str:
         """Why a queued message does not move (``talosd outbox``), without the DID."""
-        code = self._code
-        if self.kind == BY_PEER:
-            return f"link refused by peer: {self.reason}{code}"
-        if self.kind == BY_US:
-            return f"link refused by this node: {self.reason}{code}"
-        return f"peer unreachable: {self.reason}"
+        return self._sentence(None)
 
     def to_json(self) -> dict[str, Any]:
         return {

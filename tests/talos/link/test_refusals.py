@@ -51,6 +51,24 @@ def test_messages_name_the_peer_the_reason_and_the_code() -> None:
     }
 
 
+def test_message_and_why_say_the_same_sentence_with_and_without_the_did() -> None:
+    cases = [
+        (LinkProblem(BY_PEER, "r", 1, 4005), f"{DID} refused the link", "link refused by peer"),
+        (
+            LinkProblem(BY_US, "r", 1, 4005, "accept"),
+            f"this node refused the link with {DID}",
+            "link refused by this node",
+        ),
+        (LinkProblem(UNREACHABLE, "r", 1), f"{DID} is unreachable", "peer unreachable"),
+    ]
+    for problem, with_did, without_did in cases:
+        code = " (close code 4005)" if problem.refused else ""
+        assert problem.message(DID) == f"{with_did}: r{code}"
+        assert problem.why() == f"{without_did}: r{code}"
+    # A refusal whose code is unknown says no code.
+    assert LinkProblem(BY_PEER, "r", 1).why() == "link refused by peer: r"
+
+
 def test_only_a_definite_refusal_met_while_dialling_is_decisive() -> None:
     assert LinkProblem(BY_PEER, "r", 1, CLOSE_UNAUTHORIZED).decisive
     assert LinkProblem(BY_US, "r", 1, 4004).decisive
