@@ -58,6 +58,7 @@ from mcp_proxy.audit_record import (
     pack,
 )
 from talos.logging import event
+from talos_sdk.errors import UsageError
 
 if TYPE_CHECKING:
     from talos.chain.log import BlockLog
@@ -249,11 +250,16 @@ class Auditor:
         if self._timer is None:
             self._arm()
 
+    def _started(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            raise UsageError("Auditor.start() must run before records are noted")
+        return loop
+
     def _arm(self) -> None:
         # Linger instead of waking per record: under sequential load a thread hop per
         # call would cost more than the call; a few ms of batching costs nothing.
-        loop = self._loop or asyncio.get_running_loop()
-        self._timer = loop.call_later(self.commit_interval, self._wake)
+        self._timer = self._started().call_later(self.commit_interval, self._wake)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -264,14 +270,13 @@ class Auditor:
 
     async def record_barrier(self) -> None:
         """Return once every record submitted so far is durable (``--audit strict``)."""
-        loop = self._loop or asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
+        fut: asyncio.Future[None] = self._started().create_future()
         self._barriers.append(fut)
         self._wake()
         await fut
 
     async def _run(self) -> None:
-        loop = self._loop or asyncio.get_running_loop()
+        loop = self._started()
         while True:
             if not self._again:
                 self._waiter = loop.create_future()
@@ -305,12 +310,18 @@ class Auditor:
     def _build(self, queued: list[Facts | AuditRecord]) -> list[AuditRecord]:
         """The queued facts as records: the batch's digests, computed in one pass."""
         digest = self.key.digest
+        new = tuple.__new__  # what AuditRecord._make does, without its length check per record
         out: list[AuditRecord] = []
         for item in queued:
             if type(item) is AuditRecord:
                 out.append(item)
                 continue
-            out.append(AuditRecord._make((*item[:5], digest(item[5]), digest(item[6]), *item[7:])))
+            (caller, server, method, tool, rid, params, result, latency, outcome, ms, plain,
+             ev, session, pid, detail) = item  # fmt: skip
+            out.append(
+                new(AuditRecord, (caller, server, method, tool, rid, digest(params),
+                    digest(result), latency, outcome, ms, plain, ev, session, pid, detail))
+            )  # fmt: skip
         return out
 
     async def _flush(self, *, durable: bool) -> None:

@@ -4,13 +4,18 @@ block-log record, read back one entry per event, and tamper-evident through the 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 from pathlib import Path
 
 import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mcp_proxy.audit import Auditor, AuditRecord, BlockLogSink, Event
 from mcp_proxy.audit_log import read_entries, record_entries
-from mcp_proxy.audit_record import MAX_COMMITMENT, AuditKey, pack
+from mcp_proxy.audit_record import MAX_COMMITMENT, AuditKey, _stable_json, pack
 from mcp_proxy.nodehost import ensure_home
 from talos.chain.block import Record
 from talos.chain.log import BlockLog, record_key
@@ -18,6 +23,7 @@ from talos.chain.verify import verify_chain
 from talos.config import Home
 from talos.store import Store
 from talos_sdk.canonical import canonical_json_bytes
+from talos_sdk.errors import EncodingError, UsageError
 from talos_sdk.keyfile import load_wallet
 
 KEY = AuditKey(bytes(range(32)))
@@ -132,3 +138,63 @@ async def test_tampering_with_one_call_of_a_sealed_batch_is_detected(tmp_path: P
     report = verify_chain(store, node_did, workers=1)
     assert [(d.code, d.height) for d in report.defects] == [("merkle_root", 0)]
     store.close()
+
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**60), 2**60)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@given(value=JSON)
+@settings(max_examples=400, deadline=None)
+def test_the_digest_fast_path_gives_the_rfc8785_bytes(value: object) -> None:
+    # orjson's output is taken only when it is JCS's; otherwise the general path decides.
+    try:
+        expected = canonical_json_bytes(value)
+    except EncodingError:  # beyond 2**53: the sorted-key fallback, as before
+        expected = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    assert _stable_json(value) == expected
+    mac = hmac.new(bytes(range(32)), expected, hashlib.sha256).digest()
+    assert KEY.digest(value) == (b"" if value is None else mac)  # absent: no digest
+
+
+@given(
+    text=st.text(max_size=30),
+    rid=st.one_of(st.none(), st.text(max_size=9), st.integers(-(2**70), 2**70)),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_batch_entry_is_the_rfc8785_body(text: str, rid: int | str | None) -> None:
+    rec = call(0, server=text, tool=text or None, request_id=rid, detail=text[::-1])
+    # The v2 body's fields through the general path, without caller and v, with the time.
+    reference = _stable_json(
+        {
+            "event": "call",
+            "server": rec.server,
+            "session": rec.session,
+            "pid": rec.pid,
+            "method": rec.method,
+            "tool": rec.tool,
+            "id": rec.request_id,
+            "params_hmac": rec.params_hmac.hex(),
+            "result_hmac": rec.result_hmac.hex(),
+            "latency_us": rec.latency_us,
+            "outcome": rec.outcome,
+            "detail": rec.detail,
+            "timestamp_ms": rec.timestamp_ms,
+        }
+    )
+    assert rec.entry() == reference
+
+
+async def test_noting_before_start_is_a_usage_error() -> None:
+    auditor = Auditor(BlockLogSink.__new__(BlockLogSink), key=KEY)
+    with pytest.raises(UsageError, match="start"):
+        auditor.submit(call(1))
