@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import os
 import socket
 import threading
@@ -79,8 +80,12 @@ MAX_UNAUTHENTICATED_PER_ADDRESS: Final = 8
 IDLE_TIMEOUT: Final = 60.0
 #: Chunks in flight inside one process: one per pipeline stage plus slack for jitter.
 PIPELINE_SLOTS: Final = 6
+#: Receiver threads writing to disk at once: two positional writes in flight hide
+#: the per-write latency of the disk (ADR 0004, "Pipeline").
+WRITERS: Final = 2
 #: Socket buffers sized for a few sealed chunks in flight on a fast link.
 SOCKET_BUFFER: Final = 4 << 20
+log = logging.getLogger(__name__)
 _FINAL_FLAG_AT: Final = 8  # flags byte of the aead chunk header
 _T = TypeVar("_T")
 
@@ -388,6 +393,13 @@ class _Credits:
             return self.verdict
 
 
+def _log_busy(side: str, pipeline: Pipeline, names: Sequence[str]) -> None:
+    """Each step's busy seconds at debug level: the slowest one bounds the rate."""
+    if log.isEnabledFor(logging.DEBUG):
+        steps = ", ".join(f"{n} {t:.2f}s" for n, t in zip(names, pipeline.busy, strict=False))
+        log.debug("bulk %s busy: %s", side, steps)
+
+
 def _sendmsg_all(sock: socket.socket, parts: list[memoryview]) -> None:
     """``sendall`` of several buffers with one ``sendmsg`` each round (no concatenation)."""
     while parts:
@@ -440,6 +452,8 @@ async def send_chunks(
             if credits.verdict is None:
                 raise
             # The receiver ended the stream early; its verdict says how.
+        finally:
+            _log_busy("send", pipeline, (*(s.__name__ for s in stages), "sendmsg"))
         return credits.result()
 
     reader.start()
@@ -473,6 +487,7 @@ async def receive_chunks(
     processed = 0
     granted = window
     step = max(1, window // 4)
+    credit_lock = threading.Lock()  # the last stage runs in WRITERS threads
 
     def receive(slot: Slot) -> None:
         _recv_into(sock, memoryview(head))
@@ -487,12 +502,13 @@ async def receive_chunks(
 
     def credit(slot: Slot) -> None:
         nonlocal processed, granted
-        processed += 1
-        if on_chunk is not None:
-            on_chunk()
-        if not slot.last and processed + window - granted >= step:
-            granted = processed + window
-            sock.sendall(BULK_CREDIT.pack(granted))
+        with credit_lock:
+            processed += 1
+            if on_chunk is not None:
+                on_chunk()
+            if not slot.last and processed + window - granted >= step:
+                granted = processed + window
+                sock.sendall(BULK_CREDIT.pack(granted))
 
     *first, final = stages
 
@@ -506,7 +522,11 @@ async def receive_chunks(
 
     def run() -> None:
         ring = Slot.ring(slots, MAX_CHUNK, MAX_SEALED)
-        Pipeline(ring, [*first, final_then_credit], wake).run(receive, "bulk-receive")
+        pipeline = Pipeline(ring, [*first, final_then_credit], wake, last_workers=WRITERS)
+        try:
+            pipeline.run(receive, "bulk-receive")
+        finally:
+            _log_busy("receive", pipeline, ("recv", *(s.__name__ for s in stages)))
 
     await _in_thread(stream, run, "bulk-receive")
 

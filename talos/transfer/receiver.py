@@ -21,6 +21,7 @@ import errno
 import hashlib
 import hmac
 import os
+import threading
 from pathlib import Path
 from typing import Final
 
@@ -89,7 +90,7 @@ def _address(view: memoryview) -> int:
 
 
 class IncomingFile:
-    """The partial file of one incoming transfer, written strictly in order."""
+    """The partial file of one incoming transfer; :attr:`written` is its gapless prefix."""
 
     def __init__(self, files_dir: Path, tid: bytes, size: int, committed: int = 0) -> None:
         """Open (or create) the partial file and rewind it to ``committed`` bytes.
@@ -117,12 +118,32 @@ class IncomingFile:
                 )
             os.ftruncate(self._fd, committed)
             self._rehash(committed)
+            self._preallocate(committed)
         except BaseException:
             os.close(self._fd)
             raise
         self._direct = _open_direct(self.path)
         self.written = committed
         self.synced = committed
+        # Pieces stored but not yet joined to the written prefix: offset -> end.
+        self._ahead: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def _preallocate(self, start: int) -> None:
+        """Reserve the rest of the file's blocks up front.
+
+        A disk too small fails here, before any data moves, and the direct
+        writes then fill allocated blocks instead of extending the file each
+        time (1 MiB ``O_DIRECT`` writes on this VM: ~240 -> ~340 MB/s with two
+        in flight, measured in the ADR). Filesystems without the call skip it.
+        """
+        if self.size <= start:
+            return
+        try:
+            os.posix_fallocate(self._fd, start, self.size - start)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise _no_space(exc, self.path) from exc
 
     def _rehash(self, upto: int) -> None:
         pos = 0
@@ -135,6 +156,8 @@ class IncomingFile:
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Write the next bytes at ``offset`` (must equal :attr:`written`) and hash them."""
+        if offset != self.written:
+            raise UsageError(f"out-of-order write at {offset}, expected {self.written}")
         self.store(offset, data)
         self.absorb(data)
 
@@ -143,10 +166,21 @@ class IncomingFile:
         self._hash.update(data)
 
     def store(self, offset: int, data: bytes | memoryview) -> None:
-        """Write the next bytes at ``offset`` (must equal :attr:`written`), unhashed."""
-        if offset != self.written:
-            raise UsageError(f"out-of-order write at {offset}, expected {self.written}")
+        """Write bytes at ``offset``, unhashed; :attr:`written` is the end of the gapless prefix.
+
+        Two threads may store at once (the receive pipeline keeps two writes in
+        flight), each piece handed out in file order by the chunk plan, so a
+        piece may land before the one in front of it; :attr:`written` (what a
+        checkpoint may claim) only moves over pieces with nothing missing
+        before them. A piece must start at or past :attr:`written` and fit the
+        file; rewriting stored bytes is misuse.
+        """
         view = memoryview(data)
+        start, end = offset, offset + view.nbytes
+        with self._lock:
+            if start < self.written or end > self.size or start in self._ahead:
+                raise UsageError(f"out-of-order write at {start}, written {self.written}")
+            self._ahead[start] = -1  # claimed; the end is set once stored
         fd = self._fd
         if self._direct >= 0 and _aligned(view, offset):
             fd = self._direct
@@ -156,8 +190,13 @@ class IncomingFile:
                 view = view[n:]
                 offset += n
         except OSError as exc:
+            with self._lock:
+                del self._ahead[start]
             raise _no_space(exc, self.path) from exc
-        self.written = offset
+        with self._lock:
+            self._ahead[start] = end
+            while self._ahead.get(self.written, -1) >= 0:
+                self.written = self._ahead.pop(self.written)
 
     def sync(self) -> int:
         """fsync the data written so far; returns the offset that is now safe to record.

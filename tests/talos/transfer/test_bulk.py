@@ -194,14 +194,11 @@ async def test_flipped_byte_on_the_wire_is_rejected(tmp_path: Path, listener: Bu
     assert list((files / PARTIAL_DIR).iterdir()) == []
 
 
-async def test_tampered_chunk_stops_the_pipeline_before_it_is_written(
-    tmp_path: Path, listener: BulkListener
-) -> None:
-    """Chunks behind a forged one are already received into the ring; none of them,
-    nor the forged one, reaches the disk, and what is on disk is the verified prefix."""
-    size = 6 * BULK_CHUNK
-    src, _ = _source(tmp_path, size)
-    files = tmp_path / "files"
+def _receiver_expecting_failure(
+    listener: BulkListener, files: Path, size: int
+) -> tuple[IncomingFile, asyncio.Future[BaseException]]:
+    """A receiving attempt whose future gets the error that ends its stream (it then
+    reports failure to the sender); the partial file is the caller's to inspect."""
     inc = IncomingFile(files, TID, size)
     att = IncomingAttempt(inc, KEY, TID, 0)
     failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
@@ -216,6 +213,18 @@ async def test_tampered_chunk_stops_the_pipeline_before_it_is_written(
             await stream.close()
 
     listener.expect(TID, TOKEN, handler)
+    return inc, failed
+
+
+async def test_tampered_chunk_stops_the_pipeline_before_it_is_written(
+    tmp_path: Path, listener: BulkListener
+) -> None:
+    """Chunks behind a forged one are already received into the ring; none of them,
+    nor the forged one, reaches the disk, and what is on disk is the verified prefix."""
+    size = 6 * BULK_CHUNK
+    src, _ = _source(tmp_path, size)
+    files = tmp_path / "files"
+    inc, failed = _receiver_expecting_failure(listener, files, size)
     third = 53 + 32 + 2 * (4 + 25 + BULK_CHUNK)
     server, close = await _flip_proxy(listener.port, third + 4 + 9 + 100)
     port = server.sockets[0].getsockname()[1]
@@ -229,8 +238,10 @@ async def test_tampered_chunk_stops_the_pipeline_before_it_is_written(
     finally:
         await close()
     assert inc.written in (0, BULK_CHUNK, 2 * BULK_CHUNK)
+    # The partial file is preallocated: past the verified prefix nothing was written.
     on_disk = inc.path.read_bytes()
-    assert len(on_disk) == inc.written and on_disk == src.read_bytes()[: inc.written]
+    assert on_disk[: inc.written] == src.read_bytes()[: inc.written]
+    assert on_disk[inc.written :].count(0) == len(on_disk) - inc.written
     assert [p.name for p in files.iterdir() if p.name != PARTIAL_DIR] == []  # not promoted
     inc.close()
 
@@ -243,19 +254,7 @@ async def test_source_shrinking_mid_stream_stops_the_sending_pipeline(
     size = 8 * BULK_CHUNK
     src, _ = _source(tmp_path, size)
     files = tmp_path / "files"
-    inc = IncomingFile(files, TID, size)
-    att = IncomingAttempt(inc, KEY, TID, 0)
-    failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
-
-    async def handler(stream: BulkStream) -> None:
-        try:
-            await receive_chunks(stream, att.stages, window=8)
-        except Exception as exc:
-            failed.set_result(exc)
-        finally:
-            await stream.close()
-
-    listener.expect(TID, TOKEN, handler)
+    inc, failed = _receiver_expecting_failure(listener, files, size)
     out = OutgoingAttempt(src, size, KEY, TID, 0, 0, BULK_CHUNK, _sign)
     read = out.read
 

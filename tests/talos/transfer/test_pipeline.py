@@ -97,3 +97,36 @@ def test_aligned_plaintext_buffers() -> None:
     for slot in Slot.ring(2, 1 << 20, 16):
         assert ctypes.addressof(ctypes.c_char.from_buffer(slot.plain)) % 4096 == 0
         assert len(slot.plain) == 1 << 20 and len(slot.sealed) == 16
+
+
+def test_a_parallel_last_stage_overlaps_and_still_sees_every_chunk_once() -> None:
+    """Two threads in the last stage: both work at once, every chunk passes once,
+    and run() returns only after the slower thread finished its chunk."""
+    both_in = threading.Barrier(2, timeout=30)
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def write(slot: Slot) -> None:
+        if slot.offset < 2:
+            both_in.wait()  # only returns if the two threads are in here together
+        with lock:
+            finished.append(slot.offset)
+
+    produced, fill = _source(CHUNKS)
+    pipeline = Pipeline(Slot.ring(4, 16, 32), [lambda slot: None, write], lambda: None, 2)
+    pipeline.run(fill, "test")
+    assert sorted(finished) == produced == list(range(CHUNKS))
+    assert len(pipeline.busy) == 3 and all(t >= 0 for t in pipeline.busy)
+    assert pipeline.busy[2] > 0
+
+
+def test_an_error_in_a_parallel_last_stage_stops_both_threads() -> None:
+    def write(slot: Slot) -> None:
+        if slot.offset == 7:
+            raise OSError("disk gone")
+
+    _, fill = _source(CHUNKS)
+    with pytest.raises(OSError, match="disk gone"):
+        Pipeline(Slot.ring(4, 16, 32), [write], lambda: None, 2).run(fill, "test")
+    with pytest.raises(ValueError):
+        Pipeline(Slot.ring(1, 4, 4), [write], lambda: None, 0)

@@ -197,7 +197,9 @@ def test_bad_arguments(tmp_path: Path) -> None:
 
 
 def test_partial_shorter_than_recorded_progress(tmp_path: Path) -> None:
-    IncomingFile(tmp_path / "f", TID, 100).close()
+    inc = IncomingFile(tmp_path / "f", TID, 100)
+    inc.close()
+    os.truncate(inc.path, 10)  # lost its tail (the file itself is preallocated)
     with pytest.raises(StorageError, match="shorter"):
         IncomingFile(tmp_path / "f", TID, 100, committed=50)
 
@@ -280,3 +282,33 @@ def test_aligned_chunks_bypass_the_page_cache(
     inc2.write(0, b"\x01" + bytes(4095))
     assert used == [(inc2._fd, 0)]
     inc2.discard()
+
+
+def test_pieces_stored_out_of_order_advance_written_only_without_gaps(tmp_path: Path) -> None:
+    """The receive pipeline's two writers may finish the second chunk first."""
+    block = 4096
+    data = os.urandom(3 * block)
+    inc = IncomingFile(tmp_path / "f", TID, len(data))
+    assert inc.path.stat().st_size == len(data)  # preallocated
+    inc.store(block, data[block : 2 * block])
+    assert inc.written == 0  # a gap before it: nothing may be claimed yet
+    with pytest.raises(UsageError, match="out-of-order"):
+        inc.store(block, data[block : 2 * block])  # stored twice
+    inc.store(0, data[:block])
+    assert inc.written == 2 * block
+    with pytest.raises(UsageError, match="out-of-order"):
+        inc.store(0, data[:block])  # behind the written prefix
+    with pytest.raises(UsageError, match="out-of-order"):
+        inc.store(2 * block, data)  # past the end of the file
+    inc.store(2 * block, data[2 * block :])
+    assert inc.written == len(data)
+    inc.absorb(data)
+    path = inc.finish(hashlib.sha256(data).digest(), "out.bin")
+    assert path.read_bytes() == data
+
+
+def test_a_file_too_large_for_the_disk_fails_before_any_data(tmp_path: Path) -> None:
+    """Preallocation meets the real kernel limit (RLIMIT_FSIZE) when the file is opened."""
+    limit = 64 * 1024
+    with file_size_limit(limit), pytest.raises(NoSpaceError, match="no space left"):
+        IncomingFile(tmp_path / "f", TID, 4 * limit)
