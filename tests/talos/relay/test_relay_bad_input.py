@@ -7,6 +7,7 @@ nothing twice (docs/adr/0010-nats-relay.md "Failure cases").
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from talos.node import Node
@@ -128,6 +129,47 @@ async def test_rogue_garbage_and_replayed_mail_change_nothing(relay_net: RelayNe
         # The link may be between two attempts at the instant the ack lands (seen once
         # in CI on a quiet machine); what must hold is that it is up, not lost for good.
         await until(lambda: b.is_connected(a.did) and a.is_connected(b.did), 20, "linked")
+    finally:
+        await nc.close()
+        await a.stop()
+        await b.stop()
+
+
+async def test_third_party_packets_leave_a_healthy_relayed_link_alone(relay_net: RelayNet) -> None:
+    # A third party allowed on the relay can publish to a node's link subject but cannot
+    # learn a stream id (16 random bytes, subjects it may not subscribe to): whatever it
+    # sends there is refused or dropped by the client and never reaches a running stream.
+    a, b = await _pair(relay_net)
+    nc = await _rogue(relay_net)
+    try:
+        await a.send_message(b.did, "before", wait=True)
+        await until(lambda: b.is_connected(a.did) and a.is_connected(b.did), 20, "linked")
+        links = (a._peers[b.did].link, b._peers[a.did].link)
+        assert None not in links
+        assert b.relay is not None
+        counters = b.relay.client.counters
+        link_subject = RelayNames.for_did(b.did).link
+        forged = [
+            b"garbage",  # shorter than any header: rejected
+            wire.encode(wire.Open(os.urandom(16), "abc")),  # an OPEN without a reply: rejected
+            wire.encode(wire.Data(os.urandom(16), 0, False, b"x")),  # unknown streams: dropped
+            wire.encode(wire.Close(os.urandom(16), 4020, "forged")),
+            wire.encode(wire.Accept(os.urandom(16))),
+        ]
+        for packet in forged:
+            await nc.publish(link_subject, packet)
+        await nc.flush()
+        await until(
+            lambda: (
+                counters.get("relay_packets_rejected", 0) >= 2
+                and counters.get("relay_packets_dropped", 0) >= 3
+            ),
+            20,
+            "forged packets counted",
+        )
+        await a.send_message(b.did, "after", wait=True)
+        assert _texts(b) == ["before", "after"]
+        assert a._peers[b.did].link is links[0] and b._peers[a.did].link is links[1]
     finally:
         await nc.close()
         await a.stop()
