@@ -170,7 +170,7 @@ class Sending:
         if self._expiry is not None:
             self._expiry.cancel()
         try:
-            synced = self._node.writer.submit(_nothing, durable=True, kind="sync")
+            synced = self._node.writer.submit_sync()
         except UsageError:  # the writer is closed: the node stopped
             self._report(None, exc)
             return
@@ -188,10 +188,6 @@ class Sending:
     def _report(self, msg_id: str | None, exc: BaseException | None) -> None:
         done, self._done = self._done, _ignore
         done(msg_id, exc)
-
-
-def _nothing(txn: object) -> None:
-    return None
 
 
 def settle_future(fut: asyncio.Future[str], msg_id: str | None, exc: BaseException | None) -> None:

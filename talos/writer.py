@@ -286,9 +286,13 @@ class StoreWriter:
         self._enqueue(_Job(None, False, "drain", 0, done, loop))
         await fut
 
+    def submit_sync(self) -> asyncio.Future[None]:
+        """Queue one fsync behind every earlier commit; the future settles once it returned."""
+        return self.submit(_nothing, durable=True, kind="sync")
+
     async def sync(self) -> None:
         """Make every earlier commit durable (one fsync, queued behind them)."""
-        await self.write(_nothing, durable=True, kind="sync")
+        await self.submit_sync()
 
     # --- hooks and lifecycle -------------------------------------------------------------------
 
