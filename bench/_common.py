@@ -16,6 +16,7 @@ not microbenchmarks record their figures with :meth:`Suite.record` instead.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -300,3 +301,29 @@ def quantiles(samples: Sequence[float]) -> tuple[float, float]:
         return only, only
     q = statistics.quantiles(samples, n=100, method="inclusive")
     return q[49], q[98]
+
+
+def latency_main(
+    script_file: str,
+    doc: str | None,
+    measure: Callable[[Suite, argparse.Namespace], object],
+    *,
+    count: tuple[int, int] | None = None,
+    burst: tuple[int, int] | None = None,
+    options: Callable[[argparse.ArgumentParser, bool], object] | None = None,
+) -> None:
+    """The ``main()`` of a latency script (no pyperf runner): parse, measure, finish.
+
+    ``count`` and ``burst`` are the (--fast, full) defaults of ``--count`` and
+    ``--burst`` (the option is left out when None); ``options`` adds a script's
+    own options given the parser and whether ``--fast`` was passed.
+    """
+    suite = Suite.create(script_file, pyperf_runner=False)
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    for name, defaults in (("--count", count), ("--burst", burst)):
+        if defaults is not None:
+            parser.add_argument(name, type=int, default=defaults[0] if suite.fast else defaults[1])
+    if options is not None:
+        options(parser, suite.fast)
+    measure(suite, parser.parse_args())
+    suite.finish()

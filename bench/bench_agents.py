@@ -19,7 +19,6 @@ the client ``talosd mcp`` uses). Measured in the same run:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Suite, quantiles
+from _common import Suite, latency_main, quantiles
 from _procs import TALOSD, child, run, run_quiet
 
 from talos.local.client import LocalClient
@@ -127,13 +126,13 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
 
 
 def main() -> None:
-    suite = Suite.create(__file__, pyperf_runner=False)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=30 if suite.fast else 500)
-    parser.add_argument("--burst", type=int, default=200 if suite.fast else 10000)
-    args = parser.parse_args()
-    run(measure(suite, args.count, args.burst))
-    suite.finish()
+    latency_main(
+        __file__,
+        __doc__,
+        lambda suite, args: run(measure(suite, args.count, args.burst)),
+        count=(30, 500),
+        burst=(200, 10000),
+    )
 
 
 if __name__ == "__main__":

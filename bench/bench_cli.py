@@ -13,7 +13,6 @@ command <= 5 x the floor.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Suite
+from _common import Suite, latency_main
 from _procs import ENV, PYTHON, TALOSD, child, run, run_quiet
 
 from talos.local.client import LocalClient
@@ -78,12 +77,9 @@ async def measure(suite: Suite, count: int) -> None:
 
 
 def main() -> None:
-    suite = Suite.create(__file__, pyperf_runner=False)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=3 if suite.fast else 30)
-    args = parser.parse_args()
-    run(measure(suite, args.count))
-    suite.finish()
+    latency_main(
+        __file__, __doc__, lambda suite, args: run(measure(suite, args.count)), count=(3, 30)
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ process, with a payload the size of a sealed message frame. Target: p50 <= 1 ms 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import signal
@@ -33,7 +32,7 @@ from typing import Any, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Suite, quantiles
+from _common import Suite, latency_main, quantiles
 from _procs import PYTHON, TALOSD, child
 
 from talos import runtime
@@ -196,14 +195,16 @@ def main() -> None:
         with contextlib.suppress(KeyboardInterrupt):
             runtime.run(ws_echo_server())
         return
-    suite = Suite.create(__file__, pyperf_runner=False)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=20 if suite.fast else 2000)
-    parser.add_argument("--burst", type=int, default=50 if suite.fast else 5000)
-    parser.add_argument("--in-flight", type=int, default=64)
-    args = parser.parse_args()
-    run_on_node_loop(measure(suite, args.count, args.burst, args.in_flight))
-    suite.finish()
+    latency_main(
+        __file__,
+        __doc__,
+        lambda suite, args: run_on_node_loop(
+            measure(suite, args.count, args.burst, args.in_flight)
+        ),
+        count=(20, 2000),
+        burst=(50, 5000),
+        options=lambda parser, fast: parser.add_argument("--in-flight", type=int, default=64),
+    )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Suite, quantiles
+from _common import Suite, latency_main, quantiles
 
 from talos import runtime
 
@@ -205,17 +205,16 @@ async def measure(suite: Suite, count: int, burst: int, mail: int) -> None:
 
 
 def main() -> None:
-    suite = Suite.create(__file__, pyperf_runner=False)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=20 if suite.fast else 1000)
-    parser.add_argument("--burst", type=int, default=50 if suite.fast else 3000)
-    parser.add_argument("--mail", type=int, default=50 if suite.fast else 10_000)
-    args = parser.parse_args()
     from talos.logging import configure
 
-    configure("kv")
-    runtime.run(measure(suite, args.count, args.burst, args.mail))
-    suite.finish()
+    def options(parser: argparse.ArgumentParser, fast: bool) -> None:
+        parser.add_argument("--mail", type=int, default=50 if fast else 10_000)
+
+    def go(suite: Suite, args: argparse.Namespace) -> None:
+        configure("kv")
+        runtime.run(measure(suite, args.count, args.burst, args.mail))
+
+    latency_main(__file__, __doc__, go, count=(20, 1000), burst=(50, 3000), options=options)
 
 
 if __name__ == "__main__":

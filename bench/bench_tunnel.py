@@ -35,7 +35,6 @@ server spawned directly on stdio in the same run:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import functools
@@ -50,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO_ROOT, Suite, quantiles
+from _common import REPO_ROOT, Suite, latency_main, quantiles
 from _procs import ENV, PROXY, PYTHON, TALOSD, child, run, run_quiet
 from http_front_client import HttpMcpClient
 from lean_jsonrpc import LeanClient
@@ -579,13 +578,13 @@ def record_http(suite: Suite, raw: LeanRun, stateless: LeanRun, legacy: LeanRun)
 
 
 def main() -> None:
-    suite = Suite.create(__file__, pyperf_runner=False)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=200 if suite.fast else 2000)
-    parser.add_argument("--burst", type=int, default=500 if suite.fast else 20000)
-    args = parser.parse_args()
-    run(measure(suite, args.count, args.burst))
-    suite.finish()
+    latency_main(
+        __file__,
+        __doc__,
+        lambda suite, args: run(measure(suite, args.count, args.burst)),
+        count=(200, 2000),
+        burst=(500, 20000),
+    )
 
 
 if __name__ == "__main__":
