@@ -35,6 +35,18 @@ def did_of(home: Path) -> str:
     return out.stdout.strip()
 
 
+async def proxy(
+    *args: str,
+    stdin: int = subprocess.PIPE,
+    stdout: int = subprocess.PIPE,
+    stderr: int = subprocess.PIPE,
+) -> asyncio.subprocess.Process:
+    """``talos-proxy ARGS`` from this tree (repo as cwd, the tests' environment)."""
+    return await asyncio.create_subprocess_exec(
+        *PROXY, *args, stdin=stdin, stdout=stdout, stderr=stderr, cwd=REPO, env=ENV
+    )
+
+
 class Serve:
     """A running ``talos-proxy serve``; its stderr is collected for assertions."""
 
@@ -81,8 +93,7 @@ class Serve:
 async def start_serve(
     home: Path, listen: str, args: Sequence[str], command: Sequence[str]
 ) -> Serve:
-    proc = await asyncio.create_subprocess_exec(
-        *PROXY,
+    proc = await proxy(
         "serve",
         "--home",
         str(home),
@@ -93,9 +104,6 @@ async def start_serve(
         *command,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=REPO,
-        env=ENV,
     )
     serve = Serve(proc)
     await serve.ready()
@@ -133,8 +141,7 @@ def sdk_client(home: Path, address: str, *extra: str, **kwargs: Any) -> Client:
 @contextlib.asynccontextmanager
 async def http_connect(home: Path, address: str) -> AsyncIterator[tuple[str, str]]:
     """``talos-proxy connect --http 127.0.0.1:0`` running: (its URL, its bearer token)."""
-    proc = await asyncio.create_subprocess_exec(
-        *PROXY,
+    proc = await proxy(
         "connect",
         "--home",
         str(home),
@@ -144,9 +151,6 @@ async def http_connect(home: Path, address: str) -> AsyncIterator[tuple[str, str
         "127.0.0.1:0",
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=REPO,
-        env=ENV,
     )
     assert proc.stderr is not None
     drain: asyncio.Task[bytes] | None = None

@@ -16,7 +16,7 @@ from pathlib import Path
 from mcp import Client, StdioServerParameters
 from mcp.types import TextContent
 
-from tests.mcp_proxy.e2e import ENV, REPO, did_of, serving
+from tests.mcp_proxy.e2e import ENV, REPO, did_of, proxy, serving
 from tests.talos.daemons import Daemon, fast_config, talosd
 
 
@@ -79,12 +79,7 @@ async def test_node_stopping_ends_an_attached_proxy_with_a_message(tmp_path: Pat
     try:
         async with serving(tmp_path / "tool", ["--allow", node.did]) as serve:
             address = await serve.ready()
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "mcp_proxy.cli", "connect", "--home", str(home),
-                "--peer", address,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                cwd=REPO, env=ENV,
-            )  # fmt: skip
+            proc = await proxy("connect", "--home", str(home), "--peer", address)
             assert proc.stdin is not None and proc.stdout is not None
             init = {
                 "jsonrpc": "2.0",

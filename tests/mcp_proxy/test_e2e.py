@@ -22,12 +22,10 @@ from mcp.shared.exceptions import MCPError
 from mcp_proxy.audit_log import record_entries
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, LINK_DOWN, PARSE_ERROR, TOOL_DENIED
 from tests.mcp_proxy.e2e import (
-    ENV,
-    PROXY,
-    REPO,
     Serve,
     did_of,
     http_connect,
+    proxy,
     sdk_client,
     serving,
     start_serve,
@@ -213,18 +211,13 @@ async def test_malformed_json_rpc_both_ways(tmp_path: Path) -> None:
         asyncio.timeout(TIMEOUT),
         serving(tmp_path / "s", ["--allow", client_did], bad_tool) as serve,
     ):
-        proc = await asyncio.create_subprocess_exec(
-            *PROXY,
+        proc = await proxy(
             "connect",
             "--home",
             str(tmp_path / "c"),
             "--peer",
             serve.address,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            cwd=REPO,
-            env=ENV,
         )
         assert proc.stdin is not None and proc.stdout is not None
         try:

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, PARSE_ERROR, TOOL_DENIED
-from tests.mcp_proxy.e2e import ENV, PROXY, REPO, did_of, http_connect, serving
+from tests.mcp_proxy.e2e import did_of, http_connect, proxy, serving
 
 TIMEOUT = 120
 BASE = b'{"jsonrpc":"2.0","id":%d,"method":"tools/list","params":{"x":[1,"a"],"y":{"z":null}}}'
@@ -55,19 +55,7 @@ class StdioAgent:
 
 @contextlib.asynccontextmanager
 async def stdio_agent(home: Path, address: str) -> AsyncIterator[StdioAgent]:
-    proc = await asyncio.create_subprocess_exec(
-        *PROXY,
-        "connect",
-        "--home",
-        str(home),
-        "--peer",
-        address,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        cwd=REPO,
-        env=ENV,
-    )
+    proc = await proxy("connect", "--home", str(home), "--peer", address, stderr=subprocess.DEVNULL)
     try:
         yield StdioAgent(proc)
     finally:
@@ -81,18 +69,7 @@ async def stdio_agent(home: Path, address: str) -> AsyncIterator[StdioAgent]:
 
 
 async def audit_of(home: Path, *filters: str) -> list[dict[str, Any]]:
-    proc = await asyncio.create_subprocess_exec(
-        *PROXY,
-        "audit",
-        "--home",
-        str(home),
-        "--json",
-        *filters,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=REPO,
-        env=ENV,
-    )
+    proc = await proxy("audit", "--home", str(home), "--json", *filters, stdin=subprocess.DEVNULL)
     out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
     return [orjson.loads(line) for line in out.splitlines()]

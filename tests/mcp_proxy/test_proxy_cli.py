@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.mcp_proxy.e2e import ENV, PROXY, REPO, did_of, serving
+from tests.mcp_proxy.e2e import ENV, PROXY, REPO, did_of, proxy, serving
 
 TIMEOUT = 120
 
@@ -101,8 +101,12 @@ def warnings_of(text: str) -> list[str]:
 # --- connect as a process ----------------------------------------------------------------------
 
 
+def connect_args(home: Path, address: str, *extra: str) -> list[str]:
+    return ["connect", "--home", str(home), "--peer", address, "--no-passphrase", *extra]
+
+
 def connect_argv(home: Path, address: str, *extra: str) -> list[str]:
-    return [*PROXY, "connect", "--home", str(home), "--peer", address, "--no-passphrase", *extra]
+    return [*PROXY, *connect_args(home, address, *extra)]
 
 
 def loop_env(loop: str) -> dict[str, str]:
@@ -190,14 +194,7 @@ async def test_connect_stdout_socket_or_terminal(tmp_path: Path, kind: str) -> N
     client_did = did_of(tmp_path / "c")
     async with asyncio.timeout(TIMEOUT), serving(tmp_path / "s", ["--allow", client_did]) as serve:
         with socket_stdout() if kind == "socket" else terminal_stdout() as (fd, ours):
-            proc = await asyncio.create_subprocess_exec(
-                *connect_argv(tmp_path / "c", serve.address),
-                stdin=subprocess.PIPE,
-                stdout=fd,
-                stderr=subprocess.PIPE,
-                cwd=REPO,
-                env=ENV,
-            )
+            proc = await proxy(*connect_args(tmp_path / "c", serve.address), stdout=fd)
             assert proc.stdin is not None and proc.stderr is not None
             proc.stdin.write(request_lines())
             await proc.stdin.drain()
@@ -219,14 +216,7 @@ async def test_connect_stdout_socket_or_terminal(tmp_path: Path, kind: str) -> N
 async def connect_process(
     home: Path, address: str, *extra: str
 ) -> AsyncIterator[asyncio.subprocess.Process]:
-    proc = await asyncio.create_subprocess_exec(
-        *connect_argv(home, address, *extra),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=REPO,
-        env=ENV,
-    )
+    proc = await proxy(*connect_args(home, address, *extra))
     try:
         yield proc
     finally:
