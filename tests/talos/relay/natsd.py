@@ -99,11 +99,24 @@ class NatsServer:
         self.proc = None
 
     def reload(self, dids: Iterable[str]) -> None:
-        """Add users and have the running server reread its configuration (SIGHUP)."""
+        """Add users and have the running server reread its configuration (SIGHUP).
+
+        Returns once the server logged that it reloaded (no fixed sleep, however
+        busy the machine), so the new users can connect at once.
+        """
         self.dids = list(dict.fromkeys([*self.dids, *dids]))
         self.write_config()
         assert self.proc is not None
+        before = self._reloads()
         os.kill(self.proc.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while self._reloads() == before:
+            if time.monotonic() > deadline:
+                raise AssertionError("nats-server did not reload its configuration in 30 s")
+            time.sleep(0.01)
+
+    def _reloads(self) -> int:
+        return (self.root / "nats.log").read_bytes().count(b"Reloaded server configuration")
 
     def restart(self) -> None:
         self.stop()

@@ -84,7 +84,6 @@ async def _rogue(net: RelayNet) -> Any:
     assert server is not None
     rogue = Wallet.generate()
     server.reload([rogue.did])
-    await asyncio.sleep(0.3)  # the server rereads its configuration
     return await nats.connect(
         servers=[server.url],
         nkeys_seed_str=nkey_seed(rogue.seed),
@@ -189,7 +188,6 @@ async def test_rogue_cannot_subscribe_to_a_node_subjects(relay_net: RelayNet) ->
     assert server is not None
     rogue = Wallet.generate()
     server.reload([rogue.did])
-    await asyncio.sleep(0.3)
     nc = await nats.connect(
         servers=[server.url],
         nkeys_seed_str=nkey_seed(rogue.seed),

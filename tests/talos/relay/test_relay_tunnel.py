@@ -40,7 +40,6 @@ async def test_tool_call_through_the_relay(relay_net: RelayNet, tmp_path: Path) 
     serve_home, client_home = tmp_path / "s", tmp_path / "c"
     serve_did, client_did = did_of(serve_home), did_of(client_home)
     server.reload([serve_did, client_did])
-    await asyncio.sleep(0.3)
     proc = await asyncio.create_subprocess_exec(
         *PROXY, "serve", "--home", str(serve_home), "--relay", server.url,
         "--allow", client_did, "--", *EVERYTHING,
