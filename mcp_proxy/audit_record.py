@@ -177,8 +177,8 @@ class AuditKey:
         return self._mac.mac(_stable_json(value))
 
 
-def _cut(text: str | None) -> str | None:
-    return None if text is None else text[:MAX_TEXT]
+def _cut(text: str | None, keep: int = MAX_TEXT) -> str | None:
+    return None if text is None else text[:keep]
 
 
 class AuditRecord(NamedTuple):
@@ -220,14 +220,20 @@ class AuditRecord(NamedTuple):
                 data = _stable_json(body)
         else:
             data = _stable_json(body)
-        if len(data) > limit:
+        keep = MAX_TEXT
+        while len(data) > limit and keep:
             # Only a pathological name gets here; keep the digests, cut the names.
-            body["server"] = _cut(self.server)
-            body["method"] = _cut(self.method)
-            body["tool"] = _cut(self.tool)
-            body["id"] = _cut(None if rid is None else str(rid))
-            body["detail"] = _cut(self.detail)
+            # A character may take 6 bytes escaped (a control character, a lone
+            # surrogate), so names a caller chose can overflow even when cut to
+            # MAX_TEXT: cut shorter until the record fits, or the block log would
+            # refuse it and the whole batch, other callers' events too, be lost.
+            body["server"] = _cut(self.server, keep)
+            body["method"] = _cut(self.method, keep)
+            body["tool"] = _cut(self.tool, keep)
+            body["id"] = _cut(None if rid is None else str(rid), keep)
+            body["detail"] = _cut(self.detail, keep)
             data = _stable_json(body)
+            keep //= 2
         return data
 
     def commitment(self) -> bytes:

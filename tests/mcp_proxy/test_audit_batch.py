@@ -198,3 +198,27 @@ async def test_noting_before_start_is_a_usage_error() -> None:
     auditor = Auditor(BlockLogSink.__new__(BlockLogSink), key=KEY)
     with pytest.raises(UsageError, match="start"):
         auditor.submit(call(1))
+
+
+async def test_names_that_escape_long_cannot_make_a_batch_vanish(tmp_path: Path) -> None:
+    # A caller chooses the method, tool and id: a control character takes 6 bytes
+    # escaped, so cutting names to 256 characters alone left the record above the
+    # block format's bound, and the block log refused the whole batch, the other
+    # caller's events with it.
+    hostile = {"method": "\x01" * 300, "tool": "\x02" * 300, "request_id": "\x1f" * 300}
+    records = [
+        call(0),
+        call(1, BOB, **hostile),
+        call(2, BOB, plaintext=b"req\nrep", **hostile),
+        call(3),
+    ]
+    log = await write_home(tmp_path, records, seal=True)
+    assert verify_chain(log.store, log.node_did, workers=1).ok
+    log.store.close()
+    entries = await asyncio.to_thread(read_entries, tmp_path)
+    assert [e.body["caller"] for e in entries] == [ALICE, BOB, BOB, ALICE]
+    assert [e.body["id"] for e in entries][::3] == [0, 3]
+    cut = entries[1].body
+    assert cut["method"].strip("\x01") == "" and 0 < len(cut["method"]) < 256
+    assert cut["params_hmac"] == KEY.digest({"i": 1}).hex()
+    assert entries[2].plaintext == b"req\nrep" and entries[2].body["v"] == 2
