@@ -15,6 +15,7 @@ an embedded ``talos-proxy serve`` still running on the home prevents.
 from __future__ import annotations
 
 import base64
+import json
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -108,6 +109,27 @@ class AuditFilter:
         )
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _printable(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: _SURROGATE.sub("\ufffd", v) if type(v) is str else v for k, v in obj.items()}
+
+
+def _loads(commitment: bytes) -> Any:
+    """A commitment's JSON. A name a caller chose may hold a lone surrogate, which the
+    writer escapes (RFC 8785 allows it) but orjson refuses to read: the stdlib reads
+    it, shown as U+FFFD, so one such event does not hide the batch record it shares."""
+    try:
+        return orjson.loads(commitment)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(commitment, object_hook=_printable)
+    except ValueError:
+        return None
+
+
 def entries_of(
     *,
     commitment: bytes,
@@ -119,10 +141,7 @@ def entries_of(
 ) -> list[AuditEntry]:
     """An audit record's stored fields as entries: one per event of a batch record
     (version 3, docs/adr/0014-audit-batch-records.md), else one (version 2)."""
-    try:
-        body = orjson.loads(commitment)
-    except orjson.JSONDecodeError:
-        body = {"outcome": "unreadable"}
+    body = _loads(commitment)
     if not isinstance(body, dict):
         body = {"outcome": "unreadable"}
     calls = body.get("calls")

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mcp_proxy.audit import Auditor, AuditRecord, BlockLogSink, Event
-from mcp_proxy.audit_log import read_entries, record_entries
+from mcp_proxy.audit_log import format_entry, read_entries, record_entries
 from mcp_proxy.audit_record import MAX_COMMITMENT, AuditKey, _stable_json, pack
 from mcp_proxy.nodehost import ensure_home
 from talos.chain.block import Record
@@ -222,3 +222,21 @@ async def test_names_that_escape_long_cannot_make_a_batch_vanish(tmp_path: Path)
     assert cut["method"].strip("\x01") == "" and 0 < len(cut["method"]) < 256
     assert cut["params_hmac"] == KEY.digest({"i": 1}).hex()
     assert entries[2].plaintext == b"req\nrep" and entries[2].body["v"] == 2
+
+
+async def test_a_lone_surrogate_in_one_call_does_not_hide_its_batch_record(
+    tmp_path: Path,
+) -> None:
+    # RFC 8785 writes a lone surrogate a caller put in a tool name as an escape
+    # that orjson refuses to read: the whole batch record, the caller's other
+    # calls with it, read back as one "unreadable" entry.
+    records = [call(0, BOB), call(1, BOB, tool="\ud800x"), call(2, BOB)]
+    assert len(pack(records)) == 1
+    log = await write_home(tmp_path, records, seal=True)
+    log.store.close()
+    entries = await asyncio.to_thread(read_entries, tmp_path)
+    assert [(e.body["id"], e.index) for e in entries] == [(0, 0), (1, 1), (2, 2)]
+    assert [e.body["tool"] for e in entries] == ["echo", "\ufffdx", "echo"]
+    assert all(e.body["caller"] == BOB for e in entries)
+    assert format_entry(entries[1]).count("\ufffdx") == 1
+    assert orjson.loads(orjson.dumps(entries[1].to_json()))["tool"] == "\ufffdx"
