@@ -206,7 +206,7 @@ class AuditRecord(NamedTuple):
     detail: str = ""
 
     def _encode(self, body: dict[str, Any], limit: int) -> bytes:
-        """RFC 8785 of ``body`` (keys already sorted), names cut if it exceeds ``limit``.
+        """RFC 8785 of ``body``, names cut if it exceeds ``limit``.
 
         Its values are strings, small integers and null, for which orjson's output
         is JCS's (talos_sdk/canonical.py) without walking the value first; an id
@@ -215,7 +215,7 @@ class AuditRecord(NamedTuple):
         rid = self.request_id
         if type(rid) is not int or -_SAFE_INT <= rid <= _SAFE_INT:
             try:
-                data = orjson.dumps(body)
+                data = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
             except orjson.JSONEncodeError:  # a lone surrogate: the general path says so
                 data = _stable_json(body)
         else:
@@ -236,12 +236,11 @@ class AuditRecord(NamedTuple):
             keep //= 2
         return data
 
-    def commitment(self) -> bytes:
-        """The version 2 body: one record per event (kept for ``--audit-plaintext``)."""
-        (caller, server, method, tool, rid, params_hmac, result_hmac, latency_us, outcome, _,
+    def _body(self) -> dict[str, Any]:
+        """The fields a version 2 record and a batch entry share."""
+        (_, server, method, tool, rid, params_hmac, result_hmac, latency_us, outcome, _,
          _, event, session, pid, detail) = self  # fmt: skip
-        body = {  # keys in sorted (RFC 8785) order
-            "caller": caller,
+        return {
             "detail": detail,
             "event": _EVENT_TEXT[event],
             "id": rid,
@@ -254,31 +253,21 @@ class AuditRecord(NamedTuple):
             "server": server,
             "session": session,
             "tool": tool,
-            "v": RECORD_VERSION,
         }
+
+    def commitment(self) -> bytes:
+        """The version 2 body: one record per event (kept for ``--audit-plaintext``)."""
+        body = self._body()
+        body["caller"] = self.caller
+        body["v"] = RECORD_VERSION
         return self._encode(body, MAX_COMMITMENT)
 
     def entry(self) -> bytes:
         """This event's entry in a batch record (version 3): the v2 body with its own
         ``timestamp_ms``, without ``v`` and without ``caller``, which is the record's
         recipient (docs/adr/0014-audit-batch-records.md)."""
-        (_, server, method, tool, rid, params_hmac, result_hmac, latency_us, outcome,
-         timestamp_ms, _, event, session, pid, detail) = self  # fmt: skip
-        body = {  # keys in sorted (RFC 8785) order
-            "detail": detail,
-            "event": _EVENT_TEXT[event],
-            "id": rid,
-            "latency_us": latency_us,
-            "method": method,
-            "outcome": outcome,
-            "params_hmac": params_hmac.hex(),
-            "pid": pid,
-            "result_hmac": result_hmac.hex(),
-            "server": server,
-            "session": session,
-            "timestamp_ms": timestamp_ms,
-            "tool": tool,
-        }
+        body = self._body()
+        body["timestamp_ms"] = self.timestamp_ms
         return self._encode(body, _ROOM)
 
 

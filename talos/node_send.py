@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from talos.logging import event
 from talos.node_links import refused_error
 from talos_sdk.errors import UsageError
 
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from talos.pipeline import OutboxEntry
 
 __all__ = ["Done", "Sending"]
+
+_log = logging.getLogger("talos.node")
 
 #: ``done(msg_id_hex, None)`` or ``done(None, error)``, called once.
 Done = Callable[[str | None, BaseException | None], None]
@@ -187,7 +191,12 @@ class Sending:
 
     def _report(self, msg_id: str | None, exc: BaseException | None) -> None:
         done, self._done = self._done, _ignore
-        done(msg_id, exc)
+        try:
+            done(msg_id, exc)
+        except Exception as error:
+            # Told from inside the ack's loop over its waiters (talos/pipeline.py
+            # SenderState.on_ack): one failing caller must not keep the others waiting.
+            event(_log, "send_report_failed", level=logging.ERROR, error=repr(error))
 
 
 def settle_future(fut: asyncio.Future[str], msg_id: str | None, exc: BaseException | None) -> None:

@@ -109,8 +109,9 @@ class StoreWriter:
     # --- jobs ----------------------------------------------------------------------------------
 
     def _enqueue(self, job: _Job) -> None:
-        self._check_open()
         with self._lock:
+            # Under the lock: a job queued after close() let the thread go would never settle.
+            self._check_open()
             self._queue.append(job)
             if self._serving or self._held:
                 return  # the thread is busy, or together() wakes it: no wake-up now

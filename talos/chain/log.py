@@ -216,11 +216,7 @@ class BlockLog:
             self._pending += 1
             if self._oldest_ms is None:
                 self._oldest_ms = self._now_ms()
-        key, data = _U64.pack(seq), record.encoded
-        # Sequence numbers only grow: MDB_APPEND (see _put_in_order). An
-        # out-of-order key (not expected) falls back to a plain put.
-        if not txn.put("pending", key, data, append=True):
-            txn.put("pending", key, data)
+        _put_last(txn, "pending", _U64.pack(seq), record.encoded)  # sequence numbers only grow
 
     def write(self, fn: Callable[[Txn], None], *, durable: bool = False) -> None:
         """Run ``fn(txn)`` (e.g. several :meth:`append` calls) in one write transaction.
@@ -362,8 +358,7 @@ class BlockLog:
             self.wallet.sign_auth(unsigned.header_bytes()),
             self._key_id,
         )
-        if not txn.put("blocks", block_key(height), block.to_bytes(), append=True):
-            txn.put("blocks", block_key(height), block.to_bytes())
+        _put_last(txn, "blocks", block_key(height), block.to_bytes())
         _put_in_order(txn, [(record_key(height, i), leaf) for i, leaf in enumerate(leaves)])
         # The ids go to the record index (talos/chain/record_index.py), not here.
         return block
@@ -478,6 +473,13 @@ class BlockLog:
 
 def _no_write(txn: Txn) -> None:
     return None
+
+
+def _put_last(txn: Txn, db: str, key: bytes, value: bytes) -> None:
+    """Write ``key``, expected above every key of ``db``, with MDB_APPEND (see
+    :func:`_put_in_order`); an out-of-order key (not expected) takes a plain put."""
+    if not txn.put(db, key, value, append=True):
+        txn.put(db, key, value)
 
 
 def _put_in_order(txn: Txn, items: list[tuple[bytes, bytes]]) -> None:

@@ -490,3 +490,28 @@ async def test_message_above_the_receivers_frame_bound(tmp_path: Path) -> None:
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_caller_whose_report_raises_does_not_strand_the_other_waiters(
+    pair: tuple[Node, Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One ack tells every send waiting on it from inside one loop (talos/node_send.py):
+    a caller whose ``done`` raises is logged, and the sends after it still hear back."""
+    a, b = pair
+    async with asyncio.timeout(30):
+        await link(a, b)
+        told: list[str | None] = []
+
+        def raising(msg_id: str | None, exc: BaseException | None) -> None:
+            told.append(msg_id)
+            raise RuntimeError("this caller's reply path broke")
+
+        # Queued behind an unsent backlog so a single ack covers all three.
+        first = a.start_send(b.did, "first", raising, wait=True, timeout=20)
+        rest = [a.send_message(b.did, f"m{i}", wait=True, timeout=20) for i in range(2)]
+        ids = await asyncio.gather(*rest)
+        await until(lambda: told == [first.msg_id], what="the raising caller was told")
+        assert [e.text for e in b.inbox()] == ["first", "m0", "m1"]
+        assert [e.to_json()["id"] for e in b.inbox()][1:] == ids
+        assert "send_report_failed" in caplog.text
+        assert "frame_handling_failed" not in caplog.text  # the ack's frame was handled whole
