@@ -36,7 +36,7 @@ from talos.link import wire
 from talos.link.peer import Link
 from talos.logging import event
 from talos.node_base import Incoming, NodeBase, OnCommitted, Peer
-from talos.node_send import Done, Sending, settle_future
+from talos.node_send import Done, Sending, until_done
 from talos.peer_pipeline import UNSENT_BATCH, Failed, Received, Retry
 from talos.pipeline import MessageTooLargeError
 from talos.sessions import MessageSignatureError, UnsignedMessageError
@@ -216,15 +216,10 @@ class NodeDelivery(NodeBase):
         With ``wait`` return only once the peer acknowledged its commit, or raise
         TimeoutError after ``timeout`` seconds without the ack (the message stays queued).
         """
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        sending = self.start_send(
-            did, text, functools.partial(settle_future, fut), wait=wait, timeout=timeout
+        msg_id: str = await until_done(
+            lambda done: self.start_send(did, text, done, wait=wait, timeout=timeout)
         )
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            sending.abandon()
-            raise
+        return msg_id
 
     def start_send(
         self, did: str, text: str, done: Done, *, wait: bool = False, timeout: float | None = None

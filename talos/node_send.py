@@ -21,10 +21,9 @@ The rules are those ``send_message`` always had:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from talos.logging import event
 from talos.node_links import refused_error
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
     from talos.node_delivery import NodeDelivery
     from talos.pipeline import OutboxEntry
 
-__all__ = ["Done", "Sending"]
+__all__ = ["Done", "Sending", "until_done"]
 
 _log = logging.getLogger("talos.node")
 
@@ -199,13 +198,26 @@ class Sending:
             event(_log, "send_report_failed", level=logging.ERROR, error=repr(error))
 
 
-def settle_future(fut: asyncio.Future[str], msg_id: str | None, exc: BaseException | None) -> None:
-    """A :data:`Done` for an awaiting caller: the future gets the id or the error."""
-    with contextlib.suppress(asyncio.InvalidStateError):
-        if fut.done():
-            return
-        if exc is None:
-            assert msg_id is not None
-            fut.set_result(msg_id)
-        else:
-            fut.set_exception(exc)
+#: ``done(result, None)`` or ``done(None, error)``, as :data:`Done` with any result.
+_Report = Callable[[Any, BaseException | None], None]
+
+
+async def until_done(start: Callable[[_Report], Sending]) -> Any:
+    """Await a callback-driven send: ``start(done)`` begins it (bad input raises there),
+    the result or error given to ``done`` is returned or raised; a cancelled caller
+    abandons the send (a committed, unacked row is synced)."""
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def done(result: Any, exc: BaseException | None) -> None:
+        if not fut.done():
+            if exc is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(exc)
+
+    sending = start(done)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        sending.abandon()
+        raise

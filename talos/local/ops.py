@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from talos import peer_names
 from talos.chain.log import UnknownRecordError
 from talos.local.log_ops import op_log_append, op_log_records
+from talos.node_send import until_done
 from talos.peer_refs import is_did
 from talos_sdk.errors import (
     LinkRefusedError,
@@ -242,9 +243,7 @@ def start_op_send(
         else:
             done(None, exc)
 
-    if not wait:
-        return node.start_send(did, text, finished)
-    return node.start_send(did, text, finished, wait=True, timeout=timeout)
+    return node.start_send(did, text, finished, wait=wait, timeout=timeout if wait else None)
 
 
 def _not_acked(node: Node, did: str, timeout: float) -> Exception:
@@ -263,21 +262,7 @@ def _not_acked(node: Node, did: str, timeout: float) -> Exception:
 
 
 async def op_send(host: LocalHost, args: dict[str, Any]) -> Any:
-    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    def done(result: Any, exc: BaseException | None) -> None:
-        if not fut.done():
-            if exc is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(exc)
-
-    sending = start_op_send(host, args, done)
-    try:
-        return await fut
-    except asyncio.CancelledError:
-        sending.abandon()
-        raise
+    return await until_done(lambda done: start_op_send(host, args, done))
 
 
 async def op_outbox(host: LocalHost, args: dict[str, Any]) -> Any:
