@@ -44,10 +44,6 @@ _HEADER = struct.Struct(">QB")
 # encrypt method below, a 35-byte seal went 1.76 -> 1.68 us of CPU where the
 # raw encrypt call takes 1.03 us (bench_crypto "stream.seal.35B").
 _NONCE = struct.Struct(">4sQ")
-# Bound once at import: a global lookup is cheaper than Struct attribute access
-# on every 35-byte frame.
-_pack_header = _HEADER.pack
-_pack_nonce = _NONCE.pack
 _STREAM_INFO = b"Talos_Stream_ChaCha20Poly1305_v1|"
 # From this chunk size on, seal() encrypts into a scratch buffer kept by the
 # sealer and copies it out once. Building ``header + encrypt(...)`` instead
@@ -67,7 +63,7 @@ def derive_stream_key(secret: bytes, label: bytes) -> bytes:
 
 
 class _StreamBase:
-    __slots__ = ("_aead", "_counter", "_encrypt", "_prefix", "_scratch", "_stop", "_stream_id")
+    __slots__ = ("_aead", "_counter", "_done", "_encrypt", "_prefix", "_scratch", "_stream_id")
 
     def __init__(self, key: bytes, stream_id: bytes) -> None:
         if not isinstance(key, bytes) or len(key) != KEY_SIZE:
@@ -81,10 +77,7 @@ class _StreamBase:
         self._stream_id = stream_id
         self._prefix = hashlib.sha256(stream_id).digest()[:4]
         self._counter = 0
-        # The first counter that may not be used: _MAX_COUNTER while the stream
-        # runs, 0 once the final chunk went through. One comparison on the hot
-        # path covers both "finished" and "counter exhausted".
-        self._stop = _MAX_COUNTER
+        self._done = False
         self._scratch: bytearray | None = None
 
     @property
@@ -95,12 +88,7 @@ class _StreamBase:
     @property
     def finished(self) -> bool:
         """True once the final chunk went through."""
-        return self._stop == 0
-
-    def _refuse(self) -> UsageError:
-        if self._stop == 0:
-            return UsageError("stream already finished")
-        return UsageError("stream counter exhausted")
+        return self._done
 
 
 class StreamSealer(_StreamBase):
@@ -115,23 +103,22 @@ class StreamSealer(_StreamBase):
         (as large as the largest such chunk) so the call does not page-fault;
         see ``_SCRATCH_FROM``.
         """
-        counter = self._counter
-        if counter >= self._stop or len(chunk) >= _SCRATCH_FROM:
-            if counter >= self._stop:
-                raise self._refuse()
+        if len(chunk) >= _SCRATCH_FROM:
             scratch = self._scratch
             total = len(chunk) + CHUNK_HEADER_SIZE + TAG_SIZE
             if scratch is None or len(scratch) < total:
                 scratch = self._scratch = bytearray(total)
             n = self.seal_into(chunk, scratch, final)
             return bytes(memoryview(scratch)[:n])
-        # The 35-byte frame path: every step here is measured against one raw
-        # encrypt call (bench_crypto "stream.seal.35B", target >= 0.5x raw).
-        header = _pack_header(counter, _FINAL if final else 0)
-        sealed = self._encrypt(_pack_nonce(self._prefix, counter), chunk, self._stream_id + header)
+        if self._done:
+            raise UsageError("stream already finished")
+        counter = self._counter
+        if counter >= _MAX_COUNTER:
+            raise UsageError("stream counter exhausted")
+        header = _HEADER.pack(counter, _FINAL if final else 0)
+        sealed = self._encrypt(_NONCE.pack(self._prefix, counter), chunk, self._stream_id + header)
         self._counter = counter + 1
-        if final:
-            self._stop = 0
+        self._done = final
         return header + sealed
 
     def seal_into(
@@ -139,9 +126,11 @@ class StreamSealer(_StreamBase):
     ) -> int:
         """Like :meth:`seal`, written into ``buf`` (at least ``len(chunk) + 25`` bytes,
         reused across chunks to avoid a fresh allocation per chunk); returns the length."""
+        if self._done:
+            raise UsageError("stream already finished")
         counter = self._counter
-        if counter >= self._stop:
-            raise self._refuse()
+        if counter >= _MAX_COUNTER:
+            raise UsageError("stream counter exhausted")
         total = len(chunk) + CHUNK_HEADER_SIZE + TAG_SIZE
         if len(buf) < total:
             raise UsageError(f"buffer of {len(buf)} bytes is smaller than {total}")
@@ -155,8 +144,7 @@ class StreamSealer(_StreamBase):
             view[CHUNK_HEADER_SIZE:total],
         )
         self._counter = counter + 1
-        if final:
-            self._stop = 0
+        self._done = final
         return total
 
 
@@ -167,7 +155,7 @@ class StreamOpener(_StreamBase):
 
     def open(self, sealed: bytes) -> bytes:
         """Return the plaintext of the next chunk; any defect is :class:`DecryptionError`."""
-        if self._stop == 0 or len(sealed) < CHUNK_HEADER_SIZE + TAG_SIZE:
+        if self._done or len(sealed) < CHUNK_HEADER_SIZE + TAG_SIZE:
             raise DecryptionError()
         header = sealed[:CHUNK_HEADER_SIZE]
         counter, flags = _HEADER.unpack(header)
@@ -182,8 +170,7 @@ class StreamOpener(_StreamBase):
         except InvalidTag:
             raise DecryptionError() from None
         self._counter = counter + 1
-        if flags & _FINAL:
-            self._stop = 0
+        self._done = bool(flags & _FINAL)
         return plain
 
     def open_into(self, sealed: bytes | memoryview, buf: bytearray | memoryview) -> int:
@@ -193,7 +180,7 @@ class StreamOpener(_StreamBase):
         unchanged and the contents of ``buf`` are unspecified.
         """
         size = len(sealed) - CHUNK_HEADER_SIZE - TAG_SIZE
-        if self._stop == 0 or size < 0:
+        if self._done or size < 0:
             raise DecryptionError()
         if len(buf) < size:
             raise UsageError(f"buffer of {len(buf)} bytes is smaller than {size}")
@@ -211,6 +198,5 @@ class StreamOpener(_StreamBase):
         except InvalidTag:
             raise DecryptionError() from None
         self._counter = counter + 1
-        if flags & _FINAL:
-            self._stop = 0
+        self._done = bool(flags & _FINAL)
         return size
