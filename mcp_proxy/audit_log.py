@@ -153,7 +153,9 @@ def entries_of(
         if not isinstance(call, dict):
             call = {"outcome": "unreadable"}
         when = call.pop("timestamp_ms", timestamp_ms)
-        call.setdefault("caller", recipient)
+        # A batch entry has no caller of its own (ADR 0014): one that claims
+        # another is not believed, the record's recipient is who called.
+        call["caller"] = recipient
         call["v"] = BATCH_VERSION
         ms = when if type(when) is int else timestamp_ms
         out.append(AuditEntry(ms, height, record_id, call, b"", index))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from mcp_proxy.audit import Auditor, AuditRecord, BlockLogSink, Event
 from mcp_proxy.audit_log import format_entry, read_entries, record_entries
-from mcp_proxy.audit_record import MAX_COMMITMENT, AuditKey, _stable_json, pack
+from mcp_proxy.audit_record import BATCH_VERSION, MAX_COMMITMENT, AuditKey, _stable_json, pack
 from mcp_proxy.nodehost import ensure_home
 from talos.chain.block import Record
 from talos.chain.log import BlockLog, record_key
@@ -240,3 +240,19 @@ async def test_a_lone_surrogate_in_one_call_does_not_hide_its_batch_record(
     assert all(e.body["caller"] == BOB for e in entries)
     assert format_entry(entries[1]).count("\ufffdx") == 1
     assert orjson.loads(orjson.dumps(entries[1].to_json()))["tool"] == "\ufffdx"
+
+
+async def test_a_batch_entry_that_names_its_own_caller_reads_as_the_recipients(
+    tmp_path: Path,
+) -> None:
+    # Version 3 entries carry no caller: the record's recipient is the caller.
+    # An unsealed record whose entry claims another caller (written by anything
+    # but the Auditor) must not make `talos-proxy audit` blame someone else.
+    log = await write_home(tmp_path, [], seal=False)
+    forged = {"calls": [{"caller": BOB, "id": 1, "tool": "echo"}], "v": BATCH_VERSION}
+    commitment = canonical_json_bytes(forged)
+    log.append(Record("mcp", bytes(16), log.node_did, ALICE, commitment, b"", 1_700_000_000_000))
+    log.store.close()
+    entries = await asyncio.to_thread(read_entries, tmp_path)
+    assert [(e.body["caller"], e.body["id"], e.height) for e in entries] == [(ALICE, 1, None)]
+    assert ALICE in format_entry(entries[0]) and BOB not in format_entry(entries[0])
