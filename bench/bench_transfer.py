@@ -5,7 +5,9 @@ real subprocesses on 127.0.0.1: A sends, B auto-accepts (``transfer.json``).
 The clock runs from ``POST /v1/files`` (what ``talosd send-file`` does; the
 sender hashes while it streams) to the sender seeing ``complete`` (B verified
 the SHA-256); polling the control API directly keeps CLI start-up out of the figure.
-Peak RSS of each node is its ``VmHWM`` read before it stops.
+Peak RSS of each node is its ``VmHWM`` read before it stops. The plain copy and
+the transfer take turns (``--rounds``, 3 by default), each after ``sync``, and
+the run of median time of each kind is reported.
 
 The floor, same run, same bytes: an unencrypted ``websockets`` copy from this
 process to a child process that writes the file and fsyncs it at the end,
@@ -14,7 +16,8 @@ peak RSS < 200 MB per node. The CPU each end spent per MiB (``/proc/PID/stat``
 during the copy) is printed beside the plain copy's: on a shared machine it
 moves less than MB/s does.
 
-    python bench/bench_transfer.py [--fast] [--size BYTES]   (default 1 GiB; --fast 4 MiB)
+    python bench/bench_transfer.py [--fast] [--size BYTES] [--rounds N]
+    (default 1 GiB, 3 rounds; --fast 4 MiB, 1 round)
 """
 
 from __future__ import annotations
@@ -178,14 +181,29 @@ async def talos_transfer(source: Path, root: Path) -> Run:
     return Run(elapsed, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], rss_a, rss_b)
 
 
-async def measure(suite: Suite, size: int) -> None:
+def _median_run(runs: list[Run]) -> Run:
+    """The run of median wall time (its CPU and RSS figures go with it)."""
+    return sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+
+
+async def measure(suite: Suite, size: int, rounds: int) -> None:
+    plains: list[Run] = []
+    ourses: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="talos-bench-transfer-") as tmp:
         root = Path(tmp)
         source = root / "payload.bin"
         make_payload(source, size)
-        plain = await plain_ws_copy(source, root)
-        (root / "plain-copy.bin").unlink()  # keep the disk footprint at two copies
-        ours = await talos_transfer(source, root)
+        for i in range(rounds):
+            # Each copy starts with no dirty pages left by the one before (or by
+            # the payload), so neither side pays for the other's writeback.
+            os.sync()
+            plains.append(await plain_ws_copy(source, root))
+            (root / "plain-copy.bin").unlink()  # keep the disk footprint at two copies
+            os.sync()
+            (root / f"nodes-{i}").mkdir()
+            ourses.append(await talos_transfer(source, root / f"nodes-{i}"))
+            (root / f"nodes-{i}" / "b" / "files" / source.name).unlink()
+    plain, ours = _median_run(plains), _median_run(ourses)
     mib = size / (1 << 20)
     label = f"{mib:g} MiB"
     suite.record(
@@ -229,10 +247,16 @@ def main() -> None:
     suite = Suite.create(__file__, pyperf_runner=False)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=(4 << 20) if suite.fast else (1 << 30))
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1 if suite.fast else 3,
+        help="copies of each kind, taken in turns",
+    )
     args = parser.parse_args()
-    if args.size <= 0:
-        parser.error("--size must be positive")
-    run(measure(suite, args.size))
+    if args.size <= 0 or args.rounds <= 0:
+        parser.error("--size and --rounds must be positive")
+    run(measure(suite, args.size, args.rounds))
     suite.finish()
 
 
