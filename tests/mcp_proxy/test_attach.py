@@ -20,10 +20,10 @@ from tests.mcp_proxy.e2e import ENV, REPO, did_of, proxy, serving
 from tests.talos.daemons import Daemon, fast_config, talosd
 
 
-def connect_params(home: Path, peer: str) -> StdioServerParameters:
+def connect_params(home: Path, peer: str, *extra: str) -> StdioServerParameters:
     return StdioServerParameters(
         command=sys.executable,
-        args=["-m", "mcp_proxy.cli", "connect", "--home", str(home), "--peer", peer],
+        args=["-m", "mcp_proxy.cli", "connect", "--home", str(home), "--peer", peer, *extra],
         cwd=str(REPO),
         env=ENV,
     )

@@ -105,7 +105,10 @@ async def test_node_stopping_under_an_attached_serve(tmp_path: Path) -> None:
     with two_linked_nodes(tmp_path) as (a, b):
         serve_b = await start_serve(b.home, "127.0.0.1:0", ["--allow", a.did], EVERYTHING)
         try:
-            async with Client(connect_params(a.home, "b"), mode="legacy") as agent:
+            # The call after B stops waits --link-wait for a link that will not
+            # come back (15 s by default) before it answers "down".
+            params = connect_params(a.home, "b", "--link-wait", "4")
+            async with Client(params, mode="legacy") as agent:
                 assert "up" in text(await agent.call_tool("echo", {"text": "up"}))
                 assert await asyncio.to_thread(b.stop) == 0
                 # the serve exits by itself, saying why
