@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from talos.store import Txn
-from talos.transfer import bulk
+from talos.transfer import bulk, bulk_data
 from talos.transfer.protocol import (
     Accept,
     Chunk,
@@ -259,19 +259,19 @@ class IncomingTransfers(TransferBase):
             inc.task.cancel()
         inc.task = asyncio.current_task()
         try:
-            await bulk.receive_chunks(
+            await bulk_data.receive_chunks(
                 stream,
                 inc.attempt.stages,
                 self.config.window,
                 self._checkpoint_trigger(tid, inc),
             )
             verified = await self._finish(tid, inc)
-            await bulk.send_verdict(stream, verified)
+            await bulk_data.send_verdict(stream, verified)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             await self._attempt_failed(tid, inc, exc)
-            await bulk.send_verdict(stream, False)
+            await bulk_data.send_verdict(stream, False)
         finally:
             await stream.close()
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from talos.transfer import bulk
+from talos.transfer import bulk, bulk_data
 from talos.transfer.protocol import (
     APP_NAME,
     BULK_CHUNK,
@@ -169,8 +169,8 @@ class OutgoingTransfers(TransferBase):
                 log.info("bulk path to %s unavailable (%s); using the app channel", info.peer, exc)
                 return False
             try:
-                slots = out.slots(bulk.PIPELINE_SLOTS)
-                verified = await bulk.send_chunks(
+                slots = out.slots(bulk_data.PIPELINE_SLOTS)
+                verified = await bulk_data.send_chunks(
                     stream, out.stages, slots, msg.window, self._count(msg.tid)
                 )
             finally:

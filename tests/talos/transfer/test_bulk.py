@@ -1,4 +1,5 @@
-"""Tests for the bulk TCP path (talos.transfer.bulk) over real sockets on 127.0.0.1."""
+"""Tests for the bulk TCP path (talos.transfer.bulk, talos.transfer.bulk_data) over real
+sockets on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -12,15 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from talos.transfer.bulk import (
-    PIPELINE_SLOTS,
-    BulkListener,
-    BulkStream,
-    connect_bulk,
-    receive_chunks,
-    send_chunks,
-    send_verdict,
-)
+from talos.transfer.bulk import BulkListener, BulkStream, connect_bulk
+from talos.transfer.bulk_data import PIPELINE_SLOTS, receive_chunks, send_chunks, send_verdict
 from talos.transfer.pipeline import Slot
 from talos.transfer.protocol import BULK_CHUNK
 from talos.transfer.receiver import PARTIAL_DIR, IncomingAttempt, IncomingFile
