@@ -16,9 +16,25 @@ from typing import Any
 
 from talos.config import Home, NodeConfig
 
-__all__ = ["HTTP_TOKEN_FILE", "ensure_home", "http_token", "make_node", "node_did"]
+__all__ = [
+    "HTTP_TOKEN_FILE",
+    "TUNNEL_RATCHET_EVERY",
+    "TUNNEL_RATCHET_MAX_AGE",
+    "ensure_home",
+    "http_token",
+    "make_node",
+    "node_did",
+]
 
 HTTP_TOKEN_FILE = "proxy-http.token"
+
+#: The DH ratchet schedule a new proxy home gets (docs/adr/0002-lazy-dh-ratchet.md,
+#: "The tunnel's schedule"): a sending step after 64 messages or once the chain is
+#: 1 s old. A tools/call is one turn, so the per-turn step of a ``talosd`` home
+#: (Signal's schedule) cost ~250 us of CPU per call; this one heals within a
+#: second of a busy tunnel and at every turn of a slower one.
+TUNNEL_RATCHET_EVERY = 64
+TUNNEL_RATCHET_MAX_AGE = 1.0
 
 
 def ensure_home(
@@ -47,7 +63,10 @@ def ensure_home(
             f"--home {home}` adds one later)",
             file=sys.stderr,
         )
-    init_home(home, NodeConfig(api=False), passphrase=passphrase)
+    config = NodeConfig(
+        api=False, ratchet_every=TUNNEL_RATCHET_EVERY, ratchet_max_age=TUNNEL_RATCHET_MAX_AGE
+    )
+    init_home(home, config, passphrase=passphrase)
     print(f"talos-proxy: created a new identity in {home}", file=sys.stderr)
 
 
