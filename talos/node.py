@@ -119,7 +119,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         self._epoch = 0
         self._outbox_busy = False
         self._acks: dict[str, tuple[int, list[Record]]] = {}  # ack writes not queued yet
-        self._ack_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
         self._committing = False
         self._inbox_event = asyncio.Event()
         self._quiescing = False
@@ -297,6 +297,8 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         await asyncio.gather(
             self.links.stop(), *self._tasks, *self._link_tasks, return_exceptions=True
         )
+        if self._outgoing and not self._outbox_busy:
+            self._flush_outbox()  # deferred wait-send rows: their frames may have left
         for _, committed, _ in self._outgoing:
             committed(UsageError("the node stopped before the message was queued"))
         self._submit_acks()

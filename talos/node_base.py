@@ -91,7 +91,7 @@ class NodeBase:
     _outgoing: list[tuple[OutboxEntry, OnCommitted, bool]]  # row, its caller, needs fsync
     _outbox_busy: bool
     _acks: dict[str, tuple[int, list[Record]]]  # per peer: highest ack, records to log
-    _ack_timer: asyncio.TimerHandle | None
+    _write_timer: asyncio.TimerHandle | None  # deferred ack writes and wait-send rows
     _committing: bool
     _inbox_event: asyncio.Event
 

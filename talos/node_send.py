@@ -9,10 +9,13 @@ its chain of coroutines (local call, op, send, wait), resumed after the commit,
 after the ack and to return, cost loop passes and Python frames per message
 (figures in the commits that added this module and the waiter).
 
-The rules are those ``send_message`` always had:
+The rules (docs/adr/0007-epoch-sequence-numbers.md, point 4):
 
 * plain send: ``done`` after the outbox row is durable;
-* ``wait``: after the row's commit (no fsync of its own) *and* the peer's ack;
+* ``wait``: after the peer's ack. The row's commit (no fsync of its own) waits a
+  little for that ack and then writes only the message's number
+  (``NodeDelivery.start_send``); an ack that comes after the commit reports
+  then, as before;
 * a wait that ends without the ack (timeout, refusal, caller gone) syncs the
   row before ``done`` says the message stays queued (ADR 0007, amended);
 * a failed outbox commit: ``done(None, error)``, no id, nothing synced.
@@ -99,14 +102,15 @@ class Sending:
 
     def on_committed(self, exc: BaseException | None) -> None:
         """The outbox commit of this row returned (``exc`` when it failed)."""
+        node = self._node
+        if exc is None:
+            node.metrics.inc("messages_out")
         if self._ended:
             return
         if exc is not None:
             self._finish(None, exc)
             return
         self._committed = True
-        node = self._node
-        node.metrics.inc("messages_out")
         if not self._wait:
             self._finish(self.msg_id, None)
             return
@@ -141,8 +145,17 @@ class Sending:
             self._acked_now()
 
     def _acked_now(self) -> None:
-        if self._ended or not self._committed:
-            return  # on_committed looks at the ack once the row is committed
+        if self._ended:
+            return
+        if not self._committed:
+            if self._ack is None:
+                # The peer holds the message durably: that is what the caller waits
+                # for; the row's commit will write only its number.
+                self._finish(self.msg_id, None)
+            else:
+                # "Stays queued" needs the row committed first: on_committed reports.
+                self._node.flush_outbox_now()
+            return
         if self._expiry is not None:
             self._expiry.cancel()
         ack = self._ack
