@@ -137,6 +137,30 @@ async def child(
         await c.stop()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of live process ``pid`` so far, its ended threads included
+    (``/proc/PID/stat``; clock ticks, 10 ms here: for runs of seconds)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int | None) -> float:
+    """CPU time of the live threads of ``pid`` to the nanosecond; 0 if None.
+
+    The sum of each thread's ``/proc/PID/task/TID/schedstat`` run time: the
+    ticks of :func:`cpu_seconds` are too coarse for a --fast run, but a thread
+    that ended takes its time with it, so this is for processes whose threads
+    live as long as the measurement (a node: its loop, writer and uvloop threads).
+    """
+    if pid is None:
+        return 0.0
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
 def peak_rss(pid: int) -> int:
     """Peak resident set size of a live process in bytes (``VmHWM``, Linux)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

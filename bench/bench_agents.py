@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -30,18 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Suite, latency_main, quantiles
-from _procs import TALOSD, child, run, run_quiet
+from _procs import TALOSD, child, run, run_quiet, thread_cpu_seconds
 
 from talos.local.client import LocalClient
 
 IN_FLIGHT = 64
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 async def windowed(client: LocalClient, count: int, in_flight: int) -> float:
@@ -98,12 +90,12 @@ async def measure(suite: Suite, count: int, burst: int) -> None:
                 got = await poll
                 wakes.append(time.perf_counter() - start)
                 cursor = int(got["next"])
-            cpu = cpu_seconds(a_proc.pid)
+            cpu = thread_cpu_seconds(a_proc.pid)
             for i in range(count):
                 start = time.perf_counter()
                 await a.call("send", to="b", text=f"w{i}", wait=True)
                 acks.append(time.perf_counter() - start)
-            sender_cpu = (cpu_seconds(a_proc.pid) - cpu) / count
+            sender_cpu = (thread_cpu_seconds(a_proc.pid) - cpu) / count
             rate = await windowed(a, burst, IN_FLIGHT)
             await a.close()
             await b.close()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import resource
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Suite
-from _procs import PYTHON, TALOSD, Child, child, run
+from _procs import PYTHON, TALOSD, Child, child, cpu_seconds, run
 
 PEER_FLAG = "--peer"
 TEXT = "x" * 100
@@ -97,12 +96,6 @@ def _own_cpu() -> float:
 
 
 # --- the bench ----------------------------------------------------------------------------------
-
-
-def _cpu_of(pid: int) -> float:
-    """User + system seconds of a live process (fields 14 and 15 of /proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_of(pid: int) -> int:
@@ -177,13 +170,13 @@ async def step(
     per_peer = max(1, messages // k)
     total = per_peer * k
     tag = f"k{k}"
-    hub_cpu0, start = _cpu_of(hub.pid), time.perf_counter()
+    hub_cpu0, start = cpu_seconds(hub.pid), time.perf_counter()
     await _tell(peers, f"send {tag} {per_peer} {in_flight}")
     done = await asyncio.gather(
         *(p.wait_line(rf"^sent {tag} cpu=(\S+) wall=(\S+)$", LINK_TIMEOUT * 5) for p in peers)
     )
     wall = time.perf_counter() - start
-    hub_cpu = _cpu_of(hub.pid) - hub_cpu0
+    hub_cpu = cpu_seconds(hub.pid) - hub_cpu0
     peer_cpu = sum(float(d.group(1)) for d in done)
 
     def key(what: str, n: int = k) -> str:

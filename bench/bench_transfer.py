@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Suite
-from _procs import PYTHON, TALOSD, child, peak_rss, run
+from _procs import PYTHON, TALOSD, child, cpu_seconds, peak_rss, run
 
 WS_SINK_FLAG = "--ws-sink"
 CHUNK = 1 << 20
@@ -48,12 +48,6 @@ TRANSFER_TIMEOUT = 1800.0
 POLL = 0.02
 #: Below this the CPU figures (clock ticks of 10 ms) are too coarse to print.
 CPU_ROWS_FROM = 64 << 20
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a live process has used so far (``/proc/PID/stat``, Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def make_payload(path: Path, size: int) -> None:

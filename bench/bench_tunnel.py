@@ -50,7 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO_ROOT, Suite, latency_main, quantiles
-from _procs import ENV, PROXY, PYTHON, TALOSD, child, run, run_quiet
+from _procs import ENV, PROXY, PYTHON, TALOSD, child, run, run_quiet, thread_cpu_seconds
 from http_front_client import HttpMcpClient
 from lean_jsonrpc import LeanClient
 
@@ -77,21 +77,6 @@ class LeanRun:
     # The same for the process the client spawned and talks to (connect; the tool when raw)
     front_cpu_sequential: float = 0.0
     front_cpu_top: float = 0.0
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """CPU time of process ``pid`` (all its threads, not its children); 0 if None.
-
-    The sum of each thread's ``/proc/PID/task/TID/schedstat`` run time (ns): the
-    clock-tick counters of ``/proc/PID/stat`` are too coarse for a --fast run.
-    """
-    if pid is None:
-        return 0.0
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
 
 
 ECHO = {"name": "echo", "arguments": {"text": "hi"}}
@@ -177,13 +162,13 @@ async def lean_run(
         for _ in range(max(count // 10, 5)):  # warm-up: link, session, tool process
             await client.request(method, params)
         pings = []
-        cpu, front_cpu = cpu_seconds(cpu_pid), cpu_seconds(front)
+        cpu, front_cpu = thread_cpu_seconds(cpu_pid), thread_cpu_seconds(front)
         for _ in range(count):
             start = time.perf_counter()
             await client.request(method, params)
             pings.append(time.perf_counter() - start)
-        cpu_sequential = (cpu_seconds(cpu_pid) - cpu) / count
-        front_sequential = (cpu_seconds(front) - front_cpu) / count
+        cpu_sequential = (thread_cpu_seconds(cpu_pid) - cpu) / count
+        front_sequential = (thread_cpu_seconds(front) - front_cpu) / count
         sequential = count / sum(pings)
         start = time.perf_counter()
         await client.pipelined(method, (params for _ in range(burst)), IN_FLIGHT)
@@ -192,10 +177,10 @@ async def lean_run(
         tail: list[float] = []
         cpu_top = front_top = 0.0
         for level in levels:
-            cpu, front_cpu = cpu_seconds(cpu_pid), cpu_seconds(front)
+            cpu, front_cpu = thread_cpu_seconds(cpu_pid), thread_cpu_seconds(front)
             rates[level], tail = await timed_burst(client, method, params, burst, level)
-            cpu_top = (cpu_seconds(cpu_pid) - cpu) / burst
-            front_top = (cpu_seconds(front) - front_cpu) / burst
+            cpu_top = (thread_cpu_seconds(cpu_pid) - cpu) / burst
+            front_top = (thread_cpu_seconds(front) - front_cpu) / burst
     finally:
         await client.close()
     return LeanRun(
