@@ -301,7 +301,8 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
             self._flush_outbox()  # deferred wait-send rows: their frames may have left
         for _, committed, _ in self._outgoing:
             committed(UsageError("the node stopped before the message was queued"))
-        self._submit_acks()
+        self._outgoing.clear()
+        self._submit_acks()  # and, with nothing left waiting, the write timer is cancelled
         try:
             await self.writer.write(self._final_flush, kind="stop")
         except StorageError as exc:
