@@ -297,12 +297,13 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         await asyncio.gather(
             self.links.stop(), *self._tasks, *self._link_tasks, return_exceptions=True
         )
-        if self._outgoing and not self._outbox_busy:
-            self._flush_outbox()  # deferred wait-send rows: their frames may have left
-        for _, committed, _ in self._outgoing:
-            committed(UsageError("the node stopped before the message was queued"))
-        self._outgoing.clear()
-        self._submit_acks()  # and, with nothing left waiting, the write timer is cancelled
+        if self._outbox_busy:
+            await self.writer.drain()  # the outbox commit in flight settles first
+        if self._outgoing:
+            # Rows still waiting (deferred wait-sends, rows behind that commit): their
+            # frames may have left, so they are committed, as a running node would.
+            self._flush_outbox()
+        self._submit_acks()
         try:
             await self.writer.write(self._final_flush, kind="stop")
         except StorageError as exc:

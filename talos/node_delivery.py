@@ -307,8 +307,14 @@ class NodeDelivery(NodeBase):
                 top[row.peer] = max(top.get(row.peer, 0), row.seq)
             for did, seq in top.items():  # once per peer, not per row
                 self._peers[did].outbox_committed(seq)
-        # On failure the rows stay sendable: later numbers name them as prev. The
-        # caller gets the error and no id (ADR 0007, "failed commit").
+        else:
+            # The callers get the error and no id (ADR 0007, "outbox commit fails"):
+            # the rows are not sent again, their successors name their prev.
+            by_peer: dict[str, list[pl.OutboxEntry]] = {}
+            for row, _, _ in batch:
+                by_peer.setdefault(row.peer, []).append(row)
+            for did, rows in by_peer.items():
+                self._peers[did].outbox_failed(rows)
         for _, committed, _ in batch:
             committed(exc)
         if self._outgoing and not self._stopping:

@@ -157,6 +157,17 @@ class PeerPipeline:
         self.fresh.append(row)
         return row
 
+    def outbox_failed(self, rows: Iterable[pl.OutboxEntry]) -> None:
+        """Rows whose outbox commit failed: their callers got the error and no id, so
+        they are not sent again and their successors name their prev, as for a row
+        failed as too large (ADR 0007, "outbox commit fails"). Kept in ``fresh``, a
+        later commit would drop them unwritten and leave a hole the peer never fills."""
+        failed = set()
+        for row in rows:
+            self.skipped[row.seq] = row.prev
+            failed.add(row.seq)
+        self.fresh = [r for r in self.fresh if r.seq not in failed]
+
     def outbox_committed(self, seq: int) -> None:
         """The outbox row ``seq`` is durable: it is read from the store from now on."""
         if self.fresh and self.fresh[0].seq <= seq:

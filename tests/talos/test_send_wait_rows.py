@@ -20,6 +20,7 @@ import pytest
 from talos import node_delivery
 from talos import pipeline as pl
 from talos.store import Store
+from talos_sdk.errors import StorageFullError
 from tests.talos.nodes import link, make_home, started, until
 
 #: Longer than any test here: nothing is written by the timer unless a test waits for it.
@@ -139,6 +140,76 @@ async def test_the_nodes_stop_commits_the_rows_still_waiting(
                 await task
             with Store(home_a / "store", map_size=cfg_a.map_size) as store:
                 assert rows(store, b.did) == ["in flight"]  # resent by the next run
+    finally:
+        b_gate.set()
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_failed_outbox_commit_leaves_no_hole_before_the_next_message(
+    tmp_path: Path,
+) -> None:
+    """The failed row is not sent again and its successor names its prev: the peer,
+    offline meanwhile, takes the later message instead of waiting for ever."""
+    home_b, cfg_b = make_home(tmp_path, "b")
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(home_b, cfg_b)
+    b2 = None
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            await a.send_message(b.did, "m0", wait=True)
+            await b.stop()
+            await until(lambda: not a.peer_state(b.did).ready.is_set(), what="the link down")
+            failures = [StorageFullError("injected: the map is full")]
+
+            def fail_once(kind: str, size: int) -> None:
+                if failures:
+                    raise failures.pop()
+
+            a.writer.before("outbox", fail_once)
+            with pytest.raises(StorageFullError):
+                await a.send_message(b.did, "k1")  # no id: the caller knows it failed
+            await a.send_message(b.did, "k2")  # durably queued
+            assert rows(a.store, b.did) == ["k2"]
+            b2 = await started(home_b, cfg_b)
+            await link(a, b2)
+            await until(lambda: len(b2.inbox()) == 2, what="k2 delivered")
+            assert [e.text for e in b2.inbox()] == ["m0", "k2"]
+            await until(lambda: rows(a.store, b2.did) == [], what="k2 acked")
+            assert b2.metrics.counters.get("messages_gap", 0) == 0
+    finally:
+        await a.stop()
+        if b2 is not None:
+            await b2.stop()
+
+
+async def test_stop_commits_the_rows_queued_behind_an_outbox_commit_in_flight(
+    tmp_path: Path, b_gate: threading.Event
+) -> None:
+    home_a, cfg_a = make_home(tmp_path, "a")
+    a = await started(home_a, cfg_a)
+    b = await started(*make_home(tmp_path, "b"))
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            b.writer.before("receive", lambda kind, size: b_gate.wait(20))
+            a_gate = threading.Event()
+            a.writer.before("outbox", lambda kind, size: a_gate.wait(20))
+            first = asyncio.create_task(a.send_message(b.did, "first"))
+            await until(lambda: a._outbox_busy, what="the first commit held")
+            behind = asyncio.create_task(a.send_message(b.did, "behind", wait=True))
+            await until(lambda: len(a._outgoing) == 1, what="a row queued behind that commit")
+            stopping = asyncio.create_task(a.stop())
+            await asyncio.sleep(0.05)
+            a_gate.set()
+            await stopping
+            await first  # its row was durable before the stop went on
+            behind.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await behind
+            with Store(home_a / "store", map_size=cfg_a.map_size) as store:
+                assert rows(store, b.did) == ["first", "behind"]
     finally:
         b_gate.set()
         await a.stop()
