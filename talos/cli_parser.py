@@ -177,7 +177,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         "--ratchet-max-age",
         type=float,
         metavar="SECONDS",
-        help="lazy mode: also renew a sending chain older than SECONDS (default: 60)",
+        help="lazy mode: also renew a sending chain older than SECONDS (default: 60, at most 3600)",
     )
     add_log_arguments(sp, format_default="config.json's log_format, else kv")
 

@@ -112,6 +112,7 @@ class NodeConfig(BaseModel):
     ratchet_max_age: float = Field(
         default=60.0,
         gt=0,
+        le=3600.0,  # a lazy chain always renews within the hour (docs/security.md)
         description="seconds: a lazy sending chain (ratchet_every > 1) is renewed when older",
     )
     one_time_prekeys: int = Field(default=8, ge=0, le=1000)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from talos.config import NodeConfig
 from talos.pipeline import OutboxEntry
@@ -100,3 +101,10 @@ def test_lazy_mode_is_bounded_by_age(tmp_path: Path, clock: list[float]) -> None
         assert pair.ratchet_keys_in_ping_pong(40, 3.0, clock) == 40
     for pair in make(tmp_path / "slow", clock, ratchet_every=1000, ratchet_max_age=3600.0):
         assert pair.ratchet_keys_in_ping_pong(40, 3.0, clock) == 2
+
+
+def test_the_age_bound_is_capped_at_an_hour() -> None:
+    """A typo cannot turn healing by time off (docs/security.md, lazy mode)."""
+    assert NodeConfig(ratchet_every=64, ratchet_max_age=3600.0).ratchet_max_age == 3600.0
+    with pytest.raises(ValidationError, match="3600"):
+        NodeConfig(ratchet_every=64, ratchet_max_age=1e9)

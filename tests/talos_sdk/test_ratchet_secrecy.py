@@ -231,3 +231,33 @@ def test_restored_lazy_session_ratchets_at_its_next_owed_send() -> None:
     restored.clock, restored.ratchet_max_age = (lambda: now[0]), 3600.0
     b.decrypt(restored.encrypt(b"after restart"))
     assert restored.to_dict()["dhs_pub"] != before
+
+
+@pytest.mark.parametrize("spacing", [0.1, 0.01])
+def test_the_tunnels_schedule_heals_within_two_of_its_bounds(spacing: float) -> None:
+    """64 sends / 1 s on both sides (a talos-proxy home, ADR 0002): the victim steps only
+    after the peer did, so messages to it stay readable for up to two bounds, never more.
+
+    One message per turn, ``spacing`` seconds per turn: after 1 s at most 1/spacing
+    turns pass (10 or 100 messages); two bounds are 20 messages at 0.1 s, 128 (2 x 64
+    sends of the peer) at 0.01 s.
+    """
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def make() -> tuple[Session, Session]:
+        a, b = Session.create_pair(ratchet_every=64)
+        for s in (a, b):
+            s.clock, s.ratchet_max_age = clock, 1.0
+        return a, b
+
+    def tick() -> None:
+        now[0] += spacing
+
+    read = _read_after_theft(make, turns=600, per_turn=1, between_turns=tick)
+    bound = min(2 * round(1.0 / spacing), 2 * 64)
+    assert 1 <= read <= bound
+    signal = _read_after_theft(lambda: Session.create_pair(ratchet_every=1), turns=600, per_turn=1)
+    assert signal <= 1 < read  # a step every turn: only the turn in flight
