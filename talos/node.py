@@ -297,6 +297,9 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         await asyncio.gather(
             self.links.stop(), *self._tasks, *self._link_tasks, return_exceptions=True
         )
+        # A wait without a timeout would never end: its row stays queued, and it hears so.
+        for peer in self._peers.values():
+            peer.tx.fail_waiters(_stopped_unacked)
         if self._outbox_busy:
             await self.writer.drain()  # the outbox commit in flight settles first
         if self._outgoing:
@@ -378,3 +381,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         from talos.views import node_status
 
         return node_status(self)
+
+
+def _stopped_unacked() -> UsageError:
+    return UsageError("the node stopped before the peer acknowledged; the message stays queued")

@@ -178,6 +178,7 @@ class Sending:
             self._unacked(asyncio.CancelledError())
         else:
             self._ended = True  # not committed yet: nothing was promised (as before)
+            self._peer.tx.remove_waiter(self._row.seq, self)
 
     def _unacked(self, exc: BaseException) -> None:
         """Not acked: "the message stays queued" must hold after a crash, so the
@@ -185,6 +186,7 @@ class Sending:
         self._ended = True
         if self._expiry is not None:
             self._expiry.cancel()
+        self._peer.tx.remove_waiter(self._row.seq, self)
         try:
             synced = self._node.writer.submit_sync()
         except UsageError:  # the writer is closed: the node stopped

@@ -382,3 +382,11 @@ class SenderState:
             waiter.set_result(None)
         else:
             self.waiters.setdefault(seq, []).append(waiter)
+
+    def remove_waiter(self, seq: int, waiter: AckWaiter) -> None:
+        """``waiter`` no longer waits (it timed out, or its caller left)."""
+        waiting = self.waiters.get(seq)
+        if waiting is not None and waiter in waiting:
+            waiting.remove(waiter)
+            if not waiting:
+                del self.waiters[seq]

@@ -10,7 +10,6 @@ in order. Real nodes, real LMDB, real sockets on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from talos import node_delivery
 from talos import pipeline as pl
 from talos.store import Store
-from talos_sdk.errors import StorageFullError
+from talos_sdk.errors import StorageFullError, UsageError
 from tests.talos.nodes import link, make_home, started, until
 
 #: Longer than any test here: nothing is written by the timer unless a test waits for it.
@@ -135,8 +134,7 @@ async def test_the_nodes_stop_commits_the_rows_still_waiting(
             task = asyncio.create_task(a.send_message(b.did, "in flight", wait=True))
             await until(lambda: a.peer_state(b.did).tx.sent > 0, what="the frame sent")
             await a.stop()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with pytest.raises(UsageError, match="stays queued"):
                 await task
             with Store(home_a / "store", map_size=cfg_a.map_size) as store:
                 assert rows(store, b.did) == ["in flight"]  # resent by the next run
@@ -205,8 +203,7 @@ async def test_stop_commits_the_rows_queued_behind_an_outbox_commit_in_flight(
             a_gate.set()
             await stopping
             await first  # its row was durable before the stop went on
-            behind.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with pytest.raises(UsageError, match="stays queued"):
                 await behind
             with Store(home_a / "store", map_size=cfg_a.map_size) as store:
                 assert rows(store, b.did) == ["first", "behind"]
@@ -214,3 +211,40 @@ async def test_stop_commits_the_rows_queued_behind_an_outbox_commit_in_flight(
         b_gate.set()
         await a.stop()
         await b.stop()
+
+
+async def test_a_wait_without_timeout_ends_at_the_nodes_stop_with_its_row_queued(
+    tmp_path: Path, b_gate: threading.Event
+) -> None:
+    home_a, cfg_a = make_home(tmp_path, "a")
+    a = await started(home_a, cfg_a)
+    b = await started(*make_home(tmp_path, "b"))
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            b.writer.before("receive", lambda kind, size: b_gate.wait(20))
+            task = asyncio.create_task(a.send_message(b.did, "never acked", wait=True))
+            await until(lambda: bool(a.peer_state(b.did).tx.waiters), what="the caller waiting")
+            await a.stop()
+            with pytest.raises(UsageError, match="stays queued"):
+                await task
+            with Store(home_a / "store", map_size=cfg_a.map_size) as store:
+                assert rows(store, b.did) == ["never acked"]
+    finally:
+        b_gate.set()
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_timed_out_wait_stops_waiting_for_the_ack(tmp_path: Path) -> None:
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            await b.stop()  # no ack will come
+            with pytest.raises(TimeoutError):
+                await a.send_message(b.did, "late", wait=True, timeout=0.2)
+            assert a.peer_state(b.did).tx.waiters == {}  # nothing holds the send any more
+    finally:
+        await a.stop()
