@@ -160,24 +160,27 @@ def test_healing_is_bounded_by_ratchet_every(every: int, bound: int) -> None:
         assert read > 3  # the lazy mode is slower to heal, as documented
 
 
-def test_ratchet_max_age_heals_a_lazy_session_by_time() -> None:
-    """A lazy session (ratchet_every=64) also ratchets once its chain is older than the bound."""
-    now = [0.0]
+class _Bounded:
+    """Session pairs lazy by ``every`` sends and ``max_age`` seconds of one shared fake clock."""
 
-    def clock() -> float:
-        return now[0]
+    def __init__(self, every: int, max_age: float, tick: float) -> None:
+        self.every, self.max_age, self.step, self.now = every, max_age, tick, 0.0
 
-    def make() -> tuple[Session, Session]:
-        a, b = Session.create_pair(ratchet_every=64)
+    def make(self) -> tuple[Session, Session]:
+        a, b = Session.create_pair(ratchet_every=self.every)
         for s in (a, b):
-            s.clock, s.ratchet_max_age = clock, 30.0
+            s.clock, s.ratchet_max_age = (lambda: self.now), self.max_age
         return a, b
 
-    def tick() -> None:
-        now[0] += 31.0
+    def tick(self) -> None:
+        self.now += self.step
 
+
+def test_ratchet_max_age_heals_a_lazy_session_by_time() -> None:
+    """A lazy session (ratchet_every=64) also ratchets once its chain is older than the bound."""
+    pairs = _Bounded(64, 30.0, tick=31.0)
     lazy = _read_after_theft(lambda: Session.create_pair(ratchet_every=64))
-    bounded = _read_after_theft(make, between_turns=tick)
+    bounded = _read_after_theft(pairs.make, between_turns=pairs.tick)
     assert bounded == 3 < lazy
 
 
@@ -242,21 +245,8 @@ def test_the_tunnels_schedule_heals_within_two_of_its_bounds(spacing: float) -> 
     turns pass (10 or 100 messages); two bounds are 20 messages at 0.1 s, 128 (2 x 64
     sends of the peer) at 0.01 s.
     """
-    now = [0.0]
-
-    def clock() -> float:
-        return now[0]
-
-    def make() -> tuple[Session, Session]:
-        a, b = Session.create_pair(ratchet_every=64)
-        for s in (a, b):
-            s.clock, s.ratchet_max_age = clock, 1.0
-        return a, b
-
-    def tick() -> None:
-        now[0] += spacing
-
-    read = _read_after_theft(make, turns=600, per_turn=1, between_turns=tick)
+    pairs = _Bounded(64, 1.0, tick=spacing)
+    read = _read_after_theft(pairs.make, turns=600, per_turn=1, between_turns=pairs.tick)
     bound = min(2 * round(1.0 / spacing), 2 * 64)
     assert 1 <= read <= bound
     signal = _read_after_theft(lambda: Session.create_pair(ratchet_every=1), turns=600, per_turn=1)
