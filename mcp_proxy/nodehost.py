@@ -31,8 +31,8 @@ HTTP_TOKEN_FILE = "proxy-http.token"
 #: The DH ratchet schedule a new proxy home gets (docs/adr/0002-lazy-dh-ratchet.md,
 #: "The tunnel's schedule"): a sending step after 64 messages or once the chain is
 #: 1 s old. A tools/call is one turn, so the per-turn step of a ``talosd`` home
-#: (Signal's schedule) cost ~250 us of CPU per call; this one heals within a
-#: second of a busy tunnel and at every turn of a slower one.
+#: (Signal's schedule) cost ~250 us of CPU per call; this one heals within about
+#: two seconds on a busy tunnel and at every turn of a slower one.
 TUNNEL_RATCHET_EVERY = 64
 TUNNEL_RATCHET_MAX_AGE = 1.0
 

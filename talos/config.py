@@ -22,9 +22,16 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from talos.logging import event
 from talos.peer_refs import (
@@ -53,6 +60,8 @@ log = logging.getLogger("talos.config")
 
 #: Where file-transfer settings lived before config.json's ``transfer`` section.
 LEGACY_TRANSFER_FILE = "transfer.json"
+#: Longest a lazy sending chain lives (``ratchet_max_age`` with ``ratchet_every > 1``).
+MAX_RATCHET_AGE = 3600.0
 
 
 class TransferConfig(BaseModel):
@@ -112,7 +121,6 @@ class NodeConfig(BaseModel):
     ratchet_max_age: float = Field(
         default=60.0,
         gt=0,
-        le=3600.0,  # a lazy chain always renews within the hour (docs/security.md)
         description="seconds: a lazy sending chain (ratchet_every > 1) is renewed when older",
     )
     one_time_prekeys: int = Field(default=8, ge=0, le=1000)
@@ -145,6 +153,16 @@ class NodeConfig(BaseModel):
         default=None,
         description="file-transfer settings; None: not given here (see transfer_settings)",
     )
+
+    @model_validator(mode="after")
+    def _check_ratchet_age(self) -> Self:
+        # Lazy mode only (the value is unused with 1): a chain renews within the hour,
+        # so a typo cannot turn healing by time off (docs/security.md).
+        if self.ratchet_every > 1 and self.ratchet_max_age > MAX_RATCHET_AGE:
+            raise ValueError(
+                f"ratchet_max_age must be at most {MAX_RATCHET_AGE:g} s when ratchet_every > 1"
+            )
+        return self
 
     @field_validator("relays")
     @classmethod

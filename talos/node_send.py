@@ -108,6 +108,7 @@ class Sending:
         if self._ended:
             return
         if exc is not None:
+            self._peer.tx.remove_waiter(self._row.seq, self)
             self._finish(None, exc)
             return
         self._committed = True

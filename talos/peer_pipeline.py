@@ -166,6 +166,9 @@ class PeerPipeline:
         for row in rows:
             self.skipped[row.seq] = row.prev
             failed.add(row.seq)
+            # A later cumulative ack must not log them as delivered.
+            self.records.pop(row.seq, None)
+            self.sent_at.pop(row.seq, None)
         self.fresh = [r for r in self.fresh if r.seq not in failed]
 
     def outbox_committed(self, seq: int) -> None:

@@ -358,7 +358,7 @@ class SenderState:
         self.acked = seq
         self.sent = max(self.sent, seq)
         for s in [s for s in self.waiters if s <= seq]:
-            for fut in self.waiters.pop(s):
+            for fut in self.waiters.pop(s, ()):
                 if not fut.done():
                     fut.set_result(None)
         return True

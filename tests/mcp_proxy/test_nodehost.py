@@ -2,8 +2,8 @@
 
 docs/adr/0002-lazy-dh-ratchet.md, "The tunnel's schedule": a new proxy home
 steps its DH ratchet after 64 sends or once the sending chain is 1 s old, so a
-busy tunnel heals within a second and a slow one at every turn, as a
-``talosd`` home does.
+busy tunnel heals within about two seconds (a step on each side in turn) and a
+slow one at every turn, as a ``talosd`` home does.
 """
 
 from __future__ import annotations

@@ -74,6 +74,24 @@ def test_a_row_too_large_for_the_peer_fails_and_its_successor_takes_its_prev() -
     assert pair.delivered == ["first", "y" * 5]
 
 
+def test_a_row_whose_outbox_commit_failed_is_skipped_and_never_logged() -> None:
+    pair = PipelinePair()
+    first, failed, after = pair.send("first"), pair.send("failed"), pair.send("after")
+    assert pair.transmit(first) is Received.ACCEPT
+    pair.lose(failed)  # sent, its frame lost with the link; then its commit fails
+    pair.a.outbox_failed([failed])
+    assert pair.a.for_outbox(failed) is None  # only its number is noted
+    assert pair.a.for_outbox(after) is not None and pair.a.for_outbox(after).prev == first.seq
+    assert pair.transmit(failed) is None  # never sent again
+    assert pair.transmit(after) is Received.ACCEPT  # prev rewritten past the failed row
+    acked = pair.ack(pair.commit())
+    assert pair.delivered == ["first", "after"]
+    assert acked is not None and [r.record_id for r in acked.records] == [
+        first.msg_id,
+        after.msg_id,
+    ]  # no record of the failed row: its caller got no id
+
+
 def test_assign_refuses_a_text_above_both_bounds() -> None:
     pair = PipelinePair()
     pair.a.peer_max_frame = pl.MSG_OVERHEAD + 4

@@ -103,8 +103,10 @@ def test_lazy_mode_is_bounded_by_age(tmp_path: Path, clock: list[float]) -> None
         assert pair.ratchet_keys_in_ping_pong(40, 3.0, clock) == 2
 
 
-def test_the_age_bound_is_capped_at_an_hour() -> None:
-    """A typo cannot turn healing by time off (docs/security.md, lazy mode)."""
+def test_the_age_bound_of_a_lazy_home_is_capped_at_an_hour() -> None:
+    """A typo cannot turn healing by time off (docs/security.md, lazy mode); a home
+    stepping every turn, which never reads the value, keeps loading as before."""
     assert NodeConfig(ratchet_every=64, ratchet_max_age=3600.0).ratchet_max_age == 3600.0
     with pytest.raises(ValidationError, match="3600"):
         NodeConfig(ratchet_every=64, ratchet_max_age=1e9)
+    assert NodeConfig(ratchet_every=1, ratchet_max_age=86400.0).ratchet_every == 1

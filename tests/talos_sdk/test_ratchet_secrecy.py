@@ -122,12 +122,14 @@ def _read_after_theft(
     turns: int = 100,
     per_turn: int = 3,
     between_turns: Callable[[], None] = lambda: None,
+    steal_after: int = 0,
 ) -> int:
     """Messages to Alice a passive attacker reads after stealing her state once.
 
     Alice and Bob take turns of ``per_turn`` messages. The attacker copies
-    Alice's state after her first turn and feeds every later message to Alice
-    through its copy (which never sends, so it never learns her new keys).
+    Alice's state after turn ``steal_after`` (one of hers: even) and feeds every
+    later message to Alice through its copy (which never sends, so it never
+    learns her new keys).
     """
     alice, bob = make()
     copy: Session | None = None
@@ -143,7 +145,7 @@ def _read_after_theft(
                     read += 1
                 except DecryptionError:
                     pass
-        if turn == 0:
+        if turn == steal_after:
             copy = _clone(alice)
         between_turns()
     return read
@@ -236,18 +238,26 @@ def test_restored_lazy_session_ratchets_at_its_next_owed_send() -> None:
     assert restored.to_dict()["dhs_pub"] != before
 
 
-@pytest.mark.parametrize("spacing", [0.1, 0.01])
-def test_the_tunnels_schedule_heals_within_two_of_its_bounds(spacing: float) -> None:
+@pytest.mark.parametrize(("spacing", "per_turn"), [(0.1, 1), (0.01, 1), (0.01, 5)])
+def test_the_tunnels_schedule_heals_within_two_age_bounds(spacing: float, per_turn: int) -> None:
     """64 sends / 1 s on both sides (a talos-proxy home, ADR 0002): the victim steps only
-    after the peer did, so messages to it stay readable for up to two bounds, never more.
-
-    One message per turn, ``spacing`` seconds per turn: after 1 s at most 1/spacing
-    turns pass (10 or 100 messages); two bounds are 20 messages at 0.1 s, 128 (2 x 64
-    sends of the peer) at 0.01 s.
+    after the peer did, so messages to it stay readable for up to two age bounds (2 s
+    of them), whatever the moment of the theft; with ``per_turn`` messages a turn the
+    64-send bound counts for each side's own sends, so only time bounds the count.
     """
-    pairs = _Bounded(64, 1.0, tick=spacing)
-    read = _read_after_theft(pairs.make, turns=600, per_turn=1, between_turns=pairs.tick)
-    bound = min(2 * round(1.0 / spacing), 2 * 64)
-    assert 1 <= read <= bound
-    signal = _read_after_theft(lambda: Session.create_pair(ratchet_every=1), turns=600, per_turn=1)
-    assert signal <= 1 < read  # a step every turn: only the turn in flight
+    worst = 0
+    phase = 2 * round(1.0 / spacing)  # turns in 2 s: thefts spread over them
+    for steal_after in range(0, phase + 2, 2 * max(1, phase // 24)):
+        pairs = _Bounded(64, 1.0, tick=spacing)
+        read = _read_after_theft(
+            pairs.make,
+            turns=phase + round(3.0 / spacing),
+            per_turn=per_turn,
+            between_turns=pairs.tick,
+            steal_after=steal_after,
+        )
+        worst = max(worst, read)
+    # Bob's turns (every other one) in 2 s, all their messages at most.
+    assert 1 <= worst <= round(2.0 / spacing) // 2 * per_turn + per_turn
+    signal = _read_after_theft(lambda: Session.create_pair(ratchet_every=1), per_turn=per_turn)
+    assert signal <= per_turn < worst  # a step every turn: only the turn in flight
