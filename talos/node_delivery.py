@@ -117,6 +117,11 @@ class NodeDelivery(NodeBase):
                 WRITE_DELAY, self._write_deferred
             )
 
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
     def _write_deferred(self) -> None:
         """The write timer: deferred outbox rows and ack writes, in one group."""
         self._write_timer = None
@@ -132,9 +137,8 @@ class NodeDelivery(NodeBase):
 
     def _submit_acks(self) -> None:
         """Queue the acks' writes: drop acked outbox rows, log our records of them."""
-        if self._write_timer is not None and not self._outgoing:
-            self._write_timer.cancel()
-            self._write_timer = None
+        if not self._outgoing:  # else the timer stays, for the rows still waiting
+            self._cancel_write_timer()
         acks, self._acks = self._acks, {}
         for did, (seq, records) in acks.items():
             with contextlib.suppress(UsageError):  # writer closed: the rows are resent next run
@@ -284,9 +288,7 @@ class NodeDelivery(NodeBase):
         """Group commit of the outbox: sends arriving while one commit runs share the next."""
         batch, self._outgoing = self._outgoing, []
         self._outbox_busy = True
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
+        self._cancel_write_timer()
         with self.writer.together():  # one group, one transaction, one wake-up
             if self._acks:
                 self._submit_acks()

@@ -108,7 +108,6 @@ class Sending:
         if self._ended:
             return
         if exc is not None:
-            self._peer.tx.remove_waiter(self._row.seq, self)
             self._finish(None, exc)
             return
         self._committed = True
@@ -157,8 +156,6 @@ class Sending:
                 # "Stays queued" needs the row committed first: on_committed reports.
                 self._node.flush_outbox_now()
             return
-        if self._expiry is not None:
-            self._expiry.cancel()
         ack = self._ack
         if ack is None:
             self._finish(self.msg_id, None)
@@ -178,16 +175,12 @@ class Sending:
         if self._committed:
             self._unacked(asyncio.CancelledError())
         else:
-            self._ended = True  # not committed yet: nothing was promised (as before)
-            self._peer.tx.remove_waiter(self._row.seq, self)
+            self._end()  # not committed yet: nothing was promised (as before)
 
     def _unacked(self, exc: BaseException) -> None:
         """Not acked: "the message stays queued" must hold after a crash, so the
         unsynced row is synced before the caller hears so."""
-        self._ended = True
-        if self._expiry is not None:
-            self._expiry.cancel()
-        self._peer.tx.remove_waiter(self._row.seq, self)
+        self._end()
         try:
             synced = self._node.writer.submit_sync()
         except UsageError:  # the writer is closed: the node stopped
@@ -201,8 +194,15 @@ class Sending:
         self._report(None, exc)
 
     def _finish(self, msg_id: str | None, exc: BaseException | None) -> None:
-        self._ended = True
+        self._end()
         self._report(msg_id, exc)
+
+    def _end(self) -> None:
+        """Nothing more to wait for: no timeout, no place among the ack's waiters."""
+        self._ended = True
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._peer.tx.remove_waiter(self._row.seq, self)
 
     def _report(self, msg_id: str | None, exc: BaseException | None) -> None:
         done, self._done = self._done, _ignore
