@@ -41,13 +41,22 @@ DEADLINE_S = 30.0
 
 
 def step(text: str) -> None:
-    print(f"\n\033[1m==> {text}\033[0m", flush=True)
+    bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
+    print(f"\n{bold}==> {text}{plain}", flush=True)
 
 
 def run(*args: str) -> str:
     """Run a CLI command; show it and return its stdout."""
     print("$ " + " ".join(_short(a) for a in args), flush=True)
-    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=DEADLINE_S)
+    # stdin: nothing here is typed (a key prompt must fail fast, not wait for the keyboard).
+    out = subprocess.run(
+        args,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        stdin=subprocess.DEVNULL,
+    )
     return out.stdout.strip()
 
 
@@ -68,6 +77,7 @@ class Daemon:
         self.name = name
         self.proc = subprocess.Popen(
             args,
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE if stream == "stdout" else subprocess.DEVNULL,
             stderr=subprocess.PIPE if stream == "stderr" else subprocess.DEVNULL,
             text=True,
@@ -125,8 +135,8 @@ async def call_tool_through_tunnel(agent_home: Path, tool_addr: str) -> None:
         start = time.perf_counter()
         result = await session.call_tool("get_current_time", {"timezone": "UTC"})
         ms = (time.perf_counter() - start) * 1000
-        text = " ".join(getattr(c, "text", "") for c in result.content)
-        print(f"   get_current_time(UTC) -> {text.strip()[:120]}  ({ms:.1f} ms)")
+        text = " ".join(" ".join(getattr(c, "text", "").split()) for c in result.content)
+        print(f"   get_current_time(UTC) -> {text[:120]}  ({ms:.1f} ms)")
         if result.is_error:
             raise SystemExit("the tool call failed")
 
@@ -171,12 +181,14 @@ def main() -> int:
                 print(f"   bob's inbox: from {_short(m['from'])}: {m['text']!r}")
 
             step("Expose an MCP tool (mcp-server-time) to one authorised agent identity")
-            did_agent = run(PROXY, "id", "--home", str(agent))
+            did_agent = run(PROXY, "id", "--home", str(agent), "--no-passphrase")
+            print(f"   agent {_short(did_agent)}")
             serve = Daemon(
                 "talos-proxy serve",
                 [
-                    PROXY, "serve", "--home", str(tool), "--listen", "127.0.0.1:0",
-                    "--allow", did_agent, "--", sys.executable, "-m", "mcp_server_time",
+                    PROXY, "serve", "--home", str(tool), "--no-passphrase",
+                    "--listen", "127.0.0.1:0", "--allow", did_agent,
+                    "--", sys.executable, "-m", "mcp_server_time",
                 ],
                 r"serving on (ws://\S+#did:key:\w+)",
                 "stderr",

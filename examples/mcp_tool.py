@@ -37,14 +37,16 @@ TIMEOUT = 30.0
 def start_serve(tool_home: Path, agent_did: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``talos-proxy serve``; return the process and its ``ws://…#DID`` address."""
     cmd = [
-        PROXY, "--log-level", "WARNING", "serve", "--home", str(tool_home),
+        PROXY, "--log-level", "WARNING", "serve", "--home", str(tool_home), "--no-passphrase",
         "--listen", "127.0.0.1:0", "--allow", agent_did, "--tools", "get_current_time",
         "--", sys.executable, "-m", "mcp_server_time",
     ]  # fmt: skip
     print("$ talos-proxy serve --listen 127.0.0.1:0 --allow AGENT_DID --tools get_current_time \\")
     print("      -- python -m mcp_server_time &")
     with log.open("wb") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+        )
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline:
         found = re.search(r"serving on (ws://\S+#did:key:\w+)", log.read_text())
@@ -91,8 +93,8 @@ def main() -> None:
         root = Path(tmp)
         agent_home, tool_home = root / "agent", root / "tool"
         agent_did = subprocess.run(
-            [PROXY, "id", "--home", str(agent_home)],
-            check=True, capture_output=True, text=True, timeout=TIMEOUT,
+            [PROXY, "id", "--home", str(agent_home), "--no-passphrase"],
+            check=True, capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL,
         ).stdout.strip()  # fmt: skip
         print(f"agent identity {agent_did}")
         proc, addr = start_serve(tool_home, agent_did, root / "serve.log")
