@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
@@ -123,9 +124,20 @@ async def call_tool_through_tunnel(agent_home: Path, tool_addr: str) -> None:
         args=["--log-level", "WARNING", "connect", "--home", str(agent_home), "--peer", tool_addr],
     )
     print(f"$ mcp client -> {_short(PROXY)} connect --home {_short(str(agent_home))} --peer …")
+    # connect's stderr (its DID, warnings) goes to a file, shown only if the call fails.
+    log = agent_home.parent / "connect.log"
+    with log.open("w") as errlog:
+        try:
+            await _call_tool(params, errlog)
+        except BaseException:
+            print(log.read_text(), file=sys.stderr, end="")
+            raise
+
+
+async def _call_tool(params: StdioServerParameters, errlog: TextIO) -> None:
     async with (
         asyncio.timeout(DEADLINE_S),
-        stdio_client(params) as (read, write),
+        stdio_client(params, errlog=errlog) as (read, write),
         ClientSession(read, write) as session,
     ):
         init = await session.initialize()
