@@ -3,11 +3,15 @@
 The examples start together (they are mostly waiting on subprocesses and
 sockets) and each test then collects one of them with a deadline. Each runs
 with its own TMPDIR, which must be empty afterwards: the examples clean up.
+Each has a pseudo-terminal as its standard input, as when typed into a shell
+(and no controlling terminal, so nothing can read the real one): a command
+an example runs that stopped at a passphrase prompt would hang it here.
 """
 
 from __future__ import annotations
 
 import os
+import pty
 import re
 import subprocess
 import sys
@@ -95,6 +99,7 @@ EXPECTED: dict[str, list[str]] = {
 class Running:
     proc: subprocess.Popen[str]
     tmpdir: Path
+    terminal: int  # the pseudo-terminal's primary side, open while the example runs
 
 
 def test_every_example_is_covered() -> None:
@@ -108,21 +113,31 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Runn
         for name in EXPECTED:
             tmpdir = tmp_path_factory.mktemp(f"tmp-{name}")
             env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen(
-                [sys.executable, str(EXAMPLES / f"{name}.py")],
-                cwd=tmpdir,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            procs[name] = Running(proc, tmpdir)
+            primary, secondary = pty.openpty()
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, str(EXAMPLES / f"{name}.py")],
+                    cwd=tmpdir,
+                    env=env,
+                    stdin=secondary,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            except BaseException:
+                os.close(primary)
+                raise
+            finally:
+                os.close(secondary)
+            procs[name] = Running(proc, tmpdir, primary)
         yield procs
     finally:
         for r in procs.values():
             if r.proc.poll() is None:
                 r.proc.kill()
                 r.proc.communicate()
+            os.close(r.terminal)
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
