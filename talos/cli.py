@@ -319,9 +319,9 @@ def cmd_chain(args: argparse.Namespace) -> int:
         if report is _NOT_RUNNING:
             from talos.home import offline_verify
 
-            report = offline_verify(_home(args))
+            report = offline_verify(_home(args), args.passphrase_file)
         if args.heads is not None:
-            _witness(path, args.heads, report)
+            _witness(path, args.heads, report, args.passphrase_file)
         if args.json:
             _out(report)
         for d in report["defects"]:
@@ -360,22 +360,23 @@ def cmd_chain(args: argparse.Namespace) -> int:
         if blocks is _NOT_RUNNING:
             from talos.home import offline_blocks
 
-            blocks = offline_blocks(_home(args))
+            blocks = offline_blocks(_home(args), args.passphrase_file)
         _out(blocks)
         return 0
     proof = _online(path, "chain.proof", {"id": args.id})
     if proof is _NOT_RUNNING:
         from talos.home import offline_proof
 
-        proof = offline_proof(_home(args), args.id)
+        proof = offline_proof(_home(args), args.id, args.passphrase_file)
     _out(proof)
     return 0
 
 
-def _witness(home_path: Path, path: str, report: dict[str, Any]) -> None:
+def _witness(
+    home_path: Path, path: str, report: dict[str, Any], passphrase_file: str | None
+) -> None:
     """Check the log against signed heads of this node that others hold (``--heads FILE``)."""
     from talos.chain.witness import check_heads, statements_of
-    from talos_sdk.keyfile import load_wallet
 
     try:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -390,13 +391,15 @@ def _witness(home_path: Path, path: str, report: dict[str, Any]) -> None:
     if blocks is _NOT_RUNNING:
         from talos.home import offline_blocks
 
-        blocks = offline_blocks(home)
-    wallet = load_wallet(home.identity)
+        blocks = offline_blocks(home, passphrase_file)
+    from talos.home import log_owner
+
+    owner, mldsa = log_owner(home, passphrase_file)
     witness = check_heads(
-        wallet.did,
+        owner.did,
         statements_of(document),
         {int(b["height"]): str(b["hash"]) for b in blocks},
-        wallet.mldsa_public_key,
+        mldsa,
     )
     report["witness"] = witness.to_json()
     report["defects"] += report["witness"]["defects"]

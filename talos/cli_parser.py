@@ -305,6 +305,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
     )
     _json(cv, "the verification report")
     _home(cv, inherited=True)
+    _passphrase_args(cv)  # a stopped hybrid home's key is unlocked to read its log
     cv.add_argument(
         "--heads",
         metavar="FILE",
@@ -328,6 +329,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         ("talosd chain show",),
     )
     _home(cs, inherited=True)
+    _passphrase_args(cs)  # a stopped hybrid home's key is unlocked to read its log
     cp = command(
         csub,
         "proof",
@@ -337,6 +339,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
     )
     cp.add_argument("id", metavar="ID", help="record (message) id, hex, as `talosd send` printed")
     _home(cp, inherited=True)
+    _passphrase_args(cp)  # a stopped hybrid home's key is unlocked to read its log
 
     sp = add(
         "mcp",

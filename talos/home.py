@@ -17,7 +17,7 @@ from talos import pipeline as pl
 from talos.chain.log import BlockLog
 from talos.chain.verify import verify_chain
 from talos.config import Home, NodeConfig, parse_peer_addr
-from talos.keys import key_file_did, unlock
+from talos.keys import is_encrypted, key_file_did, key_file_suite, unlock
 from talos.sessions import SessionManager, load_secrets
 from talos.store import Store
 from talos.views import block_json, report_json
@@ -129,28 +129,59 @@ def offline_inbox(home: Home, after: int = 0) -> list[dict[str, object]]:
         return [e.to_json() for e in pl.iter_inbox(txn, after)]
 
 
-def offline_verify(home: Home) -> dict[str, Any]:
+class _LogReader:
+    """Who a stopped node's log belongs to, for reading it: a classical home's DID
+    from the key file's clear header, so a sealed key needs no passphrase. Signs
+    nothing (the offline chain commands only read)."""
+
+    hybrid_public_key = None
+
+    def __init__(self, did: str) -> None:
+        self.did = did
+
+    def sign(self, data: bytes) -> bytes:
+        raise UsageError("a log opened to be read signs nothing")
+
+    sign_auth = sign
+
+
+def log_owner(
+    home: Home, passphrase_file: str | None = None
+) -> tuple[Wallet | _LogReader, bytes | None]:
+    """The identity to open the log with, and the ML-DSA key its blocks must carry.
+
+    A hybrid home is unlocked: its ML-DSA public key is not in the key file's
+    header (only its fingerprint), and it must come from the key, never from
+    the store being audited.
+    """
+    path = home.identity
+    if is_encrypted(path) and key_file_suite(path) == "ed25519":
+        return _LogReader(key_file_did(path)), None
+    wallet = unlock(path, passphrase_file=passphrase_file)
+    return wallet, wallet.mldsa_public_key
+
+
+def offline_verify(home: Home, passphrase_file: str | None = None) -> dict[str, Any]:
     """``talosd chain verify`` while stopped, as the API's JSON report."""
-    wallet = unlock(home.identity)
+    owner, mldsa = log_owner(home, passphrase_file)
     with _offline_store(home) as store:
-        # The ML-DSA key comes from the wallet, never from the store being audited.
-        report = verify_chain(store, wallet.did, mldsa65_public_key=wallet.mldsa_public_key)
-        return report_json(report, BlockLog(store, wallet).quarantined())
+        report = verify_chain(store, owner.did, mldsa65_public_key=mldsa)
+        return report_json(report, BlockLog(store, owner).quarantined())
 
 
-def offline_blocks(home: Home) -> list[dict[str, Any]]:
+def offline_blocks(home: Home, passphrase_file: str | None = None) -> list[dict[str, Any]]:
     """``talosd chain show`` while stopped."""
-    wallet = unlock(home.identity)
+    owner, _ = log_owner(home, passphrase_file)
     with _offline_store(home) as store:
-        return [block_json(b) for b in BlockLog(store, wallet).iter_blocks()]
+        return [block_json(b) for b in BlockLog(store, owner).iter_blocks()]
 
 
-def offline_proof(home: Home, record_id: str) -> dict[str, Any]:
+def offline_proof(home: Home, record_id: str, passphrase_file: str | None = None) -> dict[str, Any]:
     """``talosd chain proof ID`` while stopped."""
     try:
         rid = bytes.fromhex(record_id)
     except ValueError:
         raise UsageError("record id must be hex") from None
-    wallet = unlock(home.identity)
+    owner, _ = log_owner(home, passphrase_file)
     with _offline_store(home) as store:
-        return BlockLog(store, wallet).inclusion_proof(rid)
+        return BlockLog(store, owner).inclusion_proof(rid)

@@ -31,6 +31,7 @@ __all__ = [
     "change_passphrase",
     "is_encrypted",
     "key_file_did",
+    "key_file_suite",
     "new_key_passphrase",
     "unlock",
 ]
@@ -66,6 +67,14 @@ def key_file_did(path: Path) -> str:
     return did
 
 
+def key_file_suite(path: Path) -> str:
+    """The suite a key file names in clear (``ed25519``, ``ed25519-mldsa65``)."""
+    suite = _read_doc(path).get("suite")
+    if not isinstance(suite, str):
+        raise KeyFileError(f"{path} has no 'suite' string")
+    return suite
+
+
 def read_passphrase_file(path: str | os.PathLike[str]) -> str:
     """The first line of ``path`` without its line ending; empty is an error."""
     try:
@@ -92,9 +101,12 @@ def _prompt(prompt: str, *, confirm: bool) -> str | None:
         interactive = False
     if not interactive:
         return None
-    first = getpass.getpass(prompt)
-    if confirm and getpass.getpass("repeat passphrase: ") != first:
-        raise UsageError("the two passphrases differ; nothing was written")
+    try:
+        first = getpass.getpass(prompt)
+        if confirm and getpass.getpass("repeat passphrase: ") != first:
+            raise UsageError("the two passphrases differ; nothing was written")
+    except EOFError:  # Ctrl-D at the prompt
+        raise UsageError("no passphrase given (end of input at the prompt)") from None
     if not first:
         raise UsageError("empty passphrase; use --no-passphrase to store the key unencrypted")
     return first

@@ -16,11 +16,12 @@ __all__ = ["register_cli"]
 
 def cmd_relay_config(args: argparse.Namespace) -> int:
     from talos.config import Home
-    from talos_sdk.keyfile import load_wallet
+    from talos.keys import key_file_did
 
     dids = list(args.did)
     for home in args.node_home:
-        dids.append(load_wallet(Home(Path(home)).identity).did)
+        # The DID in the key file's clear header: no passphrase needed for a sealed key.
+        dids.append(key_file_did(Home(Path(home)).identity))
     for did in args.did:
         check_did(did, "DID")
     if not dids:

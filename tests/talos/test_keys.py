@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from talos.keys import is_encrypted, key_file_did, unlock
+from talos.relay.names import nkey_public
+from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import WrongPassphraseError
 from tests.talos.daemons import ENV, TALOSD, Daemon, fast_config, talosd
 
@@ -165,6 +167,69 @@ def test_init_asks_on_a_terminal(tmp_path: Path) -> None:
     assert code == 0
     assert out.strip() == key_file_did(home / "identity.key")
     assert unlock(home / "identity.key", passphrase_file=_secret(tmp_path, "typed secret")).did
+
+
+def test_end_of_input_at_the_prompt_is_a_clear_error(tmp_path: Path) -> None:
+    home = tmp_path / "a"
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [*TALOSD, "init", "--home", str(home)],
+        stdin=secondary,
+        stdout=subprocess.PIPE,
+        stderr=secondary,
+        env=ENV,
+        start_new_session=True,  # getpass reads the pty, not a real terminal
+    )
+    os.close(secondary)
+    seen = b""
+    try:
+        while b"passphrase" not in seen:
+            ready, _, _ = select.select([primary], [], [], 60)
+            assert ready, f"no prompt; got {seen!r}"
+            seen += os.read(primary, 1024)
+        os.write(primary, b"\x04")  # Ctrl-D on an empty line
+        proc.communicate(timeout=60)
+        while select.select([primary], [], [], 0.5)[0]:
+            try:
+                seen += os.read(primary, 1024)
+            except OSError:  # the other side closed
+                break
+    finally:
+        os.close(primary)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2  # bad input, as with no passphrase at all
+    assert b"Traceback" not in seen and b"no passphrase given" in seen
+    assert not (home / "identity.key").exists()
+
+
+def test_a_stopped_sealed_home_reads_its_log_without_the_passphrase(tmp_path: Path) -> None:
+    home = tmp_path / "a"
+    res = _run([*TALOSD, "init", "--home", str(home)], {"TALOS_PASSPHRASE": "sealed"})
+    assert res.returncode == 0, res.stderr
+    did = res.stdout.strip()
+    # Public facts only: the DID is in the key file's clear header.
+    assert _run([*TALOSD, "chain", "verify", "--home", str(home)]).stdout.startswith("chain ok")
+    shown = _run([*TALOSD, "chain", "show", "--home", str(home)])
+    assert shown.returncode == 0 and shown.stdout.strip() == "[]", shown.stderr
+    proof = _run([*TALOSD, "chain", "proof", "--home", str(home), "00" * 16])
+    assert proof.returncode == 2 and "Traceback" not in proof.stderr  # no such record
+    relay = _run([*TALOSD, "relay-config", "--node-home", str(home), "--store-dir", "/x"])
+    assert relay.returncode == 0, relay.stderr
+    assert nkey_public(public_key_from_did(did)) in relay.stdout  # the node's relay user
+
+
+def test_a_stopped_hybrid_home_takes_the_passphrase_file_to_read_its_log(tmp_path: Path) -> None:
+    home = tmp_path / "h"
+    secret = _secret(tmp_path, "hybrid secret")
+    init = [*TALOSD, "init", "--home", str(home), "--suite", "ed25519-mldsa65"]
+    assert _run([*init, "--passphrase-file", secret]).returncode == 0
+    # Its ML-DSA key is not in the clear header: the key is unlocked to check blocks.
+    res = _run([*TALOSD, "chain", "verify", "--home", str(home)])
+    assert res.returncode == 2 and "--passphrase-file" in res.stderr
+    res = _run([*TALOSD, "chain", "verify", "--home", str(home), "--passphrase-file", secret])
+    assert res.returncode == 0 and res.stdout.startswith("chain ok"), res.stderr
 
 
 def test_proxy_seals_a_new_identity_and_unlocks_it(tmp_path: Path) -> None:
