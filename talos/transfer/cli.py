@@ -48,14 +48,29 @@ def cmd_send_file(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     info = _call(args, "files.get", {"id": tid})
     if sys.stderr.isatty():
+        from rich.console import Console
         from rich.progress import Progress
 
-        with Progress(transient=True) as bar:
-            task = bar.add_task(info["name"], total=max(info["size"], 1))
+        name, size = info["name"], max(info["size"], 1)
+        # On stderr, the terminal: stdout carries only the transfer id (tid=$(...)).
+        with Progress(console=Console(stderr=True)) as bar:
+            task = bar.add_task(name, total=size)
             while not is_final(TransferState(info["state"])) and time.monotonic() < deadline:
-                bar.update(task, completed=min(info["transferred"], info["size"]))
+                # Until the receiving user accepts, say so rather than sit at 0 %.
+                waiting = info["state"] in (TransferState.OFFERED, TransferState.PENDING)
+                bar.update(
+                    task,
+                    completed=min(info["transferred"], info["size"]),
+                    description=f"{name} (waiting for the peer to accept)" if waiting else name,
+                )
                 time.sleep(0.1)
                 info = _call(args, "files.get", {"id": tid})
+            done = info["state"] == TransferState.COMPLETE.value
+            bar.update(
+                task,
+                completed=size if done else min(info["transferred"], info["size"]),
+                description=name if done else f"{name} ({info['state']})",
+            )
     while args.wait and not is_final(TransferState(info["state"])):
         if time.monotonic() > deadline:
             print(

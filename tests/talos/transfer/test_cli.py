@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import subprocess
 import sys
 import time
@@ -113,6 +115,49 @@ def test_send_file_pending_accept_and_list(
     assert (b / "files" / "payload.bin").read_bytes() == src.read_bytes()
     assert row["size"] == src.stat().st_size
     assert _wait_state(a, tid, "complete")["to"] == did_b
+
+
+def test_send_file_progress_on_a_terminal_says_it_waits_then_ends_full(
+    tmp_path: Path, two_nodes: tuple[Path, Path, str, str]
+) -> None:
+    a, b, _, did_b = two_nodes
+    src = tmp_path / "shown.bin"
+    src.write_bytes(os.urandom(2 << 20))
+    _wait_linked(a, did_b)
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [*CLI, "send-file", "--home", str(a), "--wait", did_b, str(src)],
+        stdout=subprocess.PIPE,
+        stderr=secondary,  # the bar draws on a terminal only
+        text=True,
+    )
+    os.close(secondary)
+    shown = b""
+
+    def read_until(text: bytes, limit: float = 30) -> None:
+        nonlocal shown
+        deadline = time.monotonic() + limit
+        while text not in shown:
+            ready, _, _ = select.select([primary], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"{text!r} never shown: {shown!r}"
+            try:
+                shown += os.read(primary, 4096)
+            except OSError:  # the writer closed the terminal
+                break
+
+    try:
+        read_until(b"waiting for the peer to accept")
+        rows = json.loads(_run("files", "--home", str(b), "--json"))
+        _run("files", "--home", str(b), "accept", rows[0]["tid"])
+        out, _ = proc.communicate(timeout=60)
+        read_until(b"100%")
+    finally:
+        os.close(primary)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0
+    assert out.strip() == rows[0]["tid"]  # stdout: the id alone, the bar went to stderr
 
 
 def test_run_files_dir_receives_there(tmp_path: Path) -> None:
