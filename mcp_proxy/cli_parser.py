@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         "read the audit records of a serve home (its node running or not)",
         "Print the tunnel's audit records from a serve home's block log: time, event,"
         " outcome, caller, tool; never arguments (unless serve ran with"
-        " --audit-plaintext, and even then not here). Filters combine.",
+        " --audit-plaintext, and even then not here). Filters combine. It reads through"
+        " a talosd running on the home, or the store when nothing holds it; a serve"
+        " that runs its own node holds the store, so read its records once it stops.",
         (
             "talos-proxy audit --home ./tool --since 2h",
             "talos-proxy audit --home ./tool --json --outcome denied",
