@@ -24,7 +24,13 @@ from talos import exit_codes
 from talos.local.call import NoNodeError
 from talos.local.call import call as node_call
 from talos.peer_refs import check_peer_addr, check_peer_ref
-from talos_sdk.errors import LinkRefusedError, PeerUnreachableError, TalosError, UsageError
+from talos_sdk.errors import (
+    LinkRefusedError,
+    PeerUnreachableError,
+    TalosError,
+    UsageError,
+    WrongPassphraseError,
+)
 
 __all__ = ["exit_code_for", "main"]
 
@@ -487,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def exit_code_for(exc: BaseException) -> int:
     """The exit code of a failed command (talos/exit_codes.py): whose fault, what kind."""
-    if isinstance(exc, UsageError):
+    if isinstance(exc, UsageError | WrongPassphraseError):
         return exit_codes.BAD_INPUT
     if isinstance(exc, LinkRefusedError):
         return exit_codes.REFUSED

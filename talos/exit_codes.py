@@ -3,7 +3,7 @@
 A script can tell a refusal from an outage from a slow peer without parsing
 stderr. argparse already exits 2 on a usage error; BAD_INPUT widens that to
 any input the command rejects after parsing (a DID that does not parse, a
-file that is not there, a message over the bound).
+file that is not there, a message over the bound, a wrong passphrase).
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def test_sealed_identity_init_run_and_offline_commands(tmp_path: Path) -> None:
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "encrypted" in res.stderr and "--passphrase-file" in res.stderr
     res = _run([*TALOSD, "run", "--home", str(home)], {"TALOS_PASSPHRASE": "wrong"})
-    assert res.returncode == 1 and "wrong passphrase" in res.stderr
+    assert res.returncode == 2 and "wrong passphrase" in res.stderr  # bad input
     # The right one, from a file or the environment.
     node = Daemon(home, "--listen", "127.0.0.1:0", "--passphrase-file", good)
     try:
@@ -103,7 +103,7 @@ def test_passphrase_command_changes_and_removes_it(tmp_path: Path) -> None:
     key = home / "identity.key"
     did = key_file_did(key)
     res = talosd("passphrase", "--home", str(home), "--passphrase-file", new)
-    assert res.returncode == 1 and "wrong passphrase" in res.stderr
+    assert res.returncode == 2 and "wrong passphrase" in res.stderr  # bad input
     res = talosd(
         "passphrase", "--home", str(home), "--passphrase-file", old, "--new-passphrase-file", new
     )
@@ -241,7 +241,7 @@ def test_proxy_seals_a_new_identity_and_unlocks_it(tmp_path: Path) -> None:
     # serve unlocks by the same means; the wrong passphrase is one clear line.
     serve = ["serve", "--home", str(sealed), "--listen", "127.0.0.1:0", "--allow-none"]
     res = _run([*PROXY, *serve, "--", "true"], {"TALOS_PASSPHRASE": "not it"})
-    assert res.returncode != 0 and "wrong passphrase" in res.stderr
+    assert res.returncode == 2 and "wrong passphrase" in res.stderr
     assert "Traceback" not in res.stderr
     # No passphrase to be had: created unencrypted, and said so; --no-passphrase is quiet.
     res = _run([*PROXY, "id", "--home", str(plain)])
