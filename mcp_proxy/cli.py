@@ -31,6 +31,7 @@ from mcp_proxy.toolenv import parse_env_assignments
 from mcp_proxy.transport import NodeTransport
 from talos import exit_codes
 from talos.cli import exit_code_for
+from talos.cli_help import parse
 from talos.local.call import NodeGoneError
 from talos.logging import configure, event
 from talos.peer_refs import check_did, check_peer_addr, check_peer_ref
@@ -297,7 +298,7 @@ def _audit(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     # The proxy's home holds a node identity and store: owner-only files.
     os.umask(0o077)
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     configure(args.log_format, args.log_level, roots=("talos", "mcp_proxy"))
     try:
         if args.cmd == "id":

@@ -481,7 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     # Everything a node writes (keys, store, config, logs) is for its owner only.
     os.umask(0o077)
-    args = build_parser().parse_args(argv)
+    from talos.cli_help import parse
+
+    args = parse(build_parser(), argv)
     try:
         return int(args.fn(args))
     except KeyboardInterrupt:

@@ -79,7 +79,19 @@ def command(
         epilog=epilog(examples),
         formatter_class=HelpFormatter,
     )
+    # The innermost subcommand's default wins: parse() reports unknown arguments with it.
+    parser.set_defaults(_command_parser=parser)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that an unknown argument is reported with
+    the usage of the subcommand it was given to (argparse names the top level's)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        owner: argparse.ArgumentParser = getattr(args, "_command_parser", None) or parser
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _sentence(text: str) -> str:

@@ -116,3 +116,21 @@ def test_talosd_parser_does_not_load_heavy_modules() -> None:
     loaded = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines()}
     heavy = {m for m in loaded if m.split(".")[0] in ("aiohttp", "pydantic", "rich", "mcp")}
     assert not heavy, f"talosd's parser loads {sorted(heavy)}"
+
+
+@pytest.mark.parametrize(
+    ("command", "options"),
+    [("talosd chain verify", []), ("talosd inbox", []), ("talos-proxy serve", ["--home", "h"])],
+)
+def test_an_unknown_option_gets_its_subcommands_usage(command: str, options: list[str]) -> None:
+    prog, *path = command.split()
+    res = subprocess.run(
+        [str(BIN / prog), *path, *options, "--nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"usage: {command} "), res.stderr
+    assert f"{command}: error: unrecognized arguments: --nope" in res.stderr
