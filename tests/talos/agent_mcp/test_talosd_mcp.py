@@ -247,9 +247,9 @@ async def test_sealed_identity_without_its_passphrase_is_a_clear_error(tmp_path:
     wrong.write_text("not it\n")
     env = {k: v for k, v in os.environ.items() if "PASSPHRASE" not in k}
     env["PYTHONPATH"] = str(REPO)
-    cases = [  # exit codes of talos/exit_codes.py: 2 bad input, 1 failed
+    cases = [  # exit codes of talos/exit_codes.py: 2 bad input
         ([], "TALOS_PASSPHRASE", 2),  # no passphrase to be had, no terminal to ask on
-        (["--passphrase-file", str(wrong)], "passphrase", 1),
+        (["--passphrase-file", str(wrong)], "passphrase", 2),  # the wrong one
     ]
     for extra, expected, code in cases:
         proc = await asyncio.create_subprocess_exec(
