@@ -30,7 +30,7 @@ from mcp_proxy.server import TunnelServer
 from mcp_proxy.toolenv import parse_env_assignments
 from mcp_proxy.transport import NodeTransport
 from talos import exit_codes
-from talos.cli import exit_code_for
+from talos.cli import exit_code_for, quiet_broken_pipe
 from talos.cli_help import parse
 from talos.local.call import NodeGoneError
 from talos.logging import configure, event
@@ -313,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(completion_script(build_parser(), args.shell), end="")
         else:
             run(_connect(args))
+    except BrokenPipeError:  # stdout's reader went away (talos-proxy audit | head)
+        return quiet_broken_pipe()
     except (TalosError, OSError) as exc:
         # The codes of talos/exit_codes.py: 2 bad input, 3 refused, 4 unreachable, ...
         print(f"talos-proxy: {exc}", file=sys.stderr)

@@ -17,6 +17,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from talos.chain.log import UnknownRecordError
+from talos.config import LOOPBACK_HOSTS
 from talos.transfer.routes import register_routes
 from talos.views import block_json, node_verify_json
 from talos_sdk.errors import StorageFullError, TalosError, UsageError
@@ -224,8 +225,8 @@ async def start_api(
     node: Node, transfers: TransferManager | None, host: str, port: int
 ) -> tuple[web.AppRunner, str]:
     """Serve the API; returns the runner (``await runner.cleanup()`` to stop) and its URL."""
-    if host not in ("127.0.0.1", "::1", "localhost"):
-        raise UsageError("the control API listens on loopback only")
+    if host not in LOOPBACK_HOSTS:  # NodeConfig refuses it first; callers may pass any host
+        raise UsageError(f"api_host {host!r}: the control API listens on loopback only")
     # Long-polls are woken by node.stop(); never let shutdown hang on a stuck client.
     runner = web.AppRunner(
         build_app(node, node.home.api_token(), transfers), access_log=None, shutdown_timeout=2.0

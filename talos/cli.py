@@ -32,7 +32,7 @@ from talos_sdk.errors import (
     WrongPassphraseError,
 )
 
-__all__ = ["exit_code_for", "main"]
+__all__ = ["exit_code_for", "main", "quiet_broken_pipe"]
 
 _NOT_RUNNING = object()
 
@@ -488,9 +488,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args))
     except KeyboardInterrupt:
         return exit_codes.INTERRUPTED
+    except BrokenPipeError:
+        return quiet_broken_pipe()
     except (TalosError, OSError) as exc:
         print(f"talosd: error: {exc}", file=sys.stderr)
         return exit_code_for(exc)
+
+
+def quiet_broken_pipe() -> int:
+    """The reader of stdout went away (``talosd status | head``): no error to tell.
+
+    stdout then points at /dev/null, so the interpreter's last flush at exit
+    cannot fail again (Python's "Note on SIGPIPE", signal module docs).
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return exit_codes.FAILED
 
 
 def exit_code_for(exc: BaseException) -> int:

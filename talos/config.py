@@ -90,6 +90,10 @@ class TransferConfig(BaseModel):
     retry_delay: float = Field(default=0.2, gt=0)
 
 
+#: Hosts the control API may listen on: it is for local clients only (docs/security.md).
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
 class NodeConfig(BaseModel):
     """Everything a node can be told; stored as ``<home>/config.json``."""
 
@@ -163,6 +167,14 @@ class NodeConfig(BaseModel):
                 f"ratchet_max_age must be at most {MAX_RATCHET_AGE:g} s when ratchet_every > 1"
             )
         return self
+
+    @field_validator("api_host")
+    @classmethod
+    def _check_api_host(cls, value: str) -> str:
+        # Refused here, when the config is read, not once the node has started.
+        if value not in LOOPBACK_HOSTS:
+            raise ValueError(f"must be a loopback host ({', '.join(LOOPBACK_HOSTS)})")
+        return value
 
     @field_validator("relays")
     @classmethod

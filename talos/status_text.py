@@ -61,7 +61,14 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     ]
     relay = status.get("relay")
     if relay:
-        lines.append(f"relay     {relay.get('state', relay)}")
+        state = "connected" if relay.get("connected") else "not connected"
+        counters = ", ".join(
+            f"{k} {relay.get(k, 0)}" for k in ("relay_packets_rejected", "relay_packets_dropped")
+        )
+        lines.append(
+            f"relay     {state} to {', '.join(relay.get('servers', []))},"
+            f" {relay.get('streams', 0)} stream(s), {counters}"
+        )
     links = status.get("links", [])
     lines.append(f"peers     {len(links)}")
     for row in links:

@@ -69,8 +69,8 @@ FILE_MODE = 0o600
 def _full_error(map_size: int) -> StorageFullError:
     return StorageFullError(
         f"LMDB map full (map_size={map_size} bytes); the transaction was rolled back "
-        "and nothing was written. Raise the node's store map size (Store(map_size=...)) "
-        "and restart."
+        "and nothing was written. Raise map_size in the home's config.json and restart "
+        'the node (docs/operations.md "Configuration").'
     )
 
 

@@ -130,6 +130,8 @@ class NodeRelay:
             "connected": client.connected.is_set(),
             "token": client.names.token,
             "streams": client.streams,
+            "relay_packets_rejected": 0,
+            "relay_packets_dropped": 0,
             **client.counters,
         }
 

@@ -134,3 +134,20 @@ def test_an_unknown_option_gets_its_subcommands_usage(command: str, options: lis
     assert res.returncode == 2
     assert res.stderr.startswith(f"usage: {command} "), res.stderr
     assert f"{command}: error: unrecognized arguments: --nope" in res.stderr
+
+
+@pytest.mark.parametrize("command", [["talosd", "completion", "bash"], ["talos-proxy", "--help"]])
+def test_a_reader_that_goes_away_is_not_an_error(command: list[str]) -> None:
+    """``talosd ... | head``: stdout's reader closes early; no "Broken pipe" error."""
+    proc = subprocess.Popen(
+        [str(BIN / command[0]), *command[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command has written anything
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert "Broken pipe" not in err and "Traceback" not in err, err

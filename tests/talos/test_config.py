@@ -79,3 +79,10 @@ def test_default_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert default_home() == tmp_path
     monkeypatch.delenv("TALOS_HOME")
     assert default_home() == Path.home() / ".talos"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.1", "::"])
+def test_the_control_api_host_must_be_loopback_when_the_config_is_read(host: str) -> None:
+    with pytest.raises(ValueError, match="api_host"):
+        NodeConfig(api_host=host)
+    assert NodeConfig(api_host="::1").api_host == "::1"

@@ -74,3 +74,19 @@ def test_outbox_lines_say_why_nothing_moves() -> None:
     assert lines[1] == "  not moving: peer unreachable: connection refused"
     assert "3.1" in lines[2] and "queued" in lines[2] and "…" in lines[2]
     assert lines[3] == "  ... and 4 more"
+
+
+def test_the_relay_line_reads_as_words_with_its_counters() -> None:
+    status = _status()
+    status["relay"] = {
+        "servers": ["nats://127.0.0.1:4222"],
+        "connected": True,
+        "token": "t",
+        "streams": 2,
+        "relay_packets_rejected": 0,
+        "relay_packets_dropped": 1,
+    }
+    assert (
+        "relay     connected to nats://127.0.0.1:4222, 2 stream(s),"
+        " relay_packets_rejected 0, relay_packets_dropped 1"
+    ) in status_lines(status)
