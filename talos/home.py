@@ -2,7 +2,7 @@
 
 ``talosd init`` builds a home here; ``talosd id|peers|send|inbox|chain`` use
 the helpers below when no node runs (the store's ``flock`` proves it: a
-running node holds it, docs/operations.md "Homes"). Each helper opens the
+running node holds it, docs/operations.md "A home"). Each helper opens the
 store, does one transaction and closes it again.
 """
 

@@ -1,4 +1,4 @@
-"""``talosd status`` and ``talosd outbox`` for people (docs/operations.md "Status").
+"""``talosd status`` and ``talosd outbox`` for people (docs/operations.md "Health and metrics").
 
 Pure formatting of the JSON views of :mod:`talos.views`; standard library
 only, so a client command prints without importing the node. Sequence
