@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import re
 import sys
 import time
@@ -67,8 +68,18 @@ class KeyValueFormatter(logging.Formatter):
         return " ".join(parts)
 
 
+def _json_value(value: Any) -> Any:
+    """A field as JSON: numbers, booleans and null as themselves, anything else as escaped text."""
+    if value is None or isinstance(value, bool | int):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    return escape(value)
+
+
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line."""
+    """One JSON object per line: ``ts`` (Unix time, seconds), ``level``, ``logger``,
+    ``event``, then the event's fields, typed where JSON has the type."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -77,7 +88,7 @@ class JsonFormatter(logging.Formatter):
             "logger": escape(record.name),
             "event": escape(record.getMessage()),
         }
-        out.update({escape(k): escape(v) for k, v in getattr(record, _FIELDS, {}).items()})
+        out.update({escape(k): _json_value(v) for k, v in getattr(record, _FIELDS, {}).items()})
         if record.exc_info and record.exc_info[0] is not None:
             out["error"] = escape(record.exc_info[1])
         # ensure_ascii (the default) also writes every other non-ASCII character as \uXXXX.

@@ -24,10 +24,12 @@ def test_key_value_lines_quote_when_needed() -> None:
     assert 'reason="a b"' in line
 
 
-def test_json_lines() -> None:
-    out = json.loads(JsonFormatter().format(_record({"n": 3})))
-    assert out["event"] == "link_up"
-    assert out["n"] == "3"
+def test_json_lines_keep_numbers_booleans_and_null_typed() -> None:
+    fields = {"n": 3, "ok": False, "code": None, "delay": 0.5, "odd": float("nan"), "s": "3"}
+    out = json.loads(JsonFormatter().format(_record(fields)))
+    assert out["event"] == "link_up" and isinstance(out["ts"], float)
+    assert out["n"] == 3 and out["ok"] is False and out["code"] is None and out["delay"] == 0.5
+    assert out["odd"] == "nan" and out["s"] == "3"  # not JSON numbers: text
 
 
 @pytest.fixture
