@@ -252,9 +252,9 @@ def cmd_outbox(args: argparse.Namespace) -> int:
     _require_identity(path)
     peers = _online(path, "outbox", {"peer": args.peer})
     if peers is _NOT_RUNNING:
-        raise NoNodeError(
-            f"no node is running on {path}; queued messages move once `talosd run` does"
-        )
+        from talos.home import offline_outbox
+
+        peers = offline_outbox(_home(args), args.peer)
     if args.json:
         _out(peers)
     else:

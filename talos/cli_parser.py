@@ -52,7 +52,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         description="Talos peer-to-peer node for AI agents: a did:key identity, end-to-end"
         " encrypted messages and files between peers, and a tamper-evident log of every"
         " message. Commands that need the node talk to the one running on the home;"
-        " id, peers, send, inbox and chain also work with the node stopped.",
+        " id, peers, send, inbox, outbox and chain also work with the node stopped.",
         epilog=epilog(
             (
                 "talosd init --home ./alice --no-passphrase",
@@ -242,7 +242,8 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         "queued messages per peer and why they are not moving",
         "List the messages waiting for a peer's acknowledgement, per peer: their"
         " sequence number (epoch.n), time, id and state, and why they do not move"
-        " (link refused by the peer, peer unreachable, waiting for session, ...).",
+        " (link refused by the peer, peer unreachable, waiting for session, ...)."
+        " With the node stopped, it reads the store: every message reads queued.",
         ("talosd outbox", f"talosd outbox --json {DID_EXAMPLE}"),
     )
     sp.add_argument("peer", nargs="?", metavar="PEER", help="only this peer (a DID or a peer name)")

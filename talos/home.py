@@ -18,9 +18,10 @@ from talos.chain.log import BlockLog
 from talos.chain.verify import verify_chain
 from talos.config import Home, NodeConfig, parse_peer_addr
 from talos.keys import is_encrypted, key_file_did, key_file_suite, unlock
+from talos.peer_names import resolve_peer
 from talos.sessions import SessionManager, load_secrets
 from talos.store import Store
-from talos.views import block_json, report_json
+from talos.views import block_json, outbox_listing, report_json
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import UsageError
 from talos_sdk.keyfile import save_wallet
@@ -32,6 +33,7 @@ __all__ = [
     "offline_blocks",
     "offline_identity",
     "offline_inbox",
+    "offline_outbox",
     "offline_peers",
     "offline_proof",
     "offline_send",
@@ -107,6 +109,22 @@ def offline_peers(home: Home) -> list[dict[str, Any]]:
             {"did": k.decode(), "addr": v.decode() or None, "connected": False}
             for k, v in txn.items("peers")
         ]
+
+
+#: Why nothing moves in ``talosd outbox`` while the node is stopped.
+STOPPED_WHY = "no node is running on this home; queued messages move once `talosd run` does"
+
+
+def offline_outbox(home: Home, ref: str | None = None) -> list[dict[str, Any]]:
+    """``talosd outbox`` while stopped: what waits for each peer (``ref``: a DID or name)."""
+
+    def stopped(_: str) -> tuple[str, str | None, dict[str, Any] | None, int]:
+        # Whether a row went out before the stop is not known here: all read "queued".
+        return "stopped", STOPPED_WHY, None, 0
+
+    with _offline_store(home) as store, store.read() as txn:
+        did = resolve_peer(txn, ref) if ref is not None else None
+        return outbox_listing(txn, did, stopped)
 
 
 def offline_send(home: Home, did: str, text: str) -> str:

@@ -8,7 +8,7 @@ here; ``*_text`` twins give ``epoch.n`` (docs/adr/0007-epoch-sequence-numbers.md
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from talos import pipeline as pl
@@ -22,7 +22,14 @@ if TYPE_CHECKING:
     from talos.node import Node
     from talos.store import Txn
 
-__all__ = ["block_json", "node_status", "outbox_json", "quarantined_json", "report_json"]
+__all__ = [
+    "block_json",
+    "node_status",
+    "outbox_json",
+    "outbox_listing",
+    "quarantined_json",
+    "report_json",
+]
 
 #: Messages listed per peer by ``talosd outbox`` (the count covers them all).
 OUTBOX_LIST_LIMIT = 100
@@ -162,29 +169,49 @@ def node_status(node: Node) -> dict[str, Any]:
 def outbox_json(node: Node, did: str | None = None) -> list[dict[str, Any]]:
     """``talosd outbox --json``: per peer with queued messages, the link's state, why
     they do not move, and the first :data:`OUTBOX_LIST_LIMIT` messages."""
-    by_peer: dict[str, list[pl.OutboxEntry]] = {}
-    with node.store.read() as txn:
-        counts = _outbox_counts(txn) if did is None else {}
-        for row in _outbox_rows(txn, did):
-            rows = by_peer.setdefault(row.peer, [])
-            if len(rows) < OUTBOX_LIST_LIMIT:
-                rows.append(row)
-            if did is not None:
-                counts[did] = counts.get(did, 0) + 1
-        names = peer_names(txn)
-    out = []
-    for peer_did in sorted(by_peer):
+
+    def link(peer_did: str) -> tuple[str, str | None, dict[str, Any] | None, int]:
         state, why = node.link_state(peer_did)
         peer = node._peers.get(peer_did)
-        sent = peer.tx.sent if peer is not None else 0
         problem = node.link_problem(peer_did)
+        return (
+            state,
+            why or None,
+            problem.to_json() if problem is not None else None,
+            peer.tx.sent if peer is not None else 0,
+        )
+
+    with node.store.read() as txn:
+        return outbox_listing(txn, did, link)
+
+
+#: What :func:`outbox_listing` says of a peer's link: state, why, last refusal,
+#: and the highest sequence number sent (rows at or below it await their ack).
+LinkFacts = Callable[[str], tuple[str, str | None, dict[str, Any] | None, int]]
+
+
+def outbox_listing(txn: Txn, did: str | None, link: LinkFacts) -> list[dict[str, Any]]:
+    """The rows of :func:`outbox_json`, from a read snapshot; ``link`` tells each
+    peer's link (a running node's view, or "stopped" for ``talosd outbox`` offline)."""
+    by_peer: dict[str, list[pl.OutboxEntry]] = {}
+    counts = _outbox_counts(txn) if did is None else {}
+    for row in _outbox_rows(txn, did):
+        rows = by_peer.setdefault(row.peer, [])
+        if len(rows) < OUTBOX_LIST_LIMIT:
+            rows.append(row)
+        if did is not None:
+            counts[did] = counts.get(did, 0) + 1
+    names = peer_names(txn)
+    out = []
+    for peer_did in sorted(by_peer):
+        state, why, refusal, sent = link(peer_did)
         out.append(
             {
                 "did": peer_did,
                 "name": names.get(peer_did),
                 "state": state,
-                "why": why or None,
-                "last_refusal": problem.to_json() if problem is not None else None,
+                "why": why,
+                "last_refusal": refusal,
                 "count": counts.get(peer_did, 0),
                 "messages": [
                     {

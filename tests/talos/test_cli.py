@@ -69,12 +69,30 @@ def test_commands_on_a_missing_home_fail_clearly(tmp_path: Path) -> None:
     home, _ = init(tmp_path, "a")
     res = talosd("status", "--home", str(home))
     assert res.returncode == 4 and "no node is running" in res.stderr
-    res = talosd("outbox", "--home", str(home))
-    assert res.returncode == 4 and "no node is running" in res.stderr
+    res = talosd("outbox", "--home", str(home))  # read from the store while stopped
+    assert res.returncode == 0 and res.stdout.strip() == "outbox empty", res.stderr
     res = talosd("peers", "add", "ws://127.0.0.1:1", "--home", str(home))
     assert res.returncode == 2 and "needs the peer's DID" in res.stderr
     res = talosd("run", "--home", str(home), "--listen", "nonsense")
     assert res.returncode == 2 and "HOST:PORT" in res.stderr
+
+
+def test_outbox_while_stopped_lists_what_waits_and_why(tmp_path: Path) -> None:
+    home, _ = init(tmp_path, "a")
+    peer, _ = init(tmp_path, "b")
+    did_b = talosd("id", "--home", str(peer)).stdout.strip()
+    msg_id = talosd("send", "--home", str(home), did_b, "queued while stopped").stdout.strip()
+    assert talosd("peers", "name", did_b, "bob", "--home", str(home)).returncode == 0
+    res = talosd("outbox", "--home", str(home), "--json")
+    assert res.returncode == 0, res.stderr
+    [row] = json.loads(res.stdout)
+    assert row["did"] == did_b and row["name"] == "bob" and row["state"] == "stopped"
+    assert "talosd run" in row["why"] and row["count"] == 1
+    assert [m["id"] for m in row["messages"]] == [msg_id]
+    assert row["messages"][0]["state"] == "queued"
+    text = talosd("outbox", "--home", str(home), "bob").stdout
+    assert "bob" in text and "not moving: no node is running" in text
+    assert "'queued while stopped'" in text
 
 
 def test_run_api_and_clean_shutdown(tmp_path: Path) -> None:
