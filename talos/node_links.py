@@ -27,7 +27,7 @@ from talos.link import wire
 from talos.link.auth import check_bundle_auth
 from talos.link.handshake import CLOSE_PROTOCOL
 from talos.link.peer import Link
-from talos.link.refusals import LinkProblem
+from talos.link.refusals import UNREACHABLE, LinkProblem
 from talos.logging import event
 from talos.node_apps import ConnectTimeoutError
 from talos.node_base import NodeBase, Peer
@@ -162,14 +162,23 @@ class NodeLinks(NodeBase):
 
     def link_state(self, did: str) -> tuple[str, str]:
         """``(state, why)`` of the link to ``did`` for status and the outbox: ready,
-        linked (session pending), refused_by_peer / refused_by_us / unreachable,
-        connecting, no_address or idle; ``why`` says why messages do not move."""
+        linked (session pending), mailboxed (offline; mail waits in the relay),
+        refused_by_peer / refused_by_us / unreachable, connecting, no_address or
+        idle; ``why`` says why messages do not move."""
         peer = self._peers.get(did)
         if peer is not None and peer.ready.is_set():
             return "ready", ""
         if peer is not None and peer.link is not None:
             return "linked", "waiting for session"
         problem = self._problems.get(did)
+        relay = self.relay
+        if (
+            relay is not None
+            and relay.mailboxed(did)
+            and (problem is None or problem.kind == UNREACHABLE)
+        ):
+            # Not a fault: the messages wait, sealed, where the peer will find them.
+            return "mailboxed", "in the peer's relay mailbox until it connects"
         if problem is not None:
             return problem.kind, problem.why()
         if self.links.dialling(did):

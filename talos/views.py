@@ -174,11 +174,13 @@ def outbox_json(node: Node, did: str | None = None) -> list[dict[str, Any]]:
         state, why = node.link_state(peer_did)
         peer = node._peers.get(peer_did)
         problem = node.link_problem(peer_did)
+        relay = node.relay
+        posted = relay.mailboxed(peer_did) if relay is not None else 0
         return (
             state,
             why or None,
             problem.to_json() if problem is not None else None,
-            peer.tx.sent if peer is not None else 0,
+            max(peer.tx.sent if peer is not None else 0, posted),  # the mailbox's are sent
         )
 
     with node.store.read() as txn:

@@ -123,6 +123,10 @@ class NodeRelay:
     def _count(self, name: str, n: int = 1) -> None:
         self.node.metrics.inc(name, n)
 
+    def mailboxed(self, did: str) -> int:
+        """Highest sequence number posted to ``did``'s mailbox and not yet known acked (0: none)."""
+        return self._mailboxed.get(did, 0)
+
     def status(self) -> dict[str, Any]:
         client = self.client
         return {

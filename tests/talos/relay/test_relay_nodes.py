@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from talos.node import Node
+from talos.views import outbox_json
 from tests.talos.nodes import started, until
 from tests.talos.relay.conftest import RelayNet
 
@@ -46,6 +47,11 @@ async def test_recipient_offline_then_sender_offline_delivered_once(relay_net: R
     relay = a.relay
     assert relay is not None
     await until(lambda: a.metrics.counters.get("mailbox_out", 0) >= 5, 20, "mailboxed")
+    # Status and outbox say where the messages are, not that the peer is at fault.
+    assert a.link_state(b.did) == ("mailboxed", "in the peer's relay mailbox until it connects")
+    [row] = outbox_json(a, b.did)
+    assert row["state"] == "mailboxed"
+    assert {m["state"] for m in row["messages"]} == {"sent, awaiting ack"}
     await a.stop()  # the sender is gone when the recipient returns
     b = await started(home_b, config_b)
     b.allow(a.did)
