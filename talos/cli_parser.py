@@ -110,7 +110,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
     sp = add(
         "id",
         "show this node's identity",
-        "Print this node's DID; with --json also its X25519 key, signature suites and"
+        "Print this node's DID; with --json also its X25519 key, key-agreement suites and"
         " listen address (when running).",
         ("talosd id --home ./alice", "talosd id --home ./alice --json"),
     )

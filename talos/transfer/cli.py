@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from talos import exit_codes
+
 __all__ = ["register_cli"]
 
 
@@ -73,17 +75,18 @@ def cmd_send_file(args: argparse.Namespace) -> int:
             )
     while args.wait and not is_final(TransferState(info["state"])):
         if time.monotonic() > deadline:
+            print(tid)  # a script still learns which transfer goes on
             print(
                 f"talosd: error: transfer {tid} not finished after {args.timeout} s",
                 file=sys.stderr,
             )
-            return 1
+            return exit_codes.TIMED_OUT
         time.sleep(0.05)
         info = _call(args, "files.get", {"id": tid})
     print(tid)
     if args.wait and info["state"] != TransferState.COMPLETE.value:
         print(f"talosd: error: transfer {info['state']}: {info['error']}", file=sys.stderr)
-        return 1
+        return exit_codes.REFUSED if info["state"] == TransferState.REJECTED else exit_codes.FAILED
     return 0
 
 
@@ -130,7 +133,7 @@ def register_cli(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
         type=float,
         default=3600.0,
         metavar="SECONDS",
-        help="with --wait: give up waiting after SECONDS (the transfer goes on)",
+        help="with --wait: give up waiting after SECONDS (the transfer goes on; exit 5)",
     )
     sp.add_argument("did", metavar="PEER", help="the recipient: a DID or a peer name")
     sp.add_argument("path", metavar="PATH", help="the file to send")

@@ -160,6 +160,36 @@ def test_send_file_progress_on_a_terminal_says_it_waits_then_ends_full(
     assert out.strip() == rows[0]["tid"]  # stdout: the id alone, the bar went to stderr
 
 
+def test_send_file_wait_exit_codes_timeout_and_rejection(
+    tmp_path: Path, two_nodes: tuple[Path, Path, str, str]
+) -> None:
+    a, b, _, did_b = two_nodes
+    src = tmp_path / "unwanted.bin"
+    src.write_bytes(os.urandom(1 << 16))
+    _wait_linked(a, did_b)
+    send = [*CLI, "send-file", "--home", str(a), "--wait", did_b, str(src)]
+    late = subprocess.run([*send, "--timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert late.returncode == exit_codes.TIMED_OUT, late.stderr
+    tid = late.stdout.strip()  # the id still reaches a script: the transfer goes on
+    assert _wait_state(b, tid, "pending")["size"] == 1 << 16
+    waiting = subprocess.Popen(send, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(json.loads(_run("files", "--home", str(b), "--json"))) < 2:
+            assert time.monotonic() < deadline, "second offer never arrived"
+            time.sleep(0.1)
+        for row in json.loads(_run("files", "--home", str(b), "--json")):
+            if row["state"] == "pending":
+                _run("files", "--home", str(b), "reject", row["tid"])
+        out, err = waiting.communicate(timeout=60)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.communicate()
+    assert waiting.returncode == exit_codes.REFUSED, err
+    assert out.strip() and "rejected" in err
+
+
 def test_run_files_dir_receives_there(tmp_path: Path) -> None:
     inbox = tmp_path / "elsewhere" / "inbox"
     nodes = _nodes(tmp_path, "--files-dir", str(inbox))
