@@ -12,13 +12,14 @@ was (:func:`exit_code_for`); nothing prints a traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from talos import exit_codes
 from talos.local.call import NoNodeError
@@ -31,6 +32,9 @@ from talos_sdk.errors import (
     UsageError,
     WrongPassphraseError,
 )
+
+if TYPE_CHECKING:  # talos.home loads the node's modules: imported where a command needs it
+    from talos.home import LogOwner
 
 __all__ = ["exit_code_for", "main", "quiet_broken_pipe"]
 
@@ -320,14 +324,22 @@ def cmd_inbox(args: argparse.Namespace) -> int:
 def cmd_chain(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
+
+    @functools.cache
+    def owner() -> LogOwner:
+        # Once per command: a hybrid home's key is unlocked for it (an scrypt each time).
+        from talos.home import log_owner
+
+        return log_owner(_home(args), args.passphrase_file)
+
     if args.chain_cmd == "verify":
         report = _online(path, "chain.verify", timeout=600)
         if report is _NOT_RUNNING:
             from talos.home import offline_verify
 
-            report = offline_verify(_home(args), args.passphrase_file)
+            report = offline_verify(_home(args), owner())
         if args.heads is not None:
-            _witness(path, args.heads, report, args.passphrase_file)
+            _witness(path, args.heads, report, owner)
         if args.json:
             _out(report)
         for d in report["defects"]:
@@ -366,20 +378,20 @@ def cmd_chain(args: argparse.Namespace) -> int:
         if blocks is _NOT_RUNNING:
             from talos.home import offline_blocks
 
-            blocks = offline_blocks(_home(args), args.passphrase_file)
+            blocks = offline_blocks(_home(args), owner())
         _out(blocks)
         return 0
     proof = _online(path, "chain.proof", {"id": args.id})
     if proof is _NOT_RUNNING:
         from talos.home import offline_proof
 
-        proof = offline_proof(_home(args), args.id, args.passphrase_file)
+        proof = offline_proof(_home(args), args.id, owner())
     _out(proof)
     return 0
 
 
 def _witness(
-    home_path: Path, path: str, report: dict[str, Any], passphrase_file: str | None
+    home_path: Path, path: str, report: dict[str, Any], owner: Callable[[], LogOwner]
 ) -> None:
     """Check the log against signed heads of this node that others hold (``--heads FILE``)."""
     from talos.chain.witness import check_heads, statements_of
@@ -397,12 +409,10 @@ def _witness(
     if blocks is _NOT_RUNNING:
         from talos.home import offline_blocks
 
-        blocks = offline_blocks(home, passphrase_file)
-    from talos.home import log_owner
-
-    owner, mldsa = log_owner(home, passphrase_file)
+        blocks = offline_blocks(home, owner())
+    identity, mldsa = owner()
     witness = check_heads(
-        owner.did,
+        identity.did,
         statements_of(document),
         {int(b["height"]): str(b["hash"]) for b in blocks},
         mldsa,

@@ -21,7 +21,7 @@ from talos.keys import is_encrypted, key_file_did, key_file_suite, unlock
 from talos.peer_names import resolve_peer
 from talos.sessions import SessionManager, load_secrets
 from talos.store import Store
-from talos.views import block_json, outbox_listing, report_json
+from talos.views import LinkView, block_json, outbox_listing, report_json
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import UsageError
 from talos_sdk.keyfile import save_wallet
@@ -118,7 +118,7 @@ STOPPED_WHY = "no node is running on this home; queued messages move once `talos
 def offline_outbox(home: Home, ref: str | None = None) -> list[dict[str, Any]]:
     """``talosd outbox`` while stopped: what waits for each peer (``ref``: a DID or name)."""
 
-    def stopped(_: str) -> tuple[str, str | None, dict[str, Any] | None, int]:
+    def stopped(_: str) -> LinkView:
         # Whether a row went out before the stop is not known here: all read "queued".
         return "stopped", STOPPED_WHY, None, 0
 
@@ -163,9 +163,11 @@ class _LogReader:
     sign_auth = sign
 
 
-def log_owner(
-    home: Home, passphrase_file: str | None = None
-) -> tuple[Wallet | _LogReader, bytes | None]:
+#: Who a log belongs to, and the ML-DSA key its hybrid blocks must carry (or None).
+LogOwner = tuple[Wallet | _LogReader, bytes | None]
+
+
+def log_owner(home: Home, passphrase_file: str | None = None) -> LogOwner:
     """The identity to open the log with, and the ML-DSA key its blocks must carry.
 
     A hybrid home is unlocked: its ML-DSA public key is not in the key file's
@@ -179,27 +181,25 @@ def log_owner(
     return wallet, wallet.mldsa_public_key
 
 
-def offline_verify(home: Home, passphrase_file: str | None = None) -> dict[str, Any]:
+def offline_verify(home: Home, owner: LogOwner) -> dict[str, Any]:
     """``talosd chain verify`` while stopped, as the API's JSON report."""
-    owner, mldsa = log_owner(home, passphrase_file)
+    identity, mldsa = owner
     with _offline_store(home) as store:
-        report = verify_chain(store, owner.did, mldsa65_public_key=mldsa)
-        return report_json(report, BlockLog(store, owner).quarantined())
+        report = verify_chain(store, identity.did, mldsa65_public_key=mldsa)
+        return report_json(report, BlockLog(store, identity).quarantined())
 
 
-def offline_blocks(home: Home, passphrase_file: str | None = None) -> list[dict[str, Any]]:
+def offline_blocks(home: Home, owner: LogOwner) -> list[dict[str, Any]]:
     """``talosd chain show`` while stopped."""
-    owner, _ = log_owner(home, passphrase_file)
     with _offline_store(home) as store:
-        return [block_json(b) for b in BlockLog(store, owner).iter_blocks()]
+        return [block_json(b) for b in BlockLog(store, owner[0]).iter_blocks()]
 
 
-def offline_proof(home: Home, record_id: str, passphrase_file: str | None = None) -> dict[str, Any]:
+def offline_proof(home: Home, record_id: str, owner: LogOwner) -> dict[str, Any]:
     """``talosd chain proof ID`` while stopped."""
     try:
         rid = bytes.fromhex(record_id)
     except ValueError:
         raise UsageError("record id must be hex") from None
-    owner, _ = log_owner(home, passphrase_file)
     with _offline_store(home) as store:
-        return BlockLog(store, owner).inclusion_proof(rid)
+        return BlockLog(store, owner[0]).inclusion_proof(rid)

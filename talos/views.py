@@ -166,11 +166,17 @@ def node_status(node: Node) -> dict[str, Any]:
     }
 
 
+#: What :func:`outbox_listing` says of a peer's link: state, why, last refusal,
+#: and the highest sequence number sent (rows at or below it await their ack).
+LinkView = tuple[str, str | None, dict[str, Any] | None, int]
+LinkFacts = Callable[[str], LinkView]
+
+
 def outbox_json(node: Node, did: str | None = None) -> list[dict[str, Any]]:
     """``talosd outbox --json``: per peer with queued messages, the link's state, why
     they do not move, and the first :data:`OUTBOX_LIST_LIMIT` messages."""
 
-    def link(peer_did: str) -> tuple[str, str | None, dict[str, Any] | None, int]:
+    def link(peer_did: str) -> LinkView:
         state, why = node.link_state(peer_did)
         peer = node._peers.get(peer_did)
         problem = node.link_problem(peer_did)
@@ -185,11 +191,6 @@ def outbox_json(node: Node, did: str | None = None) -> list[dict[str, Any]]:
 
     with node.store.read() as txn:
         return outbox_listing(txn, did, link)
-
-
-#: What :func:`outbox_listing` says of a peer's link: state, why, last refusal,
-#: and the highest sequence number sent (rows at or below it await their ack).
-LinkFacts = Callable[[str], tuple[str, str | None, dict[str, Any] | None, int]]
 
 
 def outbox_listing(txn: Txn, did: str | None, link: LinkFacts) -> list[dict[str, Any]]:

@@ -117,13 +117,21 @@ def test_send_file_pending_accept_and_list(
     assert _wait_state(a, tid, "complete")["to"] == did_b
 
 
+def _linked_with_file(
+    nodes: tuple[Path, Path, str, str], src: Path, size: int
+) -> tuple[Path, Path, str, Path]:
+    """A's home, B's home, B's DID and ``src`` filled with ``size`` random bytes,
+    once A is linked to B."""
+    a, b, _, did_b = nodes
+    src.write_bytes(os.urandom(size))
+    _wait_linked(a, did_b)
+    return a, b, did_b, src
+
+
 def test_send_file_progress_on_a_terminal_says_it_waits_then_ends_full(
     tmp_path: Path, two_nodes: tuple[Path, Path, str, str]
 ) -> None:
-    a, b, _, did_b = two_nodes
-    src = tmp_path / "shown.bin"
-    src.write_bytes(os.urandom(2 << 20))
-    _wait_linked(a, did_b)
+    a, b, did_b, src = _linked_with_file(two_nodes, tmp_path / "shown.bin", 2 << 20)
     primary, secondary = pty.openpty()
     proc = subprocess.Popen(
         [*CLI, "send-file", "--home", str(a), "--wait", did_b, str(src)],
@@ -163,10 +171,7 @@ def test_send_file_progress_on_a_terminal_says_it_waits_then_ends_full(
 def test_send_file_wait_exit_codes_timeout_and_rejection(
     tmp_path: Path, two_nodes: tuple[Path, Path, str, str]
 ) -> None:
-    a, b, _, did_b = two_nodes
-    src = tmp_path / "unwanted.bin"
-    src.write_bytes(os.urandom(1 << 16))
-    _wait_linked(a, did_b)
+    a, b, did_b, src = _linked_with_file(two_nodes, tmp_path / "unwanted.bin", 1 << 16)
     send = [*CLI, "send-file", "--home", str(a), "--wait", did_b, str(src)]
     late = subprocess.run([*send, "--timeout", "1"], capture_output=True, text=True, timeout=60)
     assert late.returncode == exit_codes.TIMED_OUT, late.stderr
