@@ -1,6 +1,6 @@
 """The node's LMDB store beside raw py-lmdb on the same data (docs/DESIGN.md "Performance targets").
 
-Rows (docs/DESIGN.md "Performance targets", LMDB block store): a batched append of
+Rows (docs/DESIGN.md "Performance targets", row LMDB block store): a batched append of
 records through :class:`talos.store.Store` (one write transaction,
 ``put_many``) against the same batch through a raw ``lmdb`` cursor; random
 point reads through a ``Store.read()`` snapshot against a raw read

@@ -1,6 +1,6 @@
 """Audit a node's block log and prove that one message is in it.
 
-Shows (docs/DESIGN.md "block log"; RFC 6962 / RFC 9162 Merkle trees):
+Shows (docs/DESIGN.md "Block log"; RFC 6962 / RFC 9162 Merkle trees):
 
 1. alice sends bob three messages through two ``talosd run`` nodes; each one
    becomes a record (ids, parties, sender's signed commitment) in both logs.

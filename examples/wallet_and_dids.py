@@ -1,6 +1,6 @@
 """Identities with the SDK alone: wallets, did:key, signatures, key files.
 
-Shows (docs/DESIGN.md "Protocol decisions: Identity"; docs/PROTOCOL.md):
+Shows (docs/DESIGN.md "Identity"; docs/PROTOCOL.md):
 
 1. ``Wallet.generate()`` and the deterministic ``Wallet.from_seed(seed)``.
 2. The did:key of a wallet and how it round-trips to the raw public key.

@@ -1,11 +1,11 @@
 """Audit of the tunnel (docs/DESIGN.md "MCP tunnel": every call audited; "group commit").
 
-docs/PROTOCOL.md "MCP tunnel, audit record" defines the record. Every event
+The record is defined in docs/PROTOCOL.md "MCP tunnel", Audit record. Every event
 of a serve side becomes an :class:`AuditRecord`:
 
 * ``call``: a caller's request and how it ended (``ok``, ``error``,
   ``tool-error``, ``denied``, ``cancelled``, ``malformed``, ``tool-exited``,
-  ``link-down``, ``refused-notification``);
+  ``closed`` (the session ended first, a lost link included), ``refused-notification``);
 * ``request``: a request the tool sent to the caller (sampling, elicitation,
   roots) and the caller's answer;
 * ``session``: ``open`` (or its refusal), ``close`` and the tool process's

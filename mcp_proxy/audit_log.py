@@ -1,4 +1,4 @@
-"""Reading the audit back: ``talos-proxy audit`` (docs/PROTOCOL.md "MCP tunnel, audit record").
+"""Reading the audit back: ``talos-proxy audit`` (docs/PROTOCOL.md "MCP tunnel", Audit record).
 
 The records are ``kind="mcp"`` records of the serve node's block log, one event each
 (version 2) or several (a batch record, version 3,

@@ -1,5 +1,5 @@
 """Audit records of the tunnel and the key they are committed under
-(docs/PROTOCOL.md "MCP tunnel, audit record"; docs/adr/0009-mcp-judged-bytes-and-audit.md).
+(docs/PROTOCOL.md "MCP tunnel", Audit record; docs/adr/0009-mcp-judged-bytes-and-audit.md).
 
 :class:`AuditRecord` is one event of a serve side; :func:`pack` puts a batch of
 them into block-log records, as many events as fit sharing one (version 3,
@@ -60,7 +60,7 @@ _SAFE_INT = 2**53
 
 
 class Event(enum.StrEnum):
-    """What an audit record is about (docs/PROTOCOL.md "MCP tunnel, audit record")."""
+    """What an audit record is about (docs/PROTOCOL.md "MCP tunnel", Audit record)."""
 
     CALL = "call"
     REQUEST = "request"

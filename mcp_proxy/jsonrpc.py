@@ -3,7 +3,7 @@
 This module reads the fields policy and audit need (kind, ``id``, ``method``,
 the tool name of ``tools/call``, a progress token), builds error replies, and
 holds the one rule every hop of the tunnel applies before it forwards a message
-(docs/PROTOCOL.md "MCP tunnel", ADR 0003 "One message, one line"):
+(docs/PROTOCOL.md "MCP tunnel", One message, one line; ADR 0009):
 
 * :func:`encode` -- the serve side, which judges, hands on the compact
   re-encoding of the object it judged, never the bytes it received: whitespace,

@@ -1,5 +1,5 @@
 """Audit records of an attached ``talos-proxy serve``, kept by the running node
-(docs/PROTOCOL.md "MCP tunnel, audit record", docs/adr/0012-local-clients.md).
+(docs/PROTOCOL.md "MCP tunnel", Audit record, docs/adr/0012-local-clients.md).
 
 An attached serve opens no store: :class:`NodeAuditSink` hands its record
 batches to the node over the local socket (``log.append``), which appends them

@@ -6,7 +6,7 @@ between the tunnel and the process. This side judges, so in both directions it
 forwards the compact re-encoding of the object it parsed
 (:func:`mcp_proxy.jsonrpc.encode`), never the bytes it received: the tool
 parses exactly what the policy judged, the caller exactly what was audited
-(docs/PROTOCOL.md "MCP tunnel", ADR 0003). A denied ``tools/call`` is answered
+(docs/PROTOCOL.md "MCP tunnel"; ADR 0003). A denied ``tools/call`` is answered
 here (-32001) and never reaches the tool; a ``tools/call`` without an id (a
 notification) is refused and audited, whatever the tool.
 

@@ -1,4 +1,4 @@
-"""The audit records of one tunnel session (docs/PROTOCOL.md "MCP tunnel, audit record").
+"""The audit records of one tunnel session (docs/PROTOCOL.md "MCP tunnel", Audit record).
 
 :class:`SessionAudit` turns what the serve side sees -- a call and its reply, a
 request of the tool and the caller's answer, open, close, exit, a refusal --

@@ -1,4 +1,6 @@
-"""The environment a tool process starts with (docs/security.md "Tool processes").
+"""The environment a tool process starts with.
+
+See docs/security.md "What is not protected", Tool processes.
 
 A tool gets a clean environment by default: only the variables a program needs
 to run at all (:data:`DEFAULT_PASS`, taken from ``talos-proxy serve``'s own

@@ -2,7 +2,7 @@
 
 Pure: no I/O. One frame addresses one MCP client session and carries one or more
 JSON-RPC messages as opaque bytes, so the sender can coalesce whatever is queued
-into a single frame under load (docs/DESIGN.md "MCP tunnel, 64 requests in flight")::
+into a single frame under load (docs/DESIGN.md "Performance targets")::
 
     frame    = version:u8 kind:u8 session:u32 count:u32 message*
     message  = length:u32 bytes            (big-endian lengths)

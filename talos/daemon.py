@@ -6,7 +6,8 @@ Builds and wires the parts of a running node in one place: the
 the control API over both, and the local socket of attached clients
 (talos/local/server.py). Transfer runs whether or not the API does; the API
 only adds routes over the manager it is handed. Stop order is the reverse of
-start: the API first (long-polls woken), then transfers, then the node.
+start: the local socket first (its clients hear ``stopping``), then the API
+(long-polls woken), then transfers, then the node.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Named channels that services (file transfer, the MCP tunnel, head gossip)
 register; their payloads are sealed with the peer's session and travel in
-link order, not durably (docs/PROTOCOL.md "Link protocol", APP frames). Part
+link order, not durably (docs/PROTOCOL.md "Link protocol", App channels). Part
 of :class:`~talos.node.Node` (see :mod:`talos.node_base`).
 """
 
@@ -98,7 +98,8 @@ class NodeApps(NodeBase):
     def channel_binding(self, did: str) -> bytes:
         """The handshake hash of the current link to ``did`` (b"" without one).
 
-        What a token sent over the link is bound to (docs/PROTOCOL.md "Link handshake").
+        What a token sent over the link is bound to
+        (docs/PROTOCOL.md "Link protocol", Link handshake).
         """
         peer = self._peers.get(did)
         link = peer.link if peer is not None else None

@@ -470,7 +470,7 @@ def _ack_written(fut: asyncio.Future[None]) -> None:
 
 def _skip_row(txn: Txn, row: pl.OutboxEntry, prev: int) -> None:
     """Writer thread: drop a failed row; its successor now follows ``prev``
-    (docs/PROTOCOL.md "Message size")."""
+    (docs/PROTOCOL.md "Link protocol", Message size)."""
     txn.delete("outbox", pl.outbox_key(row.peer, row.seq))
     nxt = next(pl.iter_outbox(txn, row.peer, row.seq), None)
     if nxt is not None and nxt.prev == row.seq:
@@ -478,7 +478,7 @@ def _skip_row(txn: Txn, row: pl.OutboxEntry, prev: int) -> None:
 
 
 def _ack_txn(txn: Txn, log: BlockLog, did: str, seq: int, records: list[Record]) -> None:
-    """Drop acked outbox rows and log our own records of them (docs/DESIGN.md "block log")."""
+    """Drop acked outbox rows and log our own records of them (docs/DESIGN.md "Block log")."""
     pl.drop_acked(txn, did, seq)
     for record in records:
         log.append(record, txn, verified=True)  # signed here, by seal_message

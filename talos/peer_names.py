@@ -1,4 +1,4 @@
-"""Local names for peers (docs/ARCHITECTURE.md "Peer names").
+"""Local names for peers (docs/adr/0012-local-clients.md, decision 5).
 
 A name is a short handle the owner gives a peer's DID (``talosd peers add
 ADDR --name bob``); it works wherever a DID does (CLI, ``talosd mcp``,

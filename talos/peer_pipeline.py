@@ -9,7 +9,7 @@ peer's frames (it is failed and its successor takes its ``prev``), and
 whether a quiet link needs a resend. Events go in as method calls with
 everything they need (sequence numbers, the clock reading, the epoch);
 decisions come out as return values. No socket, task, timer or transaction:
-the node (talos/node.py and talos/delivery.py) does the awaiting, the
+the node (talos/node.py and talos/node_delivery.py) does the awaiting, the
 sending and the writing. tests/talos/pipeline_pair.py drives two of these
 against each other without sockets.
 

@@ -84,13 +84,13 @@ RESTORE_EPOCH_STEP: Final = 1 << 16
 
 #: Bytes a sealed MSG frame adds to its text (ratchet header with ML-KEM material,
 #: both DIDs, signature, AEAD tag; measured up to ~1.6 KiB), with room to spare
-#: (docs/PROTOCOL.md "Message size").
+#: (docs/PROTOCOL.md "Link protocol", Message size).
 MSG_OVERHEAD: Final = 3072
 
 
 class MessageTooLargeError(UsageError):
     """A message text that cannot fit in one frame the receiver accepts (docs/PROTOCOL.md
-    "Message size"): the caller's misuse, not a peer's protocol fault, so a
+    "Link protocol", Message size): the caller's misuse, not a peer's protocol fault, so a
     :class:`UsageError` only (the API answers 400)."""
 
 

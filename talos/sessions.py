@@ -20,7 +20,7 @@ Message frames are sealed with :class:`talos_sdk.frames.RatchetFrameCrypto`
 ``msg id (16) || prev seq u64 || text`` so the ``prev`` link the receiver
 orders by (talos/pipeline.py) is authenticated and committed to. Sealing also
 returns the sender's own audit record (same commitment bytes and signature the
-receiver logs; docs/DESIGN.md "block log"). App-channel frames are sealed with
+receiver logs; docs/DESIGN.md "Block log"). App-channel frames are sealed with
 the session alone, unsigned: the link is authenticated and the AEAD
 authenticates the sender, and a per-frame Ed25519 signature would cost more
 than the frame (docs/DESIGN.md performance targets).

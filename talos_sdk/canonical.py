@@ -1,4 +1,6 @@
-"""RFC 8785 JSON Canonicalization Scheme (JCS): the bytes Talos signs (docs/DESIGN.md "Protocol").
+"""RFC 8785 JSON Canonicalization Scheme (JCS): the bytes Talos signs.
+
+See docs/DESIGN.md "Canonical encoding".
 
 Two paths give identical bytes (a hypothesis test holds them to it):
 

@@ -25,7 +25,7 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     │   ├── BundleError            prekey bundle: bad signature, unknown suite, reused OPK
     │   ├── HandshakeError         link handshake failed or peer refused
     │   │   ├── Refusal            we refuse the peer (talos/link/handshake.py)
-    │   │   ├── PeerRefused        the peer refused us (talos/link/peer.py)
+    │   │   ├── PeerRefused        the peer refused us (talos/link/handshake.py)
     │   │   └── PeerSuiteError     suite or hybrid key not acceptable (talos_sdk/hybrid.py)
     │   │       ├── DowngradeError
     │   │       ├── PinnedKeyChangedError
@@ -39,7 +39,7 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     │   ├── StreamBroken           a relay stream out of order / oversize (talos/relay/wire.py)
     │   ├── JsonRpcError           a JSON-RPC message we must refuse (mcp_proxy/jsonrpc.py)
     │   └── TransferProtocolError  file transfer (talos/transfer/protocol.py)
-    │       ├── CreditExceededError    chunk beyond the granted credit (transfer/manager.py)
+    │       ├── CreditExceededError    chunk beyond the granted credit (transfer/incoming.py)
     │       ├── IntegrityError         size or SHA-256 mismatch (transfer/receiver.py)
     │       └── SourceChangedError     the file changed while sending (transfer/sender.py)
     ├── DecryptionError            opaque: tampered, replayed, wrong key, wrong AD
@@ -53,9 +53,9 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     │       ├── BlockHeightError, BlockLinkError, BlockNodeError, RecordCountError
     │       ├── MerkleRootError, BlockSignatureError, RecordSignatureError
     │       └── RecordIndexError       (talos/chain/verify.py)
-    ├── NotConnectedError          no ready link to that peer (talos/node.py; also ConnectionError)
+    ├── NotConnectedError          no ready link to that peer (node_apps.py; also ConnectionError)
     │   └── ConnectTimeoutError    wait_connected gave up (also TimeoutError)
-    ├── LinkRefusedError           a link was refused, by the peer or by us (talos/node_links.py)
+    ├── LinkRefusedError           a link was refused, by the peer or us (talos/node_links.py)
     ├── PeerUnreachableError       the peer cannot be reached now (also ConnectionError)
     ├── LinkDownError              the tunnel's peer is not linked (mcp_proxy/transport.py)
     ├── NoNodeError                nothing listens on the home's local socket (talos/local/call.py)

@@ -4,7 +4,7 @@ HMAC-SHA256 (RFC 2104) is computed from precomputed inner/outer SHA-256 states
 (CPython's built-in SHA-256, copied per use): the ``cryptography`` HKDF class and
 even ``hmac.digest`` cost more per call in setup than the hashing itself, and the
 ratchet pays this on every message (docs/DESIGN.md "Performance targets",
-Session.encrypt).
+row Session.encrypt).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The node's tamper-evident block log (docs/DESIGN.md "block log", docs/PROTOCOL.md "Block log").
+"""The node's tamper-evident block log (docs/DESIGN.md "Block log", docs/PROTOCOL.md "Block log").
 
 ``block`` holds the pure rules (records, blocks, validity), ``log`` the
 LMDB-backed :class:`BlockLog`, ``verify`` the whole-log audit.

@@ -1,4 +1,4 @@
-"""Records, blocks and the rules that make a block valid (docs/DESIGN.md "block log").
+"""Records, blocks and the rules that make a block valid (docs/DESIGN.md "Block log").
 
 Pure: no I/O, no clock. docs/PROTOCOL.md "Block log" is the normative text;
 this module is its implementation.

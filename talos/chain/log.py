@@ -1,4 +1,4 @@
-"""The node's append-only block log over :class:`~talos.store.Store` (docs/DESIGN.md "block log").
+"""The node's append-only block log over :class:`~talos.store.Store` (docs/DESIGN.md "Block log").
 
 Appending is O(1) and does no cryptography: the encoded record goes into the
 ``pending`` database, inside the caller's write transaction when one is given,

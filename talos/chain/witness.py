@@ -1,9 +1,9 @@
 """A log checked against heads other nodes hold (``talosd chain verify --heads FILE``).
 
-DESIGN.md "block log": nodes exchange signed heads "so a node cannot quietly
+DESIGN.md "Block log": nodes exchange signed heads "so a node cannot quietly
 rewrite history". A log re-verified on its own cannot show that its newest
 blocks were removed: what is left is still a valid chain. The heads a node's
-peers kept (docs/PROTOCOL.md "Signed heads"; ``talosd chain heads`` exports
+peers kept (docs/PROTOCOL.md "Link protocol", Signed heads; ``talosd chain heads`` exports
 them) can: a head this node signed at height *h* must match block *h* of its
 log. Pure: the caller hands in the statements and the log's block hashes.
 

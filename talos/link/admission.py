@@ -1,4 +1,4 @@
-"""Link admission and the duplicate-link rule, pure (docs/PROTOCOL.md "Link admission").
+"""Link admission and the duplicate-link rule, pure (docs/PROTOCOL.md "Link protocol", Admission).
 
 An inbound WebSocket may hold buffers and CPU before it proves anything, so
 :class:`Admission` bounds the handshakes in flight in total and per source

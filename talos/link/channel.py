@@ -1,4 +1,6 @@
-"""The sealed link channel: every frame after the handshake (docs/PROTOCOL.md "Sealed frames").
+"""The sealed link channel: every frame after the handshake.
+
+Specified in docs/PROTOCOL.md "Link protocol", Sealed frames.
 
 Pure. One :class:`~talos_sdk.noise.CipherState` per direction from the Noise
 handshake's Split. A sealed frame is exactly one WebSocket binary message::

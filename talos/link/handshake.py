@@ -1,6 +1,6 @@
 """The link handshake: Noise XX with identities in its encrypted payloads.
 
-docs/PROTOCOL.md "Link handshake", docs/adr/0011-noise-link-channel.md. Pure and
+docs/PROTOCOL.md "Link protocol", Link handshake, docs/adr/0011-noise-link-channel.md. Pure and
 sans-I/O in the style of websockets' ``protocol.py``: the asyncio link feeds
 each received WebSocket message to :meth:`LinkHandshake.receive` and sends
 what comes back; the order of messages lives here::

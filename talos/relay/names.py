@@ -2,11 +2,12 @@
 
 docs/adr/0010-nats-relay.md, docs/PROTOCOL.md "Relay". Pure.
 
-A node's *token* is ``base32(SHA-256("talos/relay/v1/token" || 0x00 || DID))[:20]``
-in lower case (32 characters). Everything the relay routes for that node is
-named by the token, never by the DID: anyone who knows a DID can compute its
-token (that is how a sender addresses a peer), but an observer of the relay
-who sees only tokens cannot turn them back into DIDs.
+A node's *token* is ``base32(SHA-256("talos/relay/v1/token" || 0x00 || DID)[:20])``
+(the digest's first 20 bytes) in lower case (32 characters). Everything the
+relay routes for that node is named by the token, never by the DID: anyone
+who knows a DID can compute its token (that is how a sender addresses a peer),
+but an observer of the relay who sees only tokens cannot turn them back into
+DIDs.
 
 The node's NATS user is its own Ed25519 identity key written as a NATS *nkey*
 (NATS "NKeys" spec: a prefix byte, the 32 key bytes, a CRC-16/XMODEM

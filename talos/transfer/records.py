@@ -6,7 +6,7 @@
 (read, write through the node's one writer, wait for a final state).
 Sending is :mod:`talos.transfer.outgoing`, receiving
 :mod:`talos.transfer.incoming`, the app channel and lifecycle
-:mod:`talos.transfer.manager`, the API routes :mod:`talos.transfer.cli`.
+:mod:`talos.transfer.manager`, the API routes :mod:`talos.transfer.routes`.
 """
 
 from __future__ import annotations

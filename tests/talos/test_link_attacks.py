@@ -1,6 +1,6 @@
 """Two real nodes linked through a man-in-the-middle relay on 127.0.0.1 (tests/talos/mitm.py).
 
-Every frame after the handshake is sealed (docs/PROTOCOL.md "Sealed frames"):
+Every frame after the handshake is sealed (docs/PROTOCOL.md "Link protocol", Sealed frames):
 whatever the relay forges, flips, cuts, reorders, replays or injects, the
 link closes, nothing the frame carried takes effect, no message is reported
 delivered before the receiver committed it, and once the path is honest

@@ -1,5 +1,8 @@
 """A hostile but authenticated peer against a real node: every bad frame is dropped,
-counted and logged; the node and its other links keep working (docs/DESIGN.md "done")."""
+counted and logged; the node and its other links keep working.
+
+See docs/DESIGN.md, What "done" means.
+"""
 
 from __future__ import annotations
 

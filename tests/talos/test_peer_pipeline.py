@@ -1,5 +1,5 @@
 """talos/peer_pipeline.py through a connected pair of pipelines, no sockets, no store
-(docs/adr/0007-epoch-sequence-numbers.md; docs/PROTOCOL.md "Message size")."""
+(docs/adr/0007-epoch-sequence-numbers.md; docs/PROTOCOL.md "Link protocol", Message size)."""
 
 from __future__ import annotations
 

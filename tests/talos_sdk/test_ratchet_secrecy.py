@@ -2,8 +2,8 @@
 
 The attacker here is concrete: it steals a party's serialised session state (and,
 for forward secrecy, its long-term X25519 identity key too), then replays the
-captured wire messages through its own copy. docs/security.md "Forward secrecy,
-post-compromise recovery" states what each ``ratchet_every`` /
+captured wire messages through its own copy. docs/security.md "Forward secrecy and healing"
+states what each ``ratchet_every`` /
 ``ratchet_max_age`` setting guarantees; these tests hold it to that.
 """
 

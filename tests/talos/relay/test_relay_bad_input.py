@@ -1,7 +1,7 @@
 """Relay trouble: down at start, restarting mid-stream, full, rogue clients, replays.
 
 Each case keeps the nodes running, loses nothing acknowledged and delivers
-nothing twice (docs/adr/0010-nats-relay.md "Failure cases").
+nothing twice (docs/adr/0010-nats-relay.md "Consequences").
 """
 
 from __future__ import annotations
