@@ -347,8 +347,9 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         "stdio MCP server for an agent: message other agents through this node",
         "Serve MCP on stdin/stdout for an agent (tools to send, read and list peers)."
         " Attaches to the node running on the home; with none running, runs one in"
-        " this process (unlocking the identity with --passphrase-file or"
-        " $TALOS_PASSPHRASE). Logs go to stderr.",
+        " this process until the agent exits, configured by the home's config.json"
+        " only (unlocking the identity with --passphrase-file or $TALOS_PASSPHRASE)."
+        " Every agent on a node shares its inbox read cursor. Logs go to stderr.",
         ("talosd mcp --home ./alice    # as an MCP client's server command",),
     )
     _passphrase_args(sp)  # used only when no node runs and this process runs one

@@ -65,7 +65,9 @@ def resolve_peer(txn: Txn, ref: str) -> str:
     raw = txn.get("meta", _key(ref))
     if raw is None:
         raise UnknownPeerNameError(
-            f"unknown peer name {ref!r}: name a peer with `talosd peers name DID {ref}`"
+            f"unknown peer name {ref!r}: known peers are listed by `talosd peers list` "
+            f"(an agent's list_peers tool); name one with `talosd peers name DID {ref}` "
+            "(name_peer)"
         )
     return bytes(raw).decode()
 

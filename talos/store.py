@@ -251,7 +251,8 @@ class Store:
             fh.close()
             raise StorageError(
                 f"the store at {self.path} is already open (by this or another process); "
-                "stop the other process using it (talosd, talos-proxy) or use another home"
+                "stop the other process using it (talosd run, talosd mcp, talos-proxy) "
+                "or use another home"
             ) from None
         fh.truncate(0)
         fh.write(str(os.getpid()).encode())

@@ -98,5 +98,13 @@ async def open_backend(home: Path, *, passphrase_file: str | None = None) -> Bac
     # the node, its file transfers, API and socket, as `talosd run`
     daemon = Daemon(home, wallet=wallet)
     await daemon.start()
-    _log.info("no node was running on %s: started one in this process", home)
+    # A warning, so it reaches the agent host's log: this node is not `talosd run`.
+    _log.warning(
+        "no node was running on %s: this talosd mcp runs one until its agent exits "
+        "(listening on %s, from config.json only: talosd run's options do not apply); "
+        "run `talosd run --home %s` for a node that stays up for peers and other agents",
+        home,
+        daemon.node.listen_url or "nothing",
+        home,
+    )
     return InProcessBackend(daemon)

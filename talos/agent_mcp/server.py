@@ -8,9 +8,15 @@ per-request envelope gets the stateless revision (``subscriptions/listen``
 streams carry the same notifications). Every tool has an input and an output
 schema (typed signatures and the models below).
 
-Resources: ``talos://inbox`` (unread messages) and ``talos://inbox/<DID>``
-(unread messages from one peer). A watcher long-polls the node and announces
-new messages on both URIs.
+Resources: ``talos://inbox`` (unread messages) and ``talos://inbox/<peer>``
+(unread messages from one peer, by DID or local name). A watcher long-polls
+the node and announces new messages on both URIs.
+
+The read cursor is the node's, one for every agent on it (and ``talosd
+inbox``): ``mark_read`` by one agent hides those messages from the others'
+default ``read_inbox``. An agent that wants its own view reads with
+``after=next`` and never marks; the tool descriptions say so, since they are
+all an agent reads.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
 from talos.agent_mcp.backend import Backend, open_backend
+from talos.local.ops import MAX_LIMIT, MAX_WAIT
 from talos_sdk.errors import TalosError
 
 __all__ = ["INBOX_URI", "build_server", "serve"]
@@ -35,6 +42,9 @@ INBOX_URI = "talos://inbox"
 PEER_INBOX = "talos://inbox/{did}"
 #: One long-poll of the watcher; it polls again at once, so this only bounds a stuck call.
 _WATCH_WAIT = 60.0
+#: What ``send_message`` waits for an ack by default, and at most.
+_SEND_WAIT = 30.0
+_SEND_WAIT_MAX = 3600.0
 
 
 class SendResult(BaseModel):
@@ -209,40 +219,87 @@ def build_server(raw_backend: Backend) -> Any:
     low.add_request_handler("resources/subscribe", types.SubscribeRequestParams, on_subscribe)
     low.add_request_handler("resources/unsubscribe", types.UnsubscribeRequestParams, on_unsubscribe)
 
-    @server.tool()
-    async def send_message(to: str, text: str, wait: bool = False) -> SendResult:
-        """Send a durable, end-to-end encrypted message to a peer (DID or peer name).
-
-        With wait=true, return only once the peer acknowledged it (up to 30 s)."""
-        return SendResult.model_validate(await backend.call("send", to=to, text=text, wait=wait))
+    read_only = types.ToolAnnotations(read_only_hint=True, open_world_hint=False)
 
     @server.tool()
+    async def send_message(
+        to: Annotated[str, Field(description="the peer: a DID, or a local name from list_peers")],
+        text: Annotated[str, Field(description="the message (up to about 1 MB of UTF-8)")],
+        wait: Annotated[
+            bool, Field(description="return only once the peer acknowledged its durable commit")
+        ] = False,
+        timeout_seconds: Annotated[
+            float,
+            Field(gt=0, le=_SEND_WAIT_MAX, description="with wait: how long to wait for the ack"),
+        ] = _SEND_WAIT,
+    ) -> SendResult:
+        """Send a durable, end-to-end encrypted message to a peer.
+
+        The message is queued on this node and delivered when the peer is
+        reachable, even after a restart. With wait=true the call returns once the
+        peer stored it, or fails after timeout_seconds saying why (the message
+        stays queued and is still delivered later). Larger content: send_file."""
+        got = await backend.call("send", to=to, text=text, wait=wait, timeout=timeout_seconds)
+        return SendResult.model_validate(got)
+
+    @server.tool(annotations=read_only)
     async def read_inbox(
-        after: int | None = None, limit: int = 50, wait_seconds: float = 0
+        after: Annotated[
+            int | None,
+            Field(ge=0, description="return messages after this n (default: the read cursor)"),
+        ] = None,
+        limit: Annotated[int, Field(ge=1, le=MAX_LIMIT, description="at most this many")] = 50,
+        wait_seconds: Annotated[
+            float,
+            Field(ge=0, le=MAX_WAIT, description="if nothing is there yet, wait this long"),
+        ] = 0,
     ) -> Inbox:
-        """Messages after `after` (default: after the read cursor), oldest first.
+        """Messages received after `after`, oldest first; returns at once if there are any.
 
-        wait_seconds > 0 long-polls: returns as soon as a message arrives (max 300)."""
+        To follow the inbox, call again with after=<next from the last answer>;
+        wait_seconds > 0 then long-polls until a message arrives. Without
+        `after` it starts at the read cursor, which mark_read moves. The cursor
+        is shared by every agent on this node."""
         got = await backend.call("inbox", after=after, limit=limit, wait=wait_seconds)
         return Inbox.model_validate(got)
 
     @server.tool()
-    async def mark_read(through: int) -> ReadCursor:
-        """Mark messages up to arrival number `through` as read (read_inbox skips them)."""
+    async def mark_read(
+        through: Annotated[
+            int, Field(ge=0, description="the n of the last message handled (from read_inbox)")
+        ],
+    ) -> ReadCursor:
+        """Mark messages up to arrival number `through` as read.
+
+        read_inbox without `after` then skips them, for every agent on this node
+        (the cursor is the node's). It only moves forward."""
         return ReadCursor.model_validate(await backend.call("inbox.mark_read", through=through))
 
-    @server.tool()
+    @server.tool(annotations=read_only)
     async def list_peers() -> Peers:
-        """Known peers with their local names and whether a link is up."""
+        """Peers this node knows (by address, name, or a link they made), with their
+        local names and whether a link is up. addr is null for a peer that dials us."""
         return Peers(peers=[Peer.model_validate(p) for p in await backend.call("peers.list")])
 
     @server.tool()
-    async def add_peer(address: str, name: str | None = None) -> Peer:
-        """Add a peer by address ws://HOST:PORT#DID, optionally naming it (names stay local)."""
+    async def add_peer(
+        address: Annotated[str, Field(description="ws://HOST:PORT#DID")],
+        name: Annotated[str | None, Field(description="a local name for it")] = None,
+    ) -> Peer:
+        """Add a peer by its address, optionally naming it (names stay on this node)."""
         got = await backend.call("peers.add", addr=address, name=name)
-        return Peer(did=got["did"], name=got["name"], addr=got["addr"])
+        return Peer.model_validate(got)
 
     @server.tool()
+    async def name_peer(
+        peer: Annotated[str, Field(description="the peer's DID (or its current name)")],
+        name: Annotated[str, Field(description="the new local name")],
+    ) -> Peer:
+        """Give a known peer a local name (for a peer with no address, one that dials us)."""
+        got = await backend.call("peers.name", peer=peer, name=name)
+        return Peer(did=got["did"], name=got["name"])
+
+    @server.tool(annotations=read_only)
     async def node_status() -> Status:
         """This node's DID, links, queues and block-log height."""
         st = await backend.call("status")
@@ -260,7 +317,7 @@ def build_server(raw_backend: Backend) -> Any:
         """Offer a file on this machine to a peer (encrypted, resumable; it must accept)."""
         return _file(await backend.call("files.send", to=to, path=path))
 
-    @server.tool()
+    @server.tool(annotations=read_only)
     async def list_files() -> Files:
         """File transfers in and out, with their state and progress."""
         return Files(files=[_file(f) for f in await backend.call("files.list")])
@@ -270,14 +327,15 @@ def build_server(raw_backend: Backend) -> Any:
         """Accept an incoming file offer (its transfer id from list_files)."""
         return _file(await backend.call("files.accept", id=id))
 
-    @server.tool()
+    @server.tool(annotations=read_only)
     async def prove_message(id: str) -> Proof:
         """The RFC 6962 inclusion proof of a message's record in this node's block log."""
         return Proof.model_validate(await backend.call("chain.proof", id=id))
 
     async def _unread(peer: str | None) -> str:
-        got = await backend.call("inbox", limit=1000)
-        messages = [m for m in got["messages"] if peer is None or m["from"] == peer]
+        did = None if peer is None else (await backend.call("resolve", peer=peer))["did"]
+        got = await backend.call("inbox", limit=MAX_LIMIT)
+        messages = [m for m in got["messages"] if did is None or m["from"] == did]
         return json.dumps({"messages": messages, "read": got["read"]})
 
     @server.resource(INBOX_URI, mime_type="application/json")
@@ -287,7 +345,7 @@ def build_server(raw_backend: Backend) -> Any:
 
     @server.resource(PEER_INBOX, mime_type="application/json")
     async def peer_inbox(did: str) -> str:
-        """Unread messages from one peer."""
+        """Unread messages from one peer (its DID or local name)."""
         return await _unread(did)
 
     server.talos_notify = notify  # type: ignore[attr-defined]

@@ -153,16 +153,24 @@ async def op_id(host: LocalHost, args: dict[str, Any]) -> Any:
 
 
 async def op_peers_list(host: LocalHost, args: dict[str, Any]) -> Any:
+    """Every peer the node knows: by address, by name, allowed to link, or met on a link.
+
+    A node that only accepts links has no address for the peers that dial it;
+    they are listed all the same (``addr`` null), so its agents can find them.
+    """
     node = host.node
     names = _names(node)
+    known = node.known_peers()
+    dids = set(known) | set(names) | node._allow | set(node._peers)  # names: DID -> name
+    dids.discard(node.did)
     return [
         {
             "did": did,
             "name": names.get(did),
-            "addr": addr or None,
+            "addr": known.get(did) or None,
             "connected": node.is_connected(did),
         }
-        for did, addr in sorted(node.known_peers().items())
+        for did in sorted(dids)
     ]
 
 
@@ -175,7 +183,12 @@ async def op_peers_add(host: LocalHost, args: dict[str, Any]) -> Any:
     if name is not None:
         await node.writer.write(functools.partial(peer_names.set_name, did=peer.did, name=name))
         host.names.clear()  # after the commit: a send meanwhile may have cached the old
-    return {"did": peer.did, "addr": str(peer), "name": name}
+    return {
+        "did": peer.did,
+        "addr": str(peer),
+        "name": name,
+        "connected": node.is_connected(peer.did),
+    }
 
 
 async def op_peers_name(host: LocalHost, args: dict[str, Any]) -> Any:
@@ -299,6 +312,14 @@ async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
 
 
 def _mark(txn: Txn, through: int) -> int:
+    last = txn.last("inbox")
+    top = _U64.unpack(last[0])[0] if last is not None else 0
+    if through > top:
+        # A cursor past the last message would hide every message still to come.
+        raise UsageError(
+            f"'through' ({through}) is past the last message in the inbox (n={top}): "
+            "pass the n of a message you have read"
+        )
     raw = txn.get("meta", _READ_KEY)
     now = max(_U64.unpack(raw)[0] if raw is not None else 0, through)
     txn.put("meta", _READ_KEY, _U64.pack(now))

@@ -29,6 +29,7 @@ TOOLS = {
     "mark_read",
     "list_peers",
     "add_peer",
+    "name_peer",
     "node_status",
     "send_file",
     "list_files",
@@ -102,6 +103,12 @@ async def test_two_agents_message_each_other_across_eras(tmp_path: Path) -> None
             listed = (await alice.list_tools()).tools
             assert {t.name for t in listed} == TOOLS
             assert all(t.input_schema and t.output_schema for t in listed)
+            hints = {t.name: t.annotations.read_only_hint for t in listed if t.annotations}
+            assert hints["read_inbox"] is True and "send_message" not in hints
+            send = next(t for t in listed if t.name == "send_message").input_schema
+            assert (
+                "timeout_seconds" in send["properties"] and send["properties"]["to"]["description"]
+            )
             assert {t.name for t in (await bob.list_tools()).tools} == TOOLS
             status = data(await alice.call_tool("node_status", {}))
             assert status["did"] == a.did and status["mode"] == "attached"
@@ -160,6 +167,7 @@ async def test_bad_input_is_a_tool_error_and_the_node_keeps_running(tmp_path: Pa
         async with agent(a.home, "legacy") as alice:
             bad = [
                 ({"to": "carol", "text": "x"}, "unknown peer name 'carol'"),
+                ({"to": "carol", "text": "x"}, "name_peer"),  # the tool, not only the CLI
                 ({"to": "did:key:z1111", "text": "x"}, ""),
                 ({"to": "bob", "text": "x" * (2 << 20)}, "above the"),
             ]
@@ -265,3 +273,94 @@ async def test_sealed_identity_without_its_passphrase_is_a_clear_error(tmp_path:
         assert "Traceback" not in text
     # Nothing was started: no node runs, no socket was left behind.
     assert not (home / "talosd.sock").exists()
+
+
+async def test_agents_share_the_read_cursor_which_stops_at_the_last_message(
+    tmp_path: Path,
+) -> None:
+    with two_nodes(tmp_path) as (a, b):
+        async with agent(a.home, "legacy") as alice, agent(b.home, "legacy") as bob1:
+            for text in ("one", "two"):
+                data(
+                    await alice.call_tool("send_message", {"to": "bob", "text": text, "wait": True})
+                )
+            async with agent(b.home, MODERN) as bob2:
+                got = data(await bob1.call_tool("read_inbox", {}))
+                first, last = (m["n"] for m in got["messages"])
+                # A cursor past the last message would hide all mail still to come: refused.
+                text = error_text(await bob1.call_tool("mark_read", {"through": last + 1000}))
+                assert "past the last message" in text and f"n={last}" in text
+                # Marking is the node's: the other agent's default read skips "one" too.
+                data(await bob1.call_tool("mark_read", {"through": first}))
+                unread = data(await bob2.call_tool("read_inbox", {}))
+                assert [m["text"] for m in unread["messages"]] == ["two"]
+                # ... while reading by position (after=0, then next) is each agent's own.
+                mine = data(await bob2.call_tool("read_inbox", {"after": 0}))
+                assert [m["text"] for m in mine["messages"]] == ["one", "two"]
+                data(await alice.call_tool("send_message", {"to": "bob", "text": "three"}))
+                follow = data(
+                    await bob2.call_tool("read_inbox", {"after": mine["next"], "wait_seconds": 30})
+                )
+                assert [m["text"] for m in follow["messages"]] == ["three"]
+
+
+async def test_a_peer_that_dials_in_is_listed_named_and_read_by_name(tmp_path: Path) -> None:
+    a_home, b_home = tmp_path / "alice", tmp_path / "bob"
+    init(a_home)
+    init(b_home)
+    a_did = (await asyncio.to_thread(talosd, "id", "--home", str(a_home))).stdout.strip()
+    fast_config(b_home, listen="127.0.0.1:0", allow=[a_did])  # bob only accepts alice's link
+    b = Daemon(b_home)
+    a = Daemon(a_home)
+    try:
+        assert talosd("peers", "add", b.addr, "--home", str(a_home)).returncode == 0
+        async with agent(a_home, "legacy") as alice, agent(b_home, MODERN) as bob:
+            data(await alice.call_tool("send_message", {"to": b.did, "text": "hi", "wait": True}))
+            # Bob has no address for alice, yet his agent finds her among the peers.
+            peers = data(await bob.call_tool("list_peers", {}))["peers"]
+            assert [(p["did"], p["addr"], p["connected"]) for p in peers] == [(a_did, None, True)]
+            named = data(await bob.call_tool("name_peer", {"peer": a_did, "name": "alice"}))
+            assert named == {"did": a_did, "name": "alice", "addr": None, "connected": False}
+            assert data(await bob.call_tool("list_peers", {}))["peers"][0]["name"] == "alice"
+            # The per-peer inbox resource takes the name too; a bad peer is an error.
+            inbox = await bob.read_resource("talos://inbox/alice")
+            assert '"hi"' in inbox.contents[0].text  # type: ignore[union-attr]
+            with pytest.raises(Exception, match="not-a-name!"):
+                await bob.read_resource("talos://inbox/not-a-name!")
+            reply = {"to": "alice", "text": "hello", "wait": True, "timeout_seconds": 30}
+            assert data(await bob.call_tool("send_message", reply))["acked"] is True
+            # A wait shorter than the default, to a peer nobody can reach: fails when asked.
+            stranger = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+            start = asyncio.get_running_loop().time()
+            text = error_text(
+                await bob.call_tool(
+                    "send_message",
+                    {"to": stranger, "text": "x", "wait": True, "timeout_seconds": 0.5},
+                )
+            )
+            assert asyncio.get_running_loop().time() - start < 20
+            assert "stays queued" in text
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def test_in_process_node_says_so_on_stderr(tmp_path: Path) -> None:
+    home = tmp_path / "solo"
+    init(home)
+    params = mcp_params(home)
+    proc = await asyncio.create_subprocess_exec(
+        params.command, *params.args,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, cwd=REPO, env=params.env,
+    )  # fmt: skip
+    assert proc.stderr is not None and proc.stdin is not None
+    try:
+        async with asyncio.timeout(60):
+            line = await proc.stderr.readline()
+        text = line.decode()
+        assert "no node was running" in text and "talosd run --home" in text, text
+        assert "127.0.0.1:" in text  # where this in-process node listens
+    finally:
+        proc.stdin.close()
+        await asyncio.wait_for(proc.wait(), 60)
