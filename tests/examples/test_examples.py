@@ -136,7 +136,8 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Runn
         for r in procs.values():
             if r.proc.poll() is None:
                 r.proc.kill()
-                r.proc.communicate()
+            if r.proc.stdout is not None and not r.proc.stdout.closed:
+                r.proc.communicate()  # reaped, pipe closed (also for a deselected example)
             os.close(r.terminal)
 
 
