@@ -132,7 +132,10 @@ def offline_send(home: Home, did: str, text: str) -> str:
     public_key_from_did(did)
     limit = pl.text_limit(home.load_config().max_frame)
     if len(text.encode()) > limit:
-        raise pl.MessageTooLargeError(f"message above the {limit}-byte limit of this node's frames")
+        raise pl.MessageTooLargeError(
+            f"message above the {limit}-byte limit of this node's frames; "
+            "split it, or send it as a file (send-file)"
+        )
     msg_id = os.urandom(pl.MSG_ID_LEN)
     with _offline_store(home) as store, store.write(durable=True) as txn:
         # A fresh epoch: the last run may have crashed with numbers on the wire (ADR 0007).

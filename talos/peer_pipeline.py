@@ -148,7 +148,8 @@ class PeerPipeline:
         if size > limit:
             raise pl.MessageTooLargeError(
                 f"message of {size} bytes above the {limit}-byte limit for {self.did}"
-                " (the smaller of both nodes' max_frame, minus frame overhead)"
+                " (the smaller of both nodes' max_frame, minus frame overhead);"
+                " split it, or send it as a file (send-file)"
             )
         prev = self.last_assigned
         seq = pl.next_seq(prev, epoch)

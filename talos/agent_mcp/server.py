@@ -92,6 +92,26 @@ class Status(BaseModel):
     chain_height: int
 
 
+class Queued(BaseModel):
+    id: str
+    ts: int = Field(description="when it was queued, ms since the epoch")
+    bytes: int
+    state: str = Field(description="'queued', or 'sent, awaiting ack'")
+
+
+class PeerQueue(BaseModel):
+    did: str
+    name: str | None = None
+    state: str = Field(description="the link: ready, connecting, unreachable, mailboxed, ...")
+    why: str | None = Field(description="why the messages do not move, in words")
+    count: int = Field(description="messages queued for this peer")
+    messages: list[Queued] = Field(description="the oldest of them")
+
+
+class Outbox(BaseModel):
+    peers: list[PeerQueue]
+
+
 class FileInfo(BaseModel):
     tid: str
     direction: str
@@ -298,6 +318,16 @@ def build_server(raw_backend: Backend) -> Any:
         """Give a known peer a local name (for a peer with no address, one that dials us)."""
         got = await backend.call("peers.name", peer=peer, name=name)
         return Peer(did=got["did"], name=got["name"])
+
+    @server.tool(annotations=read_only)
+    async def list_outbox(
+        peer: Annotated[str | None, Field(description="only this peer (DID or name)")] = None,
+    ) -> Outbox:
+        """Messages sent but not yet acknowledged, per peer, with why they wait.
+
+        They are delivered by themselves once the peer is reachable."""
+        got = await backend.call("outbox", peer=peer)
+        return Outbox(peers=[PeerQueue.model_validate(row) for row in got])
 
     @server.tool(annotations=read_only)
     async def node_status() -> Status:

@@ -30,6 +30,7 @@ TOOLS = {
     "list_peers",
     "add_peer",
     "name_peer",
+    "list_outbox",
     "node_status",
     "send_file",
     "list_files",
@@ -340,6 +341,11 @@ async def test_a_peer_that_dials_in_is_listed_named_and_read_by_name(tmp_path: P
             )
             assert asyncio.get_running_loop().time() - start < 20
             assert "stays queued" in text
+            # ... and the agent sees it waiting, and why.
+            (queue,) = data(await bob.call_tool("list_outbox", {}))["peers"]
+            assert queue["did"] == stranger and queue["count"] == 1
+            assert queue["state"] == "no_address" and "talosd peers add" in queue["why"]
+            assert data(await bob.call_tool("list_outbox", {"peer": "alice"}))["peers"] == []
     finally:
         a.stop()
         b.stop()
