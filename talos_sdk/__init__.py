@@ -58,6 +58,14 @@ _LAZY: dict[str, str] = {
     "verify_inclusion": "talos_sdk.merkle",
     "consistency_proof": "talos_sdk.merkle",
     "verify_consistency": "talos_sdk.merkle",
+    "save_wallet": "talos_sdk.keyfile",
+    "load_wallet": "talos_sdk.keyfile",
+    # Errors defined beside the code that raises them (drawn in talos_sdk/errors.py's tree).
+    "PartyMismatchError": "talos_sdk.frames",
+    "PeerSuiteError": "talos_sdk.hybrid",
+    "DowngradeError": "talos_sdk.hybrid",
+    "PinnedKeyChangedError": "talos_sdk.hybrid",
+    "PostQuantumRequiredError": "talos_sdk.hybrid",
 }
 
 __all__ = [  # noqa: RUF022 - grouped: errors first, then the lazily imported API
@@ -79,6 +87,11 @@ __all__ = [  # noqa: RUF022 - grouped: errors first, then the lazily imported AP
     "TalosError",
     "UsageError",
     "WrongPassphraseError",
+    "DowngradeError",
+    "PartyMismatchError",
+    "PeerSuiteError",
+    "PinnedKeyChangedError",
+    "PostQuantumRequiredError",
     "Commitment",
     "Frame",
     "HybridWallet",
@@ -94,8 +107,10 @@ __all__ = [  # noqa: RUF022 - grouped: errors first, then the lazily imported AP
     "consistency_proof",
     "did_from_public_key",
     "inclusion_proof",
+    "load_wallet",
     "merkle_root",
     "public_key_from_did",
+    "save_wallet",
     "verify",
     "verify_auth",
     "verify_consistency",
@@ -108,7 +123,14 @@ if TYPE_CHECKING:
     from talos_sdk.bundle import PrekeyBundle
     from talos_sdk.canonical import canonical_json_bytes
     from talos_sdk.did import did_from_public_key, public_key_from_did
-    from talos_sdk.frames import Commitment, Frame, RatchetFrameCrypto
+    from talos_sdk.frames import Commitment, Frame, PartyMismatchError, RatchetFrameCrypto
+    from talos_sdk.hybrid import (
+        DowngradeError,
+        PeerSuiteError,
+        PinnedKeyChangedError,
+        PostQuantumRequiredError,
+    )
+    from talos_sdk.keyfile import load_wallet, save_wallet
     from talos_sdk.merkle import (
         MerkleAccumulator,
         consistency_proof,
@@ -120,6 +142,11 @@ if TYPE_CHECKING:
     from talos_sdk.prekeys import PrekeySecrets
     from talos_sdk.ratchet import Session
     from talos_sdk.wallet import HybridWallet, Wallet, verify, verify_auth
+
+
+def __dir__() -> list[str]:
+    """The lazily imported names too, for help(), dir() and completion."""
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name: str) -> Any:

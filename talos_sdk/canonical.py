@@ -152,8 +152,10 @@ def _integer(n: int, path: str) -> str:
     except OverflowError:
         as_float = math.inf
     if math.isinf(as_float) or int(as_float) != n:
+        # A huge int by its size: str() of one raises ValueError past 4300 digits.
+        shown = str(n) if n.bit_length() <= 256 else f"of {n.bit_length()} bits"
         raise EncodingError(
-            f"{path}: integer {n} is not exactly representable as an IEEE 754 double "
+            f"{path}: integer {shown} is not exactly representable as an IEEE 754 double "
             "(RFC 8785 3.2.2.3); send it as a string"
         )
     return format_number(as_float)

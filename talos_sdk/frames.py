@@ -201,7 +201,13 @@ class RatchetFrameCrypto:
 
     def open(self, wire: bytes) -> tuple[Frame, Commitment]:
         """Decrypt and parse; DecryptionError, MalformedFrameError, OversizeError or
-        PartyMismatchError. The signature is NOT checked here (see verify_commitment)."""
+        PartyMismatchError. The signature is NOT checked here (see verify_commitment).
+
+        A DecryptionError (or an oversize ``wire``) changes nothing. The errors
+        raised after decryption mean the authenticated peer itself sealed a bad
+        frame: its message is consumed (the session has moved past it, as for
+        any message opened), and the same bytes again are a replay.
+        """
         if len(wire) > self._max_wire:
             raise OversizeError(f"sealed frame of {len(wire)} bytes exceeds {self._max_wire}")
         inner = self.session.decrypt(wire, FRAME_AD)

@@ -228,12 +228,17 @@ def verify_consistency(
 ) -> bool:
     """True iff ``proof`` shows tree (old_size, old_root) is a prefix of (new_size, new_root).
 
-    RFC 9162 2.1.4.2. An empty old tree is consistent with everything.
+    RFC 9162 2.1.4.2. An empty old tree is consistent with everything. Sizes
+    usually come from peers' signed heads, so sizes that cannot be consistent
+    (negative, or the old tree larger) are False like any bad proof; only a
+    size that is not an int is the caller's :class:`UsageError`.
     """
     _check_hash("old root", old_root)
     _check_hash("new root", new_root)
-    if type(old_size) is not int or type(new_size) is not int or not 0 <= old_size <= new_size:
-        raise UsageError("need integer sizes with 0 <= old_size <= new_size")
+    if type(old_size) is not int or type(new_size) is not int:
+        raise UsageError("tree sizes must be integers")
+    if not 0 <= old_size <= new_size:
+        return False
     if old_size == 0:
         return not proof and old_root == EMPTY_ROOT
     if old_size == new_size:

@@ -204,6 +204,11 @@ class Session:
         mints one for ``wallet``. The first messages carry the X3DH initial data
         until the peer's first reply arrives.
         """
+        if not isinstance(peer_bundle, PrekeyBundle):
+            raise UsageError(
+                f"peer_bundle must be a PrekeyBundle, not {type(peer_bundle).__name__} "
+                "(parse published bytes with PrekeyBundle.from_bytes)"
+            )
         ik = identity.identity if isinstance(identity, PrekeySecrets) else identity
         if ik is None:
             ik = IdentityKey.generate(wallet, rng)
@@ -289,8 +294,8 @@ class Session:
         cls, suite: str = SUITE_X25519, *, ratchet_every: int = 1, rng: Rng = os.urandom
     ) -> tuple[Session, Session]:
         """Two connected sessions between FRESH identities, through the real X3DH path."""
-        if suite not in SUITES:
-            raise BundleError(f"unknown suite {suite!r}; known: {list(SUITES)}")
+        if suite not in SUITES:  # the caller's argument, not a peer's bundle
+            raise UsageError(f"unknown suite {suite!r}; known: {list(SUITES)}")
         alice_wallet, bob_wallet = Wallet.generate(rng), Wallet.generate(rng)
         bob_secrets = PrekeySecrets.generate(bob_wallet, pq=suite == SUITE_HYBRID, rng=rng)
         alice = cls.initiate(
@@ -365,6 +370,10 @@ class Session:
 
     def encrypt(self, plaintext: bytes, ad: bytes = b"") -> bytes:
         """Seal ``plaintext`` as the next message (DR spec §3.4 RatchetEncrypt)."""
+        if type(plaintext) is not bytes:
+            plaintext = _as_bytes(plaintext, "plaintext")
+        if type(ad) is not bytes:
+            ad = _as_bytes(ad, "ad")
         if self._pending and self._owes_step():
             self._ratchet_send()
         ck = self._cks
@@ -388,8 +397,14 @@ class Session:
         """Open a message (DR spec §3.5 RatchetDecrypt, with MAX_SKIP and the lazy ratchet).
 
         Any failure is one opaque :class:`DecryptionError` and changes nothing.
+        ``message`` and ``ad`` may be any bytes-like object; another type is the
+        caller's mistake (:class:`UsageError`), not a forged message.
         """
-        if not isinstance(message, bytes) or len(message) < HEADER_SIZE + TAG_SIZE:
+        if type(message) is not bytes:
+            message = _as_bytes(message, "message")
+        if type(ad) is not bytes:
+            ad = _as_bytes(ad, "ad")
+        if len(message) < HEADER_SIZE + TAG_SIZE:
             raise DecryptionError()
         kind, dh, pn, n = _HEADER.unpack_from(message)
         if kind == _TYPE_NORMAL:
@@ -562,6 +577,13 @@ class Session:
             f"Session(suite={self.suite!r}, local={self.local_did!r}, peer={self.peer_did!r}, "
             f"ns={self._ns}, nr={self._nr}, skipped={len(self._skipped)})"
         )
+
+
+def _as_bytes(value: object, what: str) -> bytes:
+    """``bytes`` of a bytes-like ``value`` (socket buffers are often bytearray / memoryview)."""
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise UsageError(f"{what} must be bytes, not {type(value).__name__}")
 
 
 def _parse_initial(message: bytes) -> InitialData:

@@ -101,4 +101,10 @@ def state_from_dict(d: Mapping[str, Any]) -> tuple[dict[str, Any], Skipped]:
         | {k: int(d[k]) for k in _INT_FIELDS}
         | {"pending": bool(d["pending"])}
     )
+    # The counters go into u32 header fields, as in the binary form (state_from_bytes).
+    for key in ("ns", "nr", "pn"):
+        if not 0 <= s[key] <= 0xFFFFFFFF:
+            raise EncodingError(f"session state: {key} {s[key]} out of range")
+    if any(not 0 <= n <= 0xFFFFFFFF for _, n in skipped):
+        raise EncodingError("session state: a skipped message number is out of range")
     return s, skipped

@@ -48,7 +48,8 @@ Rng = Callable[[int], bytes]
 
 
 class Wallet:
-    """An Ed25519 identity. Build with :meth:`generate`, :meth:`from_seed` or :meth:`load`.
+    """An Ed25519 identity. Build with :meth:`generate` or :meth:`from_seed`; key files:
+    :func:`talos_sdk.keyfile.save_wallet` / :func:`talos_sdk.keyfile.load_wallet`.
 
     ``suite`` names the signature scheme used by :meth:`sign_auth`; pass
     ``suite="ed25519-mldsa65"`` to :meth:`generate` / :meth:`from_seed` for a
@@ -231,9 +232,9 @@ def _suite_class(cls: type[_W], suite: str | None) -> type[_W]:
 
 def verify_with_public_key(public_key: bytes, data: bytes, signature: bytes) -> bool:
     """True iff ``signature`` is a valid Ed25519 signature of ``data`` under ``public_key``."""
-    if len(signature) != SIGNATURE_SIZE:
-        return False
     try:
+        if len(signature) != SIGNATURE_SIZE:
+            return False
         crypto_sign_open(signature + data, public_key)
     except BadSignatureError:
         return False

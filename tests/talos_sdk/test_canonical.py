@@ -154,6 +154,7 @@ def test_number_round_trips(x: float) -> None:
         ({"s": "a\ud800b"}, r"^\$\.s: string contains a lone surrogate"),
         ({"\udfff": 1}, r"lone surrogate"),
         ([2**53 + 1], r"^\$\[0\]: integer 9007199254740993 is not exactly representable"),
+        ([10**5000], r"^\$\[0\]: integer of 16610 bits is not exactly representable"),
         (-(2**53) - 1, r"integer -9007199254740993 is not exactly"),
         (10**400, r"is not exactly representable"),
     ],

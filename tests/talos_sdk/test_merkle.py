@@ -206,8 +206,11 @@ def test_consistency_bad_arguments() -> None:
         consistency_proof(LEAVES, 9)
     with pytest.raises(UsageError, match="old_size -1 out of range"):
         consistency_proof(LEAVES, -1)
-    with pytest.raises(UsageError, match="0 <= old_size <= new_size"):
-        verify_consistency(5, 4, [], root, root)
+    # Sizes a peer claims: an impossible pair is a failed check, not a crash.
+    assert verify_consistency(5, 4, [], root, root) is False
+    assert verify_consistency(-1, 8, [], root, root) is False
+    with pytest.raises(UsageError, match="tree sizes must be integers"):
+        verify_consistency(1.0, 8, [], root, root)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="old root must be 32 bytes"):
         verify_consistency(1, 8, [], b"", root)
     with pytest.raises(UsageError, match="new root must be 32 bytes"):

@@ -53,7 +53,7 @@ def test_create_pair_talks_both_ways(suite: str) -> None:
 
 
 def test_create_pair_unknown_suite() -> None:
-    with pytest.raises(BundleError, match="unknown suite 'x25519-kyber'"):
+    with pytest.raises(UsageError, match="unknown suite 'x25519-kyber'"):
         Session.create_pair("x25519-kyber")
 
 
@@ -221,7 +221,7 @@ def test_message_for_another_session() -> None:
     assert b1.decrypt(wire) == b"secret"
 
 
-@pytest.mark.parametrize("garbage", [b"", b"\x01" * 56, b"\x03" + bytes(80), "text"])
+@pytest.mark.parametrize("garbage", [b"", b"\x01" * 56, b"\x03" + bytes(80)])
 def test_decrypt_garbage(garbage: bytes) -> None:
     _, b = Session.create_pair()
     with pytest.raises(DecryptionError):
@@ -485,3 +485,42 @@ def test_forged_header_naming_peer_prekey_before_any_reply_is_opaque() -> None:
     with pytest.raises(DecryptionError):
         alice.decrypt(forged)
     assert snapshot(alice) == before
+
+
+# --- the caller's types: bytes-like accepted, anything else a UsageError ----------------
+
+
+def test_bytes_like_messages_open_as_bytes_do() -> None:
+    a, b = Session.create_pair()
+    wire = a.encrypt(bytearray(b"from a socket buffer"), ad=memoryview(b"ctx"))
+    assert b.decrypt(memoryview(wire), ad=bytearray(b"ctx")) == b"from a socket buffer"
+    assert a.decrypt(bytearray(b.encrypt(b"back"))) == b"back"
+
+
+@pytest.mark.parametrize("bad", ["text", None, 42])
+def test_a_wrong_type_is_the_callers_mistake_not_a_forgery(bad: object) -> None:
+    a, b = Session.create_pair()
+    wire = a.encrypt(b"kept")
+    with pytest.raises(UsageError, match="must be bytes"):
+        b.decrypt(bad)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="must be bytes"):
+        a.encrypt(bad)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="ad must be bytes"):
+        b.decrypt(wire, ad=bad)  # type: ignore[arg-type]
+    assert b.decrypt(wire) == b"kept"  # nothing was consumed by the refusals
+
+
+def test_initiate_wants_a_parsed_bundle() -> None:
+    alice, bob = Wallet.generate(), Wallet.generate()
+    published = PrekeySecrets.generate(bob).bundle().to_bytes()
+    with pytest.raises(UsageError, match=r"PrekeyBundle\.from_bytes"):
+        Session.initiate(alice, None, published)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("field", "value"), [("ns", -1), ("nr", 2**40), ("pn", 2**32)])
+def test_from_dict_refuses_counters_outside_u32(field: str, value: int) -> None:
+    a, _ = Session.create_pair()
+    state = a.to_dict()
+    state[field] = value
+    with pytest.raises(EncodingError, match=f"{field} {value} out of range"):
+        Session.from_dict(state)

@@ -111,6 +111,8 @@ def test_verify_non_bytes() -> None:
     w = Wallet.generate()
     with pytest.raises(UsageError, match="must be bytes"):
         w.verify("text", w.sign(b"text"))  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="must be bytes"):
+        verify(w.did, b"text", None)  # type: ignore[arg-type]
 
 
 def test_module_verify_bad_did() -> None:
@@ -134,3 +136,18 @@ def test_suite_is_extensible() -> None:
     h = Hybrid.from_seed(bytes(32))
     assert isinstance(h, Hybrid) and h.suite == "ed25519-mldsa65"
     assert Wallet.from_seed(bytes(32)).suite == "ed25519"
+
+
+def test_the_package_lists_its_lazy_names() -> None:
+    """help(talos_sdk), dir() and completion show the API, not only the errors."""
+    import talos_sdk
+
+    names = dir(talos_sdk)
+    for name in ("Wallet", "Session", "RatchetFrameCrypto", "merkle_root", "load_wallet"):
+        assert name in names
+    assert set(talos_sdk.__all__) <= set(names)
+    # Errors drawn in the tree but defined beside their code import from the package too.
+    from talos_sdk import PartyMismatchError, PostQuantumRequiredError, ProtocolError
+
+    assert issubclass(PartyMismatchError, ProtocolError)
+    assert issubclass(PostQuantumRequiredError, ProtocolError)
