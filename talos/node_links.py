@@ -269,6 +269,9 @@ class NodeLinks(NodeBase):
                     await self._on_session_ack(peer, link, frame)
                 elif isinstance(frame, wire.Refuse):
                     event(_log, "peer_refused", peer=peer.did, reason=frame.reason)
+                    # Close our end too: a dialled link left open here kept its socket
+                    # (and its keepalive) for good, one per redial of a refusing peer.
+                    await link.close(1000, "refused by the peer")
                     return
                 else:
                     raise ProtocolError(f"unexpected {type(frame).__name__} after handshake")

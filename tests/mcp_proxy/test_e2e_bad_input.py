@@ -19,7 +19,8 @@ from typing import Any
 
 import orjson
 
-from mcp_proxy.jsonrpc import INTERNAL_ERROR, PARSE_ERROR, TOOL_DENIED
+from mcp_proxy.client import STDIO_LINE_LIMIT
+from mcp_proxy.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, TOOL_DENIED
 from tests.mcp_proxy.e2e import did_of, http_connect, proxy, serving
 
 TIMEOUT = 120
@@ -114,6 +115,22 @@ async def test_cr_and_lf_at_every_position_over_stdio(tmp_path: Path) -> None:
         assert seen(last)[:-1] == judged  # nothing else reached the tool
     audit = await audit_of(tmp_path / "s", "--tool", "crash")
     assert [(a["event"], a["outcome"], a["id"]) for a in audit] == [("call", "denied", 777)]
+
+
+async def test_a_line_over_the_stdio_limit_is_refused_whole(tmp_path: Path) -> None:
+    """The bytes after the limit are still that line: its tail never runs as a call."""
+    client_did = did_of(tmp_path / "c")
+    tail = b'{"jsonrpc":"2.0","id":778,"method":"tools/call","params":{"name":"echo"}}'
+    async with (
+        asyncio.timeout(TIMEOUT),
+        serving(tmp_path / "s", ["--allow", client_did], bad_tool("record")) as serve,
+        stdio_agent(tmp_path / "c", serve.address) as agent,
+    ):
+        await agent.send(b" " * (STDIO_LINE_LIMIT + (1 << 20)) + tail)
+        refused = await agent.recv()
+        assert refused["id"] is None and refused["error"]["code"] == INVALID_REQUEST
+        last = await agent.request(b'{"jsonrpc":"2.0","id":"end","method":"ping"}')
+        assert last["id"] == "end" and seen(last)[:-1] == []  # the tool saw nothing else
 
 
 async def test_a_tool_reply_with_raw_cr_reaches_the_agent_as_one_line(tmp_path: Path) -> None:

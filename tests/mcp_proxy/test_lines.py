@@ -23,12 +23,19 @@ def test_lines_across_chunks_and_crlf() -> None:
     assert lines[-1] == b"tail"
 
 
-def test_overflow_drops_the_partial_line_and_reports() -> None:
+def test_an_overlong_line_is_refused_whole_tail_included() -> None:
     splitter, lines, overflows = make(limit=8)
     splitter.feed(b"0123456789")
     assert overflows == [1] and lines == []
-    splitter.feed(b"ok\n")
-    assert lines == [b"ok"]
+    # The rest of that line is still the refused line, never a message of its own.
+    splitter.feed(b'{"tail":1}\nok\n')
+    assert overflows == [1] and lines == [b"ok"]
+
+
+def test_an_overlong_line_arriving_whole_is_refused() -> None:
+    splitter, lines, overflows = make(limit=8)
+    splitter.feed(b"short\n" + b"x" * 20 + b"\nnext\n")
+    assert lines == [b"short", b"next"] and overflows == [1]
 
 
 @given(
@@ -47,3 +54,19 @@ def test_any_chunking_gives_the_same_lines(messages: list[bytes], size: int) -> 
         splitter.feed(stream[i : i + size])
     splitter.eof()
     assert lines == messages
+
+
+@given(
+    st.lists(st.integers(0, 30), max_size=15),
+    st.integers(1, 50),
+)
+def test_any_chunking_refuses_exactly_the_overlong_lines(lengths: list[int], size: int) -> None:
+    limit = 12
+    messages = [bytes([97 + i % 26]) * n for i, n in enumerate(lengths)]
+    stream = b"".join(m + b"\n" for m in messages)
+    splitter, lines, overflows = make(limit=limit)
+    for i in range(0, len(stream), size):
+        splitter.feed(stream[i : i + size])
+    splitter.eof()
+    assert lines == [m for m in messages if 0 < len(m) <= limit]
+    assert len(overflows) == sum(len(m) > limit for m in messages)

@@ -420,3 +420,31 @@ async def test_ack_beyond_what_the_link_carried_deletes_nothing(tmp_path: Path) 
     finally:
         await node.stop()
         store.close()
+
+
+async def test_a_refusal_after_the_handshake_closes_the_dialled_link(victim: Node) -> None:
+    """A peer that seals a REFUSE and then holds the socket open: the node closes its
+    end, so redialling such a peer cannot pile up sockets."""
+    from websockets.asyncio.server import ServerConnection, serve
+
+    from talos.link.handshake import LinkHandshake, Role
+
+    refuser = Wallet.generate()
+    closed: list[int | None] = []
+
+    async def handler(ws: ServerConnection) -> None:
+        hs = LinkHandshake(refuser, Role.RESPONDER, authorizer=lambda d: True)
+        while not hs.done:
+            reply = hs.receive(await ws.recv())
+            if reply is not None:
+                await ws.send(reply)
+        assert hs.channel is not None
+        await ws.send(hs.channel.seal(wire.encode(wire.Refuse(4003, "not you"))))
+        await ws.wait_closed()  # never closes from this side
+        closed.append(ws.close_code)
+
+    async with serve(handler, "127.0.0.1", 0, compression=None, ping_interval=None) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        await victim.connect(f"ws://127.0.0.1:{port}#{refuser.did}")
+        await until(lambda: len(closed) >= 1, what="the node closing the refused link")
+    assert closed[0] == 1000
