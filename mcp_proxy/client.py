@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import cast
 
 from mcp_proxy.jsonrpc import (
@@ -61,6 +61,8 @@ WARN = logging.WARNING
 Deliver = Callable[[bytes], None]
 #: Several lines at once (those of one tunnel frame), for a sink that can write them together.
 DeliverMany = Callable[[list[bytes]], None]
+#: An awaitable while the session's sink holds more than it should (the agent is not reading).
+Backpressure = Callable[[], Awaitable[None] | None]
 STDIO_LINE_LIMIT = MAX_MESSAGE_BYTES
 #: An embedded connect's session ids stay below the first range a node hands attached
 #: clients (talos/local/server.py KEY_RANGE), so an attached serve's node routes them to it.
@@ -73,9 +75,15 @@ class ClientSession:
     """One agent-side MCP session carried by the tunnel."""
 
     def __init__(
-        self, client: TunnelClient, deliver: Deliver, deliver_many: DeliverMany | None = None
+        self,
+        client: TunnelClient,
+        deliver: Deliver,
+        deliver_many: DeliverMany | None = None,
+        backpressure: Backpressure | None = None,
     ) -> None:
         self.client = client
+        # Asked after each delivery: an awaitable holds the link's reading until it is done.
+        self.backpressure = backpressure
         # A fresh tunnel session id per attach: late frames of an earlier attach
         # (a stale ERROR, replies of a dead tool) then match nothing and are ignored.
         self.sid = 0
@@ -285,9 +293,12 @@ class TunnelClient:
         return LINK_DOWN, self.down_message()
 
     def open_session(
-        self, deliver: Deliver, deliver_many: DeliverMany | None = None
+        self,
+        deliver: Deliver,
+        deliver_many: DeliverMany | None = None,
+        backpressure: Backpressure | None = None,
     ) -> ClientSession:
-        session = ClientSession(self, deliver, deliver_many)
+        session = ClientSession(self, deliver, deliver_many, backpressure)
         self.sessions.add(session)
         return session
 
@@ -336,25 +347,33 @@ class TunnelClient:
         await self.sender.flush()
         await self.sender.close()
 
-    def _on_payload(self, peer: str, payload: bytes) -> None:
+    def _on_payload(self, peer: str, payload: bytes) -> Awaitable[None] | None:
+        session = self._take(peer, payload)
+        if session is None or session.backpressure is None:
+            return None
+        return session.backpressure()
+
+    def _take(self, peer: str, payload: bytes) -> ClientSession | None:
+        """Handle one tunnel frame; the session it delivered messages to, if any."""
         if peer != self.server_did:
             event(log, "tunnel_frame_unexpected_peer", WARN, peer=peer)
-            return
+            return None
         try:
             frame = decode_frame(payload)
         except ProtocolError as exc:
             event(log, "tunnel_frame_bad", WARN, peer=peer, error=str(exc))
-            return
+            return None
         session = self._by_sid.get(frame.session)
         if session is None:
-            return
+            return None
         if frame.kind is FrameKind.MESSAGES:
             try:
                 lines = session.joiner.messages(frame.messages)
             except OversizeError as exc:
                 self._oversize(session, exc)
-                return
+                return None
             session.from_remote_many(lines)
+            return session
         elif frame.kind is FrameKind.PART:
             try:
                 session.joiner.add_part(frame.messages[0])
@@ -372,6 +391,7 @@ class TunnelClient:
                 reason=reason,
             )
             session.detach(INTERNAL_ERROR, reason)
+        return None
 
     def _oversize(self, session: ClientSession, exc: OversizeError) -> None:
         # Only a faulty server sends this (its tool lines are bounded the same way).
@@ -420,6 +440,11 @@ class _StdinLines(asyncio.Protocol):
         self.transport: asyncio.ReadTransport | None = None
         self._slow: asyncio.Task[None] | None = None
         self._eof = False
+        # Reading stops while either holds: lines wait for the link, or the link's
+        # sender is full (the serving peer is not taking what the agent writes).
+        self._held_backlog = False
+        self._held_pressure = False
+        session.client.sender.on_pressure(self._on_pressure)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # Not an isinstance check: uvloop's pipe transports do not subclass asyncio's ABCs.
@@ -447,8 +472,9 @@ class _StdinLines(asyncio.Protocol):
             return
         # Link down: keep order behind the first waiting line, and stop reading meanwhile.
         self.backlog.append(line)
-        if self.transport is not None and len(self.backlog) > 1024:
-            self.transport.pause_reading()
+        if len(self.backlog) > 1024 and not self._held_backlog:
+            self._held_backlog = True
+            self._update_reading()
         if self._slow is None or self._slow.done():
             self._slow = asyncio.get_running_loop().create_task(self._drain())
 
@@ -460,10 +486,22 @@ class _StdinLines(asyncio.Protocol):
     async def _drain(self) -> None:
         while self.backlog:
             await self.session.from_agent(self.backlog.popleft())
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self._held_backlog = False
+        self._update_reading()
         if self._eof:
             self.done.set()
+
+    def _on_pressure(self, pressed: bool) -> None:
+        self._held_pressure = pressed
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            if self._held_backlog or self._held_pressure:
+                transport.pause_reading()
+            else:
+                transport.resume_reading()
 
     def _finish_when_drained(self) -> None:
         if self.backlog:
@@ -497,7 +535,7 @@ async def serve_stdio(client: TunnelClient, *, drain: float = EOF_DRAIN) -> None
         out.write(b"\n".join(lines))
         answered.set()
 
-    session = client.open_session(deliver, deliver_many)
+    session = client.open_session(deliver, deliver_many, out.backpressure)
     lines = _StdinLines(session)
     in_transport = await open_stdin(lines)
     try:

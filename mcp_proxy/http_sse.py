@@ -14,22 +14,35 @@ start with a priming event (an id and empty data), and keep their last
 events after SEQ, then the rest of the exchange live (2025-11-25 "Resumability
 and Redelivery"). Stateless exchanges (2026-07-28) carry no ids: a request's
 stream is cancelled by closing it, never resumed.
+
+Memory is bounded against a client that stops reading: an attached response
+holds at most ``STREAM_BUFFER_MAX`` bytes not yet written (one message of the
+largest size plus 8 MiB); beyond that the response is ended and its queue
+dropped (a resumable one resumes from the replay log, which keeps at most
+``REPLAY_BYTES``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 
 from aiohttp import web
 
 from mcp_proxy.jsonrpc import JsonRpcError, Kind, sniff
+from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES
+from talos.logging import event
 
 __all__ = ["KEEPALIVE", "REPLAY_EVENTS", "Exchange", "Item", "parse_event_id", "respond"]
 
+log = logging.getLogger(__name__)
+
 KEEPALIVE = 15.0
 REPLAY_EVENTS = 256
+REPLAY_BYTES = 32 << 20
+STREAM_BUFFER_MAX = MAX_MESSAGE_BYTES + (8 << 20)
 # JSON-RPC error codes a stateless response carries with a 4xx status (2026-07-28
 # "Streamable HTTP": the transport status mirrors request errors).
 ERROR_STATUS = {-32700: 400, -32600: 400, -32602: 400, -32020: 400, -32021: 400, -32022: 400}
@@ -46,7 +59,9 @@ class Exchange:
         self.seq = 0
         self.done = False
         self.events: deque[tuple[int, bytes]] = deque(maxlen=keep if key is not None else 0)
+        self._kept = 0  # bytes in events
         self.sink: asyncio.Queue[Item] | None = None
+        self.queued = 0  # bytes in sink not yet taken by the response
 
     @property
     def listening(self) -> bool:
@@ -56,9 +71,34 @@ class Exchange:
     def emit(self, line: bytes) -> None:
         self.seq += 1
         if self.key is not None:
-            self.events.append((self.seq, line))
-        if self.sink is not None:
-            self.sink.put_nowait((self.seq, line))
+            events = self.events
+            if len(events) == events.maxlen:
+                self._kept -= len(events[0][1])
+            events.append((self.seq, line))
+            self._kept += len(line)
+            while self._kept > REPLAY_BYTES and len(events) > 1:
+                self._kept -= len(events.popleft()[1])
+        sink = self.sink
+        if sink is not None:
+            if self.queued + len(line) > STREAM_BUFFER_MAX:
+                self._cut(sink)
+                return
+            sink.put_nowait((self.seq, line))
+            self.queued += len(line)
+
+    def taken(self, item: Item) -> None:
+        """The response took ``item`` from its queue."""
+        if item is not None:
+            self.queued -= len(item[1])
+
+    def _cut(self, sink: asyncio.Queue[Item]) -> None:
+        """The client is not reading: end its response, drop what it was owed."""
+        event(log, "http_stream_cut", logging.WARNING, stream=self.key, queued=self.queued)
+        while not sink.empty():
+            sink.get_nowait()
+        sink.put_nowait(None)
+        self.sink = None
+        self.queued = 0
 
     def finish(self) -> None:
         """No more messages: the attached response ends after what it holds."""
@@ -73,9 +113,11 @@ class Exchange:
         if self.sink is not None:
             self.sink.put_nowait(None)  # one listener at a time: the older one ends
         queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.queued = 0
         for seq, line in self.events:
             if seq > after:
                 queue.put_nowait((seq, line))
+                self.queued += len(line)
         if self.done:
             queue.put_nowait(None)
         self.sink = queue
@@ -125,6 +167,8 @@ async def respond(
             first = await asyncio.wait_for(queue.get(), keepalive) if json_ok else False
         except TimeoutError:
             first = False  # silent for a while: commit to SSE so keepalives can flow
+        if isinstance(first, tuple) and exchange.sink is queue:
+            exchange.taken(first)
         # The response came and nothing else is owed: only the end marker is left queued.
         if json_ok and isinstance(first, tuple) and exchange.done and queue.qsize() == 1:
             return web.Response(
@@ -143,7 +187,7 @@ async def respond(
             if isinstance(first, tuple):
                 await response.write(_event(exchange.key, *first))
             if first is not None:
-                await _pump(response, exchange.key, queue, keepalive)
+                await _pump(response, exchange, queue, keepalive)
             await response.write_eof()
         return response
     finally:
@@ -151,7 +195,7 @@ async def respond(
 
 
 async def _pump(
-    response: web.StreamResponse, key: str | None, queue: asyncio.Queue[Item], keepalive: float
+    response: web.StreamResponse, exchange: Exchange, queue: asyncio.Queue[Item], keepalive: float
 ) -> None:
     while True:
         try:
@@ -161,7 +205,9 @@ async def _pump(
             continue
         if item is None:
             return
-        await response.write(_event(key, *item))
+        if exchange.sink is queue:
+            exchange.taken(item)
+        await response.write(_event(exchange.key, *item))
 
 
 def _event(key: str | None, seq: int, line: bytes) -> bytes:

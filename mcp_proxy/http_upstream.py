@@ -87,6 +87,8 @@ class HttpUpstream:
         self._requests: dict[RequestId, tuple[asyncio.Task[None], bool]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._why = ""
+        self._output = asyncio.Event()  # cleared: the caller's link is not taking our output
+        self._output.set()
 
     @property
     def alive(self) -> bool:
@@ -95,6 +97,13 @@ class HttpUpstream:
     @property
     def writable(self) -> bool:
         return True
+
+    def pause_output(self) -> None:
+        """Stop reading the upstream's responses (aiohttp then stops reading the socket)."""
+        self._output.clear()
+
+    def resume_output(self) -> None:
+        self._output.set()
 
     async def drain(self) -> None:
         return None
@@ -282,6 +291,7 @@ class HttpUpstream:
         buf = b""
         data: list[bytes] = []
         async for chunk in resp.content.iter_any():
+            await self._output.wait()  # held while the caller's link is not taking output
             buf += chunk
             while (end := buf.find(b"\n")) >= 0:
                 field, buf = buf[:end].rstrip(b"\r"), buf[end + 1 :]

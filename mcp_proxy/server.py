@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections import deque
@@ -293,7 +294,15 @@ class TunnelServer:
         sender = self._senders.get(peer)
         if sender is None:
             sender = self._senders[peer] = FrameSender(self.transport, peer)
+            sender.on_pressure(functools.partial(self._pressure, peer))
         return sender
+
+    def _pressure(self, peer: str, pressed: bool) -> None:
+        """The peer's link is not taking what its tools write: stop reading them, or resume."""
+        event(log, "tunnel_output_paused" if pressed else "tunnel_output_resumed", peer=peer)
+        for (who, _), session in self.sessions.items():
+            if who == peer and session.proc is not None:
+                session.proc.pause_output() if pressed else session.proc.resume_output()
 
     async def stop(self) -> None:
         """Terminate every tool process and stop the workers."""
@@ -451,6 +460,8 @@ class TunnelServer:
         self.sessions[(peer, sid)] = session
         self.started_processes += 1
         await session.start(proc)
+        if self.sender_for(peer).pressed:
+            proc.pause_output()  # a new session of a peer that is not reading waits too
         if proc.pid is not None or spec.url:
             # Which tool process serves whom: command only (its arguments are the operator's).
             detail = os.path.basename(spec.command) or urlsplit(spec.url).netloc

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import stat
+from collections.abc import Awaitable
 from typing import Protocol
 
 from talos.logging import event
@@ -49,14 +50,27 @@ class StdoutWriter(Protocol):
 
     def write(self, data: bytes) -> None: ...
 
+    def backpressure(self) -> Awaitable[None] | None:
+        """An awaitable while the agent is not reading what was written, else None."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
 class _Drained(asyncio.Protocol):
     def __init__(self) -> None:
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.writable = asyncio.Event()
+        self.writable.set()
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.writable.set()  # nobody to wait for any more
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -71,6 +85,11 @@ class _PipeWriter:
     def write(self, data: bytes) -> None:
         if not self._transport.is_closing():
             self._transport.write(data)
+
+    def backpressure(self) -> Awaitable[None] | None:
+        # Past the transport's high-water mark: the link stops reading until the agent reads.
+        writable = self._protocol.writable
+        return None if writable.is_set() else _wait(writable)
 
     async def aclose(self) -> None:
         self._transport.close()  # flushes what is buffered, then closes
@@ -96,8 +115,15 @@ class _FileWriter:
             self._failed = True
             event(log, "stdout_write_failed", logging.ERROR, error=exc.strerror or str(exc))
 
+    def backpressure(self) -> Awaitable[None] | None:
+        return None  # each write returned once written: nothing waits in this process
+
     async def aclose(self) -> None:
         return None  # nothing is buffered in this process
+
+
+async def _wait(event: asyncio.Event) -> None:
+    await event.wait()
 
 
 async def open_stdout(fd: int = 1) -> StdoutWriter:

@@ -191,6 +191,21 @@ class ToolProcess:
         if held and stdin is not None and not stdin.is_closing():
             stdin.write(b"".join(held))
 
+    def pause_output(self) -> None:
+        """Stop reading the tool's stdout (the caller's link is not taking it)."""
+        self._reading(False)
+
+    def resume_output(self) -> None:
+        self._reading(True)
+
+    def _reading(self, on: bool) -> None:
+        transport = self._transport
+        pipe = transport.get_pipe_transport(1) if transport is not None else None
+        if pipe is not None and not pipe.is_closing():
+            # Not an isinstance check: uvloop's pipe transports do not subclass asyncio's ABCs.
+            read = cast(asyncio.ReadTransport, pipe)
+            read.resume_reading() if on else read.pause_reading()
+
     @property
     def writable(self) -> bool:
         """False while stdin holds more than its high-water mark (then ``drain``)."""

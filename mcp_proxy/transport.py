@@ -40,6 +40,7 @@ __all__ = [
     "LinkListener",
     "LoopbackTransport",
     "NodeTransport",
+    "PressureListener",
     "Receiver",
     "RefusalListener",
     "TunnelTransport",
@@ -53,6 +54,12 @@ APP_NAME = "mcp"
 MAX_BATCH_BYTES = 256 * 1024
 # The tunnel frame header and length prefixes, on top of the messages it carries.
 _FRAME_SLACK = 64
+#: Message bytes a FrameSender may hold for a link that does not take them (a peer that
+#: stopped reading) before its producers are told to pause, and the level they resume at.
+PRESSURE_HIGH = 1 << 20
+PRESSURE_LOW = 256 * 1024
+#: ``listener(pressed)``: True when the queue passed PRESSURE_HIGH, False once below LOW.
+PressureListener = Callable[[bool], None]
 
 # A receiver returns an awaitable to make the link stop reading until it is done (backpressure).
 Receiver = Callable[[str, bytes], Awaitable[None] | None]
@@ -253,12 +260,22 @@ class LoopbackTransport:
 
 
 class FrameSender:
-    """Queues frames for one peer and sends them, coalescing consecutive messages of a session."""
+    """Queues frames for one peer and sends them, coalescing consecutive messages of a session.
+
+    The queue is bounded by its producers: past ``PRESSURE_HIGH`` bytes waiting
+    for a link that does not take them, each pressure listener is told to stop
+    reading what feeds it (a tool's stdout, the agent's stdin), and told again
+    once the queue is below ``PRESSURE_LOW``. Without it a peer that stops
+    reading grew this queue for as long as the tool wrote.
+    """
 
     def __init__(self, transport: TunnelTransport, peer: str) -> None:
         self.transport = transport
         self.peer = peer
         self._items: deque[tuple[FrameKind, int, bytes | None]] = deque()
+        self._queued = 0  # payload bytes in _items
+        self.pressed = False
+        self._pressure: list[PressureListener] = []
         self._carry: bytes | None = None  # built, refused by send_nowait: the task sends it
         self._idle = asyncio.Event()
         self._idle.set()
@@ -274,8 +291,21 @@ class FrameSender:
     def control(self, kind: FrameKind, session: int, payload: bytes | None = None) -> None:
         self._push(kind, session, payload)
 
+    def on_pressure(self, listener: PressureListener) -> None:
+        """Call ``listener(True)`` when the queue must stop growing, ``(False)`` when it may."""
+        self._pressure.append(listener)
+
+    def _press(self, pressed: bool) -> None:
+        self.pressed = pressed
+        for listener in list(self._pressure):
+            listener(pressed)
+
     def _push(self, kind: FrameKind, session: int, payload: bytes | None) -> None:
         self._items.append((kind, session, payload))
+        if payload is not None:
+            self._queued += len(payload)
+            if self._queued > PRESSURE_HIGH and not self.pressed:
+                self._press(True)
         self._idle.clear()
         if self._soon is None and not self._busy:
             # A producer that knows its batch ended calls flush_now sooner.
@@ -316,9 +346,21 @@ class FrameSender:
             self.flush_now()
         await self._idle.wait()
 
+    def _taken(self) -> tuple[FrameKind, int, bytes | None]:
+        item = self._items.popleft()
+        if item[2] is not None:
+            self._queued -= len(item[2])
+        return item
+
+    def _emptied(self) -> None:
+        self._items.clear()
+        self._queued = 0
+        if self.pressed:
+            self._press(False)
+
     def discard(self) -> None:
         """Drop what is queued (its sessions died with the link)."""
-        self._items.clear()
+        self._emptied()
         self._carry = None
         if not self._busy:
             self._idle.set()
@@ -332,7 +374,7 @@ class FrameSender:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._items.clear()
+        self._emptied()
         self._carry = None
         self._idle.set()
 
@@ -345,12 +387,18 @@ class FrameSender:
         return max(_FRAME_SLACK, self.transport.max_payload_for(self.peer) - _FRAME_SLACK)
 
     def _next_frame(self) -> bytes:
+        frame = self._build_frame()
+        if self.pressed and self._queued < PRESSURE_LOW:
+            self._press(False)
+        return frame
+
+    def _build_frame(self) -> bytes:
         items = self._items
         budget = self._budget()
-        kind, session, payload = items.popleft()
+        kind, session, payload = self._taken()
         if kind is FrameKind.MESSAGES and payload is not None and len(payload) > budget:
             self._split(session, payload, budget)
-            kind, session, payload = items.popleft()
+            kind, session, payload = self._taken()
         if kind is not FrameKind.MESSAGES:
             return encode_frame(kind, session, () if payload is None else (payload,))
         assert payload is not None
@@ -363,7 +411,7 @@ class FrameSender:
             size += 4 + len(npayload)
             if size > budget:
                 break
-            items.popleft()
+            self._taken()
             batch.append(npayload)
         return encode_frame(FrameKind.MESSAGES, session, batch)
 
@@ -374,6 +422,7 @@ class FrameSender:
         items.appendleft((FrameKind.MESSAGES, session, pieces.pop()))
         for piece in reversed(pieces):
             items.appendleft((FrameKind.PART, session, piece))
+        self._queued += len(payload)
 
     def _lost(self, exc: Exception) -> None:
         # The link listener fails the pending requests; a lost frame is not retried

@@ -241,3 +241,44 @@ def sse_messages(body: bytes) -> list[dict[str, Any]]:
         assert len(lines) == 2 and b"\r" not in lines[1], event
         out.append(orjson.loads(lines[1][6:]))
     return out
+
+
+async def test_an_agent_that_stops_reading_pauses_the_tool_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """Backpressure end to end: connect stops reading the link while its stdout is full,
+    serve then stops reading the tool, so neither buffers what the agent does not take."""
+    from tests.tools.bad_server import FLOOD_BYTES, FLOOD_LINES
+
+    client_did = did_of(tmp_path / "c")
+    counter = tmp_path / "written"
+    tool = [*bad_tool("flood"), str(counter)]
+
+    def written() -> int:
+        raw = counter.read_bytes() if counter.exists() else b""
+        return int(raw) if raw.strip() else 0
+
+    async with (
+        asyncio.timeout(TIMEOUT),
+        serving(tmp_path / "s", ["--allow", client_did], tool) as serve,
+        stdio_agent(tmp_path / "c", serve.address) as agent,
+    ):
+        await agent.send(b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}}')
+        # The agent reads nothing: the tool's count must stop well short of the end.
+        last, still = -1, 0
+        while still < 20 and last < FLOOD_LINES:
+            await asyncio.sleep(0.1)
+            now = written()
+            still = still + 1 if now == last else 0
+            last = now
+        bound = 24 * 1024 * 1024 // FLOOD_BYTES  # pipes, socket buffers, one sender's queue
+        assert 0 < last < bound, f"the tool wrote {last} of {FLOOD_LINES} lines unread"
+        # The agent reads again: every line arrives, then the response.
+        notes = 0
+        while True:
+            reply = await agent.recv()
+            if reply.get("id") == 1:
+                break
+            assert reply["method"] == "notifications/message"
+            notes += 1
+        assert notes == FLOOD_LINES and reply["result"] == {"lines": FLOOD_LINES}

@@ -127,3 +127,25 @@ async def test_exchange_replays_after_an_event_id() -> None:
     assert parse_event_id("3-2") == ("3", 2)
     for bad in ("3", "-2", "3-x", ""):
         assert parse_event_id(bad) is None
+
+
+async def test_a_stream_nobody_reads_is_cut_and_the_replay_log_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import mcp_proxy.http_sse as sse
+
+    monkeypatch.setattr(sse, "STREAM_BUFFER_MAX", 100)
+    monkeypatch.setattr(sse, "REPLAY_BYTES", 130)
+    exchange = Exchange("7")
+    queue = exchange.attach()
+    exchange.emit(b"a" * 60)
+    exchange.taken(queue.get_nowait())  # the response wrote the first one
+    exchange.emit(b"b" * 60)
+    exchange.emit(b"c" * 60)  # 120 bytes would wait unread: the response is ended
+    assert not exchange.listening and exchange.queued == 0
+    assert [queue.get_nowait()] == [None]
+    # What the client missed stays resumable, within the replay log's byte budget.
+    again = exchange.attach(after=1)
+    assert [again.get_nowait() for _ in range(2)] == [(2, b"b" * 60), (3, b"c" * 60)]
+    exchange.emit(b"d" * 60)
+    assert [seq for seq, _ in exchange.events] == [3, 4]

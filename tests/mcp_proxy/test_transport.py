@@ -10,6 +10,7 @@ import pytest
 
 from mcp_proxy.transport import (
     MAX_BATCH_BYTES,
+    PRESSURE_HIGH,
     FrameSender,
     LinkDownError,
     LoopbackTransport,
@@ -276,3 +277,42 @@ async def test_a_receiver_awaitable_holds_the_node_read_loop(tmp_path: Path) -> 
     finally:
         await a.stop()
         await b.stop()
+
+
+class _Stalled:
+    """A transport whose link takes nothing until ``gate`` opens (a peer not reading)."""
+
+    def __init__(self) -> None:
+        self.gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.sent = 0
+
+    def max_payload_for(self, peer: str) -> int:
+        return 256 * 1024
+
+    def send_nowait(self, peer: str, payload: bytes) -> bool:
+        return False
+
+    async def send(self, peer: str, payload: bytes) -> None:
+        await self.gate
+        self.sent += 1
+
+
+async def test_a_link_that_takes_nothing_presses_the_producers_until_it_drains() -> None:
+    link = _Stalled()
+    sender = FrameSender(link, "did:b")  # type: ignore[arg-type]
+    pressure: list[bool] = []
+    sender.on_pressure(pressure.append)
+    chunk = bytes(64 * 1024)
+    async with asyncio.timeout(TIMEOUT):
+        for _ in range(PRESSURE_HIGH // len(chunk)):
+            sender.message(1, chunk)
+        assert pressure == []  # at the mark, not past it
+        sender.message(1, chunk)
+        assert pressure == [True] and sender.pressed
+        sender.message(1, chunk)
+        assert pressure == [True]  # told once
+        link.gate.set_result(None)
+        await sender.flush()
+    assert pressure == [True, False] and not sender.pressed
+    assert link.sent >= 1
+    await sender.close()

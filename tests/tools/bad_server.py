@@ -17,7 +17,10 @@
 - ``crash-mid-call``: answers ``initialize``, then for the next request writes half a
   response (no newline) and exits with code 7;
 - ``cr-reply``: answers every request with a response whose JSON holds raw CRs around a
-  nested object that looks like another message (a reader splitting on CR sees three lines).
+  nested object that looks like another message (a reader splitting on CR sees three lines);
+- ``flood COUNT_FILE``: for every request, writes ``FLOOD_LINES`` log notifications of
+  ``FLOOD_BYTES`` each, then the response; after each line it records in COUNT_FILE how
+  many it has written (a blocked stdout shows as a count that stops growing).
 """
 
 from __future__ import annotations
@@ -28,8 +31,37 @@ import os
 import signal
 import sys
 
+FLOOD_LINES = 2000
+FLOOD_BYTES = 32 * 1024
+
+
+def flood(count_file: str) -> None:
+    data = "x" * FLOOD_BYTES
+    note = json.dumps(
+        {
+            "jsonrpc": "2.0",
+            "method": "notifications/message",
+            "params": {"level": "info", "data": data},
+        }
+    )
+    fd = os.open(count_file, os.O_WRONLY | os.O_CREAT, 0o600)
+    for line in sys.stdin:
+        message = json.loads(line)
+        if "id" not in message or "method" not in message:
+            continue
+        for n in range(1, FLOOD_LINES + 1):
+            sys.stdout.write(note + "\n")
+            sys.stdout.flush()
+            os.pwrite(fd, b"%10d" % n, 0)
+        reply = {"jsonrpc": "2.0", "id": message["id"], "result": {"lines": FLOOD_LINES}}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
 
 def main(mode: str) -> None:
+    if mode == "flood":
+        flood(sys.argv[2])
+        return
     if mode == "exit-at-start":
         sys.exit(4)
     if mode == "hang":
