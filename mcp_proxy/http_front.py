@@ -47,6 +47,7 @@ from mcp_proxy.jsonrpc import (
     one_line,
     sniff,
 )
+from talos.http_serve import HttpServer, serve_http
 from talos.logging import event
 
 __all__ = ["ENDPOINT", "MAX_SESSIONS", "HttpFront", "parse_bind"]
@@ -119,7 +120,7 @@ class HttpFront:
         self.app.router.add_route("DELETE", ENDPOINT, self._delete)
         self.app.router.add_route("OPTIONS", ENDPOINT, self._preflight)
         self.app.on_response_prepare.append(self._add_cors)
-        self._runner: web.AppRunner | None = None
+        self._server: HttpServer | None = None
         self.url = ""
 
     def _may_open(self) -> bool:
@@ -127,18 +128,17 @@ class HttpFront:
 
     async def start(self) -> None:
         # A client that disconnects cancels its handler: a stateless request is then cancelled.
-        self._runner = web.AppRunner(
-            self.app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
+        server = await serve_http(
+            self.app,
+            self.host,
+            self.port,
+            access_log=None,
+            shutdown_timeout=1.0,
+            handler_cancellation=True,
         )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        server = site._server
-        assert server is not None
-        sock = server.sockets[0]  # type: ignore[attr-defined]
-        host, port = sock.getsockname()[:2]
-        self.port = port
-        self.url = f"http://{host}:{port}{ENDPOINT}"
+        self._server = server
+        self.port = server.port
+        self.url = f"http://{server.host}:{server.port}{ENDPOINT}"
         self._reaper = asyncio.create_task(self._reap())
 
     async def _reap(self) -> None:
@@ -165,8 +165,8 @@ class HttpFront:
             session.close()
         self.sessions.clear()
         self.pool.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._server is not None:
+            await self._server.cleanup()
 
     # --- guard and CORS ---------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from talos.chain.log import UnknownRecordError
 from talos.config import LOOPBACK_HOSTS
+from talos.http_serve import HttpServer, serve_http
 from talos.transfer.routes import register_routes
 from talos.views import block_json, node_verify_json
 from talos_sdk.errors import StorageFullError, TalosError, UsageError
@@ -223,19 +224,11 @@ def build_app(node: Node, token: str, transfers: TransferManager | None = None) 
 
 async def start_api(
     node: Node, transfers: TransferManager | None, host: str, port: int
-) -> tuple[web.AppRunner, str]:
-    """Serve the API; returns the runner (``await runner.cleanup()`` to stop) and its URL."""
+) -> tuple[HttpServer, str]:
+    """Serve the API; returns the server (``await server.cleanup()`` to stop) and its URL."""
     if host not in LOOPBACK_HOSTS:  # NodeConfig refuses it first; callers may pass any host
         raise UsageError(f"api_host {host!r}: the control API listens on loopback only")
     # Long-polls are woken by node.stop(); never let shutdown hang on a stuck client.
-    runner = web.AppRunner(
-        build_app(node, node.home.api_token(), transfers), access_log=None, shutdown_timeout=2.0
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    server = site._server
-    assert server is not None
-    sock = server.sockets[0]  # type: ignore[attr-defined]
-    real_host, real_port = sock.getsockname()[:2]
-    return runner, f"http://{real_host}:{real_port}"
+    app = build_app(node, node.home.api_token(), transfers)
+    server = await serve_http(app, host, port, access_log=None, shutdown_timeout=2.0)
+    return server, f"http://{server.host}:{server.port}"

@@ -24,7 +24,7 @@ from talos.transfer.manager import TransferConfig, TransferManager
 from talos_sdk.wallet import Wallet
 
 if TYPE_CHECKING:
-    from aiohttp import web
+    from talos.http_serve import HttpServer
 
 __all__ = ["Daemon"]
 
@@ -48,7 +48,7 @@ class Daemon:
         self.files_dir = Path(chosen).expanduser().resolve()
         self.transfers: TransferManager | None = None
         self.api_url: str | None = None
-        self._api: web.AppRunner | None = None
+        self._api: HttpServer | None = None
         self.local: LocalServer | None = None
 
     async def start(self) -> None:
