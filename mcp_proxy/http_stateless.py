@@ -17,6 +17,14 @@ a per-process key), so the state is remembered and the retry routed back.
 Cancellation is closing the response stream (2026-07-28): the front then sends
 ``notifications/cancelled`` to the tool and forgets the request, so the member
 is idle again and can be reaped.
+
+Notifications a tool sends on its own are routed by what they carry: progress
+by its token; events of a ``subscriptions/listen`` stream by the
+``io.modelcontextprotocol/subscriptionId`` in their ``_meta`` (the listen
+request's id); anything else (log messages) only to the one request running
+on that member besides its listens. So a request that opts into log messages
+(``io.modelcontextprotocol/logLevel``) is given a member where no other request
+runs, else its log lines could not be told from another client's.
 """
 
 from __future__ import annotations
@@ -38,8 +46,17 @@ __all__ = ["SPREAD", "StatelessPool"]
 log = logging.getLogger(__name__)
 
 SPREAD = 8
+SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
+LOG_LEVEL = "io.modelcontextprotocol/logLevel"
 # requestState values remembered for routing retries (the SDK's default state TTL is 10 min).
 MAX_STATES = 4096
+
+
+def wants_logs(msg: Sniffed) -> bool:
+    """The request opted into the tool's log messages (2026-07-28 ``_meta`` logLevel)."""
+    params = msg.params if isinstance(msg.params, dict) else {}
+    meta = params.get("_meta")
+    return isinstance(meta, dict) and LOG_LEVEL in meta
 
 
 class _Member:
@@ -49,6 +66,8 @@ class _Member:
         self.pool = pool
         self.tunnel: ClientSession = client.open_session(self.deliver)
         self.inflight: dict[RequestId, Exchange] = {}
+        self.listens: set[RequestId] = set()  # subscriptions/listen streams among inflight
+        self.solo: set[RequestId] = set()  # requests that asked for log lines: none may join
         self.tokens: dict[RequestId, RequestId] = {}
         self.last_used = asyncio.get_running_loop().time()
 
@@ -56,12 +75,23 @@ class _Member:
         assert msg.id is not None
         exchange = Exchange()
         self.inflight[msg.id] = exchange
+        if msg.method == "subscriptions/listen":
+            self.listens.add(msg.id)
+        elif wants_logs(msg):
+            self.solo.add(msg.id)
         if msg.progress_token is not None:
             self.tokens[msg.progress_token] = msg.id
         return exchange
 
+    @property
+    def calls(self) -> int:
+        """Requests in flight other than listen streams."""
+        return len(self.inflight) - len(self.listens)
+
     def _forget(self, request_id: RequestId) -> Exchange | None:
         exchange = self.inflight.pop(request_id, None)
+        self.listens.discard(request_id)
+        self.solo.discard(request_id)
         for token, rid in list(self.tokens.items()):
             if rid == request_id:
                 del self.tokens[token]
@@ -99,20 +129,28 @@ class _Member:
                     if isinstance(state, str):
                         self.pool.remember(state, self)
             return
-        target: Exchange | None = None
-        if msg.method == "notifications/progress" and isinstance(msg.params, dict):
-            token = msg.params.get("progressToken")
-            rid = self.tokens.get(token) if isinstance(token, int | str) else None
-            target = self.inflight.get(rid) if rid is not None else None
-        elif msg.kind is Kind.NOTIFICATION and len(self.inflight) == 1:
-            # With one request running, its notifications (logging) can only be its own.
-            (target,) = self.inflight.values()
+        target = self._target(msg) if msg.kind is Kind.NOTIFICATION else None
         if target is not None:
             target.emit(line)
         else:
             event(
                 log, "unroutable_dropped", logging.DEBUG, session=self.tunnel.sid, method=msg.method
             )
+
+    def _target(self, msg: Sniffed) -> Exchange | None:
+        """Where a notification of the tool belongs (module docstring), if it can be told."""
+        params = msg.params if isinstance(msg.params, dict) else {}
+        if msg.method == "notifications/progress":
+            token = params.get("progressToken")
+            rid = self.tokens.get(token) if isinstance(token, int | str) else None
+            return self.inflight.get(rid) if rid is not None else None
+        meta = params.get("_meta")
+        sub = meta.get(SUBSCRIPTION_ID) if isinstance(meta, dict) else None
+        if isinstance(sub, int | str) and sub in self.listens:
+            return self.inflight[sub]
+        calls = [e for rid, e in self.inflight.items() if rid not in self.listens]
+        # With one request running, its other notifications (logging) can only be its own.
+        return calls[0] if len(calls) == 1 else None
 
     def close(self) -> None:
         for exchange in self.inflight.values():
@@ -152,9 +190,10 @@ class StatelessPool:
             owner = self._states.get(state)
             if owner is not None and owner in self.members and rid not in owner.inflight:
                 return owner
-        free = [m for m in self.members if rid not in m.inflight]
-        best = min(free, key=lambda m: len(m.inflight)) if free else None
-        if (best is None or len(best.inflight) >= self.spread) and self.may_open():
+        free = [m for m in self.members if rid not in m.inflight and not m.solo]
+        best = min(free, key=lambda m: m.calls) if free else None
+        busy = best is None or best.calls >= (1 if wants_logs(msg) else self.spread)
+        if busy and self.may_open():
             best = _Member(self, self.client)
             self.members.append(best)
         return best

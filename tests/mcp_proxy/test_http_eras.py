@@ -184,3 +184,35 @@ async def test_same_request_id_from_two_clients_runs_on_two_members() -> None:
         )
         assert text(one) == "done 1" and text(two) == "second"
         assert len(front.pool) == 2  # the colliding id went to a second tool session
+
+
+async def test_modern_listen_events_and_log_lines_reach_their_client() -> None:
+    """A 2026-07-28 listen stream gets the events of a change made by a call that runs
+    meanwhile, and a call that asked for log lines gets them with the stream open."""
+    from mcp.shared.subscriptions import ResourceUpdated
+
+    logs: list[Any] = []
+
+    async def on_log(params: Any) -> None:
+        logs.append(params)
+
+    async with (
+        asyncio.timeout(TIMEOUT),
+        front_for(MODERN) as (front, _),
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as http,
+        Client(
+            streamable_http_client(front.url, http_client=http),
+            mode="2026-07-28",
+            logging_callback=on_log,
+            log_level="info",
+        ) as client,
+        client.listen(resource_subscriptions=["res://counter"]) as events,
+    ):
+        assert text(await client.call_tool("bump", {})) == "counter 1"
+        async for update in events:
+            if isinstance(update, ResourceUpdated):
+                assert update.uri == "res://counter"
+                break
+        assert text(await client.call_tool("logs", {})) == "logged"
+        await until(lambda: len(logs) == 1, what="the log line")
+        assert logs[0].level == "info" and logs[0].data == "a log line"

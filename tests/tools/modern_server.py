@@ -4,7 +4,8 @@ Resolver-based tools (``Annotated[T, Resolve(fn)]``) ask the client in the way
 the negotiated version allows: a 2026-07-28 request gets a multi-round-trip
 result (``input_required`` with ``requestState``), a 2025-11-25 session gets
 a server-to-client request mid-call. Also: echo, add, slow (progress), a
-sized resource (res://big/N), a prompt. Run over stdio (``python -m
+sized resource (res://big/N), a prompt, bump (changes res://counter and
+notifies listen streams), logs (one log message). Run over stdio (``python -m
 tests.tools.modern_server``) or Streamable HTTP on 127.0.0.1 (``--http``: it
 binds a free port and prints ``listening on URL`` on stdout).
 """
@@ -45,6 +46,30 @@ async def slow(steps: int, delay: float, ctx: Context) -> str:
         await asyncio.sleep(delay)
         await ctx.report_progress(i + 1, steps, f"step {i + 1}")
     return f"done {steps}"
+
+
+_counter = {"n": 0}
+
+
+@server.tool()
+async def bump(ctx: Context) -> str:
+    """Change res://counter and tell listen streams (2026-07-28) that it changed."""
+    _counter["n"] += 1
+    await ctx.notify_resource_updated("res://counter")
+    return f"counter {_counter['n']}"
+
+
+@server.resource("res://counter")
+def counter() -> str:
+    """A resource that bump changes."""
+    return f"counter {_counter['n']}"
+
+
+@server.tool()
+async def logs(ctx: Context) -> str:
+    """Send one info log message before answering (if the request asked for logs)."""
+    await ctx.log("info", "a log line", logger_name="modern")
+    return "logged"
 
 
 def ask_model(prompt: str) -> Sample:
