@@ -14,7 +14,7 @@ from pathlib import Path
 from mcp_proxy.server import MAX_SESSIONS_PER_PEER
 from mcp_proxy.toolenv import DEFAULT_PASS
 from talos.cli_completion import add_completion_command
-from talos.cli_help import HelpFormatter, command, epilog
+from talos.cli_help import HelpFormatter, command, count, epilog, seconds
 from talos.logging import add_arguments as add_log_arguments
 
 __all__ = ["build_parser"]
@@ -186,7 +186,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument(
         "--max-sessions",
-        type=int,
+        type=count,
         default=MAX_SESSIONS_PER_PEER,
         metavar="N",
         help="tool processes one peer may hold at once",
@@ -263,7 +263,7 @@ def _connect_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--http-idle",
-        type=float,
+        type=seconds,
         default=1800.0,  # http_front.IDLE_TIMEOUT; not imported: stdio never loads aiohttp
         metavar="SECONDS",
         help="end an HTTP session (and its remote tool) idle this long",
@@ -277,14 +277,14 @@ def _connect_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--http-max-sessions",
-        type=int,
+        type=count,
         default=16,  # http_front.MAX_SESSIONS
         metavar="N",
         help="tool sessions this front holds at once, legacy and pooled",
     )
     p.add_argument(
         "--link-wait",
-        type=float,
+        type=seconds,
         default=15.0,
         metavar="SECONDS",
         help="how long a request waits for the link to the serve side to come up"

@@ -180,7 +180,7 @@ class HttpFront:
         auth = request.headers.get("Authorization", "")
         scheme, _, given = auth.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), self.token.encode()
+            given.strip().encode("utf-8", "surrogateescape"), self.token.encode()
         ):
             return web.Response(
                 status=401, text="bearer token required", headers={"WWW-Authenticate": "Bearer"}

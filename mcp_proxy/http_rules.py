@@ -80,8 +80,13 @@ def unsupported(requested: str) -> Rejection:
         400,
         UNSUPPORTED_VERSION,
         "Unsupported protocol version",
-        {"supported": list(SUPPORTED_VERSIONS), "requested": requested},
+        # Header bytes that were not UTF-8 arrive as surrogates, which JSON cannot carry.
+        {"supported": list(SUPPORTED_VERSIONS), "requested": _printable(requested)},
     )
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _header_value(raw: str | None) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +93,8 @@ def _middleware(token: str) -> Any:
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path != "/healthz":
-            got = request.headers.get("Authorization", "").encode()
+            # Header bytes that are not UTF-8 come as surrogates: a wrong token, not a crash.
+            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(got, expected):
                 return _error(401, "missing or wrong API token")
         try:
@@ -177,6 +179,10 @@ def build_app(node: Node, token: str, transfers: TransferManager | None = None) 
             wait = float(request.query.get("wait", "0"))
         except ValueError:
             return _error(400, "after must be an integer and wait a number")
+        if not 0 <= after < 2**64:
+            return _error(400, "after must be a message number from 0 to 2**64-1")
+        if not math.isfinite(wait):
+            return _error(400, "wait must be a finite number of seconds")
         wait = min(max(wait, 0.0), 300.0)
         entries = await node.wait_inbox(after, wait) if wait else node.inbox(after)
         return _json(

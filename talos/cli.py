@@ -272,6 +272,10 @@ def cmd_send(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
     check_peer_ref(args.did, "PEER")
+    try:
+        args.text.encode()
+    except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (surrogateescape)
+        raise UsageError("TEXT is not valid UTF-8") from None
     body = {"to": args.did, "text": args.text, "wait": args.wait, "timeout": args.timeout}
     res = _online(path, "send", body, timeout=args.timeout + 5)
     if res is not _NOT_RUNNING:

@@ -10,6 +10,7 @@ the docs generator (tools/cli_docs.py) and shell completion walk them with
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -117,3 +118,37 @@ def options_of(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
         and a.help is not argparse.SUPPRESS
     ]
+
+
+# --- argument types: a bad number is a usage error (exit 2), never a traceback later ---
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds: a finite number above 0 (``nan`` and ``1e999`` are not)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0: {text!r}")
+    return value
+
+
+def _integer(text: str, low: int, high: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be {what}: {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    """A whole number from 1 up (a count of things)."""
+    return _integer(text, 1, 2**31 - 1, "a whole number from 1 to 2147483647")
+
+
+def position(text: str) -> int:
+    """A whole number from 0 up that fits a u64 (a message number, a sequence)."""
+    return _integer(text, 0, 2**64 - 1, "a whole number from 0 to 2**64-1")

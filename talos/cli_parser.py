@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from talos.cli_completion import add_completion_command
-from talos.cli_help import HelpFormatter, command, epilog
+from talos.cli_help import HelpFormatter, command, count, epilog, position, seconds
 from talos.logging import add_arguments as add_log_arguments
 
 __all__ = ["HOME_HELP", "Handler", "build_parser"]
@@ -169,13 +169,13 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--ratchet-every",
-        type=int,
+        type=count,
         metavar="N",
         help="DH ratchet step every turn (1, the default) or after N sends (lazy, ADR 0002)",
     )
     sp.add_argument(
         "--ratchet-max-age",
-        type=float,
+        type=seconds,
         metavar="SECONDS",
         help="lazy mode: also renew a sending chain older than SECONDS (default: 60, at most 3600)",
     )
@@ -265,7 +265,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=30.0,
         metavar="SECONDS",
         help="with --wait: give up after SECONDS (exit 5; 4 if unreachable), still queued",
@@ -285,7 +285,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         action="store_true",
         help="keep printing new messages as they arrive (needs a running node; Ctrl-C ends)",
     )
-    sp.add_argument("--after", type=int, default=0, help=argparse.SUPPRESS)
+    sp.add_argument("--after", type=position, default=0, help=argparse.SUPPRESS)
 
     sp = add(
         "chain",

@@ -104,7 +104,10 @@ def host_port_url(
     ``what`` names the value in the errors, ``shape`` shows what it must look like. The
     one check behind peer addresses, relay URLs and dialable addresses (talos/discovery.py).
     """
-    parts = urlsplit(value)
+    try:
+        parts = urlsplit(value)
+    except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+        raise error(f"{shape}, got {value!r} ({exc})") from None
     if parts.scheme not in schemes or not parts.hostname:
         raise error(f"{shape}, got {value!r}")
     try:

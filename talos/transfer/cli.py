@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from talos import exit_codes
+from talos.cli_help import seconds
 
 __all__ = ["register_cli"]
 
@@ -130,7 +131,7 @@ def register_cli(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     )
     sp.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=3600.0,
         metavar="SECONDS",
         help="with --wait: give up waiting after SECONDS (the transfer goes on; exit 5)",

@@ -60,7 +60,7 @@ def register_routes(app: web.Application, manager: TransferManager) -> None:
         return reply([view(manager, i.tid) for i in manager.list()])
 
     async def one(request: web.Request) -> web.Response:
-        return reply(view(request.app[MANAGER_KEY], request.match_info["tid"]))
+        return reply(view(request.app[MANAGER_KEY], parse_tid(request.match_info["tid"])))
 
     async def accept(request: web.Request) -> web.Response:
         manager = request.app[MANAGER_KEY]

@@ -121,7 +121,31 @@ async def test_security_checks(front: HttpFront) -> None:
         assert unknown.status_code == 404
         assert (await raw(front, "GET", {**AUTH, "Mcp-Session-Id": "nope"})).status_code == 404
         assert (await raw(front, "DELETE", {**AUTH, "Mcp-Session-Id": "nope"})).status_code == 404
+        # Header bytes that are not UTF-8: a wrong token, a bad version; never a 500.
+        token = AUTH["Authorization"].encode()
+        assert await raw_status(front, b"Authorization: Bearer \xff\xfe") == 401
+        assert (
+            await raw_status(front, b"Authorization: " + token + b"\r\nMCP-Protocol-Version: \xff")
+            == 400
+        )
     assert front.sessions == {}
+
+
+async def raw_status(front: HttpFront, headers: bytes) -> int:
+    """POST a ping with ``headers`` written as raw bytes; the status code."""
+    url = httpx2.URL(front.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    body = b'{"jsonrpc":"2.0","id":2,"method":"ping"}'
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % url.path.encode()
+        + b"Accept: application/json, text/event-stream\r\n"
+        + headers
+        + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+        + body
+    )
+    answer = await reader.read()
+    writer.close()
+    return int(answer.split(b" ", 2)[1])
 
 
 def test_parse_bind() -> None:

@@ -56,6 +56,15 @@ async def test_token_is_required(nodes: tuple[Node, Node, aiohttp.ClientSession]
             assert status == 401 and "token" in body["error"]
         bad = {"Authorization": "Bearer nope"}
         assert (await call(anon, "GET", "/v1/id", headers=bad))[0] == 401
+    # A header that is not UTF-8 is a wrong token too, not a server error.
+    host, port = API_URLS[a.did].removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /v1/id HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n")
+    writer.write(b"Connection: close\r\n\r\n")
+    async with asyncio.timeout(10):
+        answer = await reader.read()
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:80]
 
 
 async def test_routes_end_to_end(
@@ -118,6 +127,10 @@ async def test_bad_requests_get_clear_errors(
             ("POST", "/v1/send", {"json": {"to": "did:key:zzz", "text": "t"}}, 400, "did"),
             ("POST", "/v1/peers", {"json": {"addr": "ws://h:1"}}, 400, "DID"),
             ("GET", "/v1/inbox?after=x", {}, 400, "integer"),
+            ("GET", "/v1/inbox?after=-5", {}, 400, "after"),
+            ("GET", f"/v1/inbox?after={2**70}", {}, 400, "after"),
+            ("GET", "/v1/inbox?wait=nan", {}, 400, "wait"),
+            ("GET", "/v1/files/zz", {}, 400, "hex"),
             ("GET", "/v1/chain/proof/zz", {}, 400, "hex"),
             ("GET", "/v1/chain/proof/" + "00" * 16, {}, 404, "no sealed record"),
         ]
