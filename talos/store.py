@@ -66,6 +66,10 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
+class StoreInUseError(StorageError):
+    """Another process (or another Store here) holds the home's lock."""
+
+
 def _full_error(map_size: int) -> StorageFullError:
     return StorageFullError(
         f"LMDB map full (map_size={map_size} bytes); the transaction was rolled back "
@@ -249,7 +253,7 @@ class Store:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             fh.close()
-            raise StorageError(
+            raise StoreInUseError(
                 f"the store at {self.path} is already open (by this or another process); "
                 "stop the other process using it (talosd run, talosd mcp, talos-proxy) "
                 "or use another home"

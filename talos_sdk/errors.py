@@ -46,6 +46,7 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     ├── SignatureError             a signature that must verify did not
     ├── StorageError               the node's store failed, or a stored row is corrupt
     │   ├── StorageFullError       LMDB map full: nothing was written
+    │   ├── StoreInUseError        another process holds the home's store (talos/store.py)
     │   └── NoSpaceError           the disk cannot hold a received file (transfer/receiver.py)
     ├── ChainError                 the block log has a defect (node layer)
     │   └── ChainDefect            one defect found by verification (talos/chain/block.py)

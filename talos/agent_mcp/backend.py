@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from talos.local.client import LocalClient, NodeGoneError, NoNodeError
+from talos.store import StoreInUseError
 
 __all__ = ["AttachedBackend", "Backend", "InProcessBackend", "open_backend"]
 
@@ -75,6 +76,25 @@ class InProcessBackend:
         await self.daemon.stop()
 
 
+#: How long a `talosd mcp` that lost the race for a home waits for the winner's socket.
+_RACE_WAIT = 15.0
+
+
+async def _attach_when_up(home: Path, wait: float) -> LocalClient:
+    deadline = asyncio.get_running_loop().time() + wait
+    while True:
+        try:
+            return await LocalClient.connect(home)
+        except NoNodeError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise StoreInUseError(
+                    f"the store of {home} is held by another process that is not a node "
+                    "(talos-proxy, or an offline talosd command): stop it, or run "
+                    f"`talosd run --home {home}`"
+                ) from None
+            await asyncio.sleep(0.1)
+
+
 async def open_backend(home: Path, *, passphrase_file: str | None = None) -> Backend:
     """Attach to the node of ``home``, or start one in this process when none runs.
 
@@ -97,7 +117,12 @@ async def open_backend(home: Path, *, passphrase_file: str | None = None) -> Bac
     wallet = await asyncio.to_thread(unlock, Home(home).identity, passphrase_file=passphrase_file)
     # the node, its file transfers, API and socket, as `talosd run`
     daemon = Daemon(home, wallet=wallet)
-    await daemon.start()
+    try:
+        await daemon.start()
+    except StoreInUseError:
+        # Another process took the home meanwhile: most often a second `talosd mcp`
+        # started at the same moment, whose node is coming up. Attach to it.
+        return AttachedBackend(home, await _attach_when_up(home, _RACE_WAIT))
     # A warning, so it reaches the agent host's log: this node is not `talosd run`.
     _log.warning(
         "no node was running on %s: this talosd mcp runs one until its agent exits "

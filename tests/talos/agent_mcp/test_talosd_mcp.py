@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -370,3 +371,59 @@ async def test_in_process_node_says_so_on_stderr(tmp_path: Path) -> None:
     finally:
         proc.stdin.close()
         await asyncio.wait_for(proc.wait(), 60)
+
+
+async def _raw_status(proc: asyncio.subprocess.Process) -> dict[str, Any]:
+    """initialize, then node_status, over the raw stdio of one ``talosd mcp``."""
+    assert proc.stdin is not None and proc.stdout is not None
+    hello = {
+        "protocolVersion": "2025-11-25",
+        "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"},
+    }
+    for message in (
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": hello},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "node_status", "arguments": {}},
+        },
+    ):
+        proc.stdin.write(json.dumps(message).encode() + b"\n")
+    await proc.stdin.drain()
+    while True:
+        reply = json.loads(await proc.stdout.readline())
+        if reply.get("id") == 2:
+            return dict(reply["result"]["structuredContent"])
+
+
+async def test_two_agents_starting_at_once_share_one_node(tmp_path: Path) -> None:
+    """Both find no node and race for the home: the loser attaches to the winner's node."""
+    home = tmp_path / "raced"
+    init(home)
+    params = mcp_params(home)
+    procs = [
+        await asyncio.create_subprocess_exec(
+            params.command,
+            *params.args,
+            cwd=REPO,
+            env=params.env,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        for _ in range(2)
+    ]
+    try:
+        async with asyncio.timeout(60):
+            first, second = await asyncio.gather(*(_raw_status(p) for p in procs))
+        assert first["did"] == second["did"]
+        assert sorted((first["mode"], second["mode"])) == ["attached", "in-process"]
+    finally:
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.close()
+        for proc in procs:
+            await asyncio.wait_for(proc.wait(), 60)
