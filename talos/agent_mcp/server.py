@@ -393,7 +393,33 @@ async def serve(home: Path, *, passphrase_file: str | None = None) -> None:
     low = server._lowlevel_server
     try:
         async with stdio_server() as (read_stream, write_stream):
-            await low.run(read_stream, write_stream, low.create_initialization_options())
+            await _run_answering_parse_errors(low, read_stream, write_stream)
     finally:
         await watcher.stop()
         await backend.close()
+
+
+async def _run_answering_parse_errors(low: Any, read_stream: Any, write_stream: Any) -> None:
+    """Run the server on the SDK's stdio streams, answering -32700 for a line that is
+    not JSON-RPC: the SDK hands such a line on as an exception the server only logs,
+    so the client would wait for ever (JSON-RPC 2.0 §5.1: Parse error, id null)."""
+    import anyio
+    from mcp import types
+    from mcp.shared.message import SessionMessage
+
+    writer, reader = anyio.create_memory_object_stream[Any](0)
+
+    async def relay() -> None:
+        async with writer:
+            async for item in read_stream:
+                if isinstance(item, Exception):
+                    error = types.ErrorData(code=-32700, message="Parse error: not JSON-RPC")
+                    reply = types.JSONRPCError(jsonrpc="2.0", id=None, error=error)
+                    await write_stream.send(SessionMessage(reply))
+                else:
+                    await writer.send(item)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(relay)
+        await low.run(reader, write_stream, low.create_initialization_options())
+        tg.cancel_scope.cancel()

@@ -427,3 +427,37 @@ async def test_two_agents_starting_at_once_share_one_node(tmp_path: Path) -> Non
             proc.stdin.close()
         for proc in procs:
             await asyncio.wait_for(proc.wait(), 60)
+
+
+async def test_a_line_that_is_not_json_rpc_is_answered_with_a_parse_error(tmp_path: Path) -> None:
+    home = tmp_path / "solo"
+    init(home)
+    params = mcp_params(home)
+    pipe = asyncio.subprocess.PIPE
+    proc = await asyncio.create_subprocess_exec(
+        params.command,
+        *params.args,
+        cwd=REPO,
+        env=params.env,
+        stdin=pipe,
+        stdout=pipe,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        await _raw_status(proc)  # initialized, and serving
+        proc.stdin.write(b'{"jsonrpc":"2.0","id":3,"method":\n')  # cut short
+        proc.stdin.write(b'{"jsonrpc":"2.0","id":4,"method":"ping"}\n')
+        await proc.stdin.drain()
+        async with asyncio.timeout(30):
+            first = json.loads(await proc.stdout.readline())
+            second = json.loads(await proc.stdout.readline())
+        assert first == {
+            "jsonrpc": "2.0",
+            "id": None,
+            "error": {"code": -32700, "message": "Parse error: not JSON-RPC"},
+        }
+        assert second == {"jsonrpc": "2.0", "id": 4, "result": {}}
+    finally:
+        proc.stdin.close()
+        await asyncio.wait_for(proc.wait(), 60)
