@@ -293,6 +293,10 @@ def cmd_send(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Messages per ``inbox`` call (the op's most); ``talosd inbox`` pages through them all.
+_INBOX_PAGE = 1000
+
+
 def _print_messages(messages: list[dict[str, Any]], as_json: bool, stream: bool) -> None:
     if as_json and not stream:
         _out(messages)
@@ -308,7 +312,7 @@ def _print_messages(messages: list[dict[str, Any]], as_json: bool, stream: bool)
 def cmd_inbox(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
-    res = _online(path, "inbox", {"after": args.after, "limit": 1000})
+    res = _online(path, "inbox", {"after": args.after, "limit": _INBOX_PAGE})
     if res is _NOT_RUNNING:
         if args.follow:
             raise NoNodeError(f"--follow needs a running node on {path}")
@@ -316,7 +320,11 @@ def cmd_inbox(args: argparse.Namespace) -> int:
 
         _print_messages(offline_inbox(_home(args), args.after), args.json, False)
         return 0
-    _print_messages(res["messages"], args.json, args.follow)
+    messages = res["messages"]
+    while len(res["messages"]) == _INBOX_PAGE:  # a full page: there may be more
+        res = node_call(path, "inbox", {"after": res["next"], "limit": _INBOX_PAGE}, timeout=40)
+        messages += res["messages"]
+    _print_messages(messages, args.json, args.follow)
     cursor = res["next"]
     while args.follow:
         res = node_call(path, "inbox", {"after": cursor, "wait": 25, "limit": 1000}, timeout=40)

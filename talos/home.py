@@ -18,6 +18,7 @@ from talos.chain.log import BlockLog
 from talos.chain.verify import verify_chain
 from talos.config import Home, NodeConfig, parse_peer_addr
 from talos.keys import is_encrypted, key_file_did, key_file_suite, unlock
+from talos.peer_names import names as peer_names
 from talos.peer_names import resolve_peer
 from talos.sessions import SessionManager, load_secrets
 from talos.store import Store
@@ -79,7 +80,8 @@ def init_home(
 
 
 def _offline_store(home: Home) -> Store:
-    return Store(home.store_dir, map_size=home.load_config().map_size)
+    # A node stopping (or another offline command) may hold the lock a moment longer.
+    return Store(home.store_dir, map_size=home.load_config().map_size, lock_wait=2.0)
 
 
 def offline_identity(home: Home) -> dict[str, Any]:
@@ -147,7 +149,8 @@ def offline_send(home: Home, did: str, text: str) -> str:
 def offline_inbox(home: Home, after: int = 0) -> list[dict[str, object]]:
     """``talosd inbox`` while stopped."""
     with _offline_store(home) as store, store.read() as txn:
-        return [e.to_json() for e in pl.iter_inbox(txn, after)]
+        names = peer_names(txn)
+        return [e.to_json(names) for e in pl.iter_inbox(txn, after)]
 
 
 class _LogReader:

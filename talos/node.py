@@ -76,6 +76,9 @@ __all__ = [
 _log = logging.getLogger("talos.node")
 _U64 = struct.Struct(">Q")
 _RUNNING = b"running"
+#: Seconds a starting node waits for the home's lock, which an offline ``talosd`` command
+#: (a send queued while the node was down) holds for a moment; a node holds it for good.
+STORE_LOCK_WAIT = 10.0
 
 
 class Node(NodeLinks, NodeDelivery, NodeApps):
@@ -182,7 +185,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         )
         # Opening syncs, closing syncs: both off the loop like every other fsync.
         self.store = await asyncio.to_thread(
-            Store, self.home.store_dir, map_size=self.config.map_size
+            Store, self.home.store_dir, map_size=self.config.map_size, lock_wait=STORE_LOCK_WAIT
         )
         try:
             await self._open_state()

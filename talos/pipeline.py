@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from talos.store import Txn
 from talos_sdk.errors import StorageError, UsageError
@@ -174,8 +174,17 @@ class InboxEntry:
     ts_ms: int
     text: str
 
-    def to_json(self) -> dict[str, object]:
-        return {"id": self.msg_id.hex(), "from": self.sender, "text": self.text, "ts": self.ts_ms}
+    def to_json(self, names: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The message as ``talosd inbox --json`` and the ``inbox`` op show it, running
+        or stopped alike (``names``: DID -> local peer name)."""
+        return {
+            "n": self.n,
+            "id": self.msg_id.hex(),
+            "from": self.sender,
+            "from_name": names.get(self.sender) if names else None,
+            "text": self.text,
+            "ts": self.ts_ms,
+        }
 
 
 def outbox_prefix(peer: str) -> bytes:

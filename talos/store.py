@@ -32,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 from collections.abc import Generator, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -199,6 +200,7 @@ class Store:
         sync: bool = True,
         *,
         extra_databases: Iterable[str] = (),
+        lock_wait: float = 0.0,
     ) -> None:
         self.path = Path(path)
         self.map_size = map_size
@@ -211,7 +213,7 @@ class Store:
             self.path.chmod(DIR_MODE)
         except OSError as exc:
             raise StorageError(f"cannot create the store folder {self.path}: {exc}") from exc
-        self._lock_file = self._take_home_lock()
+        self._lock_file = self._take_home_lock(lock_wait)
         try:
             self.env = lmdb.open(
                 str(self.path),
@@ -246,18 +248,27 @@ class Store:
             except FileNotFoundError:
                 continue
 
-    def _take_home_lock(self) -> IO[bytes]:
+    def _take_home_lock(self, wait: float) -> IO[bytes]:
+        """The home's lock; held by another process, retried for ``wait`` seconds (an
+        offline ``talosd`` command holds it for a moment, a node for as long as it runs)."""
         fd = os.open(self.path / "talos.lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
         fh = os.fdopen(fd, "ab")  # held for the Store's life
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            fh.close()
-            raise StoreInUseError(
-                f"the store at {self.path} is already open (by this or another process); "
-                "stop the other process using it (talosd run, talosd mcp, talos-proxy) "
-                "or use another home"
-            ) from None
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                fh.close()
+                raise StoreInUseError(
+                    f"the store at {self.path} is already open (by this or another process); "
+                    "stop the other process using it (talosd run, talosd mcp, talos-proxy) "
+                    "or use another home; if a node is just starting there, run the command "
+                    "again in a moment"
+                ) from None
         fh.truncate(0)
         fh.write(str(os.getpid()).encode())
         fh.flush()

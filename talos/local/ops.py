@@ -103,17 +103,6 @@ def read_cursor(node: Node) -> int:
     return _U64.unpack(raw)[0] if raw is not None else 0
 
 
-def _message(entry: Any, names: dict[str, str]) -> dict[str, Any]:
-    return {
-        "n": entry.n,
-        "id": entry.msg_id.hex(),
-        "from": entry.sender,
-        "from_name": names.get(entry.sender),
-        "text": entry.text,
-        "ts": entry.ts_ms,
-    }
-
-
 # --- ops ----------------------------------------------------------------------------------------
 
 
@@ -304,7 +293,7 @@ async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
     with node.store.read() as txn:
         last = txn.last("inbox")
     return {
-        "messages": [_message(e, names) for e in entries],
+        "messages": [e.to_json(names) for e in entries],
         "next": entries[-1].n if entries else after,
         "read": cursor,
         "last": _U64.unpack(last[0])[0] if last is not None else 0,

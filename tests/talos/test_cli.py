@@ -235,3 +235,29 @@ def test_kill_9_mid_stream_loses_nothing_acknowledged(tmp_path: Path, victim: st
     assert res.returncode == 0, res.stdout + res.stderr
     inbox = json.loads(talosd("inbox", "--json", "--home", str(home_b)).stdout)
     assert [m["id"] for m in inbox] == sent
+
+
+def test_inbox_json_is_whole_and_the_same_running_or_stopped(tmp_path: Path) -> None:
+    """More messages than one inbox call returns: the CLI pages through them all, and a
+    stopped home prints the same objects (n and from_name included)."""
+    from talos import pipeline as pl
+    from talos.config import Home
+
+    home = tmp_path / "full"
+    assert talosd("init", "--home", str(home), "--no-passphrase").returncode == 0
+    fast_config(home, listen="127.0.0.1:0")
+    sender = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+    with Store(Home(home).store_dir) as store, store.write() as txn:
+        for n in range(1, 1206):
+            row = pl.encode_inbox(n.to_bytes(16, "big"), sender, n, 1_700_000_000_000 + n, f"m{n}")
+            txn.put("inbox", pl.inbox_key(n), row)
+    assert talosd("peers", "name", sender, "carol", "--home", str(home)).returncode == 0
+    stopped = json.loads(talosd("inbox", "--json", "--home", str(home)).stdout)
+    node = Daemon(home)
+    try:
+        running = json.loads(talosd("inbox", "--json", "--home", str(home)).stdout)
+    finally:
+        node.stop()
+    assert len(running) == 1205 and [m["text"] for m in running[-2:]] == ["m1204", "m1205"]
+    assert running == stopped
+    assert running[0]["n"] == 1 and running[0]["from_name"] == "carol"

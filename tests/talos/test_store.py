@@ -224,3 +224,27 @@ def test_open_tightens_a_world_readable_store(tmp_path: Path) -> None:
     assert _mode(folder) == 0o700
     for name in ("data.mdb", "lock.mdb", "talos.lock"):
         assert _mode(folder / name) == 0o600, name
+
+
+def test_a_lock_held_for_a_moment_is_waited_for(tmp_path: Path) -> None:
+    """A starting node waits out an offline command that holds the home for a moment."""
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from talos.store import Store\n"
+        "with Store(Path(sys.argv[1])):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(0.5)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(StorageError, match="already open"):
+            Store(tmp_path)  # no wait: refused at once
+        Store(tmp_path, lock_wait=30).close()  # taken once the holder let go
+    finally:
+        holder.wait(timeout=30)
+        assert holder.stdout is not None
+        holder.stdout.close()
