@@ -122,7 +122,9 @@ def build_app(node: Node, token: str, transfers: TransferManager | None = None) 
 
     @routes.get("/healthz")
     async def healthz(request: web.Request) -> web.Response:
-        return _json({"ok": True, "did": node.did})
+        # Not ok while received messages cannot be stored (a full map, a failing disk).
+        error = node.storage_error
+        return _json({"ok": error is None, "did": node.did, "storage_error": error})
 
     @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:

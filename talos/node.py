@@ -124,6 +124,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         self._acks: dict[str, tuple[int, list[Record]]] = {}  # ack writes not queued yet
         self._write_timer: asyncio.TimerHandle | None = None
         self._committing = False
+        self.storage_error: str | None = None
         self._inbox_event = asyncio.Event()
         self._quiescing = False
         self._writer: StoreWriter | None = None

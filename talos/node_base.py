@@ -93,6 +93,8 @@ class NodeBase:
     _acks: dict[str, tuple[int, list[Record]]]  # per peer: highest ack, records to log
     _write_timer: asyncio.TimerHandle | None  # deferred ack writes and wait-send rows
     _committing: bool
+    #: Why the last receive commit failed (cleared by the next one that succeeds).
+    storage_error: str | None
     _inbox_event: asyncio.Event
 
     if TYPE_CHECKING:

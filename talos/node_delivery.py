@@ -175,6 +175,9 @@ class NodeDelivery(NodeBase):
         exc = fut.exception()
         if exc is not None:
             self.metrics.inc("commit_failures")
+            # Until a commit succeeds, status and /healthz say received messages cannot be
+            # stored: their senders only see acks that do not come.
+            self.storage_error = str(exc) or type(exc).__name__
             level = logging.ERROR
             event(_log, "commit_failed", level=level, error=repr(exc), count=len(batch))
             for did in peers:
@@ -186,6 +189,7 @@ class NodeDelivery(NodeBase):
                 self._incoming = [i for i in self._incoming if i.peer not in peers]
                 self.metrics.inc("messages_dropped_after_failure", len(dropped))
         else:
+            self.storage_error = None
             self.metrics.inc("commits")
             for did in peers:
                 self._peers[did].committed(i.opened.seq for i in batch if i.peer == did)

@@ -59,6 +59,9 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         f"queues    outbox {queues.get('outbox', 0)}, inbox {queues.get('inbox', 0)}",
         f"sessions  {len(status.get('sessions', []))}",
     ]
+    if status.get("storage_error"):
+        # Received messages are not stored (so not acknowledged) until this clears.
+        lines.append(f"STORAGE   failing: {status['storage_error']}")
     relay = status.get("relay")
     if relay:
         state = "connected" if relay.get("connected") else "not connected"

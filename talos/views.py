@@ -160,6 +160,7 @@ def node_status(node: Node) -> dict[str, Any]:
             "log_pending": node.log.pending_count,
         },
         "chain_height": node.log.height,
+        "storage_error": node.storage_error,
         "quarantined_records": node.quarantined_count(),
         "equivocations": node.heads.equivocations(),
         "equivocation_counts": node.heads.equivocation_counts(),

@@ -17,6 +17,7 @@ import pytest
 
 from talos.node import ConnectTimeoutError, Node, NotConnectedError
 from talos.pipeline import make_seq
+from talos.status_text import status_lines
 from talos_sdk.errors import BundleError, DIDError, UsageError
 from talos_sdk.keyfile import load_wallet
 from talos_sdk.ratchet import Session
@@ -328,6 +329,10 @@ async def test_full_disk_refuses_to_ack_and_loses_nothing(tmp_path: Path) -> Non
         await until(lambda: b.metrics.counters.get("commit_failures", 0) >= 1, what="map full")
         assert a.status()["queues"]["outbox"] >= 1  # not acknowledged, still queued at A
         assert b.is_connected(a.did)  # the node keeps running and linked
+        # ... and says why nothing moves: status (and the API's /healthz) name the failure.
+        status = b.status()
+        assert status["storage_error"] is not None and "map_size" in status["storage_error"]
+        assert any(line.startswith("STORAGE   failing") for line in status_lines(status))
         b_port = b.listen_url.rsplit(":", 1)[1]  # type: ignore[union-attr]
         a_did = a.did
         await b.stop()
@@ -338,6 +343,7 @@ async def test_full_disk_refuses_to_ack_and_loses_nothing(tmp_path: Path) -> Non
         await until(lambda: a.status()["queues"]["outbox"] == 0, timeout=20, what="redelivery")
         got = [e.to_json()["id"] for e in b.inbox()]
         assert got[1:] == ids and b.inbox()[0].text == "small"
+        assert b.status()["storage_error"] is None
         await a.stop()
         await b.stop()
 
