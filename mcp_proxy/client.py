@@ -82,8 +82,11 @@ class ClientSession:
         backpressure: Backpressure | None = None,
     ) -> None:
         self.client = client
-        # Asked after each delivery: an awaitable holds the link's reading until it is done.
+        # Asked after each delivery: an awaitable means the agent is not reading, and the
+        # serving side is asked to pause this session's tool until it is done (PAUSE).
         self.backpressure = backpressure
+        self.paused_sid: int | None = None  # the session id a PAUSE was sent for
+        self._resuming: asyncio.Task[None] | None = None
         # A fresh tunnel session id per attach: late frames of an earlier attach
         # (a stale ERROR, replies of a dead tool) then match nothing and are ignored.
         self.sid = 0
@@ -347,11 +350,32 @@ class TunnelClient:
         await self.sender.flush()
         await self.sender.close()
 
-    def _on_payload(self, peer: str, payload: bytes) -> Awaitable[None] | None:
+    def _on_payload(self, peer: str, payload: bytes) -> None:
         session = self._take(peer, payload)
-        if session is None or session.backpressure is None:
-            return None
-        return session.backpressure()
+        if session is not None and session.backpressure is not None:
+            wait = session.backpressure()
+            if wait is not None:
+                self._pause(session, wait)
+
+    def _pause(self, session: ClientSession, wait: Awaitable[None]) -> None:
+        """The agent is not reading: the serving side pauses this session's tool.
+
+        Per session, not by holding the link's reading: the link also carries
+        keepalives (and, through an attached node, other traffic), which must go on.
+        """
+        if session.paused_sid != session.sid:
+            session.paused_sid = session.sid
+            self.sender.control(FrameKind.PAUSE, session.sid)
+            self.sender.flush_now()
+        if session._resuming is None or session._resuming.done():
+            session._resuming = asyncio.get_running_loop().create_task(self._resume(session, wait))
+
+    async def _resume(self, session: ClientSession, wait: Awaitable[None]) -> None:
+        await wait
+        sid, session.paused_sid = session.paused_sid, None
+        if sid is not None and sid == session.sid and not session.closed and self.link_up:
+            self.sender.control(FrameKind.RESUME, sid)
+            self.sender.flush_now()
 
     def _take(self, peer: str, payload: bytes) -> ClientSession | None:
         """Handle one tunnel frame; the session it delivered messages to, if any."""

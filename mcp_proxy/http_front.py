@@ -47,7 +47,7 @@ from mcp_proxy.jsonrpc import (
     one_line,
     sniff,
 )
-from talos.http_serve import HttpServer, serve_http
+from talos.http_serve import HttpServer, serve_http, trusted
 from talos.logging import event
 
 __all__ = ["ENDPOINT", "MAX_SESSIONS", "HttpFront", "parse_bind"]
@@ -185,6 +185,7 @@ class HttpFront:
             return web.Response(
                 status=401, text="bearer token required", headers={"WWW-Authenticate": "Bearer"}
             )
+        trusted(request)
         result = await handler(request)
         return result
 

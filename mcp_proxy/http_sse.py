@@ -17,9 +17,10 @@ stream is cancelled by closing it, never resumed.
 
 Memory is bounded against a client that stops reading: an attached response
 holds at most ``STREAM_BUFFER_MAX`` bytes not yet written (one message of the
-largest size plus 8 MiB); beyond that the response is ended and its queue
-dropped (a resumable one resumes from the replay log, which keeps at most
-``REPLAY_BYTES``).
+largest size plus 8 MiB); beyond that its queue is dropped and the response
+ends once the write it is blocked in completes (a resumable one resumes from
+the replay log, which keeps at most ``REPLAY_BYTES``, and a resume replays at
+most ``STREAM_BUFFER_MAX`` of it, the newest).
 """
 
 from __future__ import annotations
@@ -113,11 +114,12 @@ class Exchange:
         if self.sink is not None:
             self.sink.put_nowait(None)  # one listener at a time: the older one ends
         queue: asyncio.Queue[Item] = asyncio.Queue()
-        self.queued = 0
-        for seq, line in self.events:
-            if seq > after:
-                queue.put_nowait((seq, line))
-                self.queued += len(line)
+        missed = [(seq, line) for seq, line in self.events if seq > after]
+        self.queued = sum(len(line) for _, line in missed)
+        while self.queued > STREAM_BUFFER_MAX and len(missed) > 1:
+            self.queued -= len(missed.pop(0)[1])  # more than one stream may hold: the newest
+        for item in missed:
+            queue.put_nowait(item)
         if self.done:
             queue.put_nowait(None)
         self.sink = queue

@@ -87,7 +87,7 @@ class HttpUpstream:
         self._requests: dict[RequestId, tuple[asyncio.Task[None], bool]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._why = ""
-        self._output = asyncio.Event()  # cleared: the caller's link is not taking our output
+        self._output = asyncio.Event()  # cleared: the caller is not taking our output
         self._output.set()
 
     @property
@@ -267,6 +267,7 @@ class HttpUpstream:
             parts: list[bytes] = []
             size = 0
             async for chunk in resp.content.iter_any():
+                await self._output.wait()  # held while the caller's link is not taking output
                 size += len(chunk)
                 if size > MAX_MESSAGE_BYTES:
                     self._answer(msg.id, f"upstream reply above {MAX_MESSAGE_BYTES} bytes")

@@ -79,6 +79,8 @@ class _Session:
         self.proc: ToolProcess | HttpUpstream | None = None
         self.audit = SessionAudit(server.auditor, peer, name, sid, self._pid)
         self.closing = False
+        self.caller_paused = False  # the caller's agent is not reading (PAUSE .. RESUME)
+        self._output_paused = False
         self.joiner = Joiner()
         self._strict_out: deque[bytes] = deque()
         self._strict_wake = asyncio.Event()
@@ -87,6 +89,15 @@ class _Session:
     @property
     def sender(self) -> FrameSender:
         return self.server.sender_for(self.peer)
+
+    def update_output(self) -> None:
+        """Read the tool's output only while its caller reads and the peer's link takes it."""
+        proc = self.proc
+        paused = not self.closing and (self.caller_paused or self.sender.pressed)
+        if proc is None or paused == self._output_paused:
+            return
+        self._output_paused = paused
+        proc.pause_output() if paused else proc.resume_output()
 
     async def start(self, proc: ToolProcess | HttpUpstream) -> None:
         self.proc = proc
@@ -249,6 +260,7 @@ class _Session:
             calls, self.calls, asks, self.asks = self.calls, {}, self.asks, {}
             self.audit.ended(calls, asks, "closed", reason)
             self.audit.event(Event.SESSION, "close", "ok", reason)
+        self.update_output()  # read again: a paused stdout would never show the tool's exit
         if self.proc is not None:
             await self.proc.terminate()
         if self._strict_task is not None:
@@ -301,8 +313,8 @@ class TunnelServer:
         """The peer's link is not taking what its tools write: stop reading them, or resume."""
         event(log, "tunnel_output_paused" if pressed else "tunnel_output_resumed", peer=peer)
         for (who, _), session in self.sessions.items():
-            if who == peer and session.proc is not None:
-                session.proc.pause_output() if pressed else session.proc.resume_output()
+            if who == peer:
+                session.update_output()
 
     async def stop(self) -> None:
         """Terminate every tool process and stop the workers."""
@@ -381,6 +393,11 @@ class TunnelServer:
             self._take(session, frame)
             if session.proc is not None:
                 await session.proc.drain()
+        elif frame.kind is FrameKind.PAUSE or frame.kind is FrameKind.RESUME:
+            session = self.sessions.get(key)
+            if session is not None:
+                session.caller_paused = frame.kind is FrameKind.PAUSE
+                session.update_output()
         else:
             session = self.sessions.pop(key, None)
             if session is not None:
@@ -460,8 +477,7 @@ class TunnelServer:
         self.sessions[(peer, sid)] = session
         self.started_processes += 1
         await session.start(proc)
-        if self.sender_for(peer).pressed:
-            proc.pause_output()  # a new session of a peer that is not reading waits too
+        session.update_output()  # a new session of a peer that is not reading waits too
         if proc.pid is not None or spec.url:
             # Which tool process serves whom: command only (its arguments are the operator's).
             detail = os.path.basename(spec.command) or urlsplit(spec.url).netloc

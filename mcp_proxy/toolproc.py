@@ -233,6 +233,7 @@ class ToolProcess:
 
     async def terminate(self) -> int:
         """Stop the process: close stdin, SIGTERM, then SIGKILL after the grace period."""
+        self.resume_output()  # a paused stdout never reports its end: the exit would wait for ever
         if self._transport is not None and not self._process_done.is_set():
             if self._stdin is not None:
                 self._stdin.close()
@@ -283,6 +284,7 @@ class ToolProcess:
         if self._stdin is not None:
             # A dead reader: close our end so the transport can finish.
             self._stdin.close()
+        self.resume_output()  # what it wrote before exiting (one pipe's worth at most), then EOF
 
     def _on_connection_lost(self) -> None:
         if self._transport is not None:

@@ -404,6 +404,7 @@ class FrameSender:
         assert payload is not None
         batch = [payload]
         size = 4 + len(payload)  # each message costs its u32 length too
+        taken = 0
         while items:
             nkind, nsession, npayload = items[0]
             if nkind is not FrameKind.MESSAGES or nsession != session or npayload is None:
@@ -411,8 +412,10 @@ class FrameSender:
             size += 4 + len(npayload)
             if size > budget:
                 break
-            self._taken()
+            items.popleft()
+            taken += len(npayload)
             batch.append(npayload)
+        self._queued -= taken  # once per frame, not per message (the hot path)
         return encode_frame(FrameKind.MESSAGES, session, batch)
 
     def _split(self, session: int, payload: bytes, step: int) -> None:

@@ -12,7 +12,10 @@ empty), MESSAGES (JSON-RPC lines, no trailing newline), CLOSE (the session
 ends), ERROR (the session failed; its one message is a UTF-8 reason), PART
 (its one message is a leading piece of a JSON-RPC message too large for one
 link frame; the pieces of consecutive PART frames of a session are joined with
-the first message of that session's next MESSAGES frame, which ends it).
+the first message of that session's next MESSAGES frame, which ends it), PAUSE
+and RESUME (no message; sent by the caller's side: its agent is not reading, so
+the serving side stops reading that session's tool until RESUME; a peer that
+does not know them drops the frame and nothing else changes).
 Splitting keeps the tunnel transparent for messages above the node's link frame
 bound (a 2 MiB resource read); the whole message is bounded by MAX_MESSAGE_BYTES.
 """
@@ -61,6 +64,8 @@ class FrameKind(enum.IntEnum):
     CLOSE = 3
     ERROR = 4
     PART = 5
+    PAUSE = 6
+    RESUME = 7
 
 
 _KINDS = {int(kind): kind for kind in FrameKind}
@@ -127,6 +132,8 @@ def decode_frame(data: bytes) -> TunnelFrame:
         raise TunnelFrameError(f"{kind.name} frame carries more than one message")
     if kind is FrameKind.MESSAGES and count == 0:
         raise TunnelFrameError("MESSAGES frame carries no message")
+    if (kind is FrameKind.PAUSE or kind is FrameKind.RESUME) and count:
+        raise TunnelFrameError(f"{kind.name} frame carries a message")
     return TunnelFrame(kind, session, tuple(messages))
 
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from talos.chain.log import UnknownRecordError
 from talos.config import LOOPBACK_HOSTS
-from talos.http_serve import HttpServer, serve_http
+from talos.http_serve import HttpServer, serve_http, trusted
 from talos.transfer.routes import register_routes
 from talos.views import block_json, node_verify_json
 from talos_sdk.errors import StorageFullError, TalosError, UsageError
@@ -97,6 +97,7 @@ def _middleware(token: str) -> Any:
             got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(got, expected):
                 return _error(401, "missing or wrong API token")
+            trusted(request)
         try:
             return await handler(request)
         except ValidationError as exc:

@@ -1,32 +1,31 @@
-"""Serving an aiohttp application on 127.0.0.1 with a deadline for the first request.
+"""Serving an aiohttp application on 127.0.0.1 with a deadline for a trusted request.
 
 aiohttp times out idle keep-alive connections, but not a connection that has
 sent part of its first request and stopped: it is held open for good. Anyone
 on the machine could then hold every file descriptor of the node (the control
-API, ``talos-proxy connect --http``) without a token, since the token is only
-read once the headers are complete. :func:`serve_http` closes a connection
-whose first request has not reached a handler within ``first_request``
-seconds; later requests on a kept-alive connection fall under aiohttp's own
-``keepalive_timeout``, which this module sets too.
+API, ``talos-proxy connect --http``) without a token. :func:`serve_http`
+closes a connection that has not carried a request the app trusted (its guard
+calls :func:`trusted` once the token checked out) within ``first_request``
+seconds: a half-sent request, or requests without the token (a 401, a
+``/healthz``), do not keep a connection. Trusted connections then fall under
+aiohttp's ``keepalive_timeout``, which this module sets too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-__all__ = ["FIRST_REQUEST_TIMEOUT", "KEEPALIVE_TIMEOUT", "HttpServer", "serve_http"]
+__all__ = ["FIRST_REQUEST_TIMEOUT", "KEEPALIVE_TIMEOUT", "HttpServer", "serve_http", "trusted"]
 
 #: Seconds a new connection has to deliver the headers of its first request.
 FIRST_REQUEST_TIMEOUT = 10.0
 #: Seconds an idle (or half-sent) kept-alive connection is held between requests.
 KEEPALIVE_TIMEOUT = 75.0
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class HttpServer:
@@ -51,7 +50,7 @@ class _FirstRequestDeadline:
     ) -> None:
         self._factory = factory
         self._timeout = timeout
-        self._served = served  # transports whose connection got a request to a handler
+        self._served = served  # transports that carried a trusted request
 
     def __call__(self) -> asyncio.Protocol:
         protocol = self._factory()
@@ -64,14 +63,14 @@ class _FirstRequestDeadline:
             transport.close()
 
 
-def _marker(served: weakref.WeakSet[Any]) -> Any:
-    @web.middleware
-    async def mark(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.transport is not None:
-            served.add(request.transport)
-        return await handler(request)
+_SERVED = web.AppKey("talos_trusted_transports", weakref.WeakSet)
 
-    return mark
+
+def trusted(request: web.Request) -> None:
+    """Keep ``request``'s connection past the deadline (call it once the token checked out)."""
+    served = request.app.get(_SERVED)
+    if served is not None and request.transport is not None:
+        served.add(request.transport)
 
 
 async def serve_http(
@@ -84,7 +83,7 @@ async def serve_http(
 ) -> HttpServer:
     """Serve ``app`` on ``host:port`` (0: any free port) until ``cleanup()``."""
     served: weakref.WeakSet[Any] = weakref.WeakSet()
-    app.middlewares.insert(0, _marker(served))  # outermost: a refused request counts too
+    app[_SERVED] = served
     runner = web.AppRunner(app, keepalive_timeout=KEEPALIVE_TIMEOUT, **runner_args)
     await runner.setup()
     assert runner.server is not None

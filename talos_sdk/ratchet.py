@@ -370,9 +370,9 @@ class Session:
 
     def encrypt(self, plaintext: bytes, ad: bytes = b"") -> bytes:
         """Seal ``plaintext`` as the next message (DR spec §3.4 RatchetEncrypt)."""
-        if type(plaintext) is not bytes:
+        if not isinstance(plaintext, bytes):
             plaintext = _as_bytes(plaintext, "plaintext")
-        if type(ad) is not bytes:
+        if not isinstance(ad, bytes):
             ad = _as_bytes(ad, "ad")
         if self._pending and self._owes_step():
             self._ratchet_send()
@@ -400,9 +400,9 @@ class Session:
         ``message`` and ``ad`` may be any bytes-like object; another type is the
         caller's mistake (:class:`UsageError`), not a forged message.
         """
-        if type(message) is not bytes:
+        if not isinstance(message, bytes):
             message = _as_bytes(message, "message")
-        if type(ad) is not bytes:
+        if not isinstance(ad, bytes):
             ad = _as_bytes(ad, "ad")
         if len(message) < HEADER_SIZE + TAG_SIZE:
             raise DecryptionError()

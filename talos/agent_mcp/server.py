@@ -317,7 +317,7 @@ def build_server(raw_backend: Backend) -> Any:
     ) -> Peer:
         """Give a known peer a local name (for a peer with no address, one that dials us)."""
         got = await backend.call("peers.name", peer=peer, name=name)
-        return Peer(did=got["did"], name=got["name"])
+        return Peer.model_validate(got)
 
     @server.tool(annotations=read_only)
     async def list_outbox(

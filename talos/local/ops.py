@@ -186,7 +186,7 @@ async def op_peers_name(host: LocalHost, args: dict[str, Any]) -> Any:
     name = peer_names.validate_name(_str(args, "name"))
     await node.writer.write(functools.partial(peer_names.set_name, did=did, name=name))
     host.names.clear()  # after the commit: a send meanwhile may have cached the old
-    return {"did": did, "name": name}
+    return {"did": did, "name": name, "connected": node.is_connected(did)}
 
 
 async def op_peers_allow(host: LocalHost, args: dict[str, Any]) -> Any:
@@ -283,8 +283,8 @@ async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
     after = args.get("after")
     if after is None:
         after = cursor
-    if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-        raise UsageError("'after' must be a non-negative integer")
+    if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after < 2**64:
+        raise UsageError("'after' must be a message number from 0 to 2**64-1")
     limit = int(_num(args, "limit", 50, 1, MAX_LIMIT))
     wait = _num(args, "wait", 0.0, 0.0, MAX_WAIT)
     entries = await node.wait_inbox(after, wait) if wait else node.inbox(after)

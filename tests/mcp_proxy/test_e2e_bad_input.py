@@ -60,10 +60,12 @@ async def stdio_agent(home: Path, address: str) -> AsyncIterator[StdioAgent]:
     try:
         yield StdioAgent(proc)
     finally:
-        assert proc.stdin is not None
+        assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.close()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), 20)
+            # Read what is left (a test may have stopped reading): connect can then exit,
+            # and the pipe reaches its end and closes.
+            await asyncio.wait_for(asyncio.gather(proc.stdout.read(), proc.wait()), 20)
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
@@ -243,36 +245,47 @@ def sse_messages(body: bytes) -> list[dict[str, Any]]:
     return out
 
 
-async def test_an_agent_that_stops_reading_pauses_the_tool_and_loses_nothing(
-    tmp_path: Path,
-) -> None:
-    """Backpressure end to end: connect stops reading the link while its stdout is full,
-    serve then stops reading the tool, so neither buffers what the agent does not take."""
-    from tests.tools.bad_server import FLOOD_BYTES, FLOOD_LINES
+FLOOD_CALL = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}}'
 
-    client_did = did_of(tmp_path / "c")
-    counter = tmp_path / "written"
-    tool = [*bad_tool("flood"), str(counter)]
+
+async def _stalled(agent: StdioAgent, counter: Path) -> int:
+    """Ask the flood tool for its lines and read none: how many it wrote before it stalled."""
+    from tests.tools.bad_server import FLOOD_BYTES, FLOOD_LINES
 
     def written() -> int:
         raw = counter.read_bytes() if counter.exists() else b""
         return int(raw) if raw.strip() else 0
 
+    await agent.send(FLOOD_CALL)
+    last, still = -1, 0
+    while still < 20 and last < FLOOD_LINES:
+        await asyncio.sleep(0.1)
+        now = written()
+        still = still + 1 if now == last else 0
+        last = now
+    bound = 24 * 1024 * 1024 // FLOOD_BYTES  # pipes, socket buffers, one sender's queue
+    assert 0 < last < bound, f"the tool wrote {last} of {FLOOD_LINES} lines unread"
+    return last
+
+
+async def test_an_agent_that_stops_reading_pauses_the_tool_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """Backpressure end to end: connect asks serve to pause the session (PAUSE) while its
+    stdout is full, serve stops reading the tool, so nobody buffers what the agent does not
+    take; the link itself keeps being read."""
+    from tests.tools.bad_server import FLOOD_LINES
+
+    client_did = did_of(tmp_path / "c")
+    counter = tmp_path / "written"
     async with (
         asyncio.timeout(TIMEOUT),
-        serving(tmp_path / "s", ["--allow", client_did], tool) as serve,
+        serving(
+            tmp_path / "s", ["--allow", client_did], [*bad_tool("flood"), str(counter)]
+        ) as serve,
         stdio_agent(tmp_path / "c", serve.address) as agent,
     ):
-        await agent.send(b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}}')
-        # The agent reads nothing: the tool's count must stop well short of the end.
-        last, still = -1, 0
-        while still < 20 and last < FLOOD_LINES:
-            await asyncio.sleep(0.1)
-            now = written()
-            still = still + 1 if now == last else 0
-            last = now
-        bound = 24 * 1024 * 1024 // FLOOD_BYTES  # pipes, socket buffers, one sender's queue
-        assert 0 < last < bound, f"the tool wrote {last} of {FLOOD_LINES} lines unread"
+        await _stalled(agent, counter)
         # The agent reads again: every line arrives, then the response.
         notes = 0
         while True:
@@ -282,3 +295,18 @@ async def test_an_agent_that_stops_reading_pauses_the_tool_and_loses_nothing(
             assert reply["method"] == "notifications/message"
             notes += 1
         assert notes == FLOOD_LINES and reply["result"] == {"lines": FLOOD_LINES}
+
+
+async def test_serve_stops_cleanly_with_a_paused_tool(tmp_path: Path) -> None:
+    """A session whose tool output is paused still ends: serve exits on SIGTERM in time."""
+    client_did = did_of(tmp_path / "c")
+    counter = tmp_path / "written"
+    async with (
+        asyncio.timeout(TIMEOUT),
+        serving(
+            tmp_path / "s", ["--allow", client_did], [*bad_tool("flood"), str(counter)]
+        ) as serve,
+        stdio_agent(tmp_path / "c", serve.address) as agent,
+    ):
+        await _stalled(agent, counter)
+        assert await serve.stop() == 0, serve.log  # not killed after its 15 s grace

@@ -83,6 +83,13 @@ def test_part_frame_carries_exactly_one_piece() -> None:
             decode_frame(encode_frame(FrameKind.PART, 3, pieces))
 
 
+@pytest.mark.parametrize("kind", [FrameKind.PAUSE, FrameKind.RESUME])
+def test_pause_and_resume_carry_nothing(kind: FrameKind) -> None:
+    assert decode_frame(encode_frame(kind, 9, ())) == TunnelFrame(kind, 9, ())
+    with pytest.raises(TunnelFrameError, match=f"{kind.name} frame carries a message"):
+        decode_frame(encode_frame(kind, 9, (b"x",)))
+
+
 def test_joiner_rejoins_pieces_with_the_next_messages_frame() -> None:
     joiner = Joiner()
     untouched = (b"a", b"b")

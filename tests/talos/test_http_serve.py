@@ -7,12 +7,14 @@ import asyncio
 
 from aiohttp import web
 
-from talos.http_serve import serve_http
+from talos.http_serve import serve_http, trusted
 
 TIMEOUT = 20
 
 
 async def _slow(request: web.Request) -> web.Response:
+    if request.headers.get("Authorization") == "Bearer t":
+        trusted(request)
     await asyncio.sleep(float(request.query.get("s", "0")))
     return web.Response(text="ok")
 
@@ -29,12 +31,22 @@ async def test_a_half_sent_request_is_cut_and_a_slow_handler_is_not() -> None:
             await writer.drain()
             assert await reader.read() == b""
             writer.close()
-            # A complete request whose handler outlasts the deadline gets its answer.
+            # A trusted request whose handler outlasts the deadline gets its answer.
             reader, writer = await asyncio.open_connection(server.host, server.port)
-            writer.write(b"GET /?s=1.5 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            writer.write(
+                b"GET /?s=1.5 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t\r\n"
+                b"Connection: close\r\n\r\n"
+            )
             await writer.drain()
             answer = await reader.read()
             assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
+            writer.close()
+            # Requests the app did not trust keep no connection: cut at the deadline.
+            reader, writer = await asyncio.open_connection(server.host, server.port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+            assert await reader.read() == b""  # closed though kept alive by HTTP/1.1
             writer.close()
     finally:
         await server.cleanup()

@@ -496,6 +496,11 @@ def test_bytes_like_messages_open_as_bytes_do() -> None:
     assert b.decrypt(memoryview(wire), ad=bytearray(b"ctx")) == b"from a socket buffer"
     assert a.decrypt(bytearray(b.encrypt(b"back"))) == b"back"
 
+    class Wire(bytes):
+        """A bytes subclass, as some frameworks hand out."""
+
+    assert b.decrypt(Wire(a.encrypt(Wire(b"sub")))) == b"sub"
+
 
 @pytest.mark.parametrize("bad", ["text", None, 42])
 def test_a_wrong_type_is_the_callers_mistake_not_a_forgery(bad: object) -> None:
