@@ -64,7 +64,15 @@ def test_inbox_row_round_trip() -> None:
     value = pl.encode_inbox(b"i" * 16, A, 7, 1234, "héllo")
     entry = pl.decode_inbox((9).to_bytes(8, "big"), value)
     assert entry == pl.InboxEntry(9, b"i" * 16, A, 7, 1234, "héllo")
-    assert entry.to_json() == {"id": ("69" * 16), "from": A, "text": "héllo", "ts": 1234}
+    assert entry.to_json({A: "alice"}) == {
+        "n": 9,
+        "id": ("69" * 16),
+        "from": A,
+        "from_name": "alice",
+        "text": "héllo",
+        "ts": 1234,
+    }
+    assert entry.to_json()["from_name"] is None
 
 
 def test_corrupt_inbox_row() -> None:
