@@ -22,7 +22,7 @@ from aiohttp import web
 
 __all__ = ["FIRST_REQUEST_TIMEOUT", "KEEPALIVE_TIMEOUT", "HttpServer", "serve_http", "trusted"]
 
-#: Seconds a new connection has to deliver the headers of its first request.
+#: Seconds a new connection has to carry a request the app trusts (its token checked out).
 FIRST_REQUEST_TIMEOUT = 10.0
 #: Seconds an idle (or half-sent) kept-alive connection is held between requests.
 KEEPALIVE_TIMEOUT = 75.0
