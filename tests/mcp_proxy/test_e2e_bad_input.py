@@ -21,7 +21,7 @@ import orjson
 
 from mcp_proxy.client import STDIO_LINE_LIMIT
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, TOOL_DENIED
-from tests.mcp_proxy.e2e import did_of, http_connect, proxy, serving
+from tests.mcp_proxy.e2e import Serve, did_of, http_connect, proxy, serving
 
 TIMEOUT = 120
 BASE = b'{"jsonrpc":"2.0","id":%d,"method":"tools/list","params":{"x":[1,"a"],"y":{"z":null}}}'
@@ -268,6 +268,20 @@ async def _stalled(agent: StdioAgent, counter: Path) -> int:
     return last
 
 
+@contextlib.asynccontextmanager
+async def _flooded(tmp_path: Path) -> AsyncIterator[tuple[Serve, StdioAgent]]:
+    """connect, serve and the flood tool on 127.0.0.1, with the agent's call stalled unread."""
+    client_did = did_of(tmp_path / "c")
+    counter = tmp_path / "written"
+    flood = [*bad_tool("flood"), str(counter)]
+    async with (
+        serving(tmp_path / "s", ["--allow", client_did], flood) as serve,
+        stdio_agent(tmp_path / "c", serve.address) as agent,
+    ):
+        await _stalled(agent, counter)
+        yield serve, agent
+
+
 async def test_an_agent_that_stops_reading_pauses_the_tool_and_loses_nothing(
     tmp_path: Path,
 ) -> None:
@@ -276,16 +290,7 @@ async def test_an_agent_that_stops_reading_pauses_the_tool_and_loses_nothing(
     take; the link itself keeps being read."""
     from tests.tools.bad_server import FLOOD_LINES
 
-    client_did = did_of(tmp_path / "c")
-    counter = tmp_path / "written"
-    async with (
-        asyncio.timeout(TIMEOUT),
-        serving(
-            tmp_path / "s", ["--allow", client_did], [*bad_tool("flood"), str(counter)]
-        ) as serve,
-        stdio_agent(tmp_path / "c", serve.address) as agent,
-    ):
-        await _stalled(agent, counter)
+    async with asyncio.timeout(TIMEOUT), _flooded(tmp_path) as (_, agent):
         # The agent reads again: every line arrives, then the response.
         notes = 0
         while True:
@@ -299,14 +304,5 @@ async def test_an_agent_that_stops_reading_pauses_the_tool_and_loses_nothing(
 
 async def test_serve_stops_cleanly_with_a_paused_tool(tmp_path: Path) -> None:
     """A session whose tool output is paused still ends: serve exits on SIGTERM in time."""
-    client_did = did_of(tmp_path / "c")
-    counter = tmp_path / "written"
-    async with (
-        asyncio.timeout(TIMEOUT),
-        serving(
-            tmp_path / "s", ["--allow", client_did], [*bad_tool("flood"), str(counter)]
-        ) as serve,
-        stdio_agent(tmp_path / "c", serve.address) as agent,
-    ):
-        await _stalled(agent, counter)
+    async with asyncio.timeout(TIMEOUT), _flooded(tmp_path) as (serve, _):
         assert await serve.stop() == 0, serve.log  # not killed after its 15 s grace
