@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mcp_proxy.jsonrpc import Kind, Sniffed
+from mcp_proxy.jsonrpc import Kind, Sniffed, meta_of
 
 __all__ = [
     "HANDSHAKE_VERSIONS",
@@ -102,20 +102,14 @@ def _header_value(raw: str | None) -> str | None:
         return None
 
 
-def _meta_of(msg: Sniffed) -> Mapping[str, Any] | None:
-    params = msg.params
-    meta = params.get("_meta") if isinstance(params, dict) else None
-    return meta if isinstance(meta, dict) else None
-
-
 def classify(headers: Mapping[str, str], msg: Sniffed | None, has_session: bool) -> Era | Rejection:
     """Decide the era of one request; ``headers`` keyed by lower-case name, ``msg`` None on GET."""
     version = headers.get(VERSION_HEADER)
     if version is not None and version not in SUPPORTED_VERSIONS:
         return unsupported(version)
     if version is None or version in HANDSHAKE_VERSIONS:
-        meta = _meta_of(msg) if msg is not None and not has_session else None
-        if meta is not None and meta.get(META_VERSION) in MODERN_VERSIONS:
+        meta = meta_of(msg) if msg is not None and not has_session else {}
+        if meta.get(META_VERSION) in MODERN_VERSIONS:
             # A stateless request without its routing header: say so, not "missing session".
             return Rejection(
                 400, HEADER_MISMATCH, f"{VERSION_HEADER} header does not match _meta's version"
@@ -123,8 +117,8 @@ def classify(headers: Mapping[str, str], msg: Sniffed | None, has_session: bool)
         return Era.LEGACY
     if msg is None or msg.kind is not Kind.REQUEST:
         return Era.STATELESS  # GET, notifications, responses: the caller answers by kind
-    meta = _meta_of(msg)
-    if meta is None or META_VERSION not in meta or META_CAPABILITIES not in meta:
+    meta = meta_of(msg)
+    if META_VERSION not in meta or META_CAPABILITIES not in meta:
         return Rejection(
             400,
             INVALID_PARAMS,

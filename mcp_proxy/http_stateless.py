@@ -38,7 +38,7 @@ import orjson
 
 from mcp_proxy.client import ClientSession, TunnelClient
 from mcp_proxy.http_sse import Exchange
-from mcp_proxy.jsonrpc import JsonRpcError, Kind, RequestId, Sniffed, sniff
+from mcp_proxy.jsonrpc import JsonRpcError, Kind, RequestId, Sniffed, meta_of, sniff
 from talos.logging import event
 
 __all__ = ["SPREAD", "StatelessPool"]
@@ -54,9 +54,7 @@ MAX_STATES = 4096
 
 def wants_logs(msg: Sniffed) -> bool:
     """The request opted into the tool's log messages (2026-07-28 ``_meta`` logLevel)."""
-    params = msg.params if isinstance(msg.params, dict) else {}
-    meta = params.get("_meta")
-    return isinstance(meta, dict) and LOG_LEVEL in meta
+    return LOG_LEVEL in meta_of(msg)
 
 
 class _Member:
@@ -139,13 +137,12 @@ class _Member:
 
     def _target(self, msg: Sniffed) -> Exchange | None:
         """Where a notification of the tool belongs (module docstring), if it can be told."""
-        params = msg.params if isinstance(msg.params, dict) else {}
         if msg.method == "notifications/progress":
+            params = msg.params if isinstance(msg.params, dict) else {}
             token = params.get("progressToken")
             rid = self.tokens.get(token) if isinstance(token, int | str) else None
             return self.inflight.get(rid) if rid is not None else None
-        meta = params.get("_meta")
-        sub = meta.get(SUBSCRIPTION_ID) if isinstance(meta, dict) else None
+        sub = meta_of(msg).get(SUBSCRIPTION_ID)
         if isinstance(sub, int | str) and sub in self.listens:
             return self.inflight[sub]
         calls = [e for rid, e in self.inflight.items() if rid not in self.listens]

@@ -31,7 +31,15 @@ import aiohttp
 import orjson
 
 from mcp_proxy.http_rules import META_VERSION, MODERN_VERSIONS, NAME_FIELDS
-from mcp_proxy.jsonrpc import INTERNAL_ERROR, JsonRpcError, Kind, RequestId, Sniffed, sniff
+from mcp_proxy.jsonrpc import (
+    INTERNAL_ERROR,
+    JsonRpcError,
+    Kind,
+    RequestId,
+    Sniffed,
+    meta_of,
+    sniff,
+)
 from mcp_proxy.jsonrpc import error_reply as _error_reply
 from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES
 from talos.logging import event
@@ -215,9 +223,7 @@ class HttpUpstream:
 
     @staticmethod
     def _modern_version(msg: Sniffed) -> str | None:
-        params = msg.params if isinstance(msg.params, dict) else {}
-        meta = params.get("_meta")
-        version = meta.get(META_VERSION) if isinstance(meta, dict) else None
+        version = meta_of(msg).get(META_VERSION)
         return version if version in MODERN_VERSIONS else None
 
     async def _post_message(self, line: bytes, msg: Sniffed) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "encode",
     "error_reply",
     "has_line_break",
+    "meta_of",
     "one_line",
     "sniff",
 ]
@@ -90,6 +91,13 @@ class Sniffed:
     result: Any
     progress_token: RequestId | None
     obj: dict[str, Any]
+
+
+def meta_of(msg: Sniffed) -> dict[str, Any]:
+    """The message's ``params._meta`` object (empty when there is none)."""
+    params = msg.params
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    return meta if isinstance(meta, dict) else {}
 
 
 def _invalid(detail: str, request_id: RequestId | None = None) -> JsonRpcError:

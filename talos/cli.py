@@ -327,7 +327,9 @@ def cmd_inbox(args: argparse.Namespace) -> int:
     _print_messages(messages, args.json, args.follow)
     cursor = res["next"]
     while args.follow:
-        res = node_call(path, "inbox", {"after": cursor, "wait": 25, "limit": 1000}, timeout=40)
+        res = node_call(
+            path, "inbox", {"after": cursor, "wait": 25, "limit": _INBOX_PAGE}, timeout=40
+        )
         _print_messages(res["messages"], args.json, True)
         cursor = res["next"]
     return 0

@@ -291,18 +291,23 @@ async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
     entries = entries[:limit]
     names = _names(node)
     with node.store.read() as txn:
-        last = txn.last("inbox")
+        last = _last_n(txn)
     return {
         "messages": [e.to_json(names) for e in entries],
         "next": entries[-1].n if entries else after,
         "read": cursor,
-        "last": _U64.unpack(last[0])[0] if last is not None else 0,
+        "last": last,
     }
 
 
-def _mark(txn: Txn, through: int) -> int:
+def _last_n(txn: Txn) -> int:
+    """The arrival number of the newest inbox message (0: none)."""
     last = txn.last("inbox")
-    top = _U64.unpack(last[0])[0] if last is not None else 0
+    return _U64.unpack(last[0])[0] if last is not None else 0
+
+
+def _mark(txn: Txn, through: int) -> int:
+    top = _last_n(txn)
     if through > top:
         # A cursor past the last message would hide every message still to come.
         raise UsageError(
