@@ -27,6 +27,7 @@ import stat
 from collections.abc import Awaitable
 from typing import Protocol
 
+from talos.local.flow import FlowControlled
 from talos.logging import event
 from talos_sdk.errors import UsageError
 
@@ -57,20 +58,15 @@ class StdoutWriter(Protocol):
     async def aclose(self) -> None: ...
 
 
-class _Drained(asyncio.Protocol):
+class _Drained(FlowControlled):
+    """The pipe's protocol: ``drained`` while the agent is behind, ``lost`` once closed."""
+
     def __init__(self) -> None:
+        super().__init__()
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.writable = asyncio.Event()
-        self.writable.set()
-
-    def pause_writing(self) -> None:
-        self.writable.clear()
-
-    def resume_writing(self) -> None:
-        self.writable.set()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.writable.set()  # nobody to wait for any more
+        self.wake_writers()  # nobody to wait for any more
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -87,9 +83,8 @@ class _PipeWriter:
             self._transport.write(data)
 
     def backpressure(self) -> Awaitable[None] | None:
-        # Past the transport's high-water mark: the link stops reading until the agent reads.
-        writable = self._protocol.writable
-        return None if writable.is_set() else _wait(writable)
+        # Past the transport's high-water mark: connect asks serve to pause the session.
+        return self._protocol.drained
 
     async def aclose(self) -> None:
         self._transport.close()  # flushes what is buffered, then closes
@@ -120,10 +115,6 @@ class _FileWriter:
 
     async def aclose(self) -> None:
         return None  # nothing is buffered in this process
-
-
-async def _wait(event: asyncio.Event) -> None:
-    await event.wait()
 
 
 async def open_stdout(fd: int = 1) -> StdoutWriter:
