@@ -260,7 +260,6 @@ class _Session:
             calls, self.calls, asks, self.asks = self.calls, {}, self.asks, {}
             self.audit.ended(calls, asks, "closed", reason)
             self.audit.event(Event.SESSION, "close", "ok", reason)
-        self.update_output()  # read again: a paused stdout would never show the tool's exit
         if self.proc is not None:
             await self.proc.terminate()
         if self._strict_task is not None:

@@ -233,7 +233,6 @@ class ToolProcess:
 
     async def terminate(self) -> int:
         """Stop the process: close stdin, SIGTERM, then SIGKILL after the grace period."""
-        self.resume_output()  # a paused stdout never reports its end: the exit would wait for ever
         if self._transport is not None and not self._process_done.is_set():
             if self._stdin is not None:
                 self._stdin.close()
@@ -284,7 +283,9 @@ class ToolProcess:
         if self._stdin is not None:
             # A dead reader: close our end so the transport can finish.
             self._stdin.close()
-        self.resume_output()  # what it wrote before exiting (one pipe's worth at most), then EOF
+        # A paused stdout never reports its end, so the exit would never be reported:
+        # read what it wrote before exiting (one pipe's worth at most), then EOF.
+        self.resume_output()
 
     def _on_connection_lost(self) -> None:
         if self._transport is not None:

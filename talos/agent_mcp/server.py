@@ -31,7 +31,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field
 
 from talos.agent_mcp.backend import Backend, open_backend
-from talos.local.ops import MAX_LIMIT, MAX_WAIT
+from talos.local.ops import MAX_LIMIT, MAX_SEND_WAIT, MAX_WAIT, SEND_WAIT
 from talos_sdk.errors import TalosError
 
 __all__ = ["INBOX_URI", "build_server", "serve"]
@@ -42,9 +42,6 @@ INBOX_URI = "talos://inbox"
 PEER_INBOX = "talos://inbox/{did}"
 #: One long-poll of the watcher; it polls again at once, so this only bounds a stuck call.
 _WATCH_WAIT = 60.0
-#: What ``send_message`` waits for an ack by default, and at most.
-_SEND_WAIT = 30.0
-_SEND_WAIT_MAX = 3600.0
 
 
 class SendResult(BaseModel):
@@ -250,8 +247,8 @@ def build_server(raw_backend: Backend) -> Any:
         ] = False,
         timeout_seconds: Annotated[
             float,
-            Field(gt=0, le=_SEND_WAIT_MAX, description="with wait: how long to wait for the ack"),
-        ] = _SEND_WAIT,
+            Field(gt=0, le=MAX_SEND_WAIT, description="with wait: how long to wait for the ack"),
+        ] = SEND_WAIT,
     ) -> SendResult:
         """Send a durable, end-to-end encrypted message to a peer.
 
@@ -413,7 +410,9 @@ async def _run_answering_parse_errors(low: Any, read_stream: Any, write_stream: 
         async with writer:
             async for item in read_stream:
                 if isinstance(item, Exception):
-                    error = types.ErrorData(code=-32700, message="Parse error: not JSON-RPC")
+                    error = types.ErrorData(
+                        code=types.PARSE_ERROR, message="Parse error: not JSON-RPC"
+                    )
                     reply = types.JSONRPCError(jsonrpc="2.0", id=None, error=error)
                     await write_stream.send(SessionMessage(reply))
                 else:

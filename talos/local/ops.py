@@ -56,6 +56,9 @@ _U64 = struct.Struct(">Q")
 #: A long-poll never holds a call longer than this; clients poll again.
 MAX_WAIT = 300.0
 MAX_LIMIT = 1000
+#: A ``send`` with ``wait`` waits this long for the ack unless told, and at most MAX_SEND_WAIT.
+SEND_WAIT = 30.0
+MAX_SEND_WAIT = 3600.0
 
 
 def _str(args: dict[str, Any], key: str, *, optional: bool = False) -> Any:
@@ -235,7 +238,7 @@ def start_op_send(
     if not isinstance(text, str):
         raise UsageError("'text' must be a string")
     wait = bool(args.get("wait", False))
-    timeout = _num(args, "timeout", 30.0, 0.001, 3600.0)
+    timeout = _num(args, "timeout", SEND_WAIT, 0.001, MAX_SEND_WAIT)
 
     def finished(msg_id: str | None, exc: BaseException | None) -> None:
         if exc is None:
