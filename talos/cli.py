@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from talos import exit_codes
 from talos.local.call import NoNodeError
 from talos.local.call import call as node_call
+from talos.local.wire import MAX_LIMIT
 from talos.peer_refs import check_peer_addr, check_peer_ref
 from talos_sdk.errors import (
     LinkRefusedError,
@@ -294,7 +295,7 @@ def cmd_send(args: argparse.Namespace) -> int:
 
 
 #: Messages per ``inbox`` call (the op's most); ``talosd inbox`` pages through them all.
-_INBOX_PAGE = 1000
+_INBOX_PAGE = MAX_LIMIT
 
 
 def _print_messages(messages: list[dict[str, Any]], as_json: bool, stream: bool) -> None:

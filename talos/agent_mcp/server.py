@@ -31,7 +31,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field
 
 from talos.agent_mcp.backend import Backend, open_backend
-from talos.local.ops import MAX_LIMIT, MAX_SEND_WAIT, MAX_WAIT, SEND_WAIT
+from talos.local.wire import MAX_LIMIT, MAX_SEND_WAIT, MAX_WAIT, SEND_WAIT
 from talos_sdk.errors import TalosError
 
 __all__ = ["INBOX_URI", "build_server", "serve"]

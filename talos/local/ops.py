@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from talos import peer_names
 from talos.chain.log import UnknownRecordError
 from talos.local.log_ops import op_log_append, op_log_records
+from talos.local.wire import MAX_LIMIT, MAX_SEND_WAIT, MAX_WAIT, SEND_WAIT
 from talos.node_send import until_done
 from talos.peer_refs import is_did
 from talos_sdk.errors import (
@@ -53,12 +54,6 @@ Op = Callable[[LocalHost, dict[str, Any]], Awaitable[Any]]
 
 _READ_KEY = b"inbox:read"
 _U64 = struct.Struct(">Q")
-#: A long-poll never holds a call longer than this; clients poll again.
-MAX_WAIT = 300.0
-MAX_LIMIT = 1000
-#: A ``send`` with ``wait`` waits this long for the ack unless told, and at most MAX_SEND_WAIT.
-SEND_WAIT = 30.0
-MAX_SEND_WAIT = 3600.0
 
 
 def _str(args: dict[str, Any], key: str, *, optional: bool = False) -> Any:

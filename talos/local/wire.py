@@ -27,6 +27,10 @@ from talos_sdk.errors import MalformedFrameError, OversizeError
 
 __all__ = [
     "MAX_FRAME",
+    "MAX_LIMIT",
+    "MAX_SEND_WAIT",
+    "MAX_WAIT",
+    "SEND_WAIT",
     "AppFrame",
     "FrameReader",
     "Kind",
@@ -37,6 +41,16 @@ __all__ = [
 
 #: Above any app frame a link carries (NodeConfig.max_frame is 1 MiB by default) with room.
 MAX_FRAME = 32 * 1024 * 1024
+
+# Bounds of the ops' arguments (talos/local/ops.py), here so that clients can state them
+# without importing the node's modules.
+#: A long-poll never holds a call longer than this; clients poll again.
+MAX_WAIT = 300.0
+#: Messages one ``inbox`` call returns at most.
+MAX_LIMIT = 1000
+#: A ``send`` with ``wait`` waits this long for the ack unless told, and at most MAX_SEND_WAIT.
+SEND_WAIT = 30.0
+MAX_SEND_WAIT = 3600.0
 
 _HEAD = struct.Struct(">IB")
 
