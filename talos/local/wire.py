@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from talos_sdk.errors import MalformedFrameError, OversizeError
+from talos_sdk.errors import MalformedFrameError, OversizeError, UsageError
 
 __all__ = [
     "MAX_FRAME",
@@ -87,7 +87,14 @@ def encode_json(kind: Kind, obj: dict[str, Any]) -> bytes:
     try:
         body = orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:  # an int beyond 64 bits, a type orjson does not know: the slow way
-        body = json.dumps(obj, separators=(",", ":")).encode()
+        text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+        try:
+            body = text.encode()
+        except UnicodeEncodeError as exc:
+            # Command-line bytes that are not UTF-8 arrive as surrogates (surrogateescape);
+            # escaped into the JSON, the node would refuse the whole frame as malformed.
+            near = exc.object[max(exc.start - 20, 0) : exc.end + 20]
+            raise UsageError(f"an argument is not valid UTF-8 (near {near!r})") from None
     return _frame(kind, body)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from talos.exit_codes import BAD_INPUT
+from tests.talos.daemons import Daemon
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "error"}
@@ -63,3 +64,15 @@ def test_refused_with_one_line(home: Path, module: str, argv: list[str | bytes],
     assert done.returncode == BAD_INPUT, (done.returncode, err)
     assert done.stdout == b""
     assert said in err and "Traceback" not in err, err
+
+
+def test_bytes_that_are_not_utf8_never_reach_a_running_node(home: Path) -> None:
+    """The local socket's JSON cannot carry them: refused on the client's side, exit 2."""
+    node = Daemon(home, "--listen", "127.0.0.1:0")
+    try:
+        done = run("talos.cli", home, "send-file", DID, b"/tmp/caf\xe9.txt")
+        err = done.stderr.decode()
+        assert done.returncode == BAD_INPUT, (done.returncode, err)
+        assert "not valid UTF-8" in err and "Traceback" not in err, err
+    finally:
+        assert node.stop() == 0

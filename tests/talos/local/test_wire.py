@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from talos.local import wire
-from talos_sdk.errors import MalformedFrameError, OversizeError
+from talos_sdk.errors import MalformedFrameError, OversizeError, UsageError
 
 
 def test_round_trip_every_kind_fed_byte_by_byte() -> None:
@@ -45,3 +45,16 @@ def test_app_names_are_bounded() -> None:
         wire.encode_app("", "did:key:zX", b"")
     with pytest.raises(MalformedFrameError):
         wire.encode_app("mcp", "x" * 256, b"")
+
+
+def test_big_ints_take_the_slow_path_and_round_trip() -> None:
+    frame = wire.encode_json(wire.Kind.CALL, {"id": 1, "op": "inbox", "args": {"after": 2**70}})
+    (got,) = wire.FrameReader().feed(frame)
+    assert got.body == {"id": 1, "op": "inbox", "args": {"after": 2**70}}
+
+
+def test_text_that_is_not_utf8_is_a_usage_error() -> None:
+    # What a non-UTF-8 command-line argument looks like in Python (surrogateescape).
+    path = b"/tmp/caf\xe9.txt".decode("utf-8", "surrogateescape")
+    with pytest.raises(UsageError, match="not valid UTF-8"):
+        wire.encode_json(wire.Kind.CALL, {"id": 1, "op": "files.send", "args": {"path": path}})
