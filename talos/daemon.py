@@ -80,11 +80,15 @@ class Daemon:
             }
         )
 
-    async def stop(self) -> None:
-        """Local clients, API, transfers, node; the node file goes last (clients read it)."""
+    async def stop(self, *, handover: bool = False) -> None:
+        """Local clients, API, transfers, node; the node file goes last (clients read it).
+
+        ``handover`` tells local clients that one of them may run the node now
+        (LocalServer.close).
+        """
         if self.local is not None:
             local, self.local = self.local, None
-            await local.close()
+            await local.close(handover=handover)
         self.node.quiesce()  # long-polls return now, so the API can close promptly
         if self._api is not None:
             runner, self._api = self._api, None

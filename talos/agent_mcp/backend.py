@@ -2,7 +2,10 @@
 
 Both speak the ops of talos/local/ops.py, so tools behave the same either way
 (docs/adr/0012-local-clients.md). Attached, a node that stops turns every call
-into a clear NodeGoneError until it runs again (the next call re-attaches).
+into a clear NodeGoneError until it runs again (the next call re-attaches). A
+node that ran inside another ``talosd mcp`` is handed over when that agent
+leaves: an attached ``talosd mcp`` then runs it itself, as it would have at its
+start (and of several, the ones that lose the store attach to the winner).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ _log = logging.getLogger("talos.agent_mcp")
 
 class Backend(Protocol):
     did: str
-    mode: str
+
+    @property
+    def mode(self) -> str:
+        """'attached' to a running node, or 'in-process'."""
 
     async def call(self, op: str, **args: Any) -> Any: ...
 
@@ -32,27 +38,48 @@ class Backend(Protocol):
 class AttachedBackend:
     """Calls over the node's local socket."""
 
-    mode = "attached"
-
-    def __init__(self, home: Path, client: LocalClient) -> None:
+    def __init__(self, home: Path, client: LocalClient, passphrase_file: str | None) -> None:
         self.home = home
         self.client = client
         self.did = client.did
+        self.passphrase_file = passphrase_file
+        #: The backend that took over the home after a handover.
+        self.successor: Backend | None = None
+        self._reattach = asyncio.Lock()
+
+    @property
+    def mode(self) -> str:
+        return "attached" if self.successor is None else self.successor.mode
 
     async def call(self, op: str, **args: Any) -> Any:
-        if self.client.stopping.done():
-            await self.client.close()
-            try:
-                self.client = await LocalClient.connect(self.home)
-            except NoNodeError:
+        if self.client.stopping.done() and self.successor is None:
+            async with self._reattach:  # the inbox watcher and a tool may both get here
+                await self._follow_the_node()
+        if self.successor is not None:
+            return await self.successor.call(op, **args)
+        return await self.client.call(op, **args)
+
+    async def _follow_the_node(self) -> None:
+        if not self.client.stopping.done() or self.successor is not None:
+            return
+        handover = self.client.handover
+        await self.client.close()
+        try:
+            self.client = await LocalClient.connect(self.home)
+            return
+        except NoNodeError:
+            if not handover:  # `talosd run` was stopped: its user decides what runs next
                 raise NodeGoneError(
                     f"the node of {self.home} stopped; start it again with "
                     f"`talosd run --home {self.home}`"
                 ) from None
-        return await self.client.call(op, **args)
+        _log.warning("the agent that ran the node of %s left: taking the node over", self.home)
+        self.successor = await open_backend(self.home, passphrase_file=self.passphrase_file)
 
     async def close(self) -> None:
         await self.client.close()
+        if self.successor is not None:
+            await self.successor.close()
 
 
 class InProcessBackend:
@@ -73,7 +100,7 @@ class InProcessBackend:
         return await run_op(self.host, op, args)
 
     async def close(self) -> None:
-        await self.daemon.stop()
+        await self.daemon.stop(handover=True)
 
 
 #: How long a `talosd mcp` that lost the race for a home waits for the winner's socket.
@@ -103,7 +130,7 @@ async def open_backend(home: Path, *, passphrase_file: str | None = None) -> Bac
     talos/keys.py), and a key that cannot be unlocked is a clear error.
     """
     try:
-        return AttachedBackend(home, await LocalClient.connect(home))
+        return AttachedBackend(home, await LocalClient.connect(home), passphrase_file)
     except NoNodeError:
         pass
     from talos.config import Home
@@ -122,7 +149,7 @@ async def open_backend(home: Path, *, passphrase_file: str | None = None) -> Bac
     except StoreInUseError:
         # Another process took the home meanwhile: most often a second `talosd mcp`
         # started at the same moment, whose node is coming up. Attach to it.
-        return AttachedBackend(home, await _attach_when_up(home, _RACE_WAIT))
+        return AttachedBackend(home, await _attach_when_up(home, _RACE_WAIT), passphrase_file)
     # A warning, so it reaches the agent host's log: this node is not `talosd run`.
     _log.warning(
         "no node was running on %s: this talosd mcp runs one until its agent exits "

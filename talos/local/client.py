@@ -83,6 +83,8 @@ class LocalClient:
         self.stopping: asyncio.Future[str] = loop.create_future()
         #: The connection ended; pending and later calls fail with NodeGoneError.
         self.gone: asyncio.Future[str] = loop.create_future()
+        #: The node stopped because the agent that ran it left (LocalServer.close).
+        self.handover = False
 
     @classmethod
     async def connect(cls, home: Path, *, watch: bool = False) -> LocalClient:
@@ -179,6 +181,7 @@ class LocalClient:
                 if self.stopping.done():
                     return
                 # A client holding app channels may still finish its work (ADR 0012).
+                self.handover = body.get("handover") is True
                 self.stopping.set_result(f"the node of {self.home} stopped: {body.get('reason')}")
             for listener in list(self._listeners):
                 listener(body)

@@ -327,14 +327,22 @@ class LocalServer:
     def _holders(self) -> set[_Conn]:
         return {c.conn for claims in self.claims.values() for c in claims}
 
-    async def close(self) -> None:
-        """Tell every client the node stops; let app channel holders drain; close them."""
+    async def close(self, *, handover: bool = False) -> None:
+        """Tell every client the node stops; let app channel holders drain; close them.
+
+        ``handover``: the node ran inside a ``talosd mcp`` whose agent left, and an
+        attached ``talosd mcp`` may run the node in its stead (docs/PROTOCOL.md
+        "Local clients").
+        """
         if self._server is None:
             return
         self._server.close()
         holders = self._holders()
+        stopping: dict[str, object] = {"event": "stopping", "reason": "the node is shutting down"}
+        if handover:
+            stopping |= {"reason": "the agent that ran the node left", "handover": True}
         for conn in list(self.conns):
-            conn.event({"event": "stopping", "reason": "the node is shutting down"})
+            conn.event(stopping)
             if conn not in holders:
                 conn.close()
         if holders:

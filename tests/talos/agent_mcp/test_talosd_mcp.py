@@ -461,3 +461,39 @@ async def test_a_line_that_is_not_json_rpc_is_answered_with_a_parse_error(tmp_pa
     finally:
         proc.stdin.close()
         await asyncio.wait_for(proc.wait(), 60)
+
+
+async def test_when_the_agent_running_the_node_leaves_an_attached_agent_takes_it_over(
+    tmp_path: Path,
+) -> None:
+    """The node is handed over: of the two attached agents one runs it, the other attaches."""
+    home = tmp_path / "handed"
+    init(home)
+    params = mcp_params(home)
+    host = await asyncio.create_subprocess_exec(
+        params.command, *params.args,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL, cwd=REPO, env=params.env,
+    )  # fmt: skip
+    assert host.stdin is not None
+    try:
+        async with asyncio.timeout(60):
+            assert (await _raw_status(host))["mode"] == "in-process"
+        async with agent(home, "legacy") as bob, agent(home, MODERN) as carol:
+            for guest in (bob, carol):
+                assert data(await guest.call_tool("node_status", {}))["mode"] == "attached"
+            host.stdin.close()
+            assert await asyncio.wait_for(host.wait(), 60) == 0
+            # Both at once, as two agents would: one wins the store, the other attaches.
+            after = await asyncio.gather(
+                *(guest.call_tool("node_status", {}) for guest in (bob, carol))
+            )
+            modes = sorted(data(result)["mode"] for result in after)
+            assert modes == ["attached", "in-process"]
+            assert len({data(result)["did"] for result in after}) == 1
+            for guest in (bob, carol):
+                assert data(await guest.call_tool("read_inbox", {}))["messages"] == []
+    finally:
+        if host.returncode is None:
+            host.kill()
+            await host.wait()
