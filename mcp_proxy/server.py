@@ -115,7 +115,7 @@ class _Session:
             msg = sniff(line)
             wire = encode(msg)
         except JsonRpcError as exc:
-            self.sender.message(self.sid, error_reply(exc.request_id, exc.code, str(exc)))
+            self._answer(error_reply(exc.request_id, exc.code, str(exc)))
             self.audit.refusal(exc.request_id, "invalid", str(exc))
             return
         kind = msg.kind
@@ -127,13 +127,11 @@ class _Session:
                     msg.id, TOOL_DENIED, f"tool {msg.tool!r} not allowed for {self.peer}"
                 )
                 self.audit.call(msg.id, call, "denied")
-                self._emit(reply)
+                self._answer(reply)
                 return
             if msg.id in self.calls:
                 # Its answer could not be told from the first one's: refused, not forwarded.
-                self.sender.message(
-                    self.sid, error_reply(msg.id, -32600, "Invalid Request: id already in use")
-                )
+                self._answer(error_reply(msg.id, -32600, "Invalid Request: id already in use"))
                 self.audit.refusal(msg.id, "invalid", "request id already in use")
                 return
             self.calls[msg.id] = call
@@ -208,6 +206,11 @@ class _Session:
             # Sampling, elicitation, roots: audited when the caller answers.
             self.asks[msg.id] = self.audit.new_call(msg, wire)
         self._emit(wire)
+
+    def _answer(self, line: bytes) -> None:
+        """A reply of the proxy's own to the caller (TunnelServer.own_sender may drop it)."""
+        if self.server.own_sender(self.peer) is not None:
+            self._emit(line)
 
     def _emit(self, line: bytes) -> None:
         auditor = self.server.auditor
@@ -297,6 +300,7 @@ class TunnelServer:
         self._inbox: dict[str, asyncio.Queue[TunnelFrame | None]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self.started_processes = 0
+        self.own_replies_dropped = 0  # replies of its own dropped for peers that read nothing
         self._closing: set[asyncio.Task[Any]] = set()
         transport.set_receiver(self._on_payload)
         transport.add_link_listener(self._on_link)
@@ -307,6 +311,21 @@ class TunnelServer:
             sender = self._senders[peer] = FrameSender(self.transport, peer)
             sender.on_pressure(functools.partial(self._pressure, peer))
         return sender
+
+    def own_sender(self, peer: str) -> FrameSender | None:
+        """The peer's sender for a reply the proxy makes itself, or None: drop that reply.
+
+        None while the peer leaves more than OWN_REPLIES_MAX unread: its denied calls,
+        unknown sessions and refused opens must not queue answers without bound.
+        """
+        sender = self.sender_for(peer)
+        if not sender.flooded:
+            return sender
+        self.own_replies_dropped += 1
+        if self.own_replies_dropped & (self.own_replies_dropped - 1) == 0:  # 1, 2, 4, ...
+            event(log, "tunnel_own_replies_dropped", WARN, peer=peer,
+                  dropped=self.own_replies_dropped)  # fmt: skip
+        return None
 
     def _pressure(self, peer: str, pressed: bool) -> None:
         """The peer's link is not taking what its tools write: stop reading them, or resume."""
@@ -386,7 +405,8 @@ class TunnelServer:
             session = self.sessions.get(key)
             if session is None:
                 # Sessions are keyed by (peer, id): a frame never reaches another peer's tool.
-                self.sender_for(peer).control(FrameKind.ERROR, frame.session, b"unknown session")
+                if (sender := self.own_sender(peer)) is not None:
+                    sender.control(FrameKind.ERROR, frame.session, b"unknown session")
                 self._refuse(peer, frame.session, "unknown-session", "no such session of this peer")
                 return
             self._take(session, frame)
@@ -437,14 +457,16 @@ class TunnelServer:
             name, spec = self.policy.server_for(peer, name)
         except PolicyDenied as exc:
             event(log, "session_refused", WARN, peer=peer, session=sid, reason=str(exc))
-            self.sender_for(peer).control(FrameKind.ERROR, sid, str(exc).encode())
+            if (sender := self.own_sender(peer)) is not None:
+                sender.control(FrameKind.ERROR, sid, str(exc).encode())
             self._refuse(peer, sid, "refused", str(exc), Event.SESSION)
             return
         held = sum(1 for p, _ in self.sessions if p == peer)
         if held >= self.max_sessions:
             reason = f"too many sessions: {peer} holds {held} (limit {self.max_sessions})"
             event(log, "session_refused", WARN, peer=peer, session=sid, reason=reason)
-            self.sender_for(peer).control(FrameKind.ERROR, sid, reason.encode())
+            if (sender := self.own_sender(peer)) is not None:
+                sender.control(FrameKind.ERROR, sid, reason.encode())
             self._refuse(peer, sid, "refused", reason, Event.SESSION)
             return
         session = _Session(self, peer, sid, name, f"tool[{name}:{peer[-6:]}:{sid}]")

@@ -58,6 +58,11 @@ _FRAME_SLACK = 64
 #: stopped reading) before its producers are told to pause, and the level they resume at.
 PRESSURE_HIGH = 1 << 20
 PRESSURE_LOW = 256 * 1024
+#: Past this many bytes waiting for a peer, replies the proxy makes itself (a denial, an
+#: unknown session, a malformed request) are dropped rather than queued: each costs the
+#: peer one request, and a peer that sends them without reading would otherwise grow the
+#: queue for as long as it goes on. Well above the pause mark, which honest traffic stops at.
+OWN_REPLIES_MAX = 4 * PRESSURE_HIGH
 #: ``listener(pressed)``: True when the queue passed PRESSURE_HIGH, False once below LOW.
 PressureListener = Callable[[bool], None]
 
@@ -290,6 +295,11 @@ class FrameSender:
 
     def control(self, kind: FrameKind, session: int, payload: bytes | None = None) -> None:
         self._push(kind, session, payload)
+
+    @property
+    def flooded(self) -> bool:
+        """More than OWN_REPLIES_MAX bytes wait: the peer reads nothing, whatever it sends."""
+        return self._queued > OWN_REPLIES_MAX
 
     def on_pressure(self, listener: PressureListener) -> None:
         """Call ``listener(True)`` when the queue must stop growing, ``(False)`` when it may."""

@@ -7,11 +7,13 @@ import contextlib
 import sys
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 
 from mcp_proxy.audit import Auditor
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, LINK_DOWN, PARSE_ERROR, TOOL_DENIED
 from mcp_proxy.policy import Policy
+from mcp_proxy.transport import OWN_REPLIES_MAX
 from talos_sdk.did import did_from_public_key
 from tests.mcp_proxy.loopback import CLIENT_DID, EVERYTHING, Agent, MemorySink, Pair
 from tests.talos.nodes import until
@@ -345,3 +347,36 @@ async def test_sessions_per_peer_are_capped() -> None:
         agents[0].session.close()
         await until(lambda: len(pair.server.sessions) == 1, what="the session to close")
         assert "result" in await agents[2].initialize()
+
+
+async def test_a_caller_that_reads_nothing_cannot_queue_denials_without_bound() -> None:
+    """Denials are the proxy's own replies: past OWN_REPLIES_MAX unread they are dropped."""
+    pair = Pair(Policy.build(allow=[CLIENT_DID], tools=["echo"], command=EVERYTHING))
+    agent = Agent(pair.client)
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
+        stack.push_async_callback(pair.close)
+        await agent.initialize()
+        # From here the caller's end takes nothing: every frame toward it waits in serve.
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        deliver_nowait, deliver = pair.server_end.send_nowait, pair.server_end.send
+
+        async def stalled(peer: str, payload: bytes) -> None:
+            await gate
+            await deliver(peer, payload)
+
+        pair.server_end.send_nowait = lambda peer, payload: False  # type: ignore[method-assign]
+        pair.server_end.send = stalled  # type: ignore[method-assign]
+        name = "x" * 20_000  # each denial names the tool: about 20 KB a reply
+        for i in range(600):  # 12 MB of denials if all were kept
+            agent.start_request("tools/call")
+            await agent.send_raw(
+                orjson.dumps({"jsonrpc": "2.0", "id": i, "method": "tools/call",
+                              "params": {"name": name, "arguments": {}}})
+            )  # fmt: skip
+        sender = pair.server.sender_for(CLIENT_DID)
+        await until(lambda: pair.server.own_replies_dropped > 0, what="denials to be dropped")
+        assert sender._queued <= OWN_REPLIES_MAX + 64 * 1024
+        # The caller reads again: what was queued arrives, and the session still works.
+        pair.server_end.send_nowait, pair.server_end.send = deliver_nowait, deliver  # type: ignore[method-assign]
+        gate.set_result(None)
+        assert text_of(await agent.call("echo", text="after")) == "after"
