@@ -23,7 +23,7 @@ import secrets
 from collections import OrderedDict, deque
 
 from mcp_proxy.client import ClientSession, TunnelClient
-from mcp_proxy.http_sse import Exchange, Item
+from mcp_proxy.http_sse import STREAM_BUFFER_MAX, Exchange, Item, ReplayBudget
 from mcp_proxy.jsonrpc import JsonRpcError, Kind, RequestId, Sniffed, error_reply, sniff
 from talos.logging import event
 
@@ -35,6 +35,8 @@ KEPT_EXCHANGES = 64
 GET_KEY = "0"
 CANCELLED = -32800
 MAX_BACKLOG = 1000
+#: What waits for a GET while no stream is open: what one stream may take in one go.
+BACKLOG_BYTES = STREAM_BUFFER_MAX
 
 
 class LegacySession:
@@ -47,9 +49,11 @@ class LegacySession:
         self.tokens: dict[RequestId, Exchange] = {}
         self.posts: list[Exchange] = []
         # The standalone stream lives as long as the session; each GET attaches to it.
-        self.get_stream = Exchange(GET_KEY)
+        self.replay = ReplayBudget(reclaim=self._reclaim)
+        self.get_stream = Exchange(GET_KEY, budget=self.replay)
         self.exchanges: OrderedDict[str, Exchange] = OrderedDict()
-        self.backlog: deque[bytes] = deque(maxlen=MAX_BACKLOG)
+        self.backlog: deque[bytes] = deque()
+        self.backlog_bytes = 0
         self._next = 0
         self.last_used = asyncio.get_running_loop().time()
 
@@ -64,11 +68,21 @@ class LegacySession:
 
     def new_exchange(self) -> Exchange:
         self._next += 1
-        exchange = Exchange(f"{self._next}")
+        exchange = Exchange(f"{self._next}", budget=self.replay)
         self.exchanges[exchange.key or ""] = exchange
         while len(self.exchanges) > KEPT_EXCHANGES:
-            self.exchanges.popitem(last=False)
+            self.exchanges.popitem(last=False)[1].release()
         return exchange
+
+    def _reclaim(self, emitting: Exchange) -> None:
+        """The session's replay logs passed their budget: the oldest streams' logs go first
+        (the standalone stream's, then the oldest requests'), the one emitting last."""
+        for exchange in (self.get_stream, *self.exchanges.values()):
+            if exchange is not emitting:
+                exchange.drop_replay(keep_newest=False)
+                if not self.replay.over:
+                    return
+        emitting.drop_replay(keep_newest=True)
 
     def open_request(self, msg: Sniffed) -> Exchange:
         """The exchange that carries the response to request ``msg``."""
@@ -87,6 +101,7 @@ class LegacySession:
         """Drop a finished exchange from the replay store (its client read it to the end)."""
         if exchange.key is not None and self.exchanges.get(exchange.key) is exchange:
             del self.exchanges[exchange.key]
+            exchange.release()
 
     def find(self, key: str) -> Exchange | None:
         """The exchange a ``Last-Event-ID`` names, if still kept."""
@@ -102,6 +117,7 @@ class LegacySession:
         queue = stream.attach(start)
         while self.backlog:
             stream.emit(self.backlog.popleft())
+        self.backlog_bytes = 0
         return queue, start
 
     def cancelled(self, request_id: RequestId) -> None:
@@ -149,7 +165,14 @@ class LegacySession:
             listening = [ex for ex in self.posts if ex.listening]
             (listening or self.posts)[-1].emit(line)
         else:
-            self.backlog.append(line)
+            # Nobody listens: kept for the next GET, the newest within its bounds.
+            backlog = self.backlog
+            backlog.append(line)
+            self.backlog_bytes += len(line)
+            while len(backlog) > 1 and (
+                len(backlog) > MAX_BACKLOG or self.backlog_bytes > BACKLOG_BYTES
+            ):
+                self.backlog_bytes -= len(backlog.popleft())
 
     def close(self) -> None:
         for exchange in [*self.waiters.values(), *self.posts]:

@@ -19,8 +19,9 @@ Memory is bounded against a client that stops reading: an attached response
 holds at most ``STREAM_BUFFER_MAX`` bytes not yet written (one message of the
 largest size plus 8 MiB); beyond that its queue is dropped and the response
 ends once the write it is blocked in completes (a resumable one resumes from
-the replay log, which keeps at most ``REPLAY_BYTES``, and a resume replays at
-most ``STREAM_BUFFER_MAX`` of it, the newest).
+the replay log, and a resume replays at most ``STREAM_BUFFER_MAX`` of it, the
+newest). The replay logs of one session share one :class:`ReplayBudget` of
+``REPLAY_BYTES``, however many exchanges it keeps.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -36,7 +38,16 @@ from mcp_proxy.jsonrpc import JsonRpcError, Kind, sniff
 from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES
 from talos.logging import event
 
-__all__ = ["KEEPALIVE", "REPLAY_EVENTS", "Exchange", "Item", "parse_event_id", "respond"]
+__all__ = [
+    "KEEPALIVE",
+    "REPLAY_EVENTS",
+    "STREAM_BUFFER_MAX",
+    "Exchange",
+    "Item",
+    "ReplayBudget",
+    "parse_event_id",
+    "respond",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +63,37 @@ ERROR_STATUS[-32601] = 404
 Item = tuple[int, bytes] | None
 
 
+class ReplayBudget:
+    """The bytes that the replay logs of one session keep together, at most ``limit``.
+
+    ``reclaim(exchange)`` runs when ``exchange`` took them past it; by default that
+    exchange drops its own oldest events (all but its newest, which must stay
+    resumable).
+    """
+
+    def __init__(
+        self, limit: int | None = None, reclaim: Callable[[Exchange], None] | None = None
+    ) -> None:
+        self.limit = REPLAY_BYTES if limit is None else limit
+        self.kept = 0
+        self.reclaim = reclaim or (lambda exchange: exchange.drop_replay(keep_newest=True))
+
+    @property
+    def over(self) -> bool:
+        return self.kept > self.limit
+
+
 class Exchange:
     """The messages of one response stream, numbered, with a bounded replay log if resumable."""
 
-    def __init__(self, key: str | None = None, keep: int = REPLAY_EVENTS) -> None:
+    def __init__(
+        self, key: str | None = None, keep: int = REPLAY_EVENTS, budget: ReplayBudget | None = None
+    ) -> None:
         self.key = key
         self.seq = 0
         self.done = False
         self.events: deque[tuple[int, bytes]] = deque(maxlen=keep if key is not None else 0)
-        self._kept = 0  # bytes in events
+        self.budget = budget if budget is not None else ReplayBudget()
         self.sink: asyncio.Queue[Item] | None = None
         self.queued = 0  # bytes in sink not yet taken by the response
 
@@ -72,13 +105,13 @@ class Exchange:
     def emit(self, line: bytes) -> None:
         self.seq += 1
         if self.key is not None:
-            events = self.events
-            if len(events) == events.maxlen:
-                self._kept -= len(events[0][1])
-            events.append((self.seq, line))
-            self._kept += len(line)
-            while self._kept > REPLAY_BYTES and len(events) > 1:
-                self._kept -= len(events.popleft()[1])
+            if len(self.events) == self.events.maxlen:
+                self._drop_oldest()
+            self.events.append((self.seq, line))
+            budget = self.budget
+            budget.kept += len(line)
+            if budget.over:
+                budget.reclaim(self)
         sink = self.sink
         if sink is not None:
             if self.queued + len(line) > STREAM_BUFFER_MAX:
@@ -86,6 +119,20 @@ class Exchange:
                 return
             sink.put_nowait((self.seq, line))
             self.queued += len(line)
+
+    def _drop_oldest(self) -> None:
+        self.budget.kept -= len(self.events.popleft()[1])
+
+    def drop_replay(self, *, keep_newest: bool) -> None:
+        """Drop the oldest events while the budget is over (all of them unless ``keep_newest``)."""
+        events, budget = self.events, self.budget
+        while budget.over and len(events) > keep_newest:
+            self._drop_oldest()
+
+    def release(self) -> None:
+        """Give the replay log's bytes back to the budget (the exchange is forgotten)."""
+        while self.events:
+            self._drop_oldest()
 
     def taken(self, item: Item) -> None:
         """The response took ``item`` from its queue."""
