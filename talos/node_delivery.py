@@ -41,7 +41,7 @@ from talos.peer_pipeline import UNSENT_BATCH, Failed, Received, Retry
 from talos.pipeline import MessageTooLargeError
 from talos.sessions import MessageSignatureError, UnsignedMessageError
 from talos.store import Txn
-from talos_sdk.errors import ProtocolError, StorageError, UsageError
+from talos_sdk.errors import ProtocolError, StorageError, StorageFullError, UsageError
 
 __all__ = ["NodeDelivery", "take"]
 
@@ -79,10 +79,12 @@ class NodeDelivery(NodeBase):
                 self._send_ack(peer)
 
     def _send_ack(self, peer: Peer) -> None:
+        self._send_link(peer, wire.encode(wire.Ack(peer.rx.delivered)))
+
+    def _send_link(self, peer: Peer, data: bytes) -> None:
         link = peer.link
         if link is None:
             return
-        data = wire.encode(wire.Ack(peer.rx.delivered))
         # Inline from the commit's done callback: a task would cost the sender a loop pass.
         with contextlib.suppress(ConnectionClosed):
             if link.send_nowait(data):
@@ -93,6 +95,14 @@ class NodeDelivery(NodeBase):
     async def _send_quiet(link: Link, data: bytes) -> None:
         with contextlib.suppress(ConnectionClosed):
             await link.send(data)
+
+    def _on_defer(self, peer: Peer, frame: wire.Defer) -> None:
+        """The peer could not store what we sent: say so once; the resends go on."""
+        if peer.deferred != frame.reason:
+            peer.deferred = frame.reason
+            event(_log, "peer_cannot_store", level=logging.WARNING, peer=peer.did,
+                  why=wire.DEFER_WHY[frame.reason])  # fmt: skip
+        self.metrics.inc("defers_received")
 
     def _on_ack(self, peer: Peer, seq: int) -> None:
         acked = peer.on_ack(seq, self._epoch, time.monotonic())
@@ -180,8 +190,12 @@ class NodeDelivery(NodeBase):
             self.storage_error = str(exc) or type(exc).__name__
             level = logging.ERROR
             event(_log, "commit_failed", level=level, error=repr(exc), count=len(batch))
+            # Their senders hear it (DEFER), so their outbox says why no ack comes.
+            reason = wire.DEFER_FULL if isinstance(exc, StorageFullError) else wire.DEFER_FAILING
             for did in peers:
-                self._peers[did].commit_failed()
+                peer = self._peers[did]
+                peer.commit_failed()
+                self._send_link(peer, wire.encode(wire.Defer(peer.rx.delivered, reason)))
             # Frames queued meanwhile were accepted after the lost ones: committing
             # them would ack past messages never stored. The sender resends them all.
             dropped = [i for i in self._incoming if i.peer in peers]

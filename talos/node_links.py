@@ -167,7 +167,7 @@ class NodeLinks(NodeBase):
         idle; ``why`` says why messages do not move."""
         peer = self._peers.get(did)
         if peer is not None and peer.ready.is_set():
-            return "ready", ""
+            return "ready", wire.DEFER_WHY[peer.deferred] if peer.deferred else ""
         if peer is not None and peer.link is not None:
             return "linked", "waiting for session"
         problem = self._problems.get(did)
@@ -258,6 +258,8 @@ class NodeLinks(NodeBase):
                     peer.frame_opened()
                 elif isinstance(frame, wire.Ack):
                     self._on_ack(peer, frame.seq)
+                elif isinstance(frame, wire.Defer):
+                    self._on_defer(peer, frame)
                 elif isinstance(frame, wire.App):
                     await self._on_app(peer, frame)
                     peer.frame_opened()

@@ -102,6 +102,8 @@ class PeerPipeline:
     link_sent: int = 0
     last_progress: float = 0.0
     decrypt_failures: int = 0
+    #: The peer said it cannot store our messages (a DEFER reason), until an ack moves.
+    deferred: int = 0
     #: Rows with a number whose outbox commit has not finished (sendable already).
     fresh: list[pl.OutboxEntry] = field(default_factory=list)
     #: Our own audit records of sent, unacknowledged messages, by seq.
@@ -250,6 +252,7 @@ class PeerPipeline:
         seq = min(seq, self.link_sent)
         if not self.tx.on_ack(seq):
             return None
+        self.deferred = 0
         self.last_progress = now
         latencies = [now - self.sent_at.pop(s) for s in [s for s in self.sent_at if s <= seq]]
         self.outbox_committed(seq)
@@ -294,6 +297,7 @@ class PeerPipeline:
         """This link's transmissions are void: resend everything unacknowledged on the next."""
         self.tx.rewind()
         self.link_sent = 0
+        self.deferred = 0  # said of that link's messages; the next one tells anew
 
     def session_ready(self, now: float) -> None:
         self.last_progress = now

@@ -18,10 +18,14 @@ from talos_sdk.errors import MalformedFrameError, OversizeError
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
+    "DEFER_FAILING",
+    "DEFER_FULL",
+    "DEFER_WHY",
     "MIN_MAX_FRAME",
     "Accept",
     "Ack",
     "App",
+    "Defer",
     "LinkFrame",
     "Msg",
     "Refuse",
@@ -43,10 +47,12 @@ T_SESSION_INIT: Final = 0x11
 T_SESSION_ACK: Final = 0x12
 T_MSG: Final = 0x20
 T_ACK: Final = 0x21
+T_DEFER: Final = 0x22
 T_APP: Final = 0x30
 
 _Q = struct.Struct(">Q")
 _BQ = struct.Struct(">BQ")
+_BQB = struct.Struct(">BQB")
 _H = struct.Struct(">H")
 _I = struct.Struct(">I")
 
@@ -110,13 +116,32 @@ class Ack:
 
 
 @dataclass(frozen=True, slots=True)
+class Defer:
+    """The receiver could not store the messages after ``seq``; they stay unacknowledged
+    until its storage works again. ``reason``: DEFER_FULL or DEFER_FAILING."""
+
+    seq: int
+    reason: int
+
+
+#: Why a Defer was sent: the receiver's store is full, or failed otherwise.
+DEFER_FULL: Final = 1
+DEFER_FAILING: Final = 2
+#: Each reason as the sender's outbox and log say it.
+DEFER_WHY: Final = {
+    DEFER_FULL: "the peer cannot store messages: its store is full (they stay queued here)",
+    DEFER_FAILING: "the peer cannot store messages: its storage fails (they stay queued here)",
+}
+
+
+@dataclass(frozen=True, slots=True)
 class App:
     """An application-channel frame; ``body`` is ratchet ciphertext."""
 
     body: bytes
 
 
-LinkFrame = Accept | Refuse | SessionOffer | SessionInit | SessionAck | Msg | Ack | App
+LinkFrame = Accept | Refuse | SessionOffer | SessionInit | SessionAck | Msg | Ack | Defer | App
 
 
 def _fields(type_byte: int, *fields: bytes) -> bytes:
@@ -140,6 +165,8 @@ def encode(frame: LinkFrame) -> bytes:
         return b"\x30" + frame.body
     if isinstance(frame, Ack):
         return _BQ.pack(T_ACK, frame.seq)
+    if isinstance(frame, Defer):
+        return _BQB.pack(T_DEFER, frame.seq, frame.reason)
     if isinstance(frame, Accept):
         return bytes((T_ACCEPT,))
     if isinstance(frame, Refuse):
@@ -177,6 +204,13 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
         if len(data) != _BQ.size:
             raise MalformedFrameError("ACK must be exactly 9 bytes")
         return Ack(_Q.unpack_from(data, 1)[0])
+    if t == T_DEFER:
+        if len(data) != _BQB.size:
+            raise MalformedFrameError("DEFER must be exactly 10 bytes")
+        _, seq, reason = _BQB.unpack(data)
+        if reason not in DEFER_WHY:
+            raise MalformedFrameError(f"unknown DEFER reason {reason}")
+        return Defer(seq, reason)
     if t == T_ACCEPT:
         if len(data) != 1:
             raise MalformedFrameError("ACCEPT carries no fields")

@@ -23,8 +23,10 @@ from talos.chain.block import head_signing_bytes, head_statement
 from talos.chain.log import block_key
 from talos.chain.verify import verify_chain
 from talos.config import NodeConfig
+from talos.link import wire
 from talos.node import Node
 from talos.store import Store
+from talos.views import outbox_json
 from talos.writer import StoreWriter
 from talos_sdk.errors import StorageFullError
 from talos_sdk.wallet import Wallet
@@ -335,3 +337,35 @@ def test_equivocation_rows_per_peer_are_capped(tmp_path: Path) -> None:
             count = txn.get("meta", hd.equiv_count_key(did))
         assert len(rows) == hd.MAX_EQUIVOCATIONS_KEPT
         assert count is not None and int.from_bytes(count, "big") == hd.MAX_EQUIVOCATIONS_KEPT + 4
+
+
+async def test_a_receiver_that_cannot_store_tells_its_sender_which_says_why(
+    tmp_path: Path,
+) -> None:
+    """B's store is full: B sends DEFER, A's outbox says why no ack comes; the resend
+    after B recovers is acked, and A's outbox says nothing more."""
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    full = True
+
+    def while_full(kind: str, size: int) -> None:
+        if full:
+            raise StorageFullError("injected: map full")
+
+    try:
+        async with asyncio.timeout(30):
+            await link(a, b)
+            writer(b).before("receive", while_full)
+            await a.send_message(b.did, "kept")
+            await until(lambda: a.link_state(b.did)[1] != "", what="A to hear B's DEFER")
+            assert a.link_state(b.did) == ("ready", wire.DEFER_WHY[wire.DEFER_FULL])
+            (row,) = outbox_json(a)
+            assert row["why"] == wire.DEFER_WHY[wire.DEFER_FULL]
+            assert a.metrics.counters["defers_received"] >= 1
+            full = False  # B's operator made room: A's next resend is stored and acked
+            await until(lambda: outbox(a) == 0, what="the resend to be acked")
+            assert a.link_state(b.did) == ("ready", "")
+            assert [e.text for e in b.inbox()] == ["kept"]
+    finally:
+        await a.stop()
+        await b.stop()

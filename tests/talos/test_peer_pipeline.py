@@ -56,6 +56,20 @@ def test_a_failed_receive_commit_accepts_the_resend() -> None:
     assert pair.commit() == row.seq
 
 
+def test_what_the_peer_said_of_its_storage_lasts_until_an_ack_moves_or_the_link_ends() -> None:
+    pair = PipelinePair()
+    row = pair.send("m")
+    pair.transmit(row)
+    pair.fail_commit()
+    pair.a.deferred = 1  # the node sets it from the peer's DEFER
+    assert pair.ack(0) is None and pair.a.deferred == 1  # an ack that moves nothing
+    pair.a.link_down()
+    assert pair.a.deferred == 0
+    pair.a.deferred = 1
+    pair.transmit(pair.unsent()[0])
+    assert pair.ack(pair.commit()) is not None and pair.a.deferred == 0
+
+
 def test_a_row_too_large_for_the_peer_fails_and_its_successor_takes_its_prev() -> None:
     pair = PipelinePair()
     pair.a.peer_max_frame = MAX_FRAME

@@ -18,6 +18,8 @@ FRAMES: list[wire.LinkFrame] = [
     wire.Msg(0, b""),
     wire.Msg(2**64 - 1, b"sealed"),
     wire.Ack(7),
+    wire.Defer(7, wire.DEFER_FULL),
+    wire.Defer(2**64 - 1, wire.DEFER_FAILING),
     wire.App(b"ciphertext"),
 ]
 
@@ -41,6 +43,9 @@ def test_hot_path_frames_are_compact() -> None:
         (b"\x20\x00\x00", "truncated MSG"),
         (b"\x21" + b"\x00" * 7, "ACK must be"),
         (b"\x21" + b"\x00" * 9, "ACK must be"),
+        (b"\x22" + b"\x00" * 8, "DEFER must be"),
+        (b"\x22" + b"\x00" * 8 + b"\x01\x00", "DEFER must be"),
+        (b"\x22" + b"\x00" * 8 + b"\x03", "unknown DEFER reason 3"),
         (b"\x04\x00", "ACCEPT carries no fields"),
         (b"\x01", "unknown link frame type"),  # the old HELLO is gone
         (b"\x03\x00\x00", "REFUSE frame: truncated"),
