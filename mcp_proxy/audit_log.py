@@ -28,6 +28,7 @@ import orjson
 
 from mcp_proxy.audit import RECORD_KIND
 from mcp_proxy.audit_record import BATCH_VERSION
+from talos.logging import escape
 from talos_sdk.errors import UsageError
 
 __all__ = [
@@ -238,7 +239,11 @@ def _when(ms: int) -> str:
 
 
 def format_entry(entry: AuditEntry) -> str:
-    """One line for a person: time, event, outcome, who, what; never arguments."""
+    """One line for a person: time, event, outcome, who, what; never arguments.
+
+    Method and tool names are the caller's words: their control characters are
+    shown as escapes, so a name cannot drive the terminal or forge a line.
+    """
     b = entry.body
     what = " ".join(
         str(part)
@@ -253,7 +258,7 @@ def format_entry(entry: AuditEntry) -> str:
     )
     detail = f" ({b['detail']})" if b.get("detail") else ""
     sealed = "pending" if entry.height is None else f"block {entry.height}"
-    return (
+    return escape(
         f"{_when(entry.timestamp_ms)} {b.get('event', 'call'):<8} {b.get('outcome', '?'):<12} "
         f"{b.get('caller', '?')} {b.get('server', '')}#{b.get('session', '')} {what}{detail}"
         f" [{sealed}]"

@@ -302,12 +302,17 @@ def _print_messages(messages: list[dict[str, Any]], as_json: bool, stream: bool)
     if as_json and not stream:
         _out(messages)
         return
+    from talos.logging import escape
+
     for m in messages:
         if as_json:
             print(json.dumps(m), flush=True)
         else:
             ts = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["ts"] / 1000))
-            print(f"{ts} {m['from']}: {m['text']}", flush=True)
+            # A peer's text reaches a terminal: its control characters (escape sequences,
+            # a newline that would forge a line of its own) are shown, never obeyed.
+            who = m.get("from_name") or m["from"]
+            print(f"{ts} {escape(who)}: {escape(m['text'])}", flush=True)
 
 
 def cmd_inbox(args: argparse.Namespace) -> int:
@@ -464,10 +469,12 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
     from talos import runtime
     from talos.agent_mcp.server import serve
+    from talos.logging import configure
 
     path = _home_path(args)
     _require_identity(path)
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    # Warnings with their fields (peer, address, reason), as talosd run writes them.
+    configure("kv", logging.WARNING)
     runtime.run(serve(path, passphrase_file=args.passphrase_file))
     return 0
 

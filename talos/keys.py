@@ -108,7 +108,9 @@ def _prompt(prompt: str, *, confirm: bool) -> str | None:
     except EOFError:  # Ctrl-D at the prompt
         raise UsageError("no passphrase given (end of input at the prompt)") from None
     if not first:
-        raise UsageError("empty passphrase; use --no-passphrase to store the key unencrypted")
+        if confirm:  # a new key: sealing it under nothing is a choice of its own
+            raise UsageError("empty passphrase; use --no-passphrase to store the key unencrypted")
+        raise UsageError("empty passphrase: the identity key is sealed; type its passphrase")
     return first
 
 

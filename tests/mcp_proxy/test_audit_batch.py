@@ -242,6 +242,14 @@ async def test_a_lone_surrogate_in_one_call_does_not_hide_its_batch_record(
     assert orjson.loads(orjson.dumps(entries[1].to_json()))["tool"] == "\ufffdx"
 
 
+async def test_a_tool_name_with_control_characters_is_shown_not_obeyed(tmp_path: Path) -> None:
+    log = await write_home(tmp_path, [call(0, BOB, tool="\x1b[2Jx\nforged")], seal=True)
+    log.store.close()
+    (entry,) = await asyncio.to_thread(read_entries, tmp_path)
+    line = format_entry(entry)
+    assert "\\x1b[2Jx\\x0aforged" in line and "\x1b" not in line and "\n" not in line
+
+
 async def test_a_batch_entry_that_names_its_own_caller_reads_as_the_recipients(
     tmp_path: Path,
 ) -> None:

@@ -158,6 +158,12 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
         assert json.loads(res.stdout)["size"] >= 1
         res = talosd("chain", "verify", "--home", str(home_b))
         assert res.returncode == 0 and "chain ok" in res.stdout
+        # Plain inbox: the sender's name, and a peer's control characters shown, not obeyed.
+        assert talosd("peers", "name", did_a, "alice", "--home", str(home_b)).returncode == 0
+        evil = "\x1b[2J\nforged line"
+        assert talosd("send", "--home", str(home_a), "--wait", did_b, evil).returncode == 0
+        lines = talosd("inbox", "--home", str(home_b)).stdout.splitlines()
+        assert len(lines) == 2 and lines[1].endswith(" alice: \\x1b[2J\\x0aforged line"), lines
         # inbox --follow streamed the message as one JSON line.
         assert follow.stdout is not None
         ready, _, _ = select.select([follow.stdout], [], [], 20)  # bounded wait

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from talos import keys
 from talos.keys import is_encrypted, key_file_did, unlock
 from talos.relay.names import nkey_public
 from talos_sdk.did import public_key_from_did
-from talos_sdk.errors import WrongPassphraseError
+from talos_sdk.errors import UsageError, WrongPassphraseError
 from tests.talos.daemons import ENV, TALOSD, Daemon, fast_config, talosd
 
 PROXY = [sys.executable, "-m", "mcp_proxy.cli"]
@@ -249,3 +250,23 @@ def test_proxy_seals_a_new_identity_and_unlocks_it(tmp_path: Path) -> None:
     assert not is_encrypted(plain / "identity.key")
     res = _run([*PROXY, "id", "--home", str(tmp_path / "quiet"), "--no-passphrase"])
     assert res.returncode == 0 and "WITHOUT" not in res.stderr
+
+
+class _Terminal:
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("confirm", "said"),
+    [(True, "use --no-passphrase"), (False, "the identity key is sealed; type its passphrase")],
+    ids=["new-key", "unlock"],
+)
+def test_an_empty_passphrase_gets_advice_that_fits_the_command(
+    monkeypatch: pytest.MonkeyPatch, confirm: bool, said: str
+) -> None:
+    """``--no-passphrase`` is an option of init and passphrase, never of an unlock."""
+    monkeypatch.setattr(keys.sys, "stdin", _Terminal())
+    monkeypatch.setattr(keys.getpass, "getpass", lambda prompt: "")
+    with pytest.raises(UsageError, match=said):
+        keys._prompt("passphrase: ", confirm=confirm)

@@ -367,6 +367,8 @@ async def test_in_process_node_says_so_on_stderr(tmp_path: Path) -> None:
             line = await proc.stderr.readline()
         text = line.decode()
         assert "no node was running" in text and "talosd run --home" in text, text
+        # In talosd run's key=value format, so a warning's fields are not lost.
+        assert text.startswith("ts=") and " level=warning logger=talos.agent_mcp " in text, text
         assert "127.0.0.1:" in text  # where this in-process node listens
     finally:
         proc.stdin.close()
