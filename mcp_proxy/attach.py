@@ -61,6 +61,7 @@ class AttachedTransport:
         self._refusal_listeners: list[RefusalListener] = []
         # Peers whose last link attempt was refused for good: DID -> why (talos/link/refusals.py).
         self._refused: dict[str, str] = dict(client.hello.get("refused", {}))
+        self._problems: dict[str, str] = dict(self._refused)
         self._redials: set[asyncio.Task[Any]] = set()
         self._receiver: Receiver | None = None
         client.on_event(self._on_event)
@@ -112,6 +113,9 @@ class AttachedTransport:
     def refusal(self, peer: str) -> str | None:
         return self._refused.get(peer)
 
+    def problem(self, peer: str) -> str | None:
+        return self._problems.get(peer)
+
     def redial(self, peer: str) -> None:
         if self.client.gone.done():
             return
@@ -136,13 +140,17 @@ class AttachedTransport:
             if up:
                 self._up.add(did)
                 self._refused.pop(did, None)
+                self._problems.pop(did, None)
                 if "max_payload" in event:
                     self._bounds[did] = int(event["max_payload"])
             else:
                 self._up.discard(did)
             self._tell(did, up)
-        elif kind == "link_problem" and event.get("decisive"):
+        elif kind == "link_problem":
             did, message = str(event.get("did")), str(event.get("message"))
+            self._problems[did] = message
+            if not event.get("decisive"):
+                return
             self._refused[did] = message
             for refusal_listener in list(self._refusal_listeners):
                 refusal_listener(did, message)

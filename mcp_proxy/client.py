@@ -287,7 +287,9 @@ class TunnelClient:
         return self._up.is_set()
 
     def down_message(self) -> str:
-        return f"tunnel link to {self.server_did} is down"
+        """What an agent's request hears while there is no link, with the latest reason."""
+        problem = self.transport.problem(self.server_did)
+        return f"tunnel link to {self.server_did} is down" + (f": {problem}" if problem else "")
 
     def down_error(self) -> tuple[int, str]:
         """The JSON-RPC error for a request the link cannot carry: refused, or down."""

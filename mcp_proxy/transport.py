@@ -104,6 +104,10 @@ class TunnelTransport(Protocol):
         """Why the last link attempt to ``peer`` was refused for good, if it was."""
         ...
 
+    def problem(self, peer: str) -> str | None:
+        """The latest reason there is no link to ``peer`` (a refusal or a failed dial)."""
+        ...
+
     def redial(self, peer: str) -> None:
         """Try the peer again now (a refusal may be stale: its allow list may have changed)."""
         ...
@@ -156,6 +160,10 @@ class NodeTransport:
 
     def refusal(self, peer: str) -> str | None:
         return _refusal_text(peer, self.node.link_problem(peer))
+
+    def problem(self, peer: str) -> str | None:
+        problem = self.node.link_problem(peer)
+        return None if problem is None else str(problem.message(peer))
 
     def redial(self, peer: str) -> None:
         self.node.redial_now(peer)
@@ -237,6 +245,9 @@ class LoopbackTransport:
         self._refusal_listeners.append(listener)
 
     def refusal(self, peer: str) -> str | None:
+        return self.refused
+
+    def problem(self, peer: str) -> str | None:
         return self.refused
 
     def redial(self, peer: str) -> None:

@@ -9,6 +9,7 @@ before ``--link-wait`` (60 s here) would have; the bound asserted is generous.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from mcp import Client
 from mcp.shared.exceptions import MCPError
 
-from mcp_proxy.jsonrpc import LINK_REFUSED
+from mcp_proxy.jsonrpc import LINK_DOWN, LINK_REFUSED
 from tests.mcp_proxy.e2e import connect_params, did_of, serving
 from tests.talos.daemons import Daemon, fast_config, talosd
 
@@ -83,3 +84,31 @@ async def test_attached_connect_answers_with_the_refusal(tmp_path: Path) -> None
             assert "this node is not on its allow list" in status.stdout
     finally:
         node.stop()
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["embedded", "attached"])
+async def test_a_serve_side_that_is_down_is_named_with_the_reason(
+    tmp_path: Path, attached: bool
+) -> None:
+    """Nothing listens at the address: after --link-wait the agent reads why, not only that."""
+    home = tmp_path / "c"
+    absent = did_of(tmp_path / "absent")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    node = None
+    if attached:
+        assert talosd("init", "--home", str(home), "--no-passphrase").returncode == 0
+        fast_config(home, listen="127.0.0.1:0")
+        node = Daemon(home)
+    else:
+        did_of(home)
+    try:
+        async with asyncio.timeout(120):
+            params = connect_params(home, f"ws://127.0.0.1:{port}#{absent}", "--link-wait", "2")
+            error, _ = await _refused(params)
+        assert error.code == LINK_DOWN
+        assert f"tunnel link to {absent} is down: {absent} is unreachable: " in str(error), error
+    finally:
+        if node is not None:
+            node.stop()
