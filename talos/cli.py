@@ -141,6 +141,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_peer_ref(ref, "--allow")
     config = home.load_config()
     allow = [_allowed_did(home.path, ref) for ref in args.allow]
+    if _online(home.path, "id", timeout=5) is not _NOT_RUNNING:  # before asking for a passphrase
+        from talos.store import StoreInUseError
+
+        raise StoreInUseError(
+            f"a node is already running on {home.path}: stop it first "
+            f"(its clients: talosd status --home {home.path})"
+        )
     wallet = unlock(home.identity, passphrase_file=args.passphrase_file)
     updates: dict[str, Any] = {}
     if args.listen:

@@ -20,6 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
+from talos_sdk.errors import UsageError
+
 __all__ = ["FIRST_REQUEST_TIMEOUT", "KEEPALIVE_TIMEOUT", "HttpServer", "serve_http", "trusted"]
 
 #: Seconds a new connection has to carry a request the app trusts (its token checked out).
@@ -88,5 +90,9 @@ async def serve_http(
     await runner.setup()
     assert runner.server is not None
     factory = _FirstRequestDeadline(runner.server, first_request, served)
-    server = await asyncio.get_running_loop().create_server(factory, host, port)
+    try:
+        server = await asyncio.get_running_loop().create_server(factory, host, port)
+    except OSError as exc:  # a port in use, an address not of this machine
+        await runner.cleanup()
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return HttpServer(runner, server)

@@ -116,9 +116,10 @@ def test_run_api_and_clean_shutdown(tmp_path: Path) -> None:
         status = json.loads(talosd("status", "--json", "--home", str(home)).stdout)
         assert status["did"] == did and status["queues"]["outbox"] == 0
         assert "talos_peers_connected 0" in d.api.call("GET", "/metrics")
-        # A second node on the same home is refused clearly (the store is locked).
+        # A second node on the same home is refused clearly, before any passphrase prompt.
         twin = talosd("run", "--home", str(home), "--listen", "127.0.0.1:0", timeout=30)
-        assert twin.returncode == 1 and "already open" in twin.stderr
+        assert twin.returncode == 1, twin.stderr
+        assert f"a node is already running on {home}" in twin.stderr
         assert "Traceback" not in twin.stderr
     finally:
         assert d.stop() == 0

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from aiohttp import web
 
 from talos.http_serve import serve_http, trusted
+from talos_sdk.errors import UsageError
 
 TIMEOUT = 20
 
@@ -56,3 +58,13 @@ async def test_a_half_sent_request_is_cut_and_a_slow_handler_is_not() -> None:
         pass
     else:
         raise AssertionError("still listening after cleanup")
+
+
+async def test_a_port_in_use_is_a_usage_error_naming_it() -> None:
+    app = web.Application()
+    server = await serve_http(app, "127.0.0.1", 0)
+    try:
+        with pytest.raises(UsageError, match=rf"cannot listen on 127.0.0.1:{server.port}: "):
+            await serve_http(web.Application(), "127.0.0.1", server.port)
+    finally:
+        await server.cleanup()
