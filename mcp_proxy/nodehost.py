@@ -12,9 +12,12 @@ import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from talos.config import Home, NodeConfig
+
+if TYPE_CHECKING:
+    from talos_sdk.wallet import Wallet
 
 __all__ = [
     "HTTP_TOKEN_FILE",
@@ -39,15 +42,16 @@ TUNNEL_RATCHET_MAX_AGE = 1.0
 
 def ensure_home(
     home: Path, *, passphrase_file: str | None = None, no_passphrase: bool = False
-) -> None:
-    """Create the identity if the home is new (``talosd init`` without the ceremony).
+) -> Wallet | None:
+    """Create the identity if the home is new (``talosd init`` without the ceremony);
+    the new identity, or None when the home had one.
 
     The key is sealed under a passphrase had as for ``talosd init`` (talos/keys.py);
     with none to be had and no ``--no-passphrase`` it is stored unencrypted, and
     stderr says so: a proxy started by an agent has no terminal to ask on.
     """
     if Home(home).exists():
-        return
+        return None
     from talos.home import init_home
     from talos.keys import PassphraseNeededError, new_key_passphrase
 
@@ -66,8 +70,9 @@ def ensure_home(
     config = NodeConfig(
         api=False, ratchet_every=TUNNEL_RATCHET_EVERY, ratchet_max_age=TUNNEL_RATCHET_MAX_AGE
     )
-    init_home(home, config, passphrase=passphrase)
+    wallet = init_home(home, config, passphrase=passphrase)
     print(f"talos-proxy: created a new identity in {home}", file=sys.stderr)
+    return wallet
 
 
 def node_did(home: Path, *, passphrase_file: str | None = None, no_passphrase: bool = False) -> str:
@@ -95,8 +100,10 @@ def make_node(
     from talos.keys import unlock
     from talos.node import Node
 
-    ensure_home(home, passphrase_file=passphrase_file, no_passphrase=no_passphrase)
-    wallet = unlock(Home(home).identity, passphrase_file=passphrase_file)
+    # A new identity is in hand already: asking for the passphrase just typed twice is noise.
+    wallet = ensure_home(
+        home, passphrase_file=passphrase_file, no_passphrase=no_passphrase
+    ) or unlock(Home(home).identity, passphrase_file=passphrase_file)
     update: dict[str, Any] = {"listen": listen, "api": False}
     if relays:
         update["relays"] = tuple(parse_relay_url(r) for r in relays)

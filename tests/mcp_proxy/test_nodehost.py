@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from mcp_proxy.nodehost import TUNNEL_RATCHET_EVERY, TUNNEL_RATCHET_MAX_AGE, ensure_home
+from mcp_proxy.nodehost import (
+    TUNNEL_RATCHET_EVERY,
+    TUNNEL_RATCHET_MAX_AGE,
+    ensure_home,
+    make_node,
+)
+from talos import keys
 from talos.config import Home, NodeConfig
 from tests.talos.test_session_policy import make
 
@@ -62,3 +68,21 @@ def test_steady_sub_second_turns_step_once_a_second_per_side(
     cfg = {"ratchet_every": TUNNEL_RATCHET_EVERY, "ratchet_max_age": TUNNEL_RATCHET_MAX_AGE}
     for pair in make(tmp_path, clock, **cfg):
         assert 16 <= pair.ratchet_keys_in_ping_pong(100, 0.1, clock) <= 24
+
+
+class _Terminal:
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_new_identity_is_not_unlocked_again_after_its_passphrase_was_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``talos-proxy serve`` on a new home asks twice (the passphrase, then again), not thrice."""
+    asked: list[str] = []
+    monkeypatch.delenv("TALOS_PASSPHRASE", raising=False)
+    monkeypatch.setattr(keys.sys, "stdin", _Terminal())
+    monkeypatch.setattr(keys.getpass, "getpass", lambda prompt: asked.append(prompt) or "typed")
+    node = make_node(tmp_path / "p", listen=None)
+    assert len(asked) == 2 and keys.is_encrypted(Home(tmp_path / "p").identity)
+    assert node._unlocked.did == keys.key_file_did(Home(tmp_path / "p").identity)
