@@ -287,12 +287,19 @@ def _audit(args: argparse.Namespace) -> None:
         event=args.event,
         since_ms=None if args.since is None else parse_since(args.since),
     )
-    for entry in select(read_entries(args.home), keep):
+    entries = read_entries(args.home)
+    for entry in select(entries, keep):
         if args.json:
             sys.stdout.buffer.write(orjson.dumps(entry.to_json()) + b"\n")
         else:
             print(format_entry(entry))
     sys.stdout.flush()
+    if not entries:  # on stderr: stdout stays the (empty) listing a script reads
+        print(
+            f"talos-proxy: no audit records in {args.home}; they are kept by the serving side "
+            "(the home of talos-proxy serve, or of the node it attached to)",
+            file=sys.stderr,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

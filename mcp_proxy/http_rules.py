@@ -128,8 +128,10 @@ def classify(headers: Mapping[str, str], msg: Sniffed | None, has_session: bool)
         return Rejection(
             400, HEADER_MISMATCH, f"{VERSION_HEADER} header does not match _meta's version"
         )
-    if headers.get(METHOD_HEADER) != msg.method:
-        return Rejection(400, HEADER_MISMATCH, f"{METHOD_HEADER} header does not match the method")
+    said = headers.get(METHOD_HEADER)
+    if said != msg.method:
+        what = "is missing" if said is None else "does not match the method"
+        return Rejection(400, HEADER_MISMATCH, f"{METHOD_HEADER} header {what}")
     field = NAME_FIELDS.get(msg.method or "")
     if field is not None:
         value = msg.params.get(field) if isinstance(msg.params, dict) else None

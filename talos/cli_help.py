@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -87,7 +88,12 @@ def command(
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """``parser.parse_args(argv)``, except that an unknown argument is reported with
-    the usage of the subcommand it was given to (argparse names the top level's)."""
+    the usage of the subcommand it was given to (argparse names the top level's), and
+    that no arguments at all get the command list on stderr (exit 2), not only the
+    usage line."""
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)
+        parser.exit(2)
     args, extra = parser.parse_known_args(argv)
     if extra:
         owner: argparse.ArgumentParser = getattr(args, "_command_parser", None) or parser

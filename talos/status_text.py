@@ -49,11 +49,14 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     """The readable summary: this node, then one block per peer."""
     queues = status.get("queues", {})
     pq = "required" if status.get("require_pq") else ("offered" if status.get("pq") else "off")
+    height = status.get("chain_height")
+    # Height -1 is the log's "no block yet" (the first block is 0): words for a person.
+    chain = "no block sealed yet" if height == -1 else f"height {height}"
     lines = [
         f"node      {status['did']}",
         f"listen    {status.get('listen') or '-'}",
         f"identity  {status.get('auth_suite')}  post-quantum links: {pq}",
-        f"chain     height {status.get('chain_height')},"
+        f"chain     {chain},"
         f" {queues.get('log_pending', 0)} record(s) pending,"
         f" {status.get('quarantined_records', 0)} quarantined",
         f"queues    outbox {queues.get('outbox', 0)}, inbox {queues.get('inbox', 0)}",

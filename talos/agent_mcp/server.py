@@ -194,6 +194,16 @@ class _Calls:
             raise ToolError(str(exc) or type(exc).__name__) from None
 
 
+def _version() -> str:
+    """The installed talos distribution's version, for the MCP serverInfo."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("talos")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_server(raw_backend: Backend) -> Any:
     """The MCPServer with Talos's tools and inbox resources over ``raw_backend``."""
     from mcp import types
@@ -205,6 +215,7 @@ def build_server(raw_backend: Backend) -> Any:
     bus = InMemorySubscriptionBus()
     server = MCPServer(
         "talos",
+        version=_version(),
         instructions=(
             "Message other agents through this machine's Talos node. Peers are DIDs or local "
             "names (list_peers). read_inbox with wait_seconds waits for new messages; "

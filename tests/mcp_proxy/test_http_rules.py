@@ -76,6 +76,13 @@ def test_bad_requests_are_refused_with_400(h: dict[str, str], body: bytes, code:
         assert verdict.data == {"supported": list(SUPPORTED_VERSIONS), "requested": "2099-01-01"}
 
 
+def test_a_missing_method_header_is_named_as_missing() -> None:
+    h = headers(MCP_Protocol_Version=MODERN, Mcp_Name="echo")
+    verdict = classify(h, sniff(call(name="echo")), False)
+    assert isinstance(verdict, Rejection) and verdict.code == HEADER_MISMATCH
+    assert verdict.message == "mcp-method header is missing"
+
+
 def test_legacy_requests() -> None:
     init = sniff(b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}')
     assert classify(headers(), init, False) is Era.LEGACY

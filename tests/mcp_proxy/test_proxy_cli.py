@@ -310,3 +310,14 @@ async def test_connect_stopped_by_signal_logs_no_warning(tmp_path: Path) -> None
         assert await proc.wait() == 0, connect_err
     assert warnings_of(connect_err) == []
     assert warnings_of(serve.log) == []
+
+
+def test_audit_of_a_home_with_no_records_says_where_they_are(tmp_path: Path) -> None:
+    home = tmp_path / "agent"
+    did_of(home)  # a connect side's home: it keeps no audit of its own
+    done = subprocess.run(
+        [*PROXY, "audit", "--home", str(home)],
+        capture_output=True, text=True, timeout=60, cwd=REPO, env=ENV,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout == ""
+    assert "no audit records" in done.stderr and "talos-proxy serve" in done.stderr

@@ -102,6 +102,14 @@ def test_top_level_help_in_a_real_process(prog: str) -> None:
     assert "--home" in sub.stdout
 
 
+@pytest.mark.parametrize("prog", ["talosd", "talos-proxy"])
+def test_no_arguments_at_all_list_the_commands(prog: str) -> None:
+    res = subprocess.run([str(BIN / prog)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.startswith(f"usage: {prog}") and "commands:" in res.stderr
+    assert ("  send " if prog == "talosd" else "  serve ") in res.stderr
+
+
 def test_talosd_parser_does_not_load_heavy_modules() -> None:
     """Client commands start fast: building and using the parser imports no aiohttp/pydantic."""
     code = "from talos.cli import build_parser; build_parser().parse_args(['send', 'x', 'y'])"

@@ -30,6 +30,11 @@ def _status(**link: object) -> dict[str, object]:
     }
 
 
+def test_a_log_with_no_block_says_so_rather_than_height_minus_one() -> None:
+    text = "\n".join(status_lines({**_status(), "chain_height": -1}))
+    assert "chain     no block sealed yet," in text and "-1" not in text
+
+
 def test_status_summary_shows_state_refusal_queues_and_epoch_n() -> None:
     refused = {
         "kind": "refused_by_peer",

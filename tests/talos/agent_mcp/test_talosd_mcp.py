@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -397,6 +398,8 @@ async def _raw_status(proc: asyncio.subprocess.Process) -> dict[str, Any]:
     await proc.stdin.drain()
     while True:
         reply = json.loads(await proc.stdout.readline())
+        if reply.get("id") == 1:  # serverInfo names the installed release
+            assert reply["result"]["serverInfo"]["version"] == version("talos"), reply
         if reply.get("id") == 2:
             return dict(reply["result"]["structuredContent"])
 
