@@ -14,10 +14,14 @@ read for a passphrase.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from talos_sdk.errors import KeyFileError, UsageError
@@ -93,6 +97,25 @@ def _from_env(name: str) -> str | None:
     return value if value else None
 
 
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """Ctrl-C ends a prompt at once, even under an event loop.
+
+    asyncio's runner handles SIGINT by cancelling its main task, which cannot
+    happen while the loop's thread is blocked reading the terminal: the read
+    resumed, and Ctrl-C did nothing until Enter. Python's own handler raises
+    KeyboardInterrupt out of the read instead. Only the main thread may set it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def _prompt(prompt: str, *, confirm: bool) -> str | None:
     """Ask on the terminal; None when standard input is not one."""
     try:
@@ -102,9 +125,10 @@ def _prompt(prompt: str, *, confirm: bool) -> str | None:
     if not interactive:
         return None
     try:
-        first = getpass.getpass(prompt)
-        if confirm and getpass.getpass("repeat passphrase: ") != first:
-            raise UsageError("the two passphrases differ; nothing was written")
+        with _interruptible():
+            first = getpass.getpass(prompt)
+            if confirm and getpass.getpass("repeat passphrase: ") != first:
+                raise UsageError("the two passphrases differ; nothing was written")
     except EOFError:  # Ctrl-D at the prompt
         raise UsageError("no passphrase given (end of input at the prompt)") from None
     if not first:

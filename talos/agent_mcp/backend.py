@@ -140,8 +140,9 @@ async def open_backend(home: Path, *, passphrase_file: str | None = None) -> Bac
 
     if not Home(home).exists():
         raise UsageError(f"no identity in {home}: run `talosd init --home {home}` first")
-    # scrypt takes a while: off the loop (stdin may already carry the client's first request).
-    wallet = await asyncio.to_thread(unlock, Home(home).identity, passphrase_file=passphrase_file)
+    # On the loop's (main) thread, where a prompt's Ctrl-C works (talos/keys.py); nothing
+    # else runs yet: the client's first request waits in the pipe until the server starts.
+    wallet = unlock(Home(home).identity, passphrase_file=passphrase_file)
     # the node, its file transfers, API and socket, as `talosd run`
     daemon = Daemon(home, wallet=wallet)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pty
 import select
+import signal
 import stat
 import subprocess
 import sys
@@ -270,3 +271,56 @@ def test_an_empty_passphrase_gets_advice_that_fits_the_command(
     monkeypatch.setattr(keys.getpass, "getpass", lambda prompt: "")
     with pytest.raises(UsageError, match=said):
         keys._prompt("passphrase: ", confirm=confirm)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [
+            *PROXY,
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--allow-none",
+            "--home",
+            "{home}",
+            "--",
+            "true",
+        ],
+        [*TALOSD, "mcp", "--home", "{home}"],
+    ],
+    ids=["talos-proxy serve", "talosd mcp"],
+)
+def test_ctrl_c_at_a_passphrase_prompt_under_an_event_loop_ends_it_at_once(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Both ask from inside their event loop; SIGINT there used to wait for Enter."""
+    home = tmp_path / "sealed"
+    res = _run([*TALOSD, "init", "--home", str(home)], {"TALOS_PASSPHRASE": "s"})
+    assert res.returncode == 0, res.stderr
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [arg.format(home=home) for arg in command],
+        stdin=secondary, stdout=subprocess.DEVNULL, stderr=secondary,
+        env=ENV, start_new_session=True,  # getpass reads the pty, not a real terminal
+    )  # fmt: skip
+    os.close(secondary)
+    seen = b""
+    try:
+        while b"passphrase" not in seen:
+            ready, _, _ = select.select([primary], [], [], 60)
+            assert ready, f"no prompt; got {seen!r}"
+            seen += os.read(primary, 1024)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal sends
+        assert proc.wait(timeout=20) == 130
+        while select.select([primary], [], [], 0.5)[0]:
+            try:
+                seen += os.read(primary, 1024)
+            except OSError:  # the other side closed
+                break
+    finally:
+        os.close(primary)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"Traceback" not in seen, seen
