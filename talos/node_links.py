@@ -160,6 +160,14 @@ class NodeLinks(NodeBase):
         """Dial ``did`` again at once if its last attempt failed (the refusal may be stale)."""
         self.links.redial_now(did)
 
+    def cannot_link(self, did: str) -> bool:
+        """True when no link to ``did`` can form as this node stands: none now, no address,
+        no relay, and ``did`` may not dial in (a mistyped DID, most often)."""
+        peer = self._peers.get(did)
+        if peer is not None and peer.link is not None:
+            return False
+        return self.relay is None and not self.authorizer(did) and not self.links.resolve(did)
+
     def link_state(self, did: str) -> tuple[str, str]:
         """``(state, why)`` of the link to ``did`` for status and the outbox: ready,
         linked (session pending), mailboxed (offline; mail waits in the relay),

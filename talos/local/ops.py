@@ -234,6 +234,12 @@ def start_op_send(
         raise UsageError("'text' must be a string")
     wait = bool(args.get("wait", False))
     timeout = _num(args, "timeout", SEND_WAIT, 0.001, MAX_SEND_WAIT)
+    if wait and node.cannot_link(did):  # the wait could only time out: say why now
+        raise PeerUnreachableError(
+            f"{did}: no address known for the peer, no relay, and it may not link to this "
+            f"node (not a known or allowed peer); check the DID, or add its address with "
+            f"`talosd peers add ws://HOST:PORT#{did}`; nothing was sent"
+        )
 
     def finished(msg_id: str | None, exc: BaseException | None) -> None:
         if exc is None:

@@ -147,3 +147,28 @@ def test_unreachable_peer_timeout_and_bad_input_have_their_exit_codes(tmp_path: 
     # Offline (no node): a bad DID is still bad input, not a crash.
     res = talosd("send", "--home", str(home_a), "did:key:zBAD", "z")
     assert res.returncode == exit_codes.BAD_INPUT, res.stderr
+
+
+def test_send_wait_to_a_peer_that_can_never_link_fails_at_once(tmp_path: Path) -> None:
+    """A mistyped (but well-formed) DID: no address, no relay, not allowed to dial in."""
+    home_a, _ = _init(tmp_path, "a")
+    _, stranger = _init(tmp_path, "stranger")
+    a = Daemon(home_a, "--listen", "127.0.0.1:0")
+    try:
+        started = time.monotonic()
+        res = talosd("send", "--home", str(home_a), "--wait", "--timeout", "60", stranger, "x")
+        assert time.monotonic() - started < GENEROUS
+        assert res.returncode == exit_codes.UNREACHABLE, res.stderr
+        assert "no address known for the peer, no relay" in res.stderr
+        assert "check the DID" in res.stderr and "nothing was sent" in res.stderr
+        assert _json("outbox", "--json", "--home", str(home_a)) == []
+    finally:
+        a.stop()
+    # Allowed to dial in, the same DID is worth a wait: it runs its course.
+    a = Daemon(home_a, "--listen", "127.0.0.1:0", "--allow", stranger)
+    try:
+        res = talosd("send", "--home", str(home_a), "--wait", "--timeout", "1", stranger, "y")
+        assert res.returncode == exit_codes.UNREACHABLE, res.stderr
+        assert "the message stays queued" in res.stderr  # it waited, and may go yet
+    finally:
+        a.stop()
