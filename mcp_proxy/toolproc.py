@@ -120,6 +120,9 @@ class ToolProcess:
         # frame instead of one per line (write syscalls were 14 % of serve's GIL time
         # at 64 in flight, one per message).
         self._held: list[bytes] | None = None
+        # Set while start() waits for the spawn: terminate() waits for it too, or a
+        # process spawned just after a terminate() would be reported gone and run on.
+        self._spawning: asyncio.Event | None = None
 
     @property
     def pid(self) -> int | None:
@@ -133,6 +136,7 @@ class ToolProcess:
         """Spawn the process; a failure to spawn is reported through ``on_exit``, not raised."""
         env = self._env
         loop = asyncio.get_running_loop()
+        spawning = self._spawning = asyncio.Event()
         try:
             transport, pipes = await loop.subprocess_exec(
                 lambda: _Pipes(self),
@@ -156,6 +160,8 @@ class ToolProcess:
             )
             self._finish(EXIT_SPAWN_FAILED)
             return
+        finally:
+            spawning.set()
         self._transport, self._pipes = transport, pipes
         # Not an isinstance check: uvloop's pipe transports do not subclass asyncio's ABCs.
         self._stdin = cast(asyncio.WriteTransport, transport.get_pipe_transport(0))
@@ -233,6 +239,8 @@ class ToolProcess:
 
     async def terminate(self) -> int:
         """Stop the process: close stdin, SIGTERM, then SIGKILL after the grace period."""
+        if self._spawning is not None:
+            await self._spawning.wait()
         if self._transport is not None and not self._process_done.is_set():
             if self._stdin is not None:
                 self._stdin.close()

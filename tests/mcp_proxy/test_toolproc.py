@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 
 import orjson
@@ -149,3 +151,24 @@ async def test_held_lines_reach_the_tool_in_order_once_released() -> None:
 def answered(rec: Recorder) -> list[dict[str, object]]:
     """The replies to the pings (ids 2..), in arrival order; the tool's notifications aside."""
     return [m for m in rec.lines if m.get("id", 0) not in (0, 1) and "result" in m]
+
+
+async def test_terminate_while_the_spawn_is_under_way_stops_the_process() -> None:
+    """A link lost just after a session opened: the spawn finishes after the terminate began."""
+    rec = Recorder()
+    spec = ServerSpec(command=sys.executable, args=("-c", "import time; time.sleep(60)"))
+    proc = ToolProcess(spec, rec.on_line, rec.on_exit, grace=0.5)
+    async with asyncio.timeout(20):
+        starting = asyncio.ensure_future(proc.start())
+        await asyncio.sleep(0)  # start() is now waiting for the spawn
+        code = await proc.terminate()
+        await starting
+    pid = proc.pid
+    assert pid is not None and code != EXIT_SPAWN_FAILED and rec.exits == [code]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        pass  # gone, as it must be
+    else:
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"the tool process {pid} outlived terminate()")
