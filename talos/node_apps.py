@@ -95,6 +95,10 @@ class NodeApps(NodeBase):
         peer = self._peers.get(did)
         return peer is not None and peer.ready.is_set()
 
+    def connected_peers(self) -> list[str]:
+        """Every peer with a ready link: dialled, dialled in, or through a relay."""
+        return [did for did, peer in self._peers.items() if peer.ready.is_set()]
+
     def channel_binding(self, did: str) -> bytes:
         """The handshake hash of the current link to ``did`` (b"" without one).
 

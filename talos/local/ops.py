@@ -106,7 +106,9 @@ def read_cursor(node: Node) -> int:
 
 async def op_hello(host: LocalHost, args: dict[str, Any]) -> Any:
     node = host.node
-    up = [d for d in node.known_peers() if node.is_connected(d)]
+    # Every ready link, not only peers with an address: one that dialled in, or one
+    # reached by DID through a relay, carries an attached proxy's tunnel as well.
+    up = node.connected_peers()
     return {
         "did": node.did,
         "listen": node.listen_url,

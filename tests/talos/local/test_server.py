@@ -21,7 +21,7 @@ from talos.local.call import LocalUsageError, NodeGoneError, NoNodeError, call
 from talos.local.client import LocalClient
 from talos.local.server import SOCKET_NAME, peer_allowed, peer_uid
 from talos.node import Node
-from tests.talos.nodes import addr, make_home, until
+from tests.talos.nodes import addr, link, make_home, until
 
 
 class _Running:
@@ -245,6 +245,21 @@ async def test_stopping_node_tells_attached_clients(tmp_path: Path) -> None:
         await LocalClient.connect(a.home.path)
     with pytest.raises(NoNodeError):
         await asyncio.to_thread(call, a.home.path, "status")
+
+
+async def test_hello_lists_a_peer_that_dialled_in(tmp_path: Path) -> None:
+    """An attached proxy learns of every ready link, not only of peers with an address."""
+    a, b = await _pair(tmp_path)
+    try:
+        await link(a.node, b.node)  # A dials; B has no address for A
+        client = await LocalClient.connect(b.home.path, watch=True)
+        try:
+            assert client.hello["up"] == [a.did] and a.did in client.hello["max_payload"]
+        finally:
+            await client.close()
+    finally:
+        await a.stop()
+        await b.stop()
 
 
 def test_cli_names_work_where_dids_do(tmp_path: Path) -> None:
