@@ -52,6 +52,10 @@ _Outgoing = tuple[pl.OutboxEntry, OnCommitted, bool]  # as NodeBase._outgoing
 #: Longest an ack's store write, or the outbox row of a send whose frame left and
 #: whose caller waits for the peer's ack, waits to share a transaction with others.
 WRITE_DELAY = 0.02
+#: An idle link sends a sealed frame this often (docs/PROTOCOL.md "Link protocol"):
+#: a frame lost in transit then fails the next one's open, and the link is redone,
+#: within about this long, even when nothing retries it (an MCP call's APP frame).
+HEARTBEAT_IDLE = 5.0
 
 
 class NodeDelivery(NodeBase):
@@ -470,6 +474,10 @@ class NodeDelivery(NodeBase):
             now = time.monotonic()
             for peer in self._peers.values():
                 ready, linked = peer.ready.is_set(), peer.link is not None
+                link = peer.link
+                if ready and link is not None and link.idle_for(now) >= HEARTBEAT_IDLE:
+                    # The ack we last sent, again: a no-op for the peer, old and new alike.
+                    self._send_ack(peer)
                 decision = peer.retry(now, interval, ready=ready, linked=linked)
                 if decision is Retry.RESEND:
                     event(_log, "resend", peer=peer.did, from_seq=peer.tx.acked + 1)

@@ -182,6 +182,16 @@ class Link:
         self._transport = self._conn.link_transport if self._conn is not None else None
         #: Set when a received frame failed to open and the link was closed for it.
         self.unauthentic = False
+        # Frames sealed as of the last idle_for() call, and since when that count held.
+        self._idle_mark = (-1, 0.0)
+
+    def idle_for(self, now: float) -> float:
+        """Seconds (as of ``now``) since a frame was last sealed here, as far as the calls
+        to this method saw: a timer asks, so the hot path keeps no clock."""
+        sent = self._channel.frames_sent
+        if sent != self._idle_mark[0]:
+            self._idle_mark = (sent, now)
+        return now - self._idle_mark[1]
 
     async def send(self, data: bytes) -> None:
         """Seal and send one encoded link frame (order of calls is order on the wire)."""

@@ -20,6 +20,7 @@ from websockets.exceptions import ConnectionClosed
 
 from talos.link.handshake import CLOSE_BAD_PROOF
 from talos.node import CLOSE_TRY_AGAIN, Node
+from talos.node_delivery import HEARTBEAT_IDLE
 from talos_sdk.did import public_key_from_did
 from tests.talos.mitm import Tamper, relay_to
 from tests.talos.nodes import make_home, started, until
@@ -185,3 +186,36 @@ async def test_handshake_flood_from_one_address_is_capped(pair: tuple[Node, Node
         await a.add_peer(f"{url}#{b.did}")
         await a.send_message(b.did, "after the flood", wait=True)
         assert [m.text for m in b.inbox()] == ["after the flood"]
+
+
+async def test_a_dropped_app_frame_is_caught_by_the_idle_links_heartbeat(
+    pair: tuple[Node, Node],
+) -> None:
+    """Nothing retries an APP frame (an MCP call): the heartbeat's failed open does."""
+    a, b = pair
+    drop = {"next": False}
+
+    def tamper(direction: str, index: int, data: bytes) -> list[bytes]:
+        if direction == "a2b" and drop["next"] and index >= FIRST_SEALED:
+            drop["next"] = False
+            return []
+        return [data]
+
+    got: list[bytes] = []
+    b.register_app("probe", lambda did, payload: got.append(payload))
+    async with asyncio.timeout(60), relay_to(b.listen_url or "") as relay:
+        relay.tamper = tamper
+        await a.add_peer(f"{relay.url}#{b.did}")
+        await a.wait_connected(b.did, 30)
+        drop["next"] = True
+        await a.send_app(b.did, "probe", b"lost on the way")
+        # A sends nothing more; within a heartbeat B fails to open A's next frame.
+        await until(
+            lambda: b.metrics.counters.get("frames_unauthentic", 0) >= 1,
+            timeout=HEARTBEAT_IDLE * 4,
+            what="the gap to be caught",
+        )
+        await until(lambda: relay.connections >= 2, what="a fresh link")
+        await a.wait_connected(b.did, 30)
+        await a.send_app(b.did, "probe", b"after")
+        await until(lambda: got == [b"after"], what="the next frame")
