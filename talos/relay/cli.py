@@ -27,12 +27,16 @@ def cmd_relay_config(args: argparse.Namespace) -> int:
     if not dids:
         print("talosd: error: name at least one DID or --node-home", file=sys.stderr)
         return 1
+    if args.mailbox_mb < 1:
+        print("talosd: error: --mailbox-mb must be at least 1", file=sys.stderr)
+        return 2
     text = render_server_config(
         dict.fromkeys(dids),
         host=args.host,
         port=args.port,
         store_dir=args.store_dir,
         max_store=args.max_store,
+        mailbox_bytes=args.mailbox_mb << 20,
         monitor_port=args.monitor_port,
     )
     sys.stdout.write(text)
@@ -47,9 +51,9 @@ def register_cli(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
         sub,
         "relay-config",
         "print a nats-server config whose users are these nodes (nkey = node key)",
-        "Print a nats-server configuration for a Talos relay: one user per node, signing"
-        " in with the node's own Ed25519 key as its nkey, and JetStream on for the nodes'"
-        " mailboxes (docs/operations.md). Name the nodes by DID, by home, or both.",
+        "Print a nats-server configuration for a Talos relay: one account per node, whose"
+        " user signs in with the node's own Ed25519 key as its nkey, and JetStream on for"
+        " the nodes' mailboxes (docs/operations.md). Name the nodes by DID, by home, or both.",
         (
             "talosd relay-config --node-home ./alice --node-home ./bob > relay.conf",
             "talosd relay-config DID1 DID2 --port 4222 --monitor-port 8222",
@@ -68,7 +72,18 @@ def register_cli(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     sp.add_argument(
         "--store-dir", default="/data/jetstream", metavar="DIR", help="JetStream store directory"
     )
-    sp.add_argument("--max-store", default="1G", metavar="SIZE", help="JetStream file store limit")
+    sp.add_argument(
+        "--max-store",
+        metavar="SIZE",
+        help="JetStream file store limit, such as 4G (default: every mailbox, plus 16 MiB)",
+    )
+    sp.add_argument(
+        "--mailbox-mb",
+        type=int,
+        default=64,
+        metavar="MIB",
+        help="storage of each node's mailbox on the relay, in MiB",
+    )
     sp.add_argument(
         "--monitor-port",
         type=int,

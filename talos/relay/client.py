@@ -319,13 +319,20 @@ class RelayClient:
         from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
         from nats.js.errors import BadRequestError
 
+        max_bytes = self.mailbox.max_bytes
+        # The relay caps this node's account (talos/relay/serverconf.py): ask for no more,
+        # or the stream is refused for want of storage.
+        with contextlib.suppress(Exception):
+            granted = int((await self._js.account_info()).limits.max_storage)
+            if granted > 0:
+                max_bytes = min(max_bytes, granted)
         config = StreamConfig(
             name=self.names.stream,
             subjects=[self.names.mailbox],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             max_age=self.mailbox.max_age,
-            max_bytes=self.mailbox.max_bytes,
+            max_bytes=max_bytes,
             discard=DiscardPolicy.NEW,
             num_replicas=1,
         )

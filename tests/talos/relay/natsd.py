@@ -7,6 +7,7 @@ every test runs against the same configuration docs/operations.md documents.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,7 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from talos.relay.serverconf import render_server_config
+from talos.relay.serverconf import account_name, render_server_config
+
+#: Each node account's JetStream storage here: the 256 MiB store then holds 15 mailboxes,
+#: and a node's default 64 MiB mailbox is capped to what the relay grants.
+MAILBOX_BYTES = 16 << 20
 
 
 def nats_server_binary() -> str:
@@ -56,16 +61,22 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def write_config(self) -> None:
-        self.conf.write_text(
-            render_server_config(
-                self.dids,
-                host="127.0.0.1",
-                port=self.port,
-                store_dir=str(self.store_dir),
-                max_store=self.max_store,
-            )
+    def write_config(self, *, no_imports: Iterable[str] = ()) -> None:
+        text = render_server_config(
+            self.dids,
+            host="127.0.0.1",
+            port=self.port,
+            store_dir=str(self.store_dir),
+            max_store=self.max_store,
+            mailbox_bytes=MAILBOX_BYTES,
         )
+        if no_imports:
+            head, block = text.split("accounts: ", 1)
+            accounts = json.loads(block)
+            for did in no_imports:
+                accounts[account_name(did)]["imports"] = []
+            text = head + "accounts: " + json.dumps(accounts) + "\n"
+        self.conf.write_text(text)
 
     def start(self) -> None:
         self.write_config()
@@ -99,13 +110,22 @@ class NatsServer:
         self.proc = None
 
     def reload(self, dids: Iterable[str]) -> None:
-        """Add users and have the running server reread its configuration (SIGHUP).
+        """Add nodes to the running server without restarting it: their links stay up.
 
-        Returns once the server logged that it reloaded (no fixed sleep, however
-        busy the machine), so the new users can connect at once.
+        Two reloads (SIGHUP): nats-server wires the imports of an account only if
+        the account existed before the reload, so the new accounts come first
+        without imports, then with them. (An operator restarts nats-server instead,
+        docs/operations.md "Relay"; relayed links then relink.) Returns once the
+        server logged each reload (no fixed sleep), so the new nodes can connect.
         """
-        self.dids = list(dict.fromkeys([*self.dids, *dids]))
+        new = [did for did in dict.fromkeys(dids) if did not in self.dids]
+        self.dids += new
+        self.write_config(no_imports=new)
+        self._hangup()
         self.write_config()
+        self._hangup()
+
+    def _hangup(self) -> None:
         assert self.proc is not None
         before = self._reloads()
         os.kill(self.proc.pid, signal.SIGHUP)

@@ -212,6 +212,49 @@ async def test_rogue_cannot_subscribe_to_a_node_subjects(relay_net: RelayNet) ->
         await b.stop()
 
 
+async def test_a_rogue_mailbox_stream_cannot_record_other_nodes_traffic(
+    relay_net: RelayNet,
+) -> None:
+    """Permissions cannot bound a stream's subjects; the rogue's own account does."""
+    import nats
+    from nats.js.api import StorageType, StreamConfig
+
+    a, b = await _pair(relay_net)
+    home_b, config_b = relay_net.homes["b"]
+    server = relay_net.server
+    assert server is not None
+    wallet = Wallet.generate()
+    server.reload([wallet.did])
+    rogue = RelayNames.for_did(wallet.did)
+    nc = await nats.connect(
+        servers=[server.url],
+        nkeys_seed_str=nkey_seed(wallet.seed),
+        inbox_prefix=rogue.inbox_prefix,
+        allow_reconnect=False,
+    )
+    try:
+        js = nc.jetstream()
+        wide = ["talos.link.*", "talos.mbox.*", "_INBOX.>"]
+        await js.add_stream(
+            StreamConfig(name=rogue.stream, subjects=wide, storage=StorageType.FILE)
+        )
+        await a.send_message(b.did, "linked", wait=True)  # link packets, OPEN and replies
+        await b.stop()
+        await a.send_message(b.did, "mailed")  # into B's mailbox
+        b = await started(home_b, config_b)
+        b.allow(a.did)
+        await until(lambda: _texts(b) == ["linked", "mailed"], 30, "drained")
+        # What it holds is its own (the JetStream API's answer to its own create, say).
+        info = await js.stream_info(rogue.stream, subjects_filter=">")
+        subjects = list(info.state.subjects or {})
+        others = [RelayNames.for_did(node.did).token for node in (a, b)]
+        assert not [s for s in subjects if any(token in s for token in others)], subjects
+    finally:
+        await nc.close()
+        await a.stop()
+        await b.stop()
+
+
 async def test_full_mailbox_keeps_messages_queued(relay_net: RelayNet) -> None:
     a, b = await _pair(relay_net, mailbox_max_bytes=1 << 16)
     home_b, config_b = relay_net.homes["b"]
