@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["FORMATS", "LEVELS", "add_arguments", "configure", "event"]
+__all__ = ["FORMATS", "LEVELS", "Throttle", "add_arguments", "configure", "event"]
 
 _FIELDS = "talos_fields"
 
@@ -28,6 +28,34 @@ def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields
     """Log ``name`` with ``fields`` (identifiers, counts, reasons; never secrets)."""
     if logger.isEnabledFor(level):
         logger.log(level, name, extra={_FIELDS: fields})
+
+
+class Throttle:
+    """At most ``burst`` log lines per key in each ``period`` seconds; the rest are counted.
+
+    For events a stranger can cause at will (a failed handshake from an address):
+    without it, one flood wrote tens of thousands of warning lines a minute. The
+    metrics still count every one. At most ``keys`` keys are remembered.
+    """
+
+    def __init__(self, burst: int = 10, period: float = 60.0, keys: int = 1024) -> None:
+        self.burst, self.period, self.keys = burst, period, keys
+        self._windows: dict[str, list[float]] = {}  # key -> [start, lines, suppressed]
+
+    def admit(self, key: str, now: float) -> int | None:
+        """None: drop this line. Else log it, saying how many lines were dropped before it."""
+        window = self._windows.get(key)
+        if window is None or now - window[0] >= self.period:
+            if window is None and len(self._windows) >= self.keys:
+                del self._windows[next(iter(self._windows))]  # the oldest key
+            dropped = int(window[2]) if window is not None else 0
+            self._windows[key] = [now, 1, 0]
+            return dropped
+        if window[1] < self.burst:
+            window[1] += 1
+            return 0
+        window[2] += 1
+        return None
 
 
 # C0 controls, DEL, C1 controls and the Unicode line/paragraph separators: any of

@@ -54,7 +54,7 @@ from talos.link.refusals import (
     our_refusal_text,
     peer_refusal_text,
 )
-from talos.logging import event
+from talos.logging import Throttle, event
 from talos.metrics import Metrics
 from talos_sdk.errors import HandshakeError, TalosError
 
@@ -125,6 +125,7 @@ class LinkSupervisor:
         self.problems = problems if problems is not None else LinkProblems()
         self._noted = noted
         self._clock = clock
+        self._throttle = Throttle()
 
     # --- dialling ------------------------------------------------------------------------------
 
@@ -280,13 +281,16 @@ class LinkSupervisor:
         if not self.admission.enter(address):
             # Each one may buffer frames before it proves anything: bound them all.
             self.metrics.inc("handshakes_refused")
-            event(
-                _log,
-                "handshake_refused",
-                level=logging.WARNING,
-                limit=self.admission.total,
-                address=address,
-            )
+            dropped = self._throttle.admit(f"busy {address}", self._clock())
+            if dropped is not None:
+                event(
+                    _log,
+                    "handshake_refused",
+                    level=logging.WARNING,
+                    limit=self.admission.total,
+                    address=address,
+                    **({"suppressed": dropped} if dropped else {}),
+                )
             await ws.close(CLOSE_TRY_AGAIN, "too many link handshakes in progress")
             return
         try:
@@ -296,15 +300,19 @@ class LinkSupervisor:
             # The DID is the one the peer claimed: shown, never trusted (talos/link/refusals.py).
             did = exc.peer_did if isinstance(exc, Refusal) else None
             code = exc.code if isinstance(exc, Refusal | PeerRefused) else None
-            event(
-                _log,
-                "link_refused",
-                level=logging.WARNING,
-                peer=did,
-                address=address,
-                code=code,
-                reason=str(exc),
-            )
+            # Anyone can cause these (a claimed DID proves nothing yet): bounded lines per address.
+            dropped = self._throttle.admit(address, self._clock())
+            if dropped is not None:
+                event(
+                    _log,
+                    "link_refused",
+                    level=logging.WARNING,
+                    peer=did,
+                    address=address,
+                    code=code,
+                    reason=str(exc),
+                    **({"suppressed": dropped} if dropped else {}),
+                )
             if isinstance(exc, Refusal) and did is not None:
                 text = our_refusal_text(exc.code, exc.reason)
                 now = int(self._clock() * 1000)

@@ -10,6 +10,7 @@ every queued message arrives exactly once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -219,3 +220,20 @@ async def test_a_dropped_app_frame_is_caught_by_the_idle_links_heartbeat(
         await a.wait_connected(b.did, 30)
         await a.send_app(b.did, "probe", b"after")
         await until(lambda: got == [b"after"], what="the next frame")
+
+
+async def test_a_stranger_cannot_flood_the_log_with_failed_handshakes(
+    pair: tuple[Node, Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every failure is counted; only a burst of them per address is logged per minute."""
+    _, b = pair
+    caplog.set_level(logging.WARNING, logger="talos.node")
+    async with asyncio.timeout(60):
+        for _ in range(30):
+            async with connect(b.listen_url or "") as ws:
+                await ws.send(b"\x00" * 40)  # not a Noise message 1
+                with pytest.raises(ConnectionClosed):
+                    await ws.recv()
+        await until(lambda: b.metrics.counters.get("links_refused", 0) >= 30, what="counted")
+    lines = [r for r in caplog.records if r.getMessage() == "link_refused"]
+    assert 1 <= len(lines) <= 10, len(lines)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from talos.logging import JsonFormatter, KeyValueFormatter, configure, event
+from talos.logging import JsonFormatter, KeyValueFormatter, Throttle, configure, event
 
 
 def _record(fields: dict[str, object]) -> logging.LogRecord:
@@ -106,3 +106,13 @@ def test_json_escapes_control_characters_in_every_field() -> None:
     assert out["event"] == "event\\x0d\\x0a"
     assert out["bad\\x1bkey"] == "v"
     assert out["error"] == "boom\\x1b[2J\\x0d\\x0a"
+
+
+def test_throttle_lets_a_burst_through_then_counts_until_the_period_ends() -> None:
+    throttle = Throttle(burst=3, period=10.0, keys=2)
+    assert [throttle.admit("a", t) for t in (0, 1, 2)] == [0, 0, 0]
+    assert [throttle.admit("a", t) for t in (3, 4)] == [None, None]
+    assert throttle.admit("b", 4) == 0  # keys are apart
+    assert throttle.admit("a", 10) == 2  # a new period says how many were dropped
+    throttle.admit("c", 11)  # a third key forgets the oldest
+    assert throttle.admit("a", 12) == 0 and throttle.admit("b", 12) == 0
