@@ -209,7 +209,7 @@ class _Session:
 
     def _answer(self, line: bytes) -> None:
         """A reply of the proxy's own to the caller (TunnelServer.own_sender may drop it)."""
-        if self.server.own_sender(self.peer) is not None:
+        if self.server.own_sender(self.peer, len(line)) is not None:
             self._emit(line)
 
     def _emit(self, line: bytes) -> None:
@@ -312,14 +312,13 @@ class TunnelServer:
             sender.on_pressure(functools.partial(self._pressure, peer))
         return sender
 
-    def own_sender(self, peer: str) -> FrameSender | None:
-        """The peer's sender for a reply the proxy makes itself, or None: drop that reply.
-
-        None while the peer leaves more than OWN_REPLIES_MAX unread: its denied calls,
-        unknown sessions and refused opens must not queue answers without bound.
+    def own_sender(self, peer: str, size: int) -> FrameSender | None:
+        """The peer's sender for a reply of ``size`` bytes the proxy makes itself, or None:
+        drop that reply, the peer sends such requests faster than it reads their answers
+        (FrameSender.admit_own_reply): they must not queue answers without bound.
         """
         sender = self.sender_for(peer)
-        if not sender.flooded:
+        if sender.admit_own_reply(size):
             return sender
         self.own_replies_dropped += 1
         if self.own_replies_dropped & (self.own_replies_dropped - 1) == 0:  # 1, 2, 4, ...
@@ -405,7 +404,7 @@ class TunnelServer:
             session = self.sessions.get(key)
             if session is None:
                 # Sessions are keyed by (peer, id): a frame never reaches another peer's tool.
-                if (sender := self.own_sender(peer)) is not None:
+                if (sender := self.own_sender(peer, 15)) is not None:
                     sender.control(FrameKind.ERROR, frame.session, b"unknown session")
                 self._refuse(peer, frame.session, "unknown-session", "no such session of this peer")
                 return
@@ -457,15 +456,16 @@ class TunnelServer:
             name, spec = self.policy.server_for(peer, name)
         except PolicyDenied as exc:
             event(log, "session_refused", WARN, peer=peer, session=sid, reason=str(exc))
-            if (sender := self.own_sender(peer)) is not None:
-                sender.control(FrameKind.ERROR, sid, str(exc).encode())
+            said = str(exc).encode()
+            if (sender := self.own_sender(peer, len(said))) is not None:
+                sender.control(FrameKind.ERROR, sid, said)
             self._refuse(peer, sid, "refused", str(exc), Event.SESSION)
             return
         held = sum(1 for p, _ in self.sessions if p == peer)
         if held >= self.max_sessions:
             reason = f"too many sessions: {peer} holds {held} (limit {self.max_sessions})"
             event(log, "session_refused", WARN, peer=peer, session=sid, reason=reason)
-            if (sender := self.own_sender(peer)) is not None:
+            if (sender := self.own_sender(peer, len(reason))) is not None:
                 sender.control(FrameKind.ERROR, sid, reason.encode())
             self._refuse(peer, sid, "refused", reason, Event.SESSION)
             return

@@ -58,10 +58,12 @@ _FRAME_SLACK = 64
 #: stopped reading) before its producers are told to pause, and the level they resume at.
 PRESSURE_HIGH = 1 << 20
 PRESSURE_LOW = 256 * 1024
-#: Past this many bytes waiting for a peer, replies the proxy makes itself (a denial, an
-#: unknown session, a malformed request) are dropped rather than queued: each costs the
-#: peer one request, and a peer that sends them without reading would otherwise grow the
-#: queue for as long as it goes on. Well above the pause mark, which honest traffic stops at.
+#: Replies the proxy makes itself (a denial, an unknown session, a malformed request) cost
+#: the peer one request each; a peer that sends such requests without reading would grow
+#: the queue for as long as it went on. Past this many bytes of them queued since the
+#: queue was last below PRESSURE_LOW (a link that takes what it is given), more are
+#: dropped. Honest callers never get near it: a large tool reply keeps the queue up for
+#: seconds, during which they make a few such requests at most.
 OWN_REPLIES_MAX = 4 * PRESSURE_HIGH
 #: ``listener(pressed)``: True when the queue passed PRESSURE_HIGH, False once below LOW.
 PressureListener = Callable[[bool], None]
@@ -290,6 +292,7 @@ class FrameSender:
         self.peer = peer
         self._items: deque[tuple[FrameKind, int, bytes | None]] = deque()
         self._queued = 0  # payload bytes in _items
+        self._own_backlog = 0  # own replies' bytes admitted since the queue was last low
         self.pressed = False
         self._pressure: list[PressureListener] = []
         self._carry: bytes | None = None  # built, refused by send_nowait: the task sends it
@@ -307,10 +310,14 @@ class FrameSender:
     def control(self, kind: FrameKind, session: int, payload: bytes | None = None) -> None:
         self._push(kind, session, payload)
 
-    @property
-    def flooded(self) -> bool:
-        """More than OWN_REPLIES_MAX bytes wait: the peer reads nothing, whatever it sends."""
-        return self._queued > OWN_REPLIES_MAX
+    def admit_own_reply(self, size: int) -> bool:
+        """May a reply of the proxy's own, of ``size`` bytes, be queued? (OWN_REPLIES_MAX)"""
+        if self._queued < PRESSURE_LOW:
+            self._own_backlog = 0
+        if self._own_backlog + size > OWN_REPLIES_MAX:
+            return False
+        self._own_backlog += size
+        return True
 
     def on_pressure(self, listener: PressureListener) -> None:
         """Call ``listener(True)`` when the queue must stop growing, ``(False)`` when it may."""

@@ -366,6 +366,16 @@ async def test_a_caller_that_reads_nothing_cannot_queue_denials_without_bound() 
 
         pair.server_end.send_nowait = lambda peer, payload: False  # type: ignore[method-assign]
         pair.server_end.send = stalled  # type: ignore[method-assign]
+        sender = pair.server.sender_for(CLIENT_DID)
+        (session,) = pair.server.sessions.values()
+        for _ in range(3):  # 6 MiB of an honest tool's output waiting: no reason to drop
+            sender.message(session.sid, b"o" * (2 << 20))
+        agent.start_request("tools/call")
+        await agent.send_raw(
+            b'{"jsonrpc":"2.0","id":9999,"method":"tools/call","params":{"name":"nope"}}'
+        )
+        await until(lambda: sender._own_backlog > 0, what="the denial to be queued")
+        assert sender.pressed and pair.server.own_replies_dropped == 0
         name = "x" * 20_000  # each denial names the tool: about 20 KB a reply
         for i in range(600):  # 12 MB of denials if all were kept
             agent.start_request("tools/call")
@@ -373,9 +383,8 @@ async def test_a_caller_that_reads_nothing_cannot_queue_denials_without_bound() 
                 orjson.dumps({"jsonrpc": "2.0", "id": i, "method": "tools/call",
                               "params": {"name": name, "arguments": {}}})
             )  # fmt: skip
-        sender = pair.server.sender_for(CLIENT_DID)
         await until(lambda: pair.server.own_replies_dropped > 0, what="denials to be dropped")
-        assert sender._queued <= OWN_REPLIES_MAX + 64 * 1024
+        assert sender._queued <= 6 * (2 << 20) // 2 + OWN_REPLIES_MAX + 64 * 1024
         # The caller reads again: what was queued arrives, and the session still works.
         pair.server_end.send_nowait, pair.server_end.send = deliver_nowait, deliver  # type: ignore[method-assign]
         gate.set_result(None)
