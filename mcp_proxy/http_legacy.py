@@ -101,7 +101,7 @@ class LegacySession:
         """Drop a finished exchange from the replay store (its client read it to the end)."""
         if exchange.key is not None and self.exchanges.get(exchange.key) is exchange:
             del self.exchanges[exchange.key]
-            exchange.release()
+        exchange.release()
 
     def find(self, key: str) -> Exchange | None:
         """The exchange a ``Last-Event-ID`` names, if still kept."""

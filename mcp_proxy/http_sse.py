@@ -94,6 +94,7 @@ class Exchange:
         self.done = False
         self.events: deque[tuple[int, bytes]] = deque(maxlen=keep if key is not None else 0)
         self.budget = budget if budget is not None else ReplayBudget()
+        self._replaying = key is not None  # until release(): the session forgot it
         self.sink: asyncio.Queue[Item] | None = None
         self.queued = 0  # bytes in sink not yet taken by the response
 
@@ -104,7 +105,7 @@ class Exchange:
 
     def emit(self, line: bytes) -> None:
         self.seq += 1
-        if self.key is not None:
+        if self._replaying:
             if len(self.events) == self.events.maxlen:
                 self._drop_oldest()
             self.events.append((self.seq, line))
@@ -130,7 +131,9 @@ class Exchange:
             self._drop_oldest()
 
     def release(self) -> None:
-        """Give the replay log's bytes back to the budget (the exchange is forgotten)."""
+        """Give the replay log's bytes back to the budget and keep none from now on: the
+        session forgot the exchange, though its response may still be streaming."""
+        self._replaying = False
         while self.events:
             self._drop_oldest()
 

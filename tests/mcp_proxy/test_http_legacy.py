@@ -73,3 +73,13 @@ async def test_the_backlog_for_a_get_keeps_the_newest_within_its_bytes(
     queue, _ = session.attach_get(None)
     got = [orjson.loads(queue.get_nowait()[1])["params"]["i"] for _ in range(2)]  # type: ignore[index]
     assert got == [3, 4] and session.backlog_bytes == 0
+
+
+async def test_a_stream_replaced_while_still_live_keeps_no_replay(session: LegacySession) -> None:
+    live = session.new_exchange()  # a long call, still sending progress
+    for _ in range(legacy.KEPT_EXCHANGES):
+        session.new_exchange()
+    live.emit(note(1))  # evicted, yet live: it keeps nothing, counts nothing
+    assert session.replay.kept == 0 and not live.events
+    session.forget(live)
+    assert session.replay.kept == 0
