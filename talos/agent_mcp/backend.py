@@ -74,7 +74,9 @@ class AttachedBackend:
                     f"`talosd run --home {self.home}`"
                 ) from None
         _log.warning("the agent that ran the node of %s left: taking the node over", self.home)
-        self.successor = await open_backend(self.home, passphrase_file=self.passphrase_file)
+        self.successor = await open_backend(
+            self.home, passphrase_file=self.passphrase_file, handover=True
+        )
 
     async def close(self) -> None:
         await self.client.close()
@@ -103,31 +105,20 @@ class InProcessBackend:
         await self.daemon.stop(handover=True)
 
 
-#: How long a `talosd mcp` that lost the race for a home waits for the winner's socket.
-_RACE_WAIT = 15.0
+#: How long a `talosd mcp` that finds the home's store held keeps trying to attach to
+#: the node that holds it, or to run its own once the store is free.
+_RACE_WAIT = 30.0
 
 
-async def _attach_when_up(home: Path, wait: float) -> LocalClient:
-    deadline = asyncio.get_running_loop().time() + wait
-    while True:
-        try:
-            return await LocalClient.connect(home)
-        except NoNodeError:
-            if asyncio.get_running_loop().time() > deadline:
-                raise StoreInUseError(
-                    f"the store of {home} is held by another process that is not a node "
-                    "(talos-proxy, or an offline talosd command): stop it, or run "
-                    f"`talosd run --home {home}`"
-                ) from None
-            await asyncio.sleep(0.1)
-
-
-async def open_backend(home: Path, *, passphrase_file: str | None = None) -> Backend:
+async def open_backend(
+    home: Path, *, passphrase_file: str | None = None, handover: bool = False
+) -> Backend:
     """Attach to the node of ``home``, or start one in this process when none runs.
 
     Only the in-process node needs the identity key: it is unlocked as for
     ``talosd run`` (``passphrase_file``, ``TALOS_PASSPHRASE``, a terminal;
     talos/keys.py), and a key that cannot be unlocked is a clear error.
+    ``handover``: called by a running server taking over a node whose agent left.
     """
     try:
         return AttachedBackend(home, await LocalClient.connect(home), passphrase_file)
@@ -140,17 +131,37 @@ async def open_backend(home: Path, *, passphrase_file: str | None = None) -> Bac
 
     if not Home(home).exists():
         raise UsageError(f"no identity in {home}: run `talosd init --home {home}` first")
-    # On the loop's (main) thread, where a prompt's Ctrl-C works (talos/keys.py); nothing
-    # else runs yet: the client's first request waits in the pipe until the server starts.
-    wallet = unlock(Home(home).identity, passphrase_file=passphrase_file)
-    # the node, its file transfers, API and socket, as `talosd run`
-    daemon = Daemon(home, wallet=wallet)
-    try:
-        await daemon.start()
-    except StoreInUseError:
-        # Another process took the home meanwhile: most often a second `talosd mcp`
-        # started at the same moment, whose node is coming up. Attach to it.
-        return AttachedBackend(home, await _attach_when_up(home, _RACE_WAIT), passphrase_file)
+    if handover:  # the server runs: scrypt off its loop (stdin is the agent's, no prompt)
+        key = Home(home).identity
+        wallet = await asyncio.to_thread(unlock, key, passphrase_file=passphrase_file)
+    else:
+        # On the loop's (main) thread, where a prompt's Ctrl-C works (talos/keys.py); nothing
+        # else runs yet: the client's first request waits in the pipe until the server starts.
+        wallet = unlock(Home(home).identity, passphrase_file=passphrase_file)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _RACE_WAIT
+    while True:
+        # the node, its file transfers, API and socket, as `talosd run`
+        daemon = Daemon(home, wallet=wallet)
+        try:
+            await daemon.start()  # waits a while for the store's lock (STORE_LOCK_WAIT)
+            break
+        except StoreInUseError:
+            # Another process holds the home: a second `talosd mcp` started at the same
+            # moment whose node is coming up (attach to it), or the node handed over that
+            # is still stopping (run it once the store is free).
+            try:
+                client = await LocalClient.connect(home)
+            except NoNodeError:
+                if loop.time() > deadline:
+                    raise StoreInUseError(
+                        f"the store of {home} is held by another process that is not a "
+                        "node (talos-proxy, or an offline talosd command): stop it, or run "
+                        f"`talosd run --home {home}`"
+                    ) from None
+                await asyncio.sleep(0.1)
+                continue
+            return AttachedBackend(home, client, passphrase_file)
     # A warning, so it reaches the agent host's log: this node is not `talosd run`.
     _log.warning(
         "no node was running on %s: this talosd mcp runs one until its agent exits "
