@@ -33,6 +33,7 @@ from mcp_proxy.transport import (
     Receiver,
     RefusalListener,
 )
+from talos.link.refusals import MAX_PROBLEMS
 from talos.local.client import LocalClient, NoNodeError
 from talos.pipeline import text_limit
 
@@ -148,7 +149,13 @@ class AttachedTransport:
             self._tell(did, up)
         elif kind == "link_problem":
             did, message = str(event.get("did")), str(event.get("message"))
-            self._problems[did] = message
+            # What this node found dialling: a stranger's inbound attempt under a claimed
+            # DID says nothing about that peer (talos/link/refusals.py), and is unbounded.
+            if event.get("direction") == "dial":
+                self._problems.pop(did, None)
+                self._problems[did] = message
+                while len(self._problems) > MAX_PROBLEMS:
+                    del self._problems[next(iter(self._problems))]
             if not event.get("decisive"):
                 return
             self._refused[did] = message

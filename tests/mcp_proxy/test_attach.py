@@ -16,6 +16,8 @@ from pathlib import Path
 from mcp import Client, StdioServerParameters
 from mcp.types import TextContent
 
+from mcp_proxy.attach import AttachedTransport
+from talos.link.refusals import MAX_PROBLEMS
 from tests.mcp_proxy.e2e import ENV, REPO, did_of, proxy, serving
 from tests.talos.daemons import Daemon, fast_config, talosd
 
@@ -176,3 +178,36 @@ async def test_attached_bound_is_the_peers_frame_bound(tmp_path: Path) -> None:
         await a.stop()
         await small.stop()
         await big.stop()
+
+
+class _Socket:
+    """What AttachedTransport reads of a LocalClient: its hello and its events."""
+
+    def __init__(self) -> None:
+        self.did = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+        self.hello: dict[str, object] = {"max_frame": 1 << 20, "up": [], "refused": {}}
+
+    def on_event(self, listener: object) -> None:
+        self.tell = listener
+
+    def set_app_receiver(self, receiver: object) -> None:
+        pass
+
+
+def test_the_reason_a_link_is_down_is_what_this_node_found_dialling_and_bounded() -> None:
+    socket = _Socket()
+    transport = AttachedTransport(socket)  # type: ignore[arg-type]
+    peer = "did:key:z6MkpTHR8VNsBxYAAWHut2Geadd9jSwuBV8xRoAnwWsdvktH"
+
+    def problem(did: str, direction: str, message: str) -> None:
+        socket.tell({"event": "link_problem", "did": did, "direction": direction,
+                     "message": message, "decisive": False})  # fmt: skip
+
+    problem(peer, "accept", "a stranger's guess under that DID")
+    assert transport.problem(peer) is None
+    problem(peer, "dial", f"{peer} is unreachable: refused")
+    problem(peer, "accept", "another guess")
+    assert transport.problem(peer) == f"{peer} is unreachable: refused"
+    for i in range(MAX_PROBLEMS + 50):
+        problem(f"did:key:z{i}", "dial", "unreachable")
+    assert len(transport._problems) == MAX_PROBLEMS
