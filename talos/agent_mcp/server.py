@@ -266,7 +266,9 @@ def build_server(raw_backend: Backend) -> Any:
         The message is queued on this node and delivered when the peer is
         reachable, even after a restart. With wait=true the call returns once the
         peer stored it, or fails after timeout_seconds saying why (the message
-        stays queued and is still delivered later). Larger content: send_file."""
+        stays queued and is still delivered later); a wait for a peer that can
+        never link (no address, not allowed in: a mistyped DID?) fails at once and
+        sends nothing. Larger content: send_file."""
         got = await backend.call("send", to=to, text=text, wait=wait, timeout=timeout_seconds)
         return SendResult.model_validate(got)
 

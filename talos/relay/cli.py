@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,16 @@ def cmd_relay_config(args: argparse.Namespace) -> int:
     if args.mailbox_mb < 1:
         print("talosd: error: --mailbox-mb must be at least 1", file=sys.stderr)
         return 2
+    store = _size(args.max_store) if args.max_store else None
+    nodes = len(dict.fromkeys(dids))
+    mailbox = args.mailbox_mb << 20
+    if store is not None and store < nodes * mailbox:
+        # Each mailbox reserves its bytes: the nodes past the store's room get none.
+        print(
+            f"talosd: warning: --max-store {args.max_store} holds {store // mailbox} of the"
+            f" {nodes} mailboxes of {args.mailbox_mb} MiB",
+            file=sys.stderr,
+        )
     text = render_server_config(
         dict.fromkeys(dids),
         host=args.host,
@@ -41,6 +52,14 @@ def cmd_relay_config(args: argparse.Namespace) -> int:
     )
     sys.stdout.write(text)
     return 0
+
+
+def _size(text: str) -> int | None:
+    """A NATS size such as ``4G`` or ``512MB`` in bytes (powers of 1024); None if not one."""
+    match = re.fullmatch(r"(\d+)\s*([KMGT]?)B?", text.strip(), re.IGNORECASE)
+    if match is None:
+        return None
+    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
 
 
 def register_cli(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:

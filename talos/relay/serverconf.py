@@ -60,7 +60,13 @@ def accounts_block(dids: Iterable[str], mailbox_bytes: int = DEFAULT_MAILBOX_BYT
     accounts: dict[str, object] = {}
     for did in nodes:
         accounts[account_name(did)] = {
-            "jetstream": {"max_file": mailbox_bytes, "max_mem": 0},
+            # One mailbox stream and its consumer (a few spare): nothing else to hold.
+            "jetstream": {
+                "max_file": mailbox_bytes,
+                "max_mem": 0,
+                "max_streams": 1,
+                "max_consumers": 4,
+            },
             "users": [user_entry(did)],
             "exports": [{"service": subject} for subject in _services(did)],
             "imports": [

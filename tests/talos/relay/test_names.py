@@ -52,6 +52,9 @@ def test_permissions_subscribe_only_to_own_subjects() -> None:
     assert "jetstream" in text
 
 
+DID2 = Wallet.from_seed(bytes([6]) * 32).did
+
+
 def test_relay_config_command_is_accepted_by_nats_server(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -73,6 +76,11 @@ def test_relay_config_command_is_accepted_by_nats_server(
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert main(["relay-config"]) == 1  # nothing named: a clear error
+    # A store too small for every mailbox is said, not left to show as a node without one.
+    assert main(["relay-config", other, "--max-store", "100M", "--mailbox-mb", "64"]) == 0
+    assert "holds 1 of the 1 mailboxes" not in capsys.readouterr().err
+    assert main(["relay-config", other, DID2, "--max-store", "100M", "--mailbox-mb", "64"]) == 0
+    assert "--max-store 100M holds 1 of the 2 mailboxes of 64 MiB" in capsys.readouterr().err
 
 
 def test_relay_urls_are_checked() -> None:

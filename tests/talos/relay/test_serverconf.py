@@ -22,7 +22,12 @@ def test_each_node_is_an_account_exporting_its_subjects_and_importing_the_others
     for did in DIDS:
         own = RelayNames.for_did(did)
         account = accounts[account_name(did)]
-        assert account["jetstream"] == {"max_file": 1 << 20, "max_mem": 0}
+        assert account["jetstream"] == {
+            "max_file": 1 << 20,
+            "max_mem": 0,
+            "max_streams": 1,
+            "max_consumers": 4,
+        }
         assert account["exports"] == [{"service": own.link}, {"service": own.mailbox}]
         imported = {
             (i["service"]["account"], i["service"]["subject"])  # type: ignore[index]
