@@ -113,7 +113,8 @@ def _interruptible() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, before)
+        if before is not None:  # None: a handler set outside Python, which we cannot restore
+            signal.signal(signal.SIGINT, before)
 
 
 def _prompt(prompt: str, *, confirm: bool) -> str | None:

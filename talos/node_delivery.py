@@ -469,8 +469,10 @@ class NodeDelivery(NodeBase):
     async def _retry_loop(self) -> None:
         """Resend from the oldest unacked message when a link makes no progress."""
         interval = self.config.retry_interval
+        # Often enough for the heartbeat too, whatever retry_interval says.
+        tick = min(interval, HEARTBEAT_IDLE) / 2
         while True:
-            await asyncio.sleep(interval / 2)
+            await asyncio.sleep(tick)
             now = time.monotonic()
             for peer in self._peers.values():
                 ready, linked = peer.ready.is_set(), peer.link is not None

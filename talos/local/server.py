@@ -251,7 +251,12 @@ class _Conn(FlowControlled):
             if not isinstance(exc, TalosError | TimeoutError):
                 event(_log, "local_op_failed", level=logging.ERROR, op=op, error=repr(exc))
             reply = {"id": call_id, "error": error_json(exc)}
-        self.reply(wire.encode_json(wire.Kind.REPLY, reply))
+        try:
+            frame = wire.encode_json(wire.Kind.REPLY, reply)
+        except UsageError as bad:  # a result holding text that is not UTF-8 (a file name)
+            event(_log, "local_reply_unencodable", level=logging.ERROR, op=op, error=str(bad))
+            frame = wire.encode_json(wire.Kind.REPLY, {"id": call_id, "error": error_json(bad)})
+        self.reply(frame)
 
     # --- app frames to the node's links ----------------------------------------------------
 
