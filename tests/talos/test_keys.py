@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -171,17 +172,14 @@ def test_init_asks_on_a_terminal(tmp_path: Path) -> None:
     assert unlock(home / "identity.key", passphrase_file=_secret(tmp_path, "typed secret")).did
 
 
-def test_end_of_input_at_the_prompt_is_a_clear_error(tmp_path: Path) -> None:
-    home = tmp_path / "a"
+def _at_the_prompt(args: list[str], act: Callable[[subprocess.Popen[bytes], int], int]) -> bytes:
+    """Run ``args`` on a pseudo-terminal; at the passphrase prompt ``act(proc, pty)`` acts
+    and returns the exit code it expects; what the terminal showed is returned."""
     primary, secondary = pty.openpty()
     proc = subprocess.Popen(
-        [*TALOSD, "init", "--home", str(home)],
-        stdin=secondary,
-        stdout=subprocess.PIPE,
-        stderr=secondary,
-        env=ENV,
+        args, stdin=secondary, stdout=subprocess.DEVNULL, stderr=secondary, env=ENV,
         start_new_session=True,  # getpass reads the pty, not a real terminal
-    )
+    )  # fmt: skip
     os.close(secondary)
     seen = b""
     try:
@@ -189,8 +187,8 @@ def test_end_of_input_at_the_prompt_is_a_clear_error(tmp_path: Path) -> None:
             ready, _, _ = select.select([primary], [], [], 60)
             assert ready, f"no prompt; got {seen!r}"
             seen += os.read(primary, 1024)
-        os.write(primary, b"\x04")  # Ctrl-D on an empty line
-        proc.communicate(timeout=60)
+        expected = act(proc, primary)
+        assert proc.wait(timeout=20) == expected
         while select.select([primary], [], [], 0.5)[0]:
             try:
                 seen += os.read(primary, 1024)
@@ -200,9 +198,20 @@ def test_end_of_input_at_the_prompt_is_a_clear_error(tmp_path: Path) -> None:
         os.close(primary)
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
-    assert proc.returncode == 2  # bad input, as with no passphrase at all
-    assert b"Traceback" not in seen and b"no passphrase given" in seen
+            proc.wait()
+    assert b"Traceback" not in seen, seen
+    return seen
+
+
+def test_end_of_input_at_the_prompt_is_a_clear_error(tmp_path: Path) -> None:
+    home = tmp_path / "a"
+
+    def ctrl_d(proc: subprocess.Popen[bytes], terminal: int) -> int:
+        os.write(terminal, b"\x04")  # Ctrl-D on an empty line
+        return 2  # bad input, as with no passphrase at all
+
+    seen = _at_the_prompt([*TALOSD, "init", "--home", str(home)], ctrl_d)
+    assert b"no passphrase given" in seen
     assert not (home / "identity.key").exists()
 
 
@@ -298,29 +307,9 @@ def test_ctrl_c_at_a_passphrase_prompt_under_an_event_loop_ends_it_at_once(
     home = tmp_path / "sealed"
     res = _run([*TALOSD, "init", "--home", str(home)], {"TALOS_PASSPHRASE": "s"})
     assert res.returncode == 0, res.stderr
-    primary, secondary = pty.openpty()
-    proc = subprocess.Popen(
-        [arg.format(home=home) for arg in command],
-        stdin=secondary, stdout=subprocess.DEVNULL, stderr=secondary,
-        env=ENV, start_new_session=True,  # getpass reads the pty, not a real terminal
-    )  # fmt: skip
-    os.close(secondary)
-    seen = b""
-    try:
-        while b"passphrase" not in seen:
-            ready, _, _ = select.select([primary], [], [], 60)
-            assert ready, f"no prompt; got {seen!r}"
-            seen += os.read(primary, 1024)
+
+    def ctrl_c(proc: subprocess.Popen[bytes], terminal: int) -> int:
         proc.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal sends
-        assert proc.wait(timeout=20) == 130
-        while select.select([primary], [], [], 0.5)[0]:
-            try:
-                seen += os.read(primary, 1024)
-            except OSError:  # the other side closed
-                break
-    finally:
-        os.close(primary)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert b"Traceback" not in seen, seen
+        return 130
+
+    _at_the_prompt([arg.format(home=home) for arg in command], ctrl_c)

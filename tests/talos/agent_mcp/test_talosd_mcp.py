@@ -50,6 +50,18 @@ def mcp_params(home: Path) -> StdioServerParameters:
     )
 
 
+async def raw_mcp(
+    home: Path, *, stderr: int = asyncio.subprocess.DEVNULL
+) -> asyncio.subprocess.Process:
+    """``talosd mcp`` on plain pipes, for what the SDK client would not send or wait for."""
+    params = mcp_params(home)
+    pipe = asyncio.subprocess.PIPE
+    return await asyncio.create_subprocess_exec(
+        params.command, *params.args, cwd=REPO, env=params.env,
+        stdin=pipe, stdout=pipe, stderr=stderr,
+    )  # fmt: skip
+
+
 def init(home: Path) -> None:
     assert talosd("init", "--home", str(home), "--no-passphrase").returncode == 0
     fast_config(home, listen="127.0.0.1:0")
@@ -357,12 +369,7 @@ async def test_a_peer_that_dials_in_is_listed_named_and_read_by_name(tmp_path: P
 async def test_in_process_node_says_so_on_stderr(tmp_path: Path) -> None:
     home = tmp_path / "solo"
     init(home)
-    params = mcp_params(home)
-    proc = await asyncio.create_subprocess_exec(
-        params.command, *params.args,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, cwd=REPO, env=params.env,
-    )  # fmt: skip
+    proc = await raw_mcp(home, stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None and proc.stdin is not None
     try:
         async with asyncio.timeout(60):
@@ -409,19 +416,7 @@ async def test_two_agents_starting_at_once_share_one_node(tmp_path: Path) -> Non
     """Both find no node and race for the home: the loser attaches to the winner's node."""
     home = tmp_path / "raced"
     init(home)
-    params = mcp_params(home)
-    procs = [
-        await asyncio.create_subprocess_exec(
-            params.command,
-            *params.args,
-            cwd=REPO,
-            env=params.env,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        for _ in range(2)
-    ]
+    procs = [await raw_mcp(home) for _ in range(2)]
     try:
         async with asyncio.timeout(60):
             first, second = await asyncio.gather(*(_raw_status(p) for p in procs))
@@ -438,17 +433,7 @@ async def test_two_agents_starting_at_once_share_one_node(tmp_path: Path) -> Non
 async def test_a_line_that_is_not_json_rpc_is_answered_with_a_parse_error(tmp_path: Path) -> None:
     home = tmp_path / "solo"
     init(home)
-    params = mcp_params(home)
-    pipe = asyncio.subprocess.PIPE
-    proc = await asyncio.create_subprocess_exec(
-        params.command,
-        *params.args,
-        cwd=REPO,
-        env=params.env,
-        stdin=pipe,
-        stdout=pipe,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    proc = await raw_mcp(home)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         await _raw_status(proc)  # initialized, and serving
@@ -486,12 +471,7 @@ async def test_when_the_agent_running_the_node_leaves_an_attached_agent_takes_it
     """The node is handed over: of the two attached agents one runs it, the other attaches."""
     home = tmp_path / "handed"
     init(home)
-    params = mcp_params(home)
-    host = await asyncio.create_subprocess_exec(
-        params.command, *params.args,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL, cwd=REPO, env=params.env,
-    )  # fmt: skip
+    host = await raw_mcp(home)
     assert host.stdin is not None
     try:
         async with asyncio.timeout(60):
