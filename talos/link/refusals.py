@@ -36,8 +36,10 @@ BY_US: Final = "refused_by_us"
 UNREACHABLE: Final = "unreachable"
 
 #: Close codes that are a decision about this pair of nodes, not a passing state:
-#: a redial gets the same answer until someone changes a configuration.
-DEFINITE: Final = frozenset({4000, 4001, 4003, 4004, 4005, 4008, 4009})
+#: a redial gets the same answer until someone changes a configuration. Not 4000 or
+#: 4001 (a malformed or unauthenticated handshake message, a handshake timeout): a
+#: network attacker, or a broken path, causes those at will for as long as it likes.
+DEFINITE: Final = frozenset({4003, 4004, 4005, 4008, 4009})
 #: Peers remembered at most (a stranger may claim any number of DIDs).
 MAX_PROBLEMS: Final = 256
 

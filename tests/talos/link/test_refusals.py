@@ -76,6 +76,9 @@ def test_only_a_definite_refusal_met_while_dialling_is_decisive() -> None:
     assert not LinkProblem(BY_PEER, "r", 1, CLOSE_SHUTDOWN).decisive
     assert not LinkProblem(BY_PEER, "r", 1, 1013).decisive
     assert not LinkProblem(UNREACHABLE, "r", 1).decisive
+    # A malformed or unauthenticated handshake message: a network attacker's at will.
+    assert not LinkProblem(BY_US, "r", 1, 4001).decisive
+    assert not LinkProblem(BY_PEER, "r", 1, 4000).decisive
     # A stranger's claimed DID on an inbound handshake is shown, never decisive.
     assert not LinkProblem(BY_US, "r", 1, CLOSE_UNAUTHORIZED, "accept").decisive
 
