@@ -237,3 +237,25 @@ async def test_a_stranger_cannot_flood_the_log_with_failed_handshakes(
         await until(lambda: b.metrics.counters.get("links_refused", 0) >= 30, what="counted")
     lines = [r for r in caplog.records if r.getMessage() == "link_refused"]
     assert 1 <= len(lines) <= 10, len(lines)
+
+
+async def test_a_tampered_handshake_on_every_dial_does_not_end_a_wait_as_a_refusal(
+    pair: tuple[Node, Node],
+) -> None:
+    """4001 on each dial is an attacker's doing, not B's answer: the wait runs its course."""
+    a, b = pair
+    tampering = {"on": True}
+
+    def flip_message_2(direction: str, index: int, data: bytes) -> list[bytes]:
+        if tampering["on"] and direction == "b2a" and index == 0:
+            return _flip(data, [])
+        return [data]
+
+    async with asyncio.timeout(60), relay_to(b.listen_url or "") as relay:
+        relay.tamper = flip_message_2
+        await a.add_peer(f"{relay.url}#{b.did}")
+        with pytest.raises(TimeoutError):
+            await a.send_message(b.did, "kept", wait=True, timeout=2)
+        assert relay.connections >= 2  # it kept dialling, refused each time
+        tampering["on"] = False
+        await until(lambda: [m.text for m in b.inbox()] == ["kept"], 30, "delivered")
