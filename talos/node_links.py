@@ -156,6 +156,10 @@ class NodeLinks(NodeBase):
         """The latest refusal or failed dial of ``did`` since its last ready link."""
         return self._problems.get(did)
 
+    def link_problems(self) -> list[tuple[str, LinkProblem]]:
+        """Every peer's latest problem (at most MAX_PROBLEMS peers)."""
+        return self._problems.items()
+
     def redial_now(self, did: str) -> None:
         """Dial ``did`` again at once if its last attempt failed (the refusal may be stale)."""
         self.links.redial_now(did)

@@ -122,12 +122,8 @@ async def op_hello(host: LocalHost, args: dict[str, Any]) -> Any:
 
 
 def _refused(node: Node) -> dict[str, str]:
-    out = {}
-    for did in node.known_peers():
-        problem = node.link_problem(did)
-        if problem is not None and problem.decisive:
-            out[did] = problem.message(did)
-    return out
+    # Any peer's, not only those with an address: one reached by DID through a relay too.
+    return {did: p.message(did) for did, p in node.link_problems() if p.decisive}
 
 
 async def op_id(host: LocalHost, args: dict[str, Any]) -> Any:
