@@ -14,8 +14,9 @@ falls in its range; an unkeyed claim receives the rest (ADR 0012). A keyed
 claim names its peer, and its range lies in the half of the key space that
 the order of the two DIDs gives this end (:func:`key_half`): the peer's node
 hands its own keyed clients ranges from the other half, so the sessions each
-end opens can never be mistaken for the other's. A claim may also lend
-``allow`` DIDs the right to link while it lives (an attached serve's callers).
+end opens can never be mistaken for the other's; the node links to that peer
+while the claim lives. A claim may also lend ``allow`` DIDs the right to link
+while it lives (an attached serve's callers).
 
 Stopping: every client hears ``stopping``; those holding app channels keep the
 connection (calls still answered, links still up) until they leave or
@@ -436,9 +437,15 @@ class LocalServer:
         if channel not in self._registered:
             self.node.register_app(channel, self._deliverer(channel))
             self._registered.add(channel)
+        if peer is not None:
+            # The peer a client's sessions go to is linked to while the claim lives, as an
+            # embedded proxy does: also one known by DID alone, reached through the relay.
+            lent.append(peer)
         claims.append(claim)
         conn.lent.extend(lent)
         self._lent.update(lent)
+        if peer is not None:
+            self.node.reach(peer)
         return {"channel": channel, "peer": peer, "lo": claim.lo, "hi": claim.hi}
 
     def _free_range(self, channel: str, first: int, end: int) -> int:

@@ -15,6 +15,7 @@ from mcp import Client, StdioServerParameters
 
 from tests.mcp_proxy.e2e import ENV, EVERYTHING, PROXY, REPO, Serve, did_of
 from tests.mcp_proxy.test_e2e import text
+from tests.talos.daemons import Daemon
 from tests.talos.relay.conftest import RelayNet
 
 TIMEOUT = 90
@@ -74,4 +75,40 @@ async def test_tool_call_through_the_relay(relay_net: RelayNet, tmp_path: Path) 
             )
             assert [text(r) for r in results] == [str(i + 1000) for i in range(16)]
     finally:
+        await serve.stop()
+
+
+async def test_an_attached_connect_reaches_a_peer_known_only_by_did(
+    relay_net: RelayNet, tmp_path: Path
+) -> None:
+    """connect attached to a running node names the serve side by DID alone: the node
+    links to it through the relay (neither knows the other's address, none is up yet)."""
+    server = relay_net.server
+    assert server is not None
+    serve_home = tmp_path / "s"
+    serve_did = did_of(serve_home)
+    client_home, _ = relay_net.home("c", listen="127.0.0.1:0", api=True)
+    server.reload([serve_did])
+    client_did = did_of(client_home)
+    proc = await asyncio.create_subprocess_exec(
+        *PROXY, "serve", "--home", str(serve_home), "--relay", server.url,
+        "--allow", client_did, "--", *EVERYTHING,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=REPO, env=ENV,
+    )  # fmt: skip
+    serve = RelayServe(proc)
+    node = Daemon(client_home)
+    try:
+        await asyncio.wait_for(serve.ready(), TIMEOUT)
+        params = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "mcp_proxy.cli", "connect", "--home", str(client_home),
+                  "--peer", serve_did, "--link-wait", "60"],
+            cwd=str(REPO),
+            env={"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
+        )  # fmt: skip
+        async with asyncio.timeout(TIMEOUT), Client(params, mode="legacy") as client:
+            assert text(await client.call_tool("add", {"a": 2, "b": 3})) == "5"
+    finally:
+        node.stop()
         await serve.stop()
