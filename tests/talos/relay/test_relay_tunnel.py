@@ -35,19 +35,24 @@ class RelayServe(Serve):
         self._ready.set()
 
 
+async def relay_serve(home: Path, relay: str, caller: str) -> RelayServe:
+    """``talos-proxy serve --relay`` of the everything tool for ``caller``, started."""
+    proc = await asyncio.create_subprocess_exec(
+        *PROXY, "serve", "--home", str(home), "--relay", relay, "--allow", caller,
+        "--", *EVERYTHING,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=REPO, env=ENV,
+    )  # fmt: skip
+    return RelayServe(proc)
+
+
 async def test_tool_call_through_the_relay(relay_net: RelayNet, tmp_path: Path) -> None:
     server = relay_net.server
     assert server is not None
     serve_home, client_home = tmp_path / "s", tmp_path / "c"
     serve_did, client_did = did_of(serve_home), did_of(client_home)
     server.reload([serve_did, client_did])
-    proc = await asyncio.create_subprocess_exec(
-        *PROXY, "serve", "--home", str(serve_home), "--relay", server.url,
-        "--allow", client_did, "--", *EVERYTHING,
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        cwd=REPO, env=ENV,
-    )  # fmt: skip
-    serve = RelayServe(proc)
+    serve = await relay_serve(serve_home, server.url, client_did)
     try:
         await asyncio.wait_for(serve.ready(), TIMEOUT)
         params = StdioServerParameters(
@@ -90,13 +95,7 @@ async def test_an_attached_connect_reaches_a_peer_known_only_by_did(
     client_home, _ = relay_net.home("c", listen="127.0.0.1:0", api=True)
     server.reload([serve_did])
     client_did = did_of(client_home)
-    proc = await asyncio.create_subprocess_exec(
-        *PROXY, "serve", "--home", str(serve_home), "--relay", server.url,
-        "--allow", client_did, "--", *EVERYTHING,
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        cwd=REPO, env=ENV,
-    )  # fmt: skip
-    serve = RelayServe(proc)
+    serve = await relay_serve(serve_home, server.url, client_did)
     node = Daemon(client_home)
     try:
         await asyncio.wait_for(serve.ready(), TIMEOUT)
