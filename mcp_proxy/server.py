@@ -58,6 +58,7 @@ WARN = logging.WARNING
 
 # Tool processes one peer may hold at once (each session is one process).
 MAX_SESSIONS_PER_PEER = 16
+_UNKNOWN_SESSION = b"unknown session"
 # Frames of a peer waiting for its worker; beyond it the link stops reading (backpressure).
 INBOX_FRAMES = 8
 
@@ -404,8 +405,8 @@ class TunnelServer:
             session = self.sessions.get(key)
             if session is None:
                 # Sessions are keyed by (peer, id): a frame never reaches another peer's tool.
-                if (sender := self.own_sender(peer, 15)) is not None:
-                    sender.control(FrameKind.ERROR, frame.session, b"unknown session")
+                if (sender := self.own_sender(peer, len(_UNKNOWN_SESSION))) is not None:
+                    sender.control(FrameKind.ERROR, frame.session, _UNKNOWN_SESSION)
                 self._refuse(peer, frame.session, "unknown-session", "no such session of this peer")
                 return
             self._take(session, frame)
