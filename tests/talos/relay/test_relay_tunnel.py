@@ -96,8 +96,9 @@ async def test_an_attached_connect_reaches_a_peer_known_only_by_did(
     server.reload([serve_did])
     client_did = did_of(client_home)
     serve = await relay_serve(serve_home, server.url, client_did)
-    node = Daemon(client_home)
+    node: Daemon | None = None
     try:
+        node = Daemon(client_home)
         await asyncio.wait_for(serve.ready(), TIMEOUT)
         params = StdioServerParameters(
             command=sys.executable,
@@ -109,5 +110,6 @@ async def test_an_attached_connect_reaches_a_peer_known_only_by_did(
         async with asyncio.timeout(TIMEOUT), Client(params, mode="legacy") as client:
             assert text(await client.call_tool("add", {"a": 2, "b": 3})) == "5"
     finally:
-        node.stop()
+        if node is not None:
+            node.stop()
         await serve.stop()
