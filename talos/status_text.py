@@ -69,7 +69,8 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     if relay:
         state = "connected" if relay.get("connected") else "not connected"
         counters = ", ".join(
-            f"{k} {relay.get(k, 0)}" for k in ("relay_packets_rejected", "relay_packets_dropped")
+            f"{k} {relay.get(k, 0)}"
+            for k in ("relay_packets_rejected", "relay_packets_dropped", "relay_packets_forged")
         )
         lines.append(
             f"relay     {state} to {', '.join(relay.get('servers', []))},"

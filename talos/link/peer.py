@@ -134,11 +134,16 @@ class FrameStream(Protocol):
 
     The subset of a websockets connection the link layer uses: one link frame
     per ``send`` / ``recv``, ``close(code, reason)``, and ``ConnectionClosed``
-    once closed. ``via`` names it in status ("relay").
+    once closed. ``via`` names it in status ("relay"); ``source`` is who sent it
+    as far as the carrier vouches, what handshake admission counts by, as it
+    counts a WebSocket by its address.
     """
 
     @property
     def via(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
 
     @property
     def close_code(self) -> int | None: ...

@@ -275,9 +275,13 @@ class LinkSupervisor:
         if self.stopping:
             await ws.close(CLOSE_SHUTDOWN, "node shutting down")
             return
-        # Relayed handshakes all come from the relay: they share its quota.
-        remote = ws.remote_address if isinstance(ws, ServerConnection) else None
-        address = str(remote[0]) if remote else getattr(ws, "via", "")
+        # A relayed handshake counts against its opener's relay account where the relay
+        # names it (talos/relay/client.py), else against the relay as a whole.
+        if isinstance(ws, ServerConnection):
+            remote = ws.remote_address
+            address = str(remote[0]) if remote else ""
+        else:
+            address = ws.source
         if not self.admission.enter(address):
             # Each one may buffer frames before it proves anything: bound them all.
             self.metrics.inc("handshakes_refused")

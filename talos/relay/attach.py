@@ -136,6 +136,7 @@ class NodeRelay:
             "streams": client.streams,
             "relay_packets_rejected": 0,
             "relay_packets_dropped": 0,
+            "relay_packets_forged": 0,
             **client.counters,
         }
 

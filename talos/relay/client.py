@@ -35,7 +35,7 @@ from typing import Any, Final
 
 from talos.logging import event
 from talos.relay import wire
-from talos.relay.names import MAILBOX_CONSUMER, RelayNames, nkey_seed
+from talos.relay.names import MAILBOX_CONSUMER, RelayNames, nkey_seed, publisher_account
 from talos.relay.stream import CLOSE_RELAY_LOST, RelayStream
 from talos_sdk.errors import TalosError
 from talos_sdk.wallet import Wallet
@@ -220,18 +220,19 @@ class RelayClient:
 
     # --- streams ---------------------------------------------------------------------------------
 
-    def _new_stream(self, stream_id: bytes, peer_token: str) -> RelayStream:
+    def _new_stream(self, stream_id: bytes, peer: RelayNames, source: str = "relay") -> RelayStream:
         nc = self._nc
         max_chunk = max(1024, int(nc.max_payload) - _DATA_OVERHEAD)
         state = wire.StreamState(stream_id, self._max_frame, max_chunk)
         stream = RelayStream(
             self._publish,
-            RelayNames(peer_token).link,
+            peer,
             state,
             max_buffer=16 * (self._max_frame + 64),
             ping_interval=self._ping_interval,
             pending=lambda: int(getattr(nc, "pending_data_size", 0)),
             on_closed=self._forget,
+            source=source,
         )
         self._streams[stream_id] = stream
         return stream
@@ -257,7 +258,7 @@ class RelayClient:
             raise RelayUnavailableError("too many relay streams open")
         peer = RelayNames.for_did(did)
         stream_id = os.urandom(wire.STREAM_ID_LEN)
-        stream = self._new_stream(stream_id, peer.token)
+        stream = self._new_stream(stream_id, peer)
         opening = wire.encode(wire.Open(stream_id, self.names.token))
         try:
             reply = await nc.request(peer.link, opening, timeout=self._handshake_timeout)
@@ -288,16 +289,29 @@ class RelayClient:
         except TalosError:
             self._count("relay_packets_rejected")
             return
+        # Where the relay names the sending account, it must be the node the packet
+        # claims (an OPEN's token) or the stream's peer: another node's account is
+        # forging (docs/adr/0010-nats-relay.md "One account per node").
+        sender = publisher_account(msg.headers)
         if isinstance(packet, wire.Open):
-            await self._on_open(packet, msg)
+            opener = RelayNames(packet.token)
+            if sender is not None and sender != opener.account:
+                self._count("relay_packets_forged")
+                return
+            await self._on_open(packet, opener, msg, vouched=sender is not None)
             return
         stream = self._streams.get(packet.stream_id)
         if stream is None or isinstance(packet, wire.Accept):
             self._count("relay_packets_dropped")  # a closed or unknown stream, or a replay
             return
+        if sender is not None and sender != stream.peer_account:
+            self._count("relay_packets_forged")
+            return
         stream.feed(packet)
 
-    async def _on_open(self, packet: wire.Open, msg: Any) -> None:
+    async def _on_open(
+        self, packet: wire.Open, opener: RelayNames, msg: Any, *, vouched: bool
+    ) -> None:
         if not msg.reply:
             self._count("relay_packets_rejected")
             return
@@ -310,7 +324,10 @@ class RelayClient:
         with contextlib.suppress(Exception):
             await msg.respond(wire.encode(answer))
         if isinstance(answer, wire.Accept):
-            stream = self._new_stream(packet.stream_id, packet.token)
+            # Handshake admission counts a vouched opener by its account, so a flood from
+            # one relay account fills that account's share, not every relayed link's.
+            source = f"relay {opener.account}" if vouched else "relay"
+            stream = self._new_stream(packet.stream_id, opener, source)
             self._spawn(self._on_stream(stream), "talos-relay-accept")
 
     # --- mailbox ---------------------------------------------------------------------------------

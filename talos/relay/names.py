@@ -14,12 +14,21 @@ The node's NATS user is its own Ed25519 identity key written as a NATS *nkey*
 little-endian, base32 without padding). ``U...`` is the public user key the
 server configuration lists; ``SU...`` is the seed form that nats-py's nkey
 authentication signs the server's nonce with.
+
+Each node is a NATS account of its own (:attr:`RelayNames.account`), and
+nats-server stamps every message that crosses from one account to another
+through a service import with a ``Nats-Request-Info`` header naming the
+publisher's account, replacing any such header the publisher set
+(:func:`publisher_account`). That is how a node knows which node's account a
+relay packet came from without trusting anything in it.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -28,10 +37,12 @@ from talos_sdk.errors import UsageError
 
 __all__ = [
     "MAILBOX_CONSUMER",
+    "REQUEST_INFO_HEADER",
     "RelayNames",
     "crc16_xmodem",
     "nkey_public",
     "nkey_seed",
+    "publisher_account",
     "relay_token",
 ]
 
@@ -39,6 +50,9 @@ TOKEN_LABEL: Final = b"talos/relay/v1/token\x00"
 TOKEN_BYTES: Final = 20
 #: Durable pull consumer a node drains its own mailbox with.
 MAILBOX_CONSUMER: Final = "talos"
+
+#: The header nats-server writes on messages crossing a service import (its accounts.go).
+REQUEST_INFO_HEADER: Final = "Nats-Request-Info"
 
 # NKeys prefix bytes (5 bits, shifted): 'S' seed, 'U' user.
 _PREFIX_SEED: Final = 18 << 3
@@ -94,6 +108,11 @@ class RelayNames:
         return cls(relay_token(did))
 
     @property
+    def account(self) -> str:
+        """This node's NATS account (talos/relay/serverconf.py): one per node."""
+        return f"TALOS_{self.token.upper()}"
+
+    @property
     def link(self) -> str:
         """Where link-stream packets for this node are published (core NATS)."""
         return f"talos.link.{self.token}"
@@ -132,3 +151,22 @@ class RelayNames:
             "subscribe": {"allow": [self.link, f"{self.inbox_prefix}.>"]},
             "allow_responses": True,
         }
+
+
+def publisher_account(headers: Mapping[str, str] | None) -> str | None:
+    """The account nats-server says published a message; None if it crossed no import.
+
+    None means the message came from within the receiver's own account: only
+    its own node is in it, or the relay is configured with one shared account
+    (docs/operations.md "Relay"), where nobody is vouched for. A header that
+    does not parse gives ``""``, which matches no account.
+    """
+    raw = headers.get(REQUEST_INFO_HEADER) if headers else None
+    if raw is None:
+        return None
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return ""
+    account = info.get("acc") if isinstance(info, dict) else None
+    return account if isinstance(account, str) else ""

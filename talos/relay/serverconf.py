@@ -38,7 +38,7 @@ _STORE_SLACK = 16 << 20
 
 def account_name(did: str) -> str:
     """The NATS account of one node: named by its token, like everything on the relay."""
-    return f"TALOS_{RelayNames.for_did(did).token.upper()}"
+    return RelayNames.for_did(did).account
 
 
 def user_entry(did: str) -> dict[str, object]:

@@ -26,6 +26,7 @@ from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
 from websockets.frames import Close as WsClose
 
 from talos.relay import wire
+from talos.relay.names import RelayNames
 
 __all__ = [
     "CLOSE_RELAY_BROKEN",
@@ -53,19 +54,28 @@ class RelayStream:
     def via(self) -> str:
         return "relay"
 
+    @property
+    def source(self) -> str:
+        """Who opened it as far as the relay vouches: its account, or just "relay"."""
+        return self._source
+
     def __init__(
         self,
         publish: Publish,
-        peer_subject: str,
+        peer: RelayNames,
         state: wire.StreamState,
         *,
         max_buffer: int,
         ping_interval: float,
         pending: Callable[[], int] = lambda: 0,
         on_closed: Callable[[RelayStream], None] | None = None,
+        source: str = "relay",
     ) -> None:
         self._publish = publish
-        self.peer_subject = peer_subject
+        self.peer_subject = peer.link
+        #: The NATS account the peer's packets must come from (talos/relay/serverconf.py).
+        self.peer_account = peer.account
+        self._source = source
         self.state = state
         self.stream_id = state.stream_id
         self._max_buffer = max_buffer

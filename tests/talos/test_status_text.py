@@ -90,8 +90,9 @@ def test_the_relay_line_reads_as_words_with_its_counters() -> None:
         "streams": 2,
         "relay_packets_rejected": 0,
         "relay_packets_dropped": 1,
+        "relay_packets_forged": 3,
     }
     assert (
         "relay     connected to nats://127.0.0.1:4222, 2 stream(s),"
-        " relay_packets_rejected 0, relay_packets_dropped 1"
+        " relay_packets_rejected 0, relay_packets_dropped 1, relay_packets_forged 3"
     ) in status_lines(status)

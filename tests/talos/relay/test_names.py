@@ -95,3 +95,17 @@ def test_relay_urls_are_checked() -> None:
             parse_relay_url(bad)
     with pytest.raises(ValidationError, match="nats://HOST:PORT"):
         NodeConfig(relays=("http://h:1",))
+
+
+def test_the_publisher_account_is_read_from_the_relay_header() -> None:
+    from talos.relay.names import REQUEST_INFO_HEADER, publisher_account
+
+    names = RelayNames.for_did(Wallet.generate().did)
+    assert names.account == f"TALOS_{names.token.upper()}"
+    # As nats-server 2.15 writes it on a message crossing a service import.
+    stamped = json.dumps({"acc": names.account, "rtt": 462787})
+    assert publisher_account({REQUEST_INFO_HEADER: stamped}) == names.account
+    assert publisher_account(None) is None  # from within the receiver's own account
+    assert publisher_account({"Other": "x"}) is None
+    for broken in ["", "{", "[]", '{"rtt": 1}', '{"acc": 7}']:
+        assert publisher_account({REQUEST_INFO_HEADER: broken}) == ""  # matches no account

@@ -7,9 +7,13 @@ nothing twice (docs/adr/0010-nats-relay.md "Consequences").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from typing import Any
 
+import nats.errors
+
+from talos.link.handshake import LinkHandshake, Role
 from talos.node import Node
 from talos.relay import wire
 from talos.relay.names import RelayNames, nkey_seed
@@ -77,12 +81,13 @@ async def test_relay_restart_mid_stream_delivers_each_once(relay_net: RelayNet) 
         await b.stop()
 
 
-async def _rogue(net: RelayNet) -> Any:
+async def _rogue(net: RelayNet, rogue: Wallet | None = None) -> Any:
+    """A NATS connection as a node the relay knows (``rogue``, a new one if not given)."""
     import nats
 
     server = net.server
     assert server is not None
-    rogue = Wallet.generate()
+    rogue = rogue or Wallet.generate()
     server.reload([rogue.did])
     return await nats.connect(
         servers=[server.url],
@@ -139,7 +144,8 @@ async def test_third_party_packets_leave_a_healthy_relayed_link_alone(relay_net:
     # learn a stream id (16 random bytes, subjects it may not subscribe to): whatever it
     # sends there is refused or dropped by the client and never reaches a running stream.
     a, b = await _pair(relay_net)
-    nc = await _rogue(relay_net)
+    rogue = Wallet.generate()
+    nc = await _rogue(relay_net, rogue)
     try:
         await a.send_message(b.did, "before", wait=True)
         await until(lambda: b.is_connected(a.did) and a.is_connected(b.did), 20, "linked")
@@ -150,7 +156,9 @@ async def test_third_party_packets_leave_a_healthy_relayed_link_alone(relay_net:
         link_subject = RelayNames.for_did(b.did).link
         forged = [
             b"garbage",  # shorter than any header: rejected
-            wire.encode(wire.Open(os.urandom(16), "abc")),  # an OPEN without a reply: rejected
+            wire.encode(wire.Open(os.urandom(16), "abc")),  # in another node's name: forged
+            # In its own name but with no reply subject: rejected.
+            wire.encode(wire.Open(os.urandom(16), RelayNames.for_did(rogue.did).token)),
             wire.encode(wire.Data(os.urandom(16), 0, False, b"x")),  # unknown streams: dropped
             wire.encode(wire.Close(os.urandom(16), 4020, "forged")),
             wire.encode(wire.Accept(os.urandom(16))),
@@ -161,6 +169,7 @@ async def test_third_party_packets_leave_a_healthy_relayed_link_alone(relay_net:
         await until(
             lambda: (
                 counters.get("relay_packets_rejected", 0) >= 2
+                and counters.get("relay_packets_forged", 0) >= 1
                 and counters.get("relay_packets_dropped", 0) >= 3
             ),
             20,
@@ -291,4 +300,85 @@ async def test_relay_storage_holds_no_message_text(relay_net: RelayNet) -> None:
         assert a.did.encode() not in stored and b.did.encode() not in stored
     finally:
         await a.stop()
+        await b.stop()
+
+
+async def test_packets_another_account_forges_are_dropped(relay_net: RelayNet) -> None:
+    # The relay stamps the publisher's account on what crosses to B's account and
+    # overwrites a stamp the publisher wrote itself: a rogue that learnt a live stream
+    # id still cannot close the link, and cannot open a stream in A's name.
+    a, b = await _pair(relay_net)
+    nc = await _rogue(relay_net)
+    try:
+        await a.send_message(b.did, "before", wait=True)
+        await until(lambda: b.is_connected(a.did) and a.is_connected(b.did), 20, "linked")
+        links = (a._peers[b.did].link, b._peers[a.did].link)
+        assert b.relay is not None
+        client = b.relay.client
+        (stream_id,) = list(client._streams)
+        link_subject = RelayNames.for_did(b.did).link
+        as_a = {"Nats-Request-Info": f'{{"acc":"{RelayNames.for_did(a.did).account}"}}'}
+        await nc.publish(link_subject, wire.encode(wire.Close(stream_id, 4020, "x")), headers=as_a)
+        await nc.publish(link_subject, wire.encode(wire.Data(stream_id, 1, False, b"x")))
+        a_token = RelayNames.for_did(a.did).token
+        opening = wire.encode(wire.Open(os.urandom(16), a_token))
+        with contextlib.suppress(nats.errors.TimeoutError):
+            answer = await nc.request(link_subject, opening, timeout=1, headers=as_a)
+            raise AssertionError(f"a forged OPEN was answered: {answer.data!r}")
+        await until(
+            lambda: client.counters.get("relay_packets_forged", 0) >= 3, 20, "forged counted"
+        )
+        assert list(client._streams) == [stream_id]
+        await a.send_message(b.did, "after", wait=True)
+        assert _texts(b) == ["before", "after"]
+        assert a._peers[b.did].link is links[0] and b._peers[a.did].link is links[1]
+    finally:
+        await nc.close()
+        await a.stop()
+        await b.stop()
+
+
+async def _half_open(nc: Any, rogue: Wallet, peer_link: str) -> None:
+    """Open a relay stream as ``rogue`` and send handshake message 1, then nothing more.
+
+    The peer answers message 1 and waits for message 3 for its whole
+    ``handshake_timeout``, holding an admission slot all that time.
+    """
+    stream_id = os.urandom(16)
+    opening = wire.encode(wire.Open(stream_id, RelayNames.for_did(rogue.did).token))
+    answer = await nc.request(peer_link, opening, timeout=10)
+    assert isinstance(wire.decode(answer.data), wire.Accept)
+    first = LinkHandshake(rogue, Role.INITIATOR).start()  # type: ignore[arg-type]
+    assert first is not None
+    for packet in wire.StreamState(stream_id, 1 << 20, 1 << 16).packets(first):
+        await nc.publish(peer_link, packet)
+
+
+async def test_an_open_flood_from_one_account_leaves_other_relayed_links_alone(
+    relay_net: RelayNet,
+) -> None:
+    # Relayed handshakes count against their opener's account: a rogue holding as many
+    # half-done handshakes as B admits from one source does not keep A from linking.
+    b = await started(*relay_net.home("b", handshake_timeout=60.0))
+    rogue = Wallet.generate()
+    nc = await _rogue(relay_net, rogue)
+    a: Node | None = None
+    try:
+        await until(lambda: b.status()["relay"]["connected"], 20, "B on the relay")
+        link_subject = RelayNames.for_did(b.did).link
+        await asyncio.gather(*(_half_open(nc, rogue, link_subject) for _ in range(12)))
+        await until(
+            lambda: b.metrics.counters.get("handshakes_refused", 0) >= 4, 20, "flood bounded"
+        )
+        a = await started(*relay_net.home("a"))
+        a.allow(b.did)
+        b.allow(a.did)
+        # The rogue's eight handshakes hold on for 60 s; A's link does not wait for them.
+        await asyncio.wait_for(a.send_message(b.did, "through", wait=True), 20)
+        assert _texts(b) == ["through"]
+        assert "links_refused" not in b.metrics.counters  # the rogue's are still waiting
+    finally:
+        await nc.close()
+        if a is not None:
+            await a.stop()
         await b.stop()
