@@ -22,7 +22,14 @@ from talos.config import LOOPBACK_HOSTS
 from talos.http_serve import HttpServer, serve_http, trusted
 from talos.transfer.routes import register_routes
 from talos.views import block_json, node_verify_json
-from talos_sdk.errors import StorageFullError, TalosError, UsageError
+from talos_sdk.did import public_key_from_did
+from talos_sdk.errors import (
+    LinkRefusedError,
+    PeerUnreachableError,
+    StorageFullError,
+    TalosError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     from talos.node import Node
@@ -106,6 +113,8 @@ def _middleware(token: str) -> Any:
             return _error(404, str(exc.args[0]) if exc.args else "unknown record")
         except TimeoutError as exc:
             return _error(504, str(exc) or "timed out")
+        except (PeerUnreachableError, LinkRefusedError) as exc:
+            return _error(502, str(exc))  # the node could not reach the peer; the text says more
         except UsageError as exc:
             return _error(400, str(exc))
         except StorageFullError as exc:
@@ -171,8 +180,13 @@ def build_app(node: Node, token: str, transfers: TransferManager | None = None) 
         if not req.wait:
             msg_id = await node.send_message(req.to, req.text)
             return _json(SendResponse(id=msg_id, acked=False))
-        async with asyncio.timeout(req.timeout):
-            msg_id = await node.send_message(req.to, req.text, wait=True)
+        public_key_from_did(req.to)  # a malformed DID is a 400 before anything else
+        node.check_linkable(req.to)  # the wait could only time out: say why now
+        try:
+            async with asyncio.timeout(req.timeout):
+                msg_id = await node.send_message(req.to, req.text, wait=True)
+        except TimeoutError:
+            raise node.not_acked(req.to, req.timeout) from None
         return _json(SendResponse(id=msg_id, acked=True))
 
     @routes.get("/v1/inbox")

@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 from websockets.exceptions import ConnectionClosed
 
@@ -37,6 +37,7 @@ from talos_sdk.errors import (
     DecryptionError,
     HandshakeError,
     LinkRefusedError,
+    PeerUnreachableError,
     ProtocolError,
     SignatureError,
     StorageError,
@@ -52,9 +53,13 @@ _log = logging.getLogger("talos.node")
 ProblemCallback = Callable[[str, LinkProblem], None]
 
 
+#: How a send whose wait ended says where its message is.
+QUEUED: Final = "the message stays queued (talosd outbox)"
+
+
 def refused_error(did: str, problem: LinkProblem) -> LinkRefusedError:
     """What a send waiting for ``did``'s ack raises when its link was refused for good."""
-    return LinkRefusedError(f"{problem.message(did)}; the message stays queued (talosd outbox)")
+    return LinkRefusedError(f"{problem.message(did)}; {QUEUED}")
 
 
 class NodeLinks(NodeBase):
@@ -171,6 +176,30 @@ class NodeLinks(NodeBase):
         if peer is not None and peer.link is not None:
             return False
         return self.relay is None and not self.authorizer(did) and not self.links.resolve(did)
+
+    def check_linkable(self, did: str) -> None:
+        """PeerUnreachableError when :meth:`cannot_link`: a send that waits for the ack
+        could only time out, so the local socket and the control API refuse it at once."""
+        if self.cannot_link(did):
+            raise PeerUnreachableError(
+                f"{did}: no address known for the peer, no relay, and it may not link to this "
+                f"node (not a known or allowed peer); check the DID, or add its address with "
+                f"`talosd peers add ws://HOST:PORT#{did}`; nothing was sent"
+            )
+
+    def not_acked(self, did: str, timeout: float) -> Exception:
+        """What a send whose wait for ``did``'s ack ran out raises: an unreachable or
+        refusing peer is not a slow one."""
+        state, why = self.link_state(did)
+        if state in ("unreachable", "no_address"):
+            return PeerUnreachableError(f"{did}: {why}; {QUEUED}")
+        if state.startswith("refused"):
+            return LinkRefusedError(f"{did}: {why}; {QUEUED}")
+        return TimeoutError(
+            f"no acknowledgement from {did} within {timeout:g} s"
+            + (f" ({why})" if why else "")
+            + f"; {QUEUED}"
+        )
 
     def link_state(self, did: str) -> tuple[str, str]:
         """``(state, why)`` of the link to ``did`` for status and the outbox: ready,

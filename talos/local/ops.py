@@ -232,37 +232,18 @@ def start_op_send(
         raise UsageError("'text' must be a string")
     wait = bool(args.get("wait", False))
     timeout = _num(args, "timeout", SEND_WAIT, 0.001, MAX_SEND_WAIT)
-    if wait and node.cannot_link(did):  # the wait could only time out: say why now
-        raise PeerUnreachableError(
-            f"{did}: no address known for the peer, no relay, and it may not link to this "
-            f"node (not a known or allowed peer); check the DID, or add its address with "
-            f"`talosd peers add ws://HOST:PORT#{did}`; nothing was sent"
-        )
+    if wait:
+        node.check_linkable(did)  # the wait could only time out: say why now
 
     def finished(msg_id: str | None, exc: BaseException | None) -> None:
         if exc is None:
             done({"id": msg_id, "to": did, "acked": wait}, None)
         elif wait and isinstance(exc, TimeoutError):
-            done(None, _not_acked(node, did, timeout))
+            done(None, node.not_acked(did, timeout))
         else:
             done(None, exc)
 
     return node.start_send(did, text, finished, wait=wait, timeout=timeout if wait else None)
-
-
-def _not_acked(node: Node, did: str, timeout: float) -> Exception:
-    """Say why nothing came back: an unreachable peer is not a slow one."""
-    state, why = node.link_state(did)
-    queued = "the message stays queued (talosd outbox)"
-    if state in ("unreachable", "no_address"):
-        return PeerUnreachableError(f"{did}: {why}; {queued}")
-    if state.startswith("refused"):
-        return LinkRefusedError(f"{did}: {why}; {queued}")
-    return TimeoutError(
-        f"no acknowledgement from {did} within {timeout:g} s"
-        + (f" ({why})" if why else "")
-        + f"; {queued}"
-    )
 
 
 async def op_send(host: LocalHost, args: dict[str, Any]) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -138,11 +139,43 @@ async def test_bad_requests_get_clear_errors(
             status, body = await call(http, method, path, **kw)
             assert status == want, (path, body)
             assert text.lower() in body["error"].lower(), (path, body)
-        # A wait that cannot be satisfied times out with 504, and the message stays queued.
-        status, body = await call(
-            http,
-            "POST",
-            "/v1/send",
-            json={"to": Wallet.generate().did, "text": "t", "wait": True, "timeout": 0.2},
-        )
-        assert status == 504
+
+
+async def test_a_send_that_waits_says_why_no_ack_came(
+    nodes: tuple[Node, Node, aiohttp.ClientSession],
+) -> None:
+    a, _, http = nodes
+
+    async def send_waiting(did: str, timeout: float) -> tuple[int, Any]:
+        body = {"to": did, "text": "t", "wait": True, "timeout": timeout}
+        return await call(http, "POST", "/v1/send", json=body)
+
+    async with asyncio.timeout(30):
+        # No address, no relay, may not dial in: refused at once, nothing queued.
+        status, body = await send_waiting(Wallet.generate().did, 20)
+        assert status == 502 and "nothing was sent" in body["error"], body
+        assert a.status()["queues"]["outbox"] == 0
+        # Allowed to dial in but never did: queued, and the answer says no address is known.
+        silent = Wallet.generate().did
+        a.allow(silent)
+        status, body = await send_waiting(silent, 0.2)
+        assert status == 502 and "no address known" in body["error"], body
+        assert "stays queued" in body["error"]
+        # An address where nothing listens: the dial's failure, not a bare timeout.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        gone = Wallet.generate().did
+        await a.add_peer(f"ws://127.0.0.1:{port}#{gone}")
+        await until(lambda: a.link_state(gone)[0] == "unreachable", 10, "the dial failed")
+        status, body = await send_waiting(gone, 0.5)
+        assert status == 502 and "stays queued" in body["error"], body
+        # A listener that takes the connection and never answers: a plain timeout.
+        with socket.socket() as mute:
+            mute.bind(("127.0.0.1", 0))
+            mute.listen()
+            slow = Wallet.generate().did
+            await a.add_peer(f"ws://127.0.0.1:{mute.getsockname()[1]}#{slow}")
+            status, body = await send_waiting(slow, 0.3)
+        assert status == 504 and "no acknowledgement" in body["error"], body
+        assert a.status()["queues"]["outbox"] == 3
