@@ -22,7 +22,6 @@ from talos.config import LOOPBACK_HOSTS
 from talos.http_serve import HttpServer, serve_http, trusted
 from talos.transfer.routes import register_routes
 from talos.views import block_json, node_verify_json
-from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
     LinkRefusedError,
     PeerUnreachableError,
@@ -180,11 +179,10 @@ def build_app(node: Node, token: str, transfers: TransferManager | None = None) 
         if not req.wait:
             msg_id = await node.send_message(req.to, req.text)
             return _json(SendResponse(id=msg_id, acked=False))
-        public_key_from_did(req.to)  # a malformed DID is a 400 before anything else
         node.check_linkable(req.to)  # the wait could only time out: say why now
         try:
-            async with asyncio.timeout(req.timeout):
-                msg_id = await node.send_message(req.to, req.text, wait=True)
+            # The node's own timeout: its answer comes once the queued row is durable.
+            msg_id = await node.send_message(req.to, req.text, wait=True, timeout=req.timeout)
         except TimeoutError:
             raise node.not_acked(req.to, req.timeout) from None
         return _json(SendResponse(id=msg_id, acked=True))

@@ -269,16 +269,9 @@ class NodeDelivery(NodeBase):
     ) -> Sending:
         """:meth:`send_message` without a task: ``done(msg_id, None)`` or ``done(None, error)``
         later (talos/node_send.py); bad input raises here, before anything is queued."""
-        if not self.started or self._stopping:
-            raise UsageError("the node is not running")
-        if did == self.did:
-            raise UsageError("cannot send a message to this node itself")
+        self._check_recipient(did)
         if not isinstance(text, str):
             raise UsageError("message text must be a string")
-        if did not in self._peers:
-            from talos_sdk.did import public_key_from_did
-
-            public_key_from_did(did)  # a clear DIDError for a malformed recipient
         peer = self._peer(did)
         now_ms = int(self._clock() * 1000)
         # ADR 0007: the number is unique across crashes, so the frame may leave
@@ -305,6 +298,17 @@ class NodeDelivery(NodeBase):
             self._kick(peer)
             self.links.ensure(did)
         return sending
+
+    def _check_recipient(self, did: str) -> None:
+        """UsageError unless a message to ``did`` may be queued now."""
+        if not self.started or self._stopping:
+            raise UsageError("the node is not running")
+        if did == self.did:
+            raise UsageError("cannot send a message to this node itself")
+        if did not in self._peers:
+            from talos_sdk.did import public_key_from_did
+
+            public_key_from_did(did)  # a clear DIDError for a malformed recipient
 
     def _flush_outbox(self) -> None:
         """Group commit of the outbox: sends arriving while one commit runs share the next."""

@@ -179,7 +179,9 @@ class NodeLinks(NodeBase):
 
     def check_linkable(self, did: str) -> None:
         """PeerUnreachableError when :meth:`cannot_link`: a send that waits for the ack
-        could only time out, so the local socket and the control API refuse it at once."""
+        could only time out, so the local socket and the control API refuse it at once
+        (after the UsageErrors any send to ``did`` gets)."""
+        self._check_recipient(did)
         if self.cannot_link(did):
             raise PeerUnreachableError(
                 f"{did}: no address known for the peer, no relay, and it may not link to this "

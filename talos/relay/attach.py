@@ -133,6 +133,8 @@ class NodeRelay:
             "servers": client.servers,
             "connected": client.connected.is_set(),
             "token": client.names.token,
+            "account": client.account,
+            "vouched": client.vouched,
             "streams": client.streams,
             "relay_packets_rejected": 0,
             "relay_packets_dropped": 0,

@@ -35,7 +35,14 @@ from typing import Any, Final
 
 from talos.logging import event
 from talos.relay import wire
-from talos.relay.names import MAILBOX_CONSUMER, RelayNames, nkey_seed, publisher_account
+from talos.relay.names import (
+    MAILBOX_CONSUMER,
+    USER_INFO_SUBJECT,
+    RelayNames,
+    nkey_seed,
+    publisher_account,
+    user_info_account,
+)
 from talos.relay.stream import CLOSE_RELAY_LOST, RelayStream
 from talos_sdk.errors import TalosError
 from talos_sdk.wallet import Wallet
@@ -122,6 +129,11 @@ class RelayClient:
         self._nc: Any = None
         self._js: Any = None
         self._stopping = False
+        #: The account the relay says this node is in (None: not told, e.g. a relay
+        #: configured before it allowed the question), asked at each connect; only
+        #: when it is the node's own does a packet header's account come from the server.
+        self.account: str | None = None
+        self.vouched = False
         self.connected = asyncio.Event()
         self.counters: dict[str, int] = {}
 
@@ -193,6 +205,7 @@ class RelayClient:
             )
             self.connected.set()
             event(_log, "relay_connected", server=self._server_name())
+            self._spawn(self._check_account(), "talos-relay-account")
             if self._on_mailbox is not None:
                 self._spawn(self._drain_loop(), "talos-relay-mailbox")
             return
@@ -217,6 +230,23 @@ class RelayClient:
     async def _on_reconnected(self) -> None:
         self.connected.set()
         event(_log, "relay_reconnected", server=self._server_name())
+        self._spawn(self._check_account(), "talos-relay-account")
+
+    async def _check_account(self) -> None:
+        """Ask the server which account this node is in: :attr:`vouched` if its own.
+
+        A relay whose configuration predates the question, or that puts nodes in
+        one shared account, leaves it False: packets are then taken as they come
+        and every relayed handshake shares one admission share.
+        """
+        nc = self._nc
+        account = None
+        with contextlib.suppress(Exception):  # not allowed, no answer: not vouched
+            reply = await nc.request(USER_INFO_SUBJECT, b"", timeout=self._handshake_timeout)
+            account = user_info_account(reply.data)
+        self.account = account
+        self.vouched = account == self.names.account
+        event(_log, "relay_account", account=account, own=self.vouched)
 
     # --- streams ---------------------------------------------------------------------------------
 
@@ -291,8 +321,8 @@ class RelayClient:
             return
         # Where the relay names the sending account, it must be the node the packet
         # claims (an OPEN's token) or the stream's peer: another node's account is
-        # forging (docs/adr/0010-nats-relay.md "One account per node").
-        sender = publisher_account(msg.headers)
+        # forging (docs/adr/0010-nats-relay.md "The relay vouches for the sender").
+        sender = publisher_account(msg.headers) if self.vouched else None
         if isinstance(packet, wire.Open):
             opener = RelayNames(packet.token)
             if sender is not None and sender != opener.account:

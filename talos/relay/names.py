@@ -20,7 +20,10 @@ nats-server stamps every message that crosses from one account to another
 through a service import with a ``Nats-Request-Info`` header naming the
 publisher's account, replacing any such header the publisher set
 (:func:`publisher_account`). That is how a node knows which node's account a
-relay packet came from without trusting anything in it.
+relay packet came from without trusting anything in it, once the server told
+it that it is in an account of its own (:data:`USER_INFO_SUBJECT`): where
+nodes share one account nothing crosses an import, and a header is whatever
+its sender wrote.
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ from talos_sdk.errors import UsageError
 __all__ = [
     "MAILBOX_CONSUMER",
     "REQUEST_INFO_HEADER",
+    "USER_INFO_SUBJECT",
     "RelayNames",
     "crc16_xmodem",
     "nkey_public",
     "nkey_seed",
     "publisher_account",
     "relay_token",
+    "user_info_account",
 ]
 
 TOKEN_LABEL: Final = b"talos/relay/v1/token\x00"
@@ -53,6 +58,10 @@ MAILBOX_CONSUMER: Final = "talos"
 
 #: The header nats-server writes on messages crossing a service import (its accounts.go).
 REQUEST_INFO_HEADER: Final = "Nats-Request-Info"
+#: nats-server's answer to "which user and account is this connection" (its events.go).
+USER_INFO_SUBJECT: Final = "$SYS.REQ.USER.INFO"
+# Longer than any header nats-server writes: refused unparsed.
+_MAX_REQUEST_INFO = 4096
 
 # NKeys prefix bytes (5 bits, shifted): 'S' seed, 'U' user.
 _PREFIX_SEED: Final = 18 << 3
@@ -140,6 +149,7 @@ class RelayNames:
                 "allow": [
                     "talos.link.*",
                     "talos.mbox.*",
+                    USER_INFO_SUBJECT,
                     f"{js}.INFO",
                     f"{js}.STREAM.*.{self.stream}",
                     f"{js}.CONSUMER.*.{self.stream}",
@@ -164,9 +174,22 @@ def publisher_account(headers: Mapping[str, str] | None) -> str | None:
     raw = headers.get(REQUEST_INFO_HEADER) if headers else None
     if raw is None:
         return None
+    if len(raw) > _MAX_REQUEST_INFO:
+        return ""
     try:
         info = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return ""
     account = info.get("acc") if isinstance(info, dict) else None
     return account if isinstance(account, str) else ""
+
+
+def user_info_account(reply: bytes) -> str | None:
+    """The account in nats-server's answer on :data:`USER_INFO_SUBJECT` (None if none)."""
+    try:
+        info = json.loads(reply)
+    except (ValueError, RecursionError):
+        return None
+    data = info.get("data") if isinstance(info, dict) else None
+    account = data.get("account") if isinstance(data, dict) else None
+    return account if isinstance(account, str) else None

@@ -151,6 +151,8 @@ async def test_a_send_that_waits_says_why_no_ack_came(
         return await call(http, "POST", "/v1/send", json=body)
 
     async with asyncio.timeout(30):
+        status, body = await send_waiting(a.did, 20)  # as without wait: a bad request
+        assert status == 400 and "itself" in body["error"], body
         # No address, no relay, may not dial in: refused at once, nothing queued.
         status, body = await send_waiting(Wallet.generate().did, 20)
         assert status == 502 and "nothing was sent" in body["error"], body

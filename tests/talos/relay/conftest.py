@@ -33,15 +33,25 @@ class RelayNet:
         return home, config
 
 
-@pytest.fixture
-def relay_net(tmp_path: Path) -> Iterator[RelayNet]:
+def _relay_net(root: Path, *, shared: bool) -> Iterator[RelayNet]:
     nats_server_binary()  # skips with the reason when the binary is missing
-    net = RelayNet(tmp_path)
-    server_dir = tmp_path / "relay"
+    net = RelayNet(root)
+    server_dir = root / "relay"
     server_dir.mkdir()
-    net.server = NatsServer(server_dir, [])
+    net.server = NatsServer(server_dir, [], shared=shared)
     net.server.start()
     try:
         yield net
     finally:
         net.server.stop()
+
+
+@pytest.fixture
+def relay_net(tmp_path: Path) -> Iterator[RelayNet]:
+    yield from _relay_net(tmp_path, shared=False)
+
+
+@pytest.fixture
+def shared_relay_net(tmp_path: Path) -> Iterator[RelayNet]:
+    """A relay whose nodes share one NATS account (how relays were first set up)."""
+    yield from _relay_net(tmp_path, shared=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from talos.relay.serverconf import account_name, render_server_config
+from talos.relay.serverconf import account_name, render_server_config, user_entry
 
 #: Each node account's JetStream storage here: the 256 MiB store then holds 15 mailboxes,
 #: and a node's default 64 MiB mailbox is capped to what the relay grants.
@@ -47,13 +47,17 @@ def free_port() -> int:
 class NatsServer:
     """One nats-server process; ``restart()`` keeps its port and store."""
 
-    def __init__(self, root: Path, dids: Iterable[str], *, max_store: str = "256M") -> None:
+    def __init__(
+        self, root: Path, dids: Iterable[str], *, max_store: str = "256M", shared: bool = False
+    ) -> None:
         self.binary = nats_server_binary()
         self.root = root
         self.store_dir = root / "jetstream"
         self.port = free_port()
         self.dids = list(dids)
         self.max_store = max_store
+        #: Every node in one account, as relays were set up before "One account per node".
+        self.shared = shared
         self.conf = root / "nats.conf"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -70,7 +74,11 @@ class NatsServer:
             max_store=self.max_store,
             mailbox_bytes=MAILBOX_BYTES,
         )
-        if no_imports:
+        if self.shared:
+            head = text.split("accounts: ", 1)[0]
+            one = {"jetstream": "enabled", "users": [user_entry(did) for did in self.dids]}
+            text = head + "accounts: " + json.dumps({"TALOS": one}) + "\n"
+        elif no_imports:
             head, block = text.split("accounts: ", 1)
             accounts = json.loads(block)
             for did in no_imports:

@@ -107,5 +107,15 @@ def test_the_publisher_account_is_read_from_the_relay_header() -> None:
     assert publisher_account({REQUEST_INFO_HEADER: stamped}) == names.account
     assert publisher_account(None) is None  # from within the receiver's own account
     assert publisher_account({"Other": "x"}) is None
-    for broken in ["", "{", "[]", '{"rtt": 1}', '{"acc": 7}']:
+    for broken in ["", "{", "[]", '{"rtt": 1}', '{"acc": 7}', "[" * 100_000, " " * 5000]:
         assert publisher_account({REQUEST_INFO_HEADER: broken}) == ""  # matches no account
+
+
+def test_the_own_account_is_read_from_the_user_info_answer() -> None:
+    from talos.relay.names import user_info_account
+
+    # The shape of nats-server 2.15's answer on $SYS.REQ.USER.INFO (fields cut).
+    answer = {"server": {"name": "N"}, "data": {"user": "U", "account": "TALOS_X"}}
+    assert user_info_account(json.dumps(answer).encode()) == "TALOS_X"
+    for broken in [b"", b"{", b"[]", b'{"data": 1}', b'{"data": {"account": 2}}', b"[" * 100_000]:
+        assert user_info_account(broken) is None

@@ -315,6 +315,7 @@ async def test_packets_another_account_forges_are_dropped(relay_net: RelayNet) -
         links = (a._peers[b.did].link, b._peers[a.did].link)
         assert b.relay is not None
         client = b.relay.client
+        await until(lambda: client.vouched, 10, "B told it has an account of its own")
         (stream_id,) = list(client._streams)
         link_subject = RelayNames.for_did(b.did).link
         as_a = {"Nats-Request-Info": f'{{"acc":"{RelayNames.for_did(a.did).account}"}}'}
@@ -364,7 +365,9 @@ async def test_an_open_flood_from_one_account_leaves_other_relayed_links_alone(
     nc = await _rogue(relay_net, rogue)
     a: Node | None = None
     try:
-        await until(lambda: b.status()["relay"]["connected"], 20, "B on the relay")
+        assert b.relay is not None
+        client = b.relay.client
+        await until(lambda: client.vouched, 20, "B on the relay, in an account of its own")
         link_subject = RelayNames.for_did(b.did).link
         await asyncio.gather(*(_half_open(nc, rogue, link_subject) for _ in range(12)))
         await until(
@@ -381,4 +384,34 @@ async def test_an_open_flood_from_one_account_leaves_other_relayed_links_alone(
         await nc.close()
         if a is not None:
             await a.stop()
+        await b.stop()
+
+
+async def test_a_shared_account_relay_trusts_no_account_header(
+    shared_relay_net: RelayNet,
+) -> None:
+    # Where nodes share one account nothing crosses an import and the server writes no
+    # header: one a rogue writes must not buy it an admission share per made-up account.
+    a, b = await _pair(shared_relay_net)
+    nc = await _rogue(shared_relay_net)
+    try:
+        await a.send_message(b.did, "before", wait=True)
+        assert b.relay is not None
+        client = b.relay.client
+        await until(lambda: client.account == "TALOS", 10, "B told its account")
+        link_subject = RelayNames.for_did(b.did).link
+        for _ in range(12):
+            token = RelayNames.for_did(Wallet.generate().did)
+            posing = {"Nats-Request-Info": f'{{"acc":"{token.account}"}}'}
+            opening = wire.encode(wire.Open(os.urandom(16), token.token))
+            await nc.request(link_subject, opening, timeout=10, headers=posing)
+        await until(
+            lambda: b.metrics.counters.get("handshakes_refused", 0) >= 4, 20, "one shared share"
+        )
+        assert not client.vouched and "relay_packets_forged" not in client.counters
+        await a.send_message(b.did, "after", wait=True)
+        assert _texts(b) == ["before", "after"]
+    finally:
+        await nc.close()
+        await a.stop()
         await b.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from talos.local.ops import _not_acked
 from talos.node import Node
 from talos.views import outbox_json
 from tests.talos.nodes import started, until
@@ -54,7 +53,7 @@ async def test_recipient_offline_then_sender_offline_delivered_once(relay_net: R
     assert row["state"] == "mailboxed"
     assert {m["state"] for m in row["messages"]} == {"sent, awaiting ack"}
     # A send --wait ending now is timed out (exit 5) with that reason, not "unreachable".
-    late = _not_acked(a, b.did, 1.0)
+    late = a.not_acked(b.did, 1.0)
     assert type(late) is TimeoutError and "relay mailbox" in str(late)
     await a.stop()  # the sender is gone when the recipient returns
     b = await started(home_b, config_b)
