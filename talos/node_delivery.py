@@ -34,6 +34,7 @@ from talos.chain.block import Record
 from talos.chain.log import BlockLog
 from talos.link import wire
 from talos.link.peer import Link
+from talos.link.refusals import DEFER_WHY
 from talos.logging import event
 from talos.node_base import Incoming, NodeBase, OnCommitted, Peer
 from talos.node_send import Done, Sending, until_done
@@ -105,7 +106,7 @@ class NodeDelivery(NodeBase):
         if peer.deferred != frame.reason:
             peer.deferred = frame.reason
             event(_log, "peer_cannot_store", level=logging.WARNING, peer=peer.did,
-                  why=wire.DEFER_WHY[frame.reason])  # fmt: skip
+                  why=DEFER_WHY[frame.reason])  # fmt: skip
         self.metrics.inc("defers_received")
 
     def _on_ack(self, peer: Peer, seq: int) -> None:

@@ -27,7 +27,7 @@ from talos.link import wire
 from talos.link.auth import check_bundle_auth
 from talos.link.handshake import CLOSE_PROTOCOL
 from talos.link.peer import Link
-from talos.link.refusals import UNREACHABLE, LinkProblem
+from talos.link.refusals import DEFER_WHY, UNREACHABLE, LinkProblem
 from talos.logging import event
 from talos.node_apps import ConnectTimeoutError
 from talos.node_base import NodeBase, Peer
@@ -210,7 +210,7 @@ class NodeLinks(NodeBase):
         idle; ``why`` says why messages do not move."""
         peer = self._peers.get(did)
         if peer is not None and peer.ready.is_set():
-            return "ready", wire.DEFER_WHY[peer.deferred] if peer.deferred else ""
+            return "ready", DEFER_WHY[peer.deferred] if peer.deferred else ""
         if peer is not None and peer.link is not None:
             return "linked", "waiting for session"
         problem = self._problems.get(did)

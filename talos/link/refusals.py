@@ -1,4 +1,4 @@
-"""Why a peer has no link: refusals and failed dials, in words a person reads.
+"""Why a peer has no link, or takes no messages: refusals, failed dials, deferrals, in words.
 
 docs/PROTOCOL.md "Link protocol" (close codes) and docs/operations.md
 ("Why a message does not move"). Pure: the node (talos/node_links.py) hands
@@ -18,9 +18,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from talos.link.wire import DEFER_FAILING, DEFER_FULL
+
 __all__ = [
     "BY_PEER",
     "BY_US",
+    "DEFER_WHY",
     "DEFINITE",
     "MAX_PROBLEMS",
     "UNREACHABLE",
@@ -29,6 +32,13 @@ __all__ = [
     "our_refusal_text",
     "peer_refusal_text",
 ]
+
+#: A DEFER frame's reason (docs/PROTOCOL.md "Link protocol") as the sender's outbox
+#: and log say it: the link is up, the peer cannot store what it is sent.
+DEFER_WHY: Final = {
+    DEFER_FULL: "the peer cannot store messages: its store is full (they stay queued here)",
+    DEFER_FAILING: "the peer cannot store messages: its storage fails (they stay queued here)",
+}
 
 Kind = Literal["refused_by_peer", "refused_by_us", "unreachable"]
 BY_PEER: Final = "refused_by_peer"

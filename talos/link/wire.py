@@ -20,7 +20,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME",
     "DEFER_FAILING",
     "DEFER_FULL",
-    "DEFER_WHY",
+    "DEFER_REASONS",
     "MIN_MAX_FRAME",
     "Accept",
     "Ack",
@@ -127,11 +127,7 @@ class Defer:
 #: Why a Defer was sent: the receiver's store is full, or failed otherwise.
 DEFER_FULL: Final = 1
 DEFER_FAILING: Final = 2
-#: Each reason as the sender's outbox and log say it.
-DEFER_WHY: Final = {
-    DEFER_FULL: "the peer cannot store messages: its store is full (they stay queued here)",
-    DEFER_FAILING: "the peer cannot store messages: its storage fails (they stay queued here)",
-}
+DEFER_REASONS: Final = frozenset({DEFER_FULL, DEFER_FAILING})
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +204,7 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> LinkFrame:
         if len(data) != _BQB.size:
             raise MalformedFrameError("DEFER must be exactly 10 bytes")
         _, seq, reason = _BQB.unpack(data)
-        if reason not in DEFER_WHY:
+        if reason not in DEFER_REASONS:
             raise MalformedFrameError(f"unknown DEFER reason {reason}")
         return Defer(seq, reason)
     if t == T_ACCEPT:

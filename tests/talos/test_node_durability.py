@@ -24,6 +24,7 @@ from talos.chain.log import block_key
 from talos.chain.verify import verify_chain
 from talos.config import NodeConfig
 from talos.link import wire
+from talos.link.refusals import DEFER_WHY
 from talos.node import Node
 from talos.store import Store
 from talos.views import outbox_json
@@ -358,9 +359,9 @@ async def test_a_receiver_that_cannot_store_tells_its_sender_which_says_why(
             writer(b).before("receive", while_full)
             await a.send_message(b.did, "kept")
             await until(lambda: a.link_state(b.did)[1] != "", what="A to hear B's DEFER")
-            assert a.link_state(b.did) == ("ready", wire.DEFER_WHY[wire.DEFER_FULL])
+            assert a.link_state(b.did) == ("ready", DEFER_WHY[wire.DEFER_FULL])
             (row,) = outbox_json(a)
-            assert row["why"] == wire.DEFER_WHY[wire.DEFER_FULL]
+            assert row["why"] == DEFER_WHY[wire.DEFER_FULL]
             assert a.metrics.counters["defers_received"] >= 1
             full = False  # B's operator made room: A's next resend is stored and acked
             await until(lambda: outbox(a) == 0, what="the resend to be acked")
