@@ -321,7 +321,7 @@ class RelayClient:
             return
         # Where the relay names the sending account, it must be the node the packet
         # claims (an OPEN's token) or the stream's peer: another node's account is
-        # forging (docs/adr/0010-nats-relay.md "The relay vouches for the sender").
+        # forging (docs/PROTOCOL.md "Relay", who sent a packet).
         sender = publisher_account(msg.headers) if self.vouched else None
         if isinstance(packet, wire.Open):
             opener = RelayNames(packet.token)
