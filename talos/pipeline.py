@@ -224,6 +224,8 @@ def inbox_key(n: int) -> bytes:
 
 def iter_inbox(txn: Txn, after: int = 0) -> Iterator[InboxEntry]:
     """Inbox entries with arrival number above ``after``, in arrival order."""
+    if after >= 2**64 - 1:
+        return  # no arrival number is above the largest one
     for key, value in txn.items("inbox", inbox_key(after + 1)):
         yield decode_inbox(key, value)
 

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from talos import peer_names
 from talos.chain.log import UnknownRecordError
 from talos.local.log_ops import op_log_append, op_log_records
-from talos.local.wire import MAX_LIMIT, MAX_SEND_WAIT, MAX_WAIT, SEND_WAIT
+from talos.local.wire import MAX_FRAME, MAX_LIMIT, MAX_SEND_WAIT, MAX_WAIT, SEND_WAIT
 from talos.node_send import until_done
 from talos.peer_refs import is_did
 from talos_sdk.errors import (
@@ -259,6 +261,12 @@ async def op_outbox(host: LocalHost, args: dict[str, Any]) -> Any:
     return outbox_json(node, resolve(node, ref) if ref is not None else None)
 
 
+#: JSON bytes of messages one ``inbox`` reply carries at most: a message's text can grow
+#: sixfold when escaped (control characters), and a full page of large messages must still
+#: fit one local frame (MAX_FRAME); past it the reply stops early and ``next`` says where.
+INBOX_REPLY_BYTES = MAX_FRAME // 2
+
+
 async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
     """Messages after ``after`` (default: the read cursor), waiting up to ``wait`` seconds."""
     node = host.node
@@ -271,13 +279,20 @@ async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
     limit = int(_num(args, "limit", 50, 1, MAX_LIMIT))
     wait = _num(args, "wait", 0.0, 0.0, MAX_WAIT)
     entries = await node.wait_inbox(after, wait) if wait else node.inbox(after)
-    entries = entries[:limit]
     names = _names(node)
+    messages: list[dict[str, Any]] = []
+    size = 0
+    for entry in entries[:limit]:
+        item = entry.to_json(names)
+        size += len(orjson.dumps(item))
+        if messages and size > INBOX_REPLY_BYTES:
+            break  # the caller pages on from "next"
+        messages.append(item)
     with node.store.read() as txn:
         last = _last_n(txn)
     return {
-        "messages": [e.to_json(names) for e in entries],
-        "next": entries[-1].n if entries else after,
+        "messages": messages,
+        "next": messages[-1]["n"] if messages else after,
         "read": cursor,
         "last": last,
     }

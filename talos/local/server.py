@@ -254,7 +254,7 @@ class _Conn(FlowControlled):
             reply = {"id": call_id, "error": error_json(exc)}
         try:
             frame = wire.encode_json(wire.Kind.REPLY, reply)
-        except UsageError as bad:  # a result holding text that is not UTF-8 (a file name)
+        except (UsageError, OversizeError) as bad:  # text that is not UTF-8, a reply too big
             event(_log, "local_reply_unencodable", level=logging.ERROR, op=op, error=str(bad))
             frame = wire.encode_json(wire.Kind.REPLY, {"id": call_id, "error": error_json(bad)})
         self.reply(frame)

@@ -155,6 +155,30 @@ async def test_names_send_long_poll_and_bad_input(tmp_path: Path) -> None:
         await b.stop()
 
 
+async def test_an_inbox_page_above_one_local_frame_comes_in_parts(tmp_path: Path) -> None:
+    # Control characters grow sixfold in JSON: six of the largest such messages are a
+    # reply above the 32 MiB local frame. It stops early and says where to go on, where
+    # the node used to send no reply at all (the caller waited for good).
+    a, b = await _pair(tmp_path)
+    try:
+        await link(a.node, b.node)
+        text = "\x01" * pl.text_limit(a.config.max_frame)
+        for _ in range(6):
+            await a.send_message(b.did, text, wait=True)
+        cb = await LocalClient.connect(b.home.path)
+        pages, after = [], 0
+        while page := (await asyncio.wait_for(cb.call("inbox", after=after), 30))["messages"]:
+            pages.append(len(page))
+            after = page[-1]["n"]
+            assert all(m["text"] == text for m in page)
+        assert sum(pages) == 6 and len(pages) > 1, pages
+        assert (await cb.call("inbox", after=2**64 - 1))["messages"] == []  # the largest n
+        await cb.close()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 async def test_client_gone_mid_long_poll_loses_nothing(tmp_path: Path) -> None:
     a, b = await _pair(tmp_path)
     try:
