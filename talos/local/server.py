@@ -105,8 +105,19 @@ class _Claim:
         return True
 
 
+#: Calls one client may have in progress (long-polls and waiting sends included); past
+#: it the node reads no more of its frames until some are answered.
+MAX_PENDING_CALLS = 1024
+
+
 class _Conn(FlowControlled):
-    """One local client."""
+    """One local client.
+
+    Its frames are not read while any *hold* is on: its replies pile up unread
+    (above the write buffer's high water), it has :data:`MAX_PENDING_CALLS` calls in
+    progress, or its APP frames wait for a busy link. So a client that stops
+    reading, or floods calls, costs the node a bounded amount of memory.
+    """
 
     def __init__(self, server: LocalServer) -> None:
         super().__init__()
@@ -121,6 +132,7 @@ class _Conn(FlowControlled):
         self._app_task: asyncio.Task[None] | None = None
         self._replies: list[bytes] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._holds: set[str] = set()
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
@@ -158,8 +170,39 @@ class _Conn(FlowControlled):
                 assert self._loop is not None
                 task = self._loop.create_task(self._call(frame.body))
                 self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
+                task.add_done_callback(self._call_done)
             # REPLY / EVENT from a client mean nothing to the node: ignored.
+        if len(self.tasks) + len(self.sends) >= MAX_PENDING_CALLS:
+            self._hold("calls")
+
+    def _call_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self._settled()
+
+    def _settled(self) -> None:
+        if "calls" in self._holds and len(self.tasks) + len(self.sends) < MAX_PENDING_CALLS:
+            self._release("calls")
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._hold("replies")  # it does not read its replies: read none of its calls
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._release("replies")
+
+    def _hold(self, why: str) -> None:
+        """Stop reading this client's frames until every hold is released."""
+        if not self._holds and self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+        self._holds.add(why)
+
+    def _release(self, why: str) -> None:
+        if why not in self._holds:
+            return
+        self._holds.discard(why)
+        if not self._holds and self.transport is not None and not self.closed:
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -235,6 +278,7 @@ class _Conn(FlowControlled):
         def done(result: Any, exc: BaseException | None) -> None:
             if started:
                 self.sends.discard(started[0])
+                self._settled()
             self._answer(call_id, "send", result, exc)
 
         try:
@@ -273,8 +317,7 @@ class _Conn(FlowControlled):
             return
         # The link is busy: keep order, stop reading this client until it drained.
         self._app_out.append(frame)
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self._hold("app")
         self._app_task = asyncio.ensure_future(self._drain_app())
 
     async def _drain_app(self) -> None:
@@ -286,8 +329,7 @@ class _Conn(FlowControlled):
             except (TalosError, ConnectionError) as exc:
                 self._app_lost(frame, exc)
         self._app_task = None
-        if self.transport is not None and not self.closed:
-            self.transport.resume_reading()
+        self._release("app")
 
     def _app_lost(self, frame: wire.AppFrame, exc: BaseException) -> None:
         # As for an in-process sender: the link listener fails what depended on it.

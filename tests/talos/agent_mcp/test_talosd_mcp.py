@@ -481,9 +481,11 @@ async def test_when_the_agent_running_the_node_leaves_an_attached_agent_takes_it
                 assert data(await guest.call_tool("node_status", {}))["mode"] == "attached"
             host.stdin.close()
             # At once, both, while the host's node is still stopping, as two agents would:
-            # a call may meet the node going away; the next one meets its successor.
-            after = await asyncio.gather(*(_status_soon(guest) for guest in (bob, carol)))
+            # a call may meet the node going away (or, before it starts stopping, still
+            # answer from it); the next one meets its successor.
+            await asyncio.gather(*(_status_soon(guest) for guest in (bob, carol)))
             assert await asyncio.wait_for(host.wait(), 60) == 0
+            after = await asyncio.gather(*(_status_soon(guest) for guest in (bob, carol)))
             modes = sorted(data(result)["mode"] for result in after)
             assert modes == ["attached", "in-process"]
             assert len({data(result)["did"] for result in after}) == 1

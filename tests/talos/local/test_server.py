@@ -17,6 +17,7 @@ import pytest
 from talos import pipeline as pl
 from talos.config import NodeConfig
 from talos.daemon import Daemon
+from talos.local import wire
 from talos.local.call import LocalUsageError, NodeGoneError, NoNodeError, call
 from talos.local.client import LocalClient
 from talos.local.server import SOCKET_NAME, peer_allowed, peer_uid
@@ -177,6 +178,38 @@ async def test_an_inbox_page_above_one_local_frame_comes_in_parts(tmp_path: Path
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_client_that_reads_no_replies_costs_the_node_bounded_memory(
+    tmp_path: Path,
+) -> None:
+    # 100,000 calls whose replies (~20 MB) nobody reads: the node stops reading the
+    # client once a megabyte of replies waits, keeps serving others, and answers every
+    # call once the client reads. Before, it read on and buffered every reply.
+    a = await started(*make_home(tmp_path, "a"))
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
+        calls = 100_000
+        writer.write(wire.encode_json(wire.Kind.CALL, {"id": 1, "op": "id", "args": {}}) * calls)
+        local = a.daemon.local
+        assert local is not None
+        await until(lambda: len(local.conns) == 1, 10, "the client connected")
+        (conn,) = local.conns
+        await until(lambda: conn.transport.is_reading() is False, 10, "the node stops reading")
+        await asyncio.sleep(0.3)
+        assert conn.transport.get_write_buffer_size() < 4 << 20
+        other = await LocalClient.connect(a.home.path)
+        assert (await other.call("id"))["did"] == a.did
+        await other.close()
+        frames = wire.FrameReader()
+        answered = 0
+        while answered < calls:
+            got = frames.feed(await asyncio.wait_for(reader.read(1 << 20), 30))
+            answered += sum(f.kind is wire.Kind.REPLY for f in got)
+        assert answered == calls
+        writer.close()
+    finally:
+        await a.stop()
 
 
 async def test_client_gone_mid_long_poll_loses_nothing(tmp_path: Path) -> None:
