@@ -25,6 +25,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import signal
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -393,7 +396,14 @@ def build_server(raw_backend: Backend) -> Any:
 
 
 async def serve(home: Path, *, passphrase_file: str | None = None) -> None:
-    """Run ``talosd mcp`` on stdio until the client closes stdin."""
+    """Run ``talosd mcp`` on stdio until the client closes stdin, or SIGTERM / SIGINT.
+
+    A signal stops it as the end of stdin does (a node it runs is handed over to
+    attached agents, its store closed cleanly), then exits the process at once
+    with 128 + the signal number: the SDK reads stdin in a worker thread that
+    nothing interrupts, and waiting for that read would keep the process until
+    the client wrote another line.
+    """
     from mcp.server.stdio import stdio_server
 
     backend = await open_backend(home, passphrase_file=passphrase_file)
@@ -401,12 +411,39 @@ async def serve(home: Path, *, passphrase_file: str | None = None) -> None:
     watcher = InboxWatcher(backend, server.talos_notify)
     watcher.start()
     low = server._lowlevel_server
-    try:
+
+    async def on_stdio() -> None:
         async with stdio_server() as (read_stream, write_stream):
             await _run_answering_parse_errors(low, read_stream, write_stream)
+
+    loop = asyncio.get_running_loop()
+    signalled: list[int] = []
+    stopped = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, _on_signal, signum, signalled, stopped)
+    stdio = asyncio.ensure_future(on_stdio())
+    stopping = asyncio.ensure_future(stopped.wait())
+    try:
+        await asyncio.wait((stdio, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not signalled:
+            await stdio  # its end, or its error
     finally:
+        stopping.cancel()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
         await watcher.stop()
         await backend.close()
+    if signalled:
+        stdio.cancel()  # not awaited: its stdin read would hold it (see above)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(128 + signalled[0])
+
+
+def _on_signal(signum: int, signalled: list[int], stopped: asyncio.Event) -> None:
+    if not signalled:
+        signalled.append(signum)
+        stopped.set()
 
 
 async def _run_answering_parse_errors(low: Any, read_stream: Any, write_stream: Any) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from importlib.metadata import version
@@ -463,6 +464,26 @@ async def _status_soon(guest: Client) -> types.CallToolResult:
                 return result
             assert "stopped" in error_text(result), error_text(result)
             await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_a_signal_hands_the_node_over_and_ends_at_once(tmp_path: Path, signum: int) -> None:
+    """SIGTERM / SIGINT stop it as the end of stdin does, without waiting for a stdin line."""
+    home = tmp_path / "signalled"
+    init(home)
+    host = await raw_mcp(home)
+    try:
+        async with asyncio.timeout(60):
+            assert (await _raw_status(host))["mode"] == "in-process"
+        async with agent(home, MODERN) as guest:
+            assert data(await guest.call_tool("node_status", {}))["mode"] == "attached"
+            host.send_signal(signum)  # its stdin stays open
+            assert await asyncio.wait_for(host.wait(), 30) == 128 + signum
+            assert data(await _status_soon(guest))["mode"] == "in-process"
+    finally:
+        if host.returncode is None:
+            host.kill()
+            await host.wait()
 
 
 async def test_when_the_agent_running_the_node_leaves_an_attached_agent_takes_it_over(
