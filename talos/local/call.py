@@ -6,7 +6,9 @@ without importing the node, aiohttp or pydantic.
 
 from __future__ import annotations
 
+import errno
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +16,13 @@ from talos.local import wire
 from talos_sdk.errors import LinkRefusedError, PeerUnreachableError, TalosError, UsageError
 
 __all__ = [
+    "BUSY_RETRY",
     "SOCKET_NAME",
     "LocalCallError",
     "LocalUsageError",
     "NoNodeError",
     "NodeGoneError",
+    "busy",
     "call",
     "socket_path",
 ]
@@ -71,16 +75,41 @@ def no_node(home: Path, exc: OSError) -> NoNodeError:
     return NoNodeError(f"no node is running on {home}")
 
 
-def call(home: Path, op: str, args: dict[str, Any] | None = None, *, timeout: float = 30) -> Any:
-    """One call to the node of ``home``; NoNodeError if none runs."""
-    path = socket_path(home)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
+#: Longest a client retries a connect the node's full listen backlog turned away
+#: (EAGAIN: hundreds of clients connecting at once).
+BUSY_RETRY = 10.0
+
+
+def busy(exc: OSError) -> bool:
+    """The node's listen backlog is full: the connect may be tried again."""
+    return isinstance(exc, BlockingIOError) or exc.errno == errno.EAGAIN
+
+
+def _connect(home: Path, timeout: float) -> socket.socket:
+    path = str(socket_path(home))
+    deadline = time.monotonic() + min(timeout, BUSY_RETRY)
+    pause = 0.005
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
-            sock.connect(str(path))
+            sock.connect(path)
+            return sock
         except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+            sock.close()
             raise no_node(home, exc) from None
+        except OSError as exc:
+            sock.close()
+            if not busy(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+
+
+def call(home: Path, op: str, args: dict[str, Any] | None = None, *, timeout: float = 30) -> Any:
+    """One call to the node of ``home``; NoNodeError if none runs."""
+    sock = _connect(home, timeout)
+    try:
         sock.sendall(wire.encode_json(wire.Kind.CALL, {"id": 1, "op": op, "args": args or {}}))
         reader = wire.FrameReader()
         while True:

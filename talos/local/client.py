@@ -16,10 +16,12 @@ from typing import Any
 
 from talos.local import wire
 from talos.local.call import (
+    BUSY_RETRY,
     LocalCallError,
     LocalUsageError,
     NodeGoneError,
     NoNodeError,
+    busy,
     call,
     no_node,
     raise_for,
@@ -91,10 +93,19 @@ class LocalClient:
         """Attach to the node of ``home``; NoNodeError when none runs there."""
         client = cls(home)
         loop = asyncio.get_running_loop()
-        try:
-            await loop.create_unix_connection(lambda: client._proto, str(socket_path(home)))
-        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
-            raise no_node(home, exc) from None
+        deadline = loop.time() + BUSY_RETRY
+        pause = 0.005
+        while True:
+            try:
+                await loop.create_unix_connection(lambda: client._proto, str(socket_path(home)))
+                break
+            except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+                raise no_node(home, exc) from None
+            except OSError as exc:  # the node's listen backlog is full: try again shortly
+                if not busy(exc) or loop.time() > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.2)
         client.hello = await client.call("hello", watch=watch)
         return client
 

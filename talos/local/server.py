@@ -106,6 +106,9 @@ class _Claim:
         return True
 
 
+#: Connections the kernel queues before the node accepts them (asyncio's default is 100:
+#: a few hundred agents starting at once got EAGAIN); the kernel caps it at somaxconn.
+LISTEN_BACKLOG = 1024
 #: Longest the node waits for a client that claimed an app channel to read what it was
 #: handed: the link's read loop waits with it (frames of one link stay in order), so a
 #: client stuck longer is disconnected rather than let stall every message of the link.
@@ -377,7 +380,9 @@ class LocalServer:
         old = os.umask(0o177)
         try:
             loop = asyncio.get_running_loop()
-            self._server = await loop.create_unix_server(lambda: _Conn(self), str(self.path))
+            self._server = await loop.create_unix_server(
+                lambda: _Conn(self), str(self.path), backlog=LISTEN_BACKLOG
+            )
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)

@@ -250,6 +250,24 @@ async def test_a_claimer_that_stops_reading_does_not_stall_the_link(
         await b.stop()
 
 
+async def test_four_hundred_clients_connecting_at_once_are_all_served(tmp_path: Path) -> None:
+    # asyncio's default listen backlog (100) turned most of them away with EAGAIN.
+    a = await started(*make_home(tmp_path, "a"))
+    try:
+
+        async def one() -> str:
+            client = await LocalClient.connect(a.home.path)
+            try:
+                return str((await client.call("id"))["did"])
+            finally:
+                await client.close()
+
+        dids = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(400))), 60)
+        assert set(dids) == {a.did}
+    finally:
+        await a.stop()
+
+
 async def test_client_gone_mid_long_poll_loses_nothing(tmp_path: Path) -> None:
     a, b = await _pair(tmp_path)
     try:
