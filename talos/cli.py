@@ -334,7 +334,7 @@ def cmd_inbox(args: argparse.Namespace) -> int:
         _print_messages(offline_inbox(_home(args), args.after), args.json, False)
         return 0
     messages = res["messages"]
-    while len(res["messages"]) == _INBOX_PAGE:  # a full page: there may be more
+    while res["messages"] and res["next"] < res["last"]:  # pages end early past a byte bound
         res = node_call(path, "inbox", {"after": res["next"], "limit": _INBOX_PAGE}, timeout=40)
         messages += res["messages"]
     _print_messages(messages, args.json, args.follow)

@@ -379,7 +379,9 @@ def build_server(raw_backend: Backend) -> Any:
         did = None if peer is None else (await backend.call("resolve", peer=peer))["did"]
         got = await backend.call("inbox", limit=MAX_LIMIT)
         messages = [m for m in got["messages"] if did is None or m["from"] == did]
-        return json.dumps({"messages": messages, "read": got["read"]})
+        # A page ends at MAX_LIMIT messages or a byte bound: "more" says read_inbox from "next".
+        page = {"read": got["read"], "next": got["next"], "more": got["next"] < got["last"]}
+        return json.dumps({"messages": messages, **page})
 
     @server.resource(INBOX_URI, mime_type="application/json")
     async def inbox() -> str:
@@ -429,10 +431,12 @@ async def serve(home: Path, *, passphrase_file: str | None = None) -> None:
             await stdio  # its end, or its error
     finally:
         stopping.cancel()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
-        await watcher.stop()
-        await backend.close()
+        try:  # a signal meanwhile (an MCP client closes stdin, then sends SIGTERM) waits too
+            await watcher.stop()
+            await backend.close()
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
     if signalled:
         stdio.cancel()  # not awaited: its stdin read would hold it (see above)
         logging.shutdown()

@@ -24,7 +24,9 @@ __all__ = [
     "NodeGoneError",
     "busy",
     "call",
+    "connect_nowait",
     "socket_path",
+    "still_busy",
 ]
 
 SOCKET_NAME = "talosd.sock"
@@ -85,25 +87,40 @@ def busy(exc: OSError) -> bool:
     return isinstance(exc, BlockingIOError) or exc.errno == errno.EAGAIN
 
 
+def connect_nowait(home: Path) -> socket.socket | None:
+    """A connected non-blocking socket to the node of ``home``; None while its backlog is full.
+
+    A Unix socket's connect never waits: it is made, refused, or EAGAIN.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        sock.connect(str(socket_path(home)))
+        return sock
+    except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+        sock.close()
+        raise no_node(home, exc) from None
+    except OSError as exc:
+        sock.close()
+        if busy(exc):
+            return None
+        raise
+
+
+def still_busy(home: Path) -> NoNodeError:
+    return NoNodeError(f"the node of {home} takes no connections: its queue stayed full")
+
+
 def _connect(home: Path, timeout: float) -> socket.socket:
-    path = str(socket_path(home))
     deadline = time.monotonic() + min(timeout, BUSY_RETRY)
     pause = 0.005
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(path)
-            return sock
-        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
-            sock.close()
-            raise no_node(home, exc) from None
-        except OSError as exc:
-            sock.close()
-            if not busy(exc) or time.monotonic() > deadline:
-                raise
+    while (sock := connect_nowait(home)) is None:
+        if time.monotonic() > deadline:
+            raise still_busy(home)
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
+    sock.settimeout(timeout)
+    return sock
 
 
 def call(home: Path, op: str, args: dict[str, Any] | None = None, *, timeout: float = 30) -> Any:

@@ -21,11 +21,11 @@ from talos.local.call import (
     LocalUsageError,
     NodeGoneError,
     NoNodeError,
-    busy,
     call,
-    no_node,
+    connect_nowait,
     raise_for,
     socket_path,
+    still_busy,
 )
 from talos.local.flow import FlowControlled
 from talos_sdk.errors import TalosError
@@ -95,17 +95,14 @@ class LocalClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + BUSY_RETRY
         pause = 0.005
-        while True:
-            try:
-                await loop.create_unix_connection(lambda: client._proto, str(socket_path(home)))
-                break
-            except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
-                raise no_node(home, exc) from None
-            except OSError as exc:  # the node's listen backlog is full: try again shortly
-                if not busy(exc) or loop.time() > deadline:
-                    raise
+        # Connected by hand: asyncio's own connect takes EAGAIN (the node's listen backlog
+        # is full) for "in progress" and hands back a socket that never connected.
+        while (sock := connect_nowait(home)) is None:
+            if loop.time() > deadline:
+                raise still_busy(home)
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.2)
+        await loop.create_unix_connection(lambda: client._proto, sock=sock)
         client.hello = await client.call("hello", watch=watch)
         return client
 

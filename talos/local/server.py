@@ -33,13 +33,12 @@ import os
 import socket
 import struct
 from collections import Counter, deque
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from talos.local import wire
 from talos.local.call import SOCKET_NAME, socket_path
-from talos.local.flow import FlowControlled
+from talos.local.flow import HIGH_WATER, FlowControlled
 from talos.local.ops import LocalHost, error_json, resolve, run_op, start_op_send
 from talos.logging import event
 from talos_sdk.errors import MalformedFrameError, OversizeError, TalosError, UsageError
@@ -109,10 +108,6 @@ class _Claim:
 #: Connections the kernel queues before the node accepts them (asyncio's default is 100:
 #: a few hundred agents starting at once got EAGAIN); the kernel caps it at somaxconn.
 LISTEN_BACKLOG = 1024
-#: Longest the node waits for a client that claimed an app channel to read what it was
-#: handed: the link's read loop waits with it (frames of one link stay in order), so a
-#: client stuck longer is disconnected rather than let stall every message of the link.
-APP_STALL_LIMIT = 10.0
 #: Calls one client may have in progress (long-polls and waiting sends included); past
 #: it the node reads no more of its frames until some are answered.
 MAX_PENDING_CALLS = 1024
@@ -141,6 +136,7 @@ class _Conn(FlowControlled):
         self._replies: list[bytes] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._holds: set[str] = set()
+        self._queued = 0  # bytes in _replies
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
@@ -199,15 +195,6 @@ class _Conn(FlowControlled):
         super().resume_writing()
         self._release("replies")
 
-    async def wait_drained(self, drained: asyncio.Future[None]) -> None:
-        """Wait for the client to read its buffer; past APP_STALL_LIMIT, disconnect it."""
-        try:
-            await asyncio.wait_for(asyncio.shield(drained), APP_STALL_LIMIT)
-        except TimeoutError:
-            self.server.node.metrics.inc("local_clients_too_slow")
-            event(_log, "local_client_too_slow", level=logging.WARNING, waited=APP_STALL_LIMIT)
-            self.close()
-
     def _hold(self, why: str) -> None:
         """Stop reading this client's frames until every hold is released."""
         if not self._holds and self.transport is not None and not self.closed:
@@ -241,6 +228,7 @@ class _Conn(FlowControlled):
             self._replies.append(data)
             data = b"".join(self._replies)
             self._replies = []
+            self._queued = 0
         if self.closed or self.transport is None:
             return None
         self.transport.write(data)
@@ -257,6 +245,11 @@ class _Conn(FlowControlled):
                 self._loop = asyncio.get_running_loop()
             self._loop.call_soon(self._flush_replies)
         self._replies.append(data)
+        self._queued += len(data)
+        if self._queued > HIGH_WATER:
+            # Out now: the transport then says whether the client keeps up (pause_writing),
+            # before the next call of this pass runs (see _call).
+            self._flush_replies()
 
     def _flush_replies(self) -> None:
         if self._replies:  # not already written ahead of another frame
@@ -277,6 +270,11 @@ class _Conn(FlowControlled):
         op = msg.get("op")
         args = msg.get("args") or {}
         try:
+            # Calls read before the client stopped reading its replies run only as it reads
+            # them: each reply can be up to a frame (32 MiB), so running them all at once
+            # would buffer up to MAX_PENDING_CALLS of them.
+            while self.drained is not None:
+                await self.drained
             if not isinstance(op, str) or not isinstance(args, dict):
                 raise UsageError("a CALL needs 'op' (string) and 'args' (object)")
             result = await self.server.call(self, op, args)
@@ -525,7 +523,7 @@ class LocalServer:
         raise UsageError(f"no key range left on channel {channel!r}")
 
     def _deliverer(self, channel: str) -> Any:
-        def deliver(peer: str, payload: bytes) -> Awaitable[None] | None:
+        def deliver(peer: str, payload: bytes) -> asyncio.Future[None] | None:
             claims = self.claims.get(channel, ())
             offset = self._key_offsets.get(channel, -1)
             key: int | None = None
@@ -541,7 +539,6 @@ class LocalServer:
             if best is None:
                 self.node.metrics.inc("local_app_unclaimed")
                 return None
-            drained = best.conn.write(wire.encode_app(channel, peer, payload))
-            return None if drained is None else best.conn.wait_drained(drained)
+            return best.conn.write(wire.encode_app(channel, peer, payload))
 
         return deliver

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -17,7 +18,6 @@ import pytest
 from talos import pipeline as pl
 from talos.config import NodeConfig
 from talos.daemon import Daemon
-from talos.local import server as local_server
 from talos.local import wire
 from talos.local.call import LocalUsageError, NodeGoneError, NoNodeError, call
 from talos.local.client import LocalClient
@@ -205,47 +205,39 @@ async def test_a_client_that_reads_no_replies_costs_the_node_bounded_memory(
         frames = wire.FrameReader()
         answered = 0
         while answered < calls:
-            got = frames.feed(await asyncio.wait_for(reader.read(1 << 20), 30))
-            answered += sum(f.kind is wire.Kind.REPLY for f in got)
+            data = await asyncio.wait_for(reader.read(1 << 20), 30)
+            assert data, "the node closed the connection"
+            answered += sum(f.kind is wire.Kind.REPLY for f in frames.feed(data))
         assert answered == calls
         writer.close()
     finally:
         await a.stop()
 
 
-async def test_a_claimer_that_stops_reading_does_not_stall_the_link(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # What arrives on a claimed app channel is handed to the claimer in link order, so the
-    # link's read loop waits while the claimer's buffer is full. A claimer that stops
-    # reading is disconnected after APP_STALL_LIMIT; the peer's messages flow again.
-    monkeypatch.setattr(local_server, "APP_STALL_LIMIT", 1.0)
+async def test_calls_read_before_the_client_stopped_reading_wait_for_it(tmp_path: Path) -> None:
+    # 30 inbox calls of 8 MB replies each, sent at once (a few hundred bytes) and never
+    # read: they run one after another as the client reads, not all at once (240 MB).
     a, b = await _pair(tmp_path)
-    flood: asyncio.Task[None] | None = None
     try:
         await link(a.node, b.node)
-        reader, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
-        claim = {"id": 1, "op": "app.claim", "args": {"channel": "t", "peer": b.did}}
-        writer.write(wire.encode_json(wire.Kind.CALL, claim))
-        frames = wire.FrameReader()
-        while not any(f.kind is wire.Kind.REPLY for f in frames.feed(await reader.read(4096))):
-            pass  # the claim is in; from here on this client reads nothing
-
-        async def send_apps() -> None:
-            for _ in range(100):
-                await b.send_app(a.did, "t", b"\x00" * 60_000)
-
-        flood = asyncio.ensure_future(send_apps())
-        await until(lambda: a.metrics.counters.get("app_frames_in", 0) >= 5, 10, "frames in")
-        await asyncio.wait_for(b.send_message(a.did, "through", wait=True), 20)
-        assert a.metrics.counters.get("local_clients_too_slow") == 1
-        await asyncio.wait_for(flood, 20)
-        while await asyncio.wait_for(reader.read(1 << 20), 10):
-            pass  # the node closed it: what was buffered, then the end
+        for _ in range(40):
+            await a.send_message(b.did, "x" * 200_000, wait=True)
+        reader, writer = await asyncio.open_unix_connection(str(b.home.path / SOCKET_NAME))
+        ask = {"id": 1, "op": "inbox", "args": {"after": 0, "limit": 1000}}
+        writer.write(wire.encode_json(wire.Kind.CALL, ask) * 30)
+        local = b.daemon.local
+        assert local is not None
+        await until(lambda: len(local.conns) == 1, 10, "the client connected")
+        (conn,) = local.conns
+        await asyncio.sleep(1.0)
+        assert conn.transport.get_write_buffer_size() < 20 << 20
+        frames, answered = wire.FrameReader(), 0
+        while answered < 30:
+            data = await asyncio.wait_for(reader.read(1 << 20), 30)
+            assert data, "the node closed the connection"
+            answered += sum(f.kind is wire.Kind.REPLY for f in frames.feed(data))
         writer.close()
     finally:
-        if flood is not None:
-            flood.cancel()
         await a.stop()
         await b.stop()
 
@@ -266,6 +258,56 @@ async def test_four_hundred_clients_connecting_at_once_are_all_served(tmp_path: 
         assert set(dids) == {a.did}
     finally:
         await a.stop()
+
+
+async def test_a_full_listen_queue_is_waited_out_then_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A listener that accepts nothing, its queue full: connects get EAGAIN. Both clients
+    # retry for BUSY_RETRY and then say so; asyncio's own connect took EAGAIN for "in
+    # progress" and handed back a socket that had never connected.
+    from talos.local import call as call_module
+    from talos.local import client as client_module
+
+    for module in (call_module, client_module):
+        monkeypatch.setattr(module, "BUSY_RETRY", 0.5)
+    home = tmp_path / "busy"
+    home.mkdir()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(home / SOCKET_NAME))
+    listener.listen(1)
+    queued = []
+    while len(queued) < 16:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(str(home / SOCKET_NAME))
+        except BlockingIOError:
+            s.close()
+            break
+        queued.append(s)
+    try:
+        with pytest.raises(NoNodeError, match="queue stayed full"):
+            call(home, "id", timeout=5)
+        with pytest.raises(NoNodeError, match="queue stayed full"):
+            await LocalClient.connect(home)
+
+        async def take_them() -> None:  # the queue frees up: the next try connects
+            await asyncio.sleep(0.2)
+            listener.setblocking(False)
+            while True:  # each connection taken is closed at once
+                with contextlib.suppress(BlockingIOError):
+                    listener.accept()[0].close()
+                await asyncio.sleep(0.01)
+
+        freeing = asyncio.ensure_future(take_them())
+        with pytest.raises(NodeGoneError):  # connected; this listener answers nothing
+            await asyncio.wait_for(LocalClient.connect(home), 10)
+        freeing.cancel()
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
 
 
 async def test_client_gone_mid_long_poll_loses_nothing(tmp_path: Path) -> None:
