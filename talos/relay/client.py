@@ -134,6 +134,7 @@ class RelayClient:
         #: when it is the node's own does a packet header's account come from the server.
         self.account: str | None = None
         self.vouched = False
+        self._checks = 0  # the latest account check's number: an older answer is stale
         self.connected = asyncio.Event()
         self.counters: dict[str, int] = {}
 
@@ -230,6 +231,7 @@ class RelayClient:
     async def _on_reconnected(self) -> None:
         self.connected.set()
         event(_log, "relay_reconnected", server=self._server_name())
+        self.vouched = False  # maybe another server of the cluster: ask again
         self._spawn(self._check_account(), "talos-relay-account")
 
     async def _check_account(self) -> None:
@@ -240,10 +242,14 @@ class RelayClient:
         and every relayed handshake shares one admission share.
         """
         nc = self._nc
+        self._checks += 1
+        check = self._checks
         account = None
         with contextlib.suppress(Exception):  # not allowed, no answer: not vouched
             reply = await nc.request(USER_INFO_SUBJECT, b"", timeout=self._handshake_timeout)
             account = user_info_account(reply.data)
+        if check != self._checks:
+            return
         self.account = account
         self.vouched = account == self.names.account
         event(_log, "relay_account", account=account, own=self.vouched)
