@@ -22,7 +22,6 @@ __all__ = [
     "LocalUsageError",
     "NoNodeError",
     "NodeGoneError",
-    "busy",
     "call",
     "connect_nowait",
     "socket_path",
@@ -82,9 +81,9 @@ def no_node(home: Path, exc: OSError) -> NoNodeError:
 BUSY_RETRY = 10.0
 
 
-def busy(exc: OSError) -> bool:
+def _busy(exc: OSError) -> bool:
     """The node's listen backlog is full: the connect may be tried again."""
-    return isinstance(exc, BlockingIOError) or exc.errno == errno.EAGAIN
+    return exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
 def connect_nowait(home: Path) -> socket.socket | None:
@@ -102,7 +101,7 @@ def connect_nowait(home: Path) -> socket.socket | None:
         raise no_node(home, exc) from None
     except OSError as exc:
         sock.close()
-        if busy(exc):
+        if _busy(exc):
             return None
         raise
 
