@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -189,29 +190,41 @@ async def test_a_client_that_reads_no_replies_costs_the_node_bounded_memory(
     # call once the client reads. Before, it read on and buffered every reply.
     a = await started(*make_home(tmp_path, "a"))
     try:
-        reader, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
         calls = 100_000
-        writer.write(wire.encode_json(wire.Kind.CALL, {"id": 1, "op": "id", "args": {}}) * calls)
-        local = a.daemon.local
-        assert local is not None
-        await until(lambda: len(local.conns) == 1, 10, "the client connected")
-        (conn,) = local.conns
+        reader, writer, conn = await _unread_calls(a, {"op": "id", "args": {}}, calls)
         await until(lambda: conn.transport.is_reading() is False, 10, "the node stops reading")
         await asyncio.sleep(0.3)
         assert conn.transport.get_write_buffer_size() < 4 << 20
         other = await LocalClient.connect(a.home.path)
         assert (await other.call("id"))["did"] == a.did
         await other.close()
-        frames = wire.FrameReader()
-        answered = 0
-        while answered < calls:
-            data = await asyncio.wait_for(reader.read(1 << 20), 30)
-            assert data, "the node closed the connection"
-            answered += sum(f.kind is wire.Kind.REPLY for f in frames.feed(data))
-        assert answered == calls
+        await _read_replies(reader, calls)
         writer.close()
     finally:
         await a.stop()
+
+
+async def _unread_calls(
+    node: _Running, body: dict[str, object], times: int
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Any]:
+    """A raw client that sends the CALL ``body`` ``times`` times at once and reads nothing
+    yet; with the node's connection object for it."""
+    reader, writer = await asyncio.open_unix_connection(str(node.home.path / SOCKET_NAME))
+    writer.write(wire.encode_json(wire.Kind.CALL, {"id": 1, **body}) * times)
+    local = node.daemon.local
+    assert local is not None
+    await until(lambda: len(local.conns) == 1, 10, "the client connected")
+    (conn,) = local.conns
+    return reader, writer, conn
+
+
+async def _read_replies(reader: asyncio.StreamReader, count: int) -> None:
+    """Read until ``count`` REPLY frames came (the node must not close the connection)."""
+    frames, answered = wire.FrameReader(), 0
+    while answered < count:
+        data = await asyncio.wait_for(reader.read(1 << 20), 30)
+        assert data, "the node closed the connection"
+        answered += sum(f.kind is wire.Kind.REPLY for f in frames.feed(data))
 
 
 async def test_calls_read_before_the_client_stopped_reading_wait_for_it(tmp_path: Path) -> None:
@@ -222,20 +235,11 @@ async def test_calls_read_before_the_client_stopped_reading_wait_for_it(tmp_path
         await link(a.node, b.node)
         for _ in range(40):
             await a.send_message(b.did, "x" * 200_000, wait=True)
-        reader, writer = await asyncio.open_unix_connection(str(b.home.path / SOCKET_NAME))
-        ask = {"id": 1, "op": "inbox", "args": {"after": 0, "limit": 1000}}
-        writer.write(wire.encode_json(wire.Kind.CALL, ask) * 30)
-        local = b.daemon.local
-        assert local is not None
-        await until(lambda: len(local.conns) == 1, 10, "the client connected")
-        (conn,) = local.conns
+        ask = {"op": "inbox", "args": {"after": 0, "limit": 1000}}
+        reader, writer, conn = await _unread_calls(b, ask, 30)
         await asyncio.sleep(1.0)
         assert conn.transport.get_write_buffer_size() < 20 << 20
-        frames, answered = wire.FrameReader(), 0
-        while answered < 30:
-            data = await asyncio.wait_for(reader.read(1 << 20), 30)
-            assert data, "the node closed the connection"
-            answered += sum(f.kind is wire.Kind.REPLY for f in frames.feed(data))
+        await _read_replies(reader, 30)
         writer.close()
     finally:
         await a.stop()
