@@ -108,6 +108,9 @@ class _Claim:
 #: Connections the kernel queues before the node accepts them (asyncio's default is 100:
 #: a few hundred agents starting at once got EAGAIN); the kernel caps it at somaxconn.
 LISTEN_BACKLOG = 1024
+#: A frame begun and not continued for this long ends the connection: an idle client
+#: holds nothing, one stopped mid-frame holds what it sent of it (up to MAX_FRAME).
+PARTIAL_FRAME_TIMEOUT = 30.0
 #: Calls one client may have in progress (long-polls and waiting sends included); past
 #: it the node reads no more of its frames until some are answered.
 MAX_PENDING_CALLS = 1024
@@ -137,6 +140,7 @@ class _Conn(FlowControlled):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._holds: set[str] = set()
         self._queued = 0  # bytes in _replies
+        self._partial: asyncio.TimerHandle | None = None  # PARTIAL_FRAME_TIMEOUT's timer
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
@@ -162,6 +166,11 @@ class _Conn(FlowControlled):
             self.event({"event": "refused", "reason": f"malformed local frame: {exc}"})
             self.close()
             return
+        if self._partial is not None:
+            self._partial.cancel()
+            self._partial = None
+        if self.reader.pending and self._loop is not None:
+            self._partial = self._loop.call_later(PARTIAL_FRAME_TIMEOUT, self._partial_stale)
         for frame in frames:
             if frame.kind is wire.Kind.APP:
                 assert isinstance(frame.body, wire.AppFrame)
@@ -208,8 +217,17 @@ class _Conn(FlowControlled):
         if not self._holds and self.transport is not None and not self.closed:
             self.transport.resume_reading()
 
+    def _partial_stale(self) -> None:
+        self._partial = None
+        reason = f"a local frame begun {PARTIAL_FRAME_TIMEOUT:g} s ago is still incomplete"
+        event(_log, "local_frame_rejected", level=logging.WARNING, error=reason)
+        if self.transport is not None:
+            self.transport.abort()  # it may read nothing either: close() would wait for it
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._partial is not None:
+            self._partial.cancel()
         self.server.forget(self)
         for task in list(self.tasks):
             task.cancel()  # a client gone mid-long-poll: its call ends, nothing was consumed

@@ -151,6 +151,11 @@ class FrameReader:
         self._buf = bytearray()
         self.max_frame = max_frame
 
+    @property
+    def pending(self) -> int:
+        """Bytes of a frame begun and not complete yet (0 between frames)."""
+        return len(self._buf)
+
     def feed(self, data: bytes) -> list[LocalFrame]:
         """Frames completed by ``data``; MalformedFrameError / OversizeError end the stream."""
         buf = self._buf

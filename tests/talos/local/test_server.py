@@ -246,6 +246,38 @@ async def test_calls_read_before_the_client_stopped_reading_wait_for_it(tmp_path
         await b.stop()
 
 
+async def test_a_frame_left_unfinished_ends_its_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client may sit idle for good, or send a frame in pieces; one that stops in the
+    # middle of a frame is cut off, and what it had sent of it is freed.
+    from talos.local import server as local_server
+
+    monkeypatch.setattr(local_server, "PARTIAL_FRAME_TIMEOUT", 0.5)
+    a = await started(*make_home(tmp_path, "a"))
+    try:
+        path = str(a.home.path / SOCKET_NAME)
+        frame = wire.encode_json(wire.Kind.CALL, {"id": 7, "op": "id", "args": {}})
+        idle_r, idle_w = await asyncio.open_unix_connection(path)
+        slow_r, slow_w = await asyncio.open_unix_connection(path)
+        stuck_r, stuck_w = await asyncio.open_unix_connection(path)
+        slow_w.write(frame[:5])
+        stuck_w.write(frame[:5])
+        await asyncio.sleep(0.3)
+        slow_w.write(frame[5:])  # the rest in time: answered
+        assert await asyncio.wait_for(stuck_r.read(), 10) == b""  # the node closed it
+        await asyncio.sleep(0.5)
+        for reader, writer in ((slow_r, slow_w), (idle_r, idle_w)):
+            if writer is idle_w:
+                writer.write(frame)
+            got = wire.FrameReader().feed(await asyncio.wait_for(reader.read(1 << 16), 10))
+            assert got[0].kind is wire.Kind.REPLY and got[0].body["id"] == 7
+        for writer in (idle_w, slow_w, stuck_w):
+            writer.close()
+    finally:
+        await a.stop()
+
+
 async def test_four_hundred_clients_connecting_at_once_are_all_served(tmp_path: Path) -> None:
     # asyncio's default listen backlog (100) turned most of them away with EAGAIN.
     a = await started(*make_home(tmp_path, "a"))
