@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "LocalUsageError",
     "NoNodeError",
     "NodeGoneError",
+    "busy_waits",
     "call",
     "connect_nowait",
     "socket_path",
@@ -110,14 +112,21 @@ def still_busy(home: Path) -> NoNodeError:
     return NoNodeError(f"the node of {home} takes no connections: its queue stayed full")
 
 
-def _connect(home: Path, timeout: float) -> socket.socket:
-    deadline = time.monotonic() + min(timeout, BUSY_RETRY)
+def busy_waits(home: Path, within: float) -> Iterator[float]:
+    """Pauses between connects a full listen queue turned away (5 ms, doubling to 0.2 s);
+    past ``within`` seconds (at most BUSY_RETRY), :func:`still_busy` is raised."""
+    deadline = time.monotonic() + min(within, BUSY_RETRY)
     pause = 0.005
-    while (sock := connect_nowait(home)) is None:
-        if time.monotonic() > deadline:
-            raise still_busy(home)
-        time.sleep(pause)
+    while time.monotonic() <= deadline:
+        yield pause
         pause = min(pause * 2, 0.2)
+    raise still_busy(home)
+
+
+def _connect(home: Path, timeout: float) -> socket.socket:
+    waits = busy_waits(home, timeout)
+    while (sock := connect_nowait(home)) is None:
+        time.sleep(next(waits))
     sock.settimeout(timeout)
     return sock
 

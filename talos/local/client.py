@@ -21,11 +21,11 @@ from talos.local.call import (
     LocalUsageError,
     NodeGoneError,
     NoNodeError,
+    busy_waits,
     call,
     connect_nowait,
     raise_for,
     socket_path,
-    still_busy,
 )
 from talos.local.flow import FlowControlled
 from talos_sdk.errors import TalosError
@@ -93,15 +93,11 @@ class LocalClient:
         """Attach to the node of ``home``; NoNodeError when none runs there."""
         client = cls(home)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + BUSY_RETRY
-        pause = 0.005
         # Connected by hand: asyncio's own connect takes EAGAIN (the node's listen backlog
         # is full) for "in progress" and hands back a socket that never connected.
+        waits = busy_waits(home, BUSY_RETRY)
         while (sock := connect_nowait(home)) is None:
-            if loop.time() > deadline:
-                raise still_busy(home)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.2)
+            await asyncio.sleep(next(waits))
         await loop.create_unix_connection(lambda: client._proto, sock=sock)
         client.hello = await client.call("hello", watch=watch)
         return client
