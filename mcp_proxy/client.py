@@ -87,6 +87,12 @@ class ClientSession:
         self.backpressure = backpressure
         self.paused_sid: int | None = None  # the session id a PAUSE was sent for
         self._resuming: asyncio.Task[None] | None = None
+        # The serving side's tool is not reading (a PAUSE from it, until RESUME): the
+        # agent's lines wait, and ``on_hold`` (the stdin reader) stops reading meanwhile.
+        self.held = False
+        self._unheld = asyncio.Event()
+        self._unheld.set()
+        self.on_hold: Callable[[bool], None] | None = None
         # A fresh tunnel session id per attach: late frames of an earlier attach
         # (a stale ERROR, replies of a dead tool) then match nothing and are ignored.
         self.sid = 0
@@ -104,8 +110,9 @@ class ClientSession:
         self.joiner = Joiner()
 
     def try_forward(self, line: bytes) -> bool:
-        """Handle one line at once if the link is up (the hot path); False means use from_agent."""
-        if not self.client.link_up:
+        """Handle one line at once if the link is up and the tool takes input (the hot path);
+        False means use from_agent."""
+        if self.held or not self.client.link_up:
             return False
         msg = self._note(line)
         if msg is not None:
@@ -113,18 +120,32 @@ class ClientSession:
         return True
 
     async def from_agent(self, line: bytes) -> None:
-        """Forward one line of the agent, waiting for the link; answers locally what it must."""
+        """Forward one line of the agent, waiting for the link and for the serving side to
+        take input; answers locally what it must."""
         msg = self._note(line)
         if msg is None:
             return
-        if not await self.client.wait_link():
-            if msg.kind is Kind.REQUEST:
-                assert msg.id is not None
-                self.pending.pop(msg.id, None)
-                code, text = self.client.down_error()
-                self.deliver(error_reply(msg.id, code, text))
-            return
+        while True:
+            if not await self.client.wait_link():
+                if msg.kind is Kind.REQUEST:
+                    assert msg.id is not None
+                    self.pending.pop(msg.id, None)
+                    code, text = self.client.down_error()
+                    self.deliver(error_reply(msg.id, code, text))
+                return
+            if not self.held:
+                break
+            await self._unheld.wait()  # RESUME, or the session's end (detach, close)
         self._forward(msg, line)
+
+    def hold(self, held: bool) -> None:
+        """The serving side asks this session to stop (PAUSE) or go on (RESUME) sending."""
+        if held == self.held:
+            return
+        self.held = held
+        self._unheld.clear() if held else self._unheld.set()
+        if self.on_hold is not None:
+            self.on_hold(held)
 
     def _note(self, line: bytes) -> Sniffed | None:
         """Check the line and remember what a reconnect or a link loss needs; None if answered."""
@@ -227,6 +248,7 @@ class ClientSession:
     def detach(self, code: int, reason: str) -> None:
         """The remote session is gone: answer every pending request with an error."""
         self.attached = False
+        self.hold(False)  # a PAUSE held the session that ended, not the next one
         # Late frames of the dead session (a tool's last words) then match nothing.
         self.client.forget_sid(self)
         self._swallow.clear()
@@ -241,6 +263,7 @@ class ClientSession:
         if self.attached and self.client.link_up:
             self.client.sender.control(FrameKind.CLOSE, self.sid)
         self.attached = False
+        self.hold(False)
         self.client.forget(self)
 
 
@@ -405,6 +428,8 @@ class TunnelClient:
                 session.joiner.add_part(frame.messages[0])
             except OversizeError as exc:
                 self._oversize(session, exc)
+        elif frame.kind is FrameKind.PAUSE or frame.kind is FrameKind.RESUME:
+            session.hold(frame.kind is FrameKind.PAUSE)
         elif frame.kind in (FrameKind.ERROR, FrameKind.CLOSE):
             reason = frame.messages[0].decode("utf-8", "replace") if frame.messages else "closed"
             event(
@@ -466,11 +491,14 @@ class _StdinLines(asyncio.Protocol):
         self.transport: asyncio.ReadTransport | None = None
         self._slow: asyncio.Task[None] | None = None
         self._eof = False
-        # Reading stops while either holds: lines wait for the link, or the link's
-        # sender is full (the serving peer is not taking what the agent writes).
+        # Reading stops while any holds: lines wait for the link, the link's sender is
+        # full (the serving peer is not taking what the agent writes), or the serving
+        # side's tool is not reading this session's input (PAUSE).
         self._held_backlog = False
         self._held_pressure = False
+        self._held_remote = False
         session.client.sender.on_pressure(self._on_pressure)
+        session.on_hold = self._on_hold
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # Not an isinstance check: uvloop's pipe transports do not subclass asyncio's ABCs.
@@ -521,10 +549,14 @@ class _StdinLines(asyncio.Protocol):
         self._held_pressure = pressed
         self._update_reading()
 
+    def _on_hold(self, held: bool) -> None:
+        self._held_remote = held
+        self._update_reading()
+
     def _update_reading(self) -> None:
         transport = self.transport
         if transport is not None and not transport.is_closing():
-            if self._held_backlog or self._held_pressure:
+            if self._held_backlog or self._held_pressure or self._held_remote:
                 transport.pause_reading()
             else:
                 transport.resume_reading()

@@ -11,8 +11,11 @@ version goes alone with ``MCP-Protocol-Version``, ``Mcp-Method`` and
 ``Mcp-Name``; anything else rides the upstream session (``Mcp-Session-Id``
 from the ``initialize`` response, the negotiated ``MCP-Protocol-Version``
 after it, a GET stream for server-initiated messages once ``initialized``
-was sent, DELETE at the end). Requests run concurrently; notifications and
-responses are sent in order, each after the one before was accepted. A
+was sent, DELETE at the end). Requests run concurrently, up to
+:data:`MAX_OPEN_REQUESTS`; notifications and responses are sent in order, each
+after the one before was accepted. Messages waiting to be sent count as the
+tool's unread input (``writable``, ``backlog``, ``drain``), so a caller faster
+than the upstream is paused like one faster than a stdio tool. A
 stateless request is cancelled by closing its stream. Replies come back as
 JSON or SSE; each message is handed on as one line.
 """
@@ -49,6 +52,11 @@ __all__ = ["HttpUpstream"]
 log = logging.getLogger(__name__)
 
 ACCEPT = "application/json, text/event-stream"
+#: Requests POSTed and not answered yet; later messages wait in order.
+MAX_OPEN_REQUESTS = 64
+#: Bytes of messages waiting to be POSTed above which the upstream is not ``writable``
+#: (a stdio tool's pipe stops at 64 KiB; a request body is sent whole).
+HIGH_WATER = 256 * 1024
 
 
 def _header_value(value: str) -> str:
@@ -92,6 +100,10 @@ class HttpUpstream:
         self._session_id: str | None = None
         self._version: str | None = None
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queued = 0  # bytes in _outbox
+        self._room = asyncio.Event()  # set while _queued is below HIGH_WATER
+        self._room.set()
+        self._slots = asyncio.Semaphore(MAX_OPEN_REQUESTS)
         self._requests: dict[RequestId, tuple[asyncio.Task[None], bool]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._why = ""
@@ -104,7 +116,13 @@ class HttpUpstream:
 
     @property
     def writable(self) -> bool:
-        return True
+        """False while more than :data:`HIGH_WATER` bytes wait to be POSTed (then ``drain``)."""
+        return self._room.is_set()
+
+    @property
+    def backlog(self) -> int:
+        """Bytes of messages handed to :meth:`send` and not POSTed yet."""
+        return self._queued
 
     def pause_output(self) -> None:
         """Stop reading the upstream's responses (aiohttp then stops reading the socket)."""
@@ -114,7 +132,9 @@ class HttpUpstream:
         self._output.set()
 
     async def drain(self) -> None:
-        return None
+        """Wait until what waits to be POSTed is below :data:`HIGH_WATER` (or the end)."""
+        if self.exit_code is None:
+            await self._room.wait()
 
     @property
     def exit_reason(self) -> str:
@@ -142,6 +162,9 @@ class HttpUpstream:
             self._fail_pending()
             return
         self._outbox.put_nowait(line)
+        self._queued += len(line)
+        if self._queued >= HIGH_WATER:
+            self._room.clear()
 
     def hold(self) -> None:
         """Like ``ToolProcess.hold``; nothing to do: each message is its own HTTP request."""
@@ -181,6 +204,7 @@ class HttpUpstream:
         if self.exit_code is not None:
             return
         self.exit_code = code
+        self._room.set()  # nothing waits for room any more
         self._on_exit(code)
         self._fail_pending()
 
@@ -203,6 +227,9 @@ class HttpUpstream:
         """Send queued messages in order; requests are not waited for, other messages are."""
         while True:
             line = await self._outbox.get()
+            self._queued -= len(line)
+            if self._queued < HIGH_WATER:
+                self._room.set()
             try:
                 msg = sniff(line)
             except JsonRpcError:
@@ -210,6 +237,7 @@ class HttpUpstream:
             if msg.kind is Kind.REQUEST:
                 assert msg.id is not None
                 modern = self._modern_version(msg)
+                await self._slots.acquire()  # released when the request ends
                 task = self._spawn(self._request(line, msg, modern))
                 self._requests[msg.id] = (task, modern is not None)
                 continue
@@ -265,6 +293,7 @@ class HttpUpstream:
             self._answer(msg.id, f"upstream request failed: {exc}")
         finally:
             self._requests.pop(msg.id, None)
+            self._slots.release()
 
     async def _read_reply(self, resp: aiohttp.ClientResponse, msg: Sniffed) -> None:
         assert msg.id is not None

@@ -47,11 +47,17 @@ from mcp_proxy.session_audit import Call, SessionAudit, refused_outside_a_sessio
 from mcp_proxy.toolenv import tool_environment
 from mcp_proxy.toolproc import ToolProcess
 from mcp_proxy.transport import FrameSender, TunnelTransport
-from mcp_proxy.tunnel_wire import FrameKind, Joiner, TunnelFrame, decode_frame
+from mcp_proxy.tunnel_wire import (
+    MAX_MESSAGE_BYTES,
+    FrameKind,
+    Joiner,
+    TunnelFrame,
+    decode_frame,
+)
 from talos.logging import event
 from talos_sdk.errors import OversizeError, ProtocolError
 
-__all__ = ["INBOX_FRAMES", "MAX_SESSIONS_PER_PEER", "TunnelServer"]
+__all__ = ["INBOX_FRAMES", "MAX_SESSIONS_PER_PEER", "MAX_TOOL_BACKLOG", "TunnelServer"]
 
 log = logging.getLogger(__name__)
 WARN = logging.WARNING
@@ -61,6 +67,11 @@ MAX_SESSIONS_PER_PEER = 16
 _UNKNOWN_SESSION = b"unknown session"
 # Frames of a peer waiting for its worker; beyond it the link stops reading (backpressure).
 INBOX_FRAMES = 8
+#: Bytes a session's tool may leave unread before the session fails. A tool slower than
+#: its caller pauses the caller (PAUSE) as soon as its input passes the pipe's high water;
+#: what was in flight then is at most the caller's sender budget and one whole message,
+#: so only a caller that ignores PAUSE gets this far.
+MAX_TOOL_BACKLOG = 2 * MAX_MESSAGE_BYTES
 
 
 class _Session:
@@ -86,6 +97,7 @@ class _Session:
         self._strict_out: deque[bytes] = deque()
         self._strict_wake = asyncio.Event()
         self._strict_task: asyncio.Task[None] | None = None
+        self._resuming: asyncio.Task[None] | None = None  # the caller is paused until it ends
 
     @property
     def sender(self) -> FrameSender:
@@ -108,6 +120,38 @@ class _Session:
         return self.proc.pid if self.proc is not None else None
 
     # --- client -> tool -----------------------------------------------------------------------
+
+    def check_input(self) -> None:
+        """After the caller's lines were handed to the tool: pause the caller while the
+        tool's input is full (PAUSE; RESUME once it drained), fail the session past
+        :data:`MAX_TOOL_BACKLOG`.
+
+        Per session, not by holding the link's reading: a tool slower than its caller
+        then costs its own session only, and the link goes on carrying the peer's other
+        sessions (and, through an attached node, everything else of that link).
+        """
+        proc = self.proc
+        if proc is None or proc.writable or self.closing:
+            return
+        if proc.backlog > MAX_TOOL_BACKLOG:
+            reason = f"the tool left {proc.backlog} bytes of input unread"
+            event(log, "tool_input_overrun", WARN, **self.log_fields, backlog=proc.backlog)
+            self.audit.refusal(None, "overrun", reason)
+            self.server.session_failed(self, reason)
+            return
+        if self._resuming is None:
+            sender = self.sender
+            sender.control(FrameKind.PAUSE, self.sid)
+            sender.flush_now()
+            self._resuming = asyncio.get_running_loop().create_task(self._resume_caller(proc))
+
+    async def _resume_caller(self, proc: ToolProcess | HttpUpstream) -> None:
+        await proc.drain()
+        self._resuming = None
+        if not self.closing and self.server.sessions.get((self.peer, self.sid)) is self:
+            sender = self.sender
+            sender.control(FrameKind.RESUME, self.sid)
+            sender.flush_now()
 
     def from_client(self, line: bytes) -> None:
         proc = self.proc
@@ -266,6 +310,8 @@ class _Session:
             self.audit.event(Event.SESSION, "close", "ok", reason)
         if self.proc is not None:
             await self.proc.terminate()
+        if self._resuming is not None:
+            self._resuming.cancel()
         if self._strict_task is not None:
             self._strict_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -351,7 +397,8 @@ class TunnelServer:
     # --- inbound ------------------------------------------------------------------------------
 
     def _on_payload(self, peer: str, payload: bytes) -> Awaitable[None] | None:
-        """Take one frame; an awaitable returned means: read no more until it is done."""
+        """Take one frame; an awaitable returned means: read no more until it is done
+        (only while the peer's worker has :data:`INBOX_FRAMES` frames queued)."""
         try:
             frame = decode_frame(payload)
         except ProtocolError as exc:
@@ -372,9 +419,8 @@ class TunnelServer:
                 # Hot path: no task hop when nothing is queued ahead of this frame.
                 self._take(session, frame)
                 self.sender_for(peer).flush_now()  # replies answered here (denied, malformed)
-                proc = session.proc
-                # Only a tool slower than its caller costs an await (stdin above high water).
-                return None if proc.writable else proc.drain()
+                session.check_input()
+                return None
         worker = self._workers.get(peer)
         if worker is None or worker.done():
             self._workers[peer] = asyncio.create_task(self._work(peer, queue))
@@ -410,8 +456,7 @@ class TunnelServer:
                 self._refuse(peer, frame.session, "unknown-session", "no such session of this peer")
                 return
             self._take(session, frame)
-            if session.proc is not None:
-                await session.proc.drain()
+            session.check_input()
         elif frame.kind is FrameKind.PAUSE or frame.kind is FrameKind.RESUME:
             session = self.sessions.get(key)
             if session is not None:

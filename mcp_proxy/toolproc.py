@@ -218,6 +218,12 @@ class ToolProcess:
         pipes = self._pipes
         return pipes is None or pipes.writable.is_set()
 
+    @property
+    def backlog(self) -> int:
+        """Bytes written to stdin that the tool has not read yet."""
+        stdin = self._stdin
+        return stdin.get_write_buffer_size() if stdin is not None else 0
+
     async def drain(self) -> None:
         """Wait for stdin to accept what was written (back-pressure from a slow tool)."""
         if self._pipes is not None and self.exit_code is None:

@@ -13,9 +13,12 @@ ends), ERROR (the session failed; its one message is a UTF-8 reason), PART
 (its one message is a leading piece of a JSON-RPC message too large for one
 link frame; the pieces of consecutive PART frames of a session are joined with
 the first message of that session's next MESSAGES frame, which ends it), PAUSE
-and RESUME (no message; sent by the caller's side: its agent is not reading, so
-the serving side stops reading that session's tool until RESUME; a peer that
-does not know them drops the frame and nothing else changes).
+and RESUME (no message; per-session flow control, either way: from the
+caller's side, its agent is not reading, so the serving side stops reading
+that session's tool until RESUME; from the serving side, that session's tool is
+not reading its input, so the caller's side stops reading that agent until
+RESUME; a peer that does not know them drops the frame and nothing else
+changes).
 Splitting keeps the tunnel transparent for messages above the node's link frame
 bound (a 2 MiB resource read); the whole message is bounded by MAX_MESSAGE_BYTES.
 """

@@ -33,6 +33,7 @@ import os
 import socket
 import struct
 from collections import Counter, deque
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +112,11 @@ LISTEN_BACKLOG = 1024
 #: A frame begun and not continued for this long ends the connection: an idle client
 #: holds nothing, one stopped mid-frame holds what it sent of it (up to MAX_FRAME).
 PARTIAL_FRAME_TIMEOUT = 30.0
+#: Longest the node waits for a client that claimed an app channel to read what it was
+#: handed: the link's read loop waits with it (frames of one link stay in order), so a
+#: client stuck longer is disconnected rather than let stall every message of the link.
+#: Claimers flow-control their own sessions (the tunnel's PAUSE/RESUME) and keep reading.
+APP_STALL_LIMIT = 10.0
 #: Calls one client may have in progress (long-polls and waiting sends included); past
 #: it the node reads no more of its frames until some are answered.
 MAX_PENDING_CALLS = 1024
@@ -203,6 +209,16 @@ class _Conn(FlowControlled):
     def resume_writing(self) -> None:
         super().resume_writing()
         self._release("replies")
+
+    async def wait_drained(self, drained: asyncio.Future[None]) -> None:
+        """Wait for the client to read its buffer; past APP_STALL_LIMIT, disconnect it."""
+        try:
+            await asyncio.wait_for(asyncio.shield(drained), APP_STALL_LIMIT)
+        except TimeoutError:
+            self.server.node.metrics.inc("local_clients_too_slow")
+            event(_log, "local_client_too_slow", level=logging.WARNING, waited=APP_STALL_LIMIT)
+            if self.transport is not None:
+                self.transport.abort()  # it reads nothing: close() would wait for it
 
     def _hold(self, why: str) -> None:
         """Stop reading this client's frames until every hold is released."""
@@ -541,7 +557,7 @@ class LocalServer:
         raise UsageError(f"no key range left on channel {channel!r}")
 
     def _deliverer(self, channel: str) -> Any:
-        def deliver(peer: str, payload: bytes) -> asyncio.Future[None] | None:
+        def deliver(peer: str, payload: bytes) -> Awaitable[None] | None:
             claims = self.claims.get(channel, ())
             offset = self._key_offsets.get(channel, -1)
             key: int | None = None
@@ -557,6 +573,7 @@ class LocalServer:
             if best is None:
                 self.node.metrics.inc("local_app_unclaimed")
                 return None
-            return best.conn.write(wire.encode_app(channel, peer, payload))
+            drained = best.conn.write(wire.encode_app(channel, peer, payload))
+            return None if drained is None else best.conn.wait_drained(drained)
 
         return deliver

@@ -306,3 +306,22 @@ async def test_serve_stops_cleanly_with_a_paused_tool(tmp_path: Path) -> None:
     """A session whose tool output is paused still ends: serve exits on SIGTERM in time."""
     async with asyncio.timeout(TIMEOUT), _flooded(tmp_path) as (serve, _):
         assert await serve.stop() == 0, serve.log  # not killed after its 15 s grace
+
+
+async def test_an_agent_faster_than_its_tool_waits_and_loses_nothing(tmp_path: Path) -> None:
+    """Flow control the other way: the tool naps while the agent writes 4 MB; serve
+    pauses the session (PAUSE), connect stops reading the agent's stdin until RESUME,
+    and every line reaches the tool, in order."""
+    client_did = did_of(tmp_path / "c")
+    async with (
+        asyncio.timeout(TIMEOUT),
+        serving(tmp_path / "s", ["--allow", client_did], bad_tool("nap")) as serve,
+        stdio_agent(tmp_path / "c", serve.address) as agent,
+    ):
+        nap = b'{"jsonrpc":"2.0","id":1,"method":"nap","params":{"seconds":2}}'
+        assert (await agent.request(nap))["result"] == {"read": 1}
+        filler = b'{"jsonrpc":"2.0","method":"notifications/f","params":{"t":"%s"}}'
+        for _ in range(40):
+            await agent.send(filler % (b"f" * 100_000))
+        ping = b'{"jsonrpc":"2.0","id":2,"method":"ping"}'
+        assert (await agent.request(ping)) == {"jsonrpc": "2.0", "id": 2, "result": {"read": 42}}

@@ -161,7 +161,7 @@ def test_parse_bind() -> None:
 async def test_idle_session_is_closed_with_its_remote_tool() -> None:
     # An HTTP session nobody uses any more must not keep a tool process alive.
     pair = Pair(Policy.build(allow=[CLIENT_DID], command=EVERYTHING))
-    front = HttpFront(pair.client, TOKEN, "127.0.0.1:0", idle_timeout=0.2)
+    front = HttpFront(pair.client, TOKEN, "127.0.0.1:0", idle_timeout=1.0)
     await front.start()
     headers = {"Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}
     init = {

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import sys
 from collections.abc import AsyncIterator
 
 import orjson
 import pytest
 
+from mcp_proxy import server as server_module
 from mcp_proxy.audit import Auditor
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, LINK_DOWN, PARSE_ERROR, TOOL_DENIED
 from mcp_proxy.policy import Policy
 from mcp_proxy.transport import OWN_REPLIES_MAX
 from talos_sdk.did import did_from_public_key
-from tests.mcp_proxy.loopback import CLIENT_DID, EVERYTHING, Agent, MemorySink, Pair
+from tests.mcp_proxy.loopback import CLIENT_DID, EVERYTHING, Agent, MemorySink, Pair, bad_tool
 from tests.talos.nodes import until
 
 TIMEOUT = 30
@@ -300,35 +302,61 @@ async def test_tools_call_sent_as_a_notification_never_reaches_the_tool() -> Non
     assert refused == [("crash", "refused-notification"), ("echo", "refused-notification")]
 
 
-async def test_a_tool_that_stops_reading_pauses_the_link() -> None:
-    # The tool's stdin buffer stays bounded; frames wait in the link instead.
-    deaf = [sys.executable, "-m", "tests.tools.bad_server", "deaf"]
-    pair = Pair(Policy.build(allow=[CLIENT_DID], command=deaf))
-    agent = Agent(pair.client)
+async def test_a_tool_that_falls_behind_pauses_its_own_caller_not_the_link() -> None:
+    # Its stdin passing high water sends PAUSE for that session only: the agent's lines
+    # wait, while another session of the same peer is served at once (the link keeps
+    # being read); the tool reading again sends RESUME, and every line arrives in order.
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=bad_tool("nap")))
+    slow, other = Agent(pair.client), Agent(pair.client)
+    holds: list[bool] = []
     filler = "f" * 100_000
+
+    async def fill() -> None:
+        for i in range(40):  # 4 MB while the tool reads nothing, a line per stdin read
+            await slow.notify("notifications/filler", {"i": i, "text": filler})
+            await asyncio.sleep(0.01)
+
     async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
         stack.push_async_callback(pair.close)
-        await agent.notify("notifications/hello")  # opens the session and starts the tool
-        await until(
-            lambda: (
-                any(s.proc and s.proc.alive for s in pair.server.sessions.values())
-                and all(q.empty() for q in pair.server._inbox.values())
-            ),
-            what="the session to be up",
-        )
-        for i in range(40):  # 4 MB the tool never reads, on the hot path
-            await agent.notify("notifications/filler", {"i": i, "text": filler})
-        await until(lambda: pair.server_end.held_frames > 0, what="the link to pause")
-        (session,) = pair.server.sessions.values()
-        proc = session.proc
-        assert proc is not None and not proc.writable
-        stdin = proc._stdin
-        assert stdin is not None
-        # High water (64 KiB by default) plus at most the one frame that crossed it.
-        assert stdin.get_write_buffer_size() <= 64 * 1024 + 256 * 1024
-        # The tool going away releases the wait, and the held frames are read (and dropped).
-        await proc.terminate()
-        await until(lambda: pair.server_end.held_frames == 0, what="the link to resume")
+        assert (await slow.request("nap", {"seconds": 3}))["result"] == {"read": 1}
+        slow.session.on_hold = holds.append
+        filling = asyncio.ensure_future(fill())
+        stack.callback(filling.cancel)
+        await until(lambda: slow.session.held, what="the slow session to be paused")
+        assert (await other.request("ping"))["result"] == {"read": 1}
+        assert not filling.done() and pair.server_end.held_frames == 0
+        (busy,) = [s for s in pair.server.sessions.values() if s.sid == slow.session.sid]
+        assert busy.proc is not None and busy.proc.backlog < 1024 * 1024
+        await filling
+        # PAUSE then RESUME, perhaps again while the tool catches up: ending resumed.
+        assert holds[0] and not holds[-1] and all(a != b for a, b in itertools.pairwise(holds))
+        assert (await slow.request("ping"))["result"] == {"read": 42}
+
+
+async def test_a_caller_that_ignores_pause_fails_its_session_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A caller that goes on sending after PAUSE (an old or a hostile one) gets its session
+    # failed once the tool leaves MAX_TOOL_BACKLOG unread: bounded memory, a reason, and
+    # the next request starts a fresh tool.
+    monkeypatch.setattr(server_module, "MAX_TOOL_BACKLOG", 512 * 1024)
+    sink = MemorySink()
+    auditor = Auditor(sink)
+    await auditor.start()
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=bad_tool("nap")), auditor=auditor)
+    agent = Agent(pair.client)
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
+        stack.push_async_callback(pair.close)
+        assert (await agent.request("nap", {"seconds": 60}))["result"] == {"read": 1}
+        sid, sender = agent.session.sid, pair.client.sender
+        filler = orjson.dumps({"jsonrpc": "2.0", "method": "n", "params": {"text": "f" * 100_000}})
+        for _ in range(20):  # straight to the link, past the session's PAUSE
+            sender.message(sid, filler)
+        await until(lambda: not agent.session.attached, what="the session to fail")
+        assert (await agent.request("ping"))["result"] == {"read": 1}
+        await auditor.stop()
+    (overrun,) = [r for r in sink.records if r.outcome == "overrun"]
+    assert overrun.session == sid and "bytes of input unread" in overrun.detail
 
 
 async def test_sessions_per_peer_are_capped() -> None:

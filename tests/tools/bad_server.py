@@ -8,6 +8,9 @@
   response lacking result/error for the same id, then the proper echo response;
 - ``hang``: prints ``ready``, reads and never answers, ignoring SIGTERM (to exercise SIGKILL);
 - ``deaf``: prints ``ready`` and never reads stdin (a tool slower than its caller);
+- ``nap``: answers every request with ``{"read": messages read so far}``; a ``nap``
+  request (``{"seconds": S}``) is answered at once, then stdin is not read for S
+  seconds (a tool that falls behind its caller for a while);
 - ``record``: answers every request with ``{"seen": [every message read so far]}``, so a
   test can check what reached the tool (and what did not); it reads lines the way the
   MCP Python SDK does (universal newlines: CR, LF and CRLF all end a line);
@@ -30,6 +33,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 FLOOD_LINES = 2000
 FLOOD_BYTES = 32 * 1024
@@ -58,6 +62,20 @@ def flood(count_file: str) -> None:
         sys.stdout.flush()
 
 
+def nap() -> None:
+    read = 0
+    for line in sys.stdin.buffer:
+        read += 1
+        message = json.loads(line)
+        if "id" not in message or "method" not in message:
+            continue
+        reply = {"jsonrpc": "2.0", "id": message["id"], "result": {"read": read}}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+        if message["method"] == "nap":
+            time.sleep(message["params"]["seconds"])
+
+
 def main(mode: str) -> None:
     if mode == "flood":
         flood(sys.argv[2])
@@ -73,6 +91,9 @@ def main(mode: str) -> None:
     if mode == "deaf":
         print("ready", flush=True)
         signal.pause()
+    if mode == "nap":
+        nap()
+        return
     seen: list[object] = []
     answered = 0
     # Like the MCP SDK's stdio server (sys.stdin itself would split on LF only).

@@ -19,6 +19,7 @@ import pytest
 from talos import pipeline as pl
 from talos.config import NodeConfig
 from talos.daemon import Daemon
+from talos.local import server as local_server
 from talos.local import wire
 from talos.local.call import LocalUsageError, NodeGoneError, NoNodeError, call
 from talos.local.client import LocalClient
@@ -251,8 +252,6 @@ async def test_a_frame_left_unfinished_ends_its_connection(
 ) -> None:
     # A client may sit idle for good, or send a frame in pieces; one that stops in the
     # middle of a frame is cut off, and what it had sent of it is freed.
-    from talos.local import server as local_server
-
     monkeypatch.setattr(local_server, "PARTIAL_FRAME_TIMEOUT", 0.5)
     a = await started(*make_home(tmp_path, "a"))
     try:
@@ -344,6 +343,43 @@ async def test_a_full_listen_queue_is_waited_out_then_named(
         for s in queued:
             s.close()
         listener.close()
+
+
+async def test_a_claimer_that_stops_reading_does_not_stall_the_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What arrives on a claimed app channel is handed to the claimer in link order, so the
+    # link's read loop waits while the claimer's buffer is full. A claimer that stops
+    # reading is disconnected after APP_STALL_LIMIT; the peer's messages flow again.
+    monkeypatch.setattr(local_server, "APP_STALL_LIMIT", 1.0)
+    a, b = await _pair(tmp_path)
+    flood: asyncio.Task[None] | None = None
+    try:
+        await link(a.node, b.node)
+        reader, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
+        claim = {"id": 1, "op": "app.claim", "args": {"channel": "t", "peer": b.did}}
+        writer.write(wire.encode_json(wire.Kind.CALL, claim))
+        frames = wire.FrameReader()
+        while not any(f.kind is wire.Kind.REPLY for f in frames.feed(await reader.read(4096))):
+            pass  # the claim is in; from here on this client reads nothing
+
+        async def send_apps() -> None:
+            for _ in range(100):
+                await b.send_app(a.did, "t", b"\x00" * 60_000)
+
+        flood = asyncio.ensure_future(send_apps())
+        await until(lambda: a.metrics.counters.get("app_frames_in", 0) >= 5, 10, "frames in")
+        await asyncio.wait_for(b.send_message(a.did, "through", wait=True), 20)
+        assert a.metrics.counters.get("local_clients_too_slow") == 1
+        await asyncio.wait_for(flood, 20)
+        while await asyncio.wait_for(reader.read(1 << 20), 10):
+            pass  # the node closed it: what was buffered, then the end
+        writer.close()
+    finally:
+        if flood is not None:
+            flood.cancel()
+        await a.stop()
+        await b.stop()
 
 
 async def test_client_gone_mid_long_poll_loses_nothing(tmp_path: Path) -> None:
