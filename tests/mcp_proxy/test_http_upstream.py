@@ -131,3 +131,64 @@ async def test_talos_proxy_serve_url_end_to_end(tmp_path: Path) -> None:
         env=ENV,
     )
     assert bad.returncode == 2 and "--header needs K=V" in bad.stderr
+
+
+async def test_a_slow_upstream_pauses_its_caller_and_bounds_open_requests() -> None:
+    # An upstream that answers nothing yet: serve POSTs at most MAX_OPEN_REQUESTS at once,
+    # keeps the rest queued, and past HIGH_WATER queued pauses the caller's session (PAUSE);
+    # once the upstream answers, every request gets its response and the session resumes.
+    from aiohttp import web
+
+    from mcp_proxy.http_upstream import MAX_OPEN_REQUESTS
+    from tests.mcp_proxy.loopback import Agent
+
+    release = asyncio.Event()
+    open_now = most = 0
+
+    async def handle(request: web.Request) -> web.Response:
+        nonlocal open_now, most
+        body = await request.json()
+        if "id" not in body:
+            return web.Response(status=202)
+        open_now += 1
+        most = max(most, open_now)
+        await release.wait()
+        open_now -= 1
+        return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {}})
+
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_post("/mcp", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    pair = Pair(Policy.build(allow=[CLIENT_DID], url=f"http://127.0.0.1:{port}/mcp"))
+    agent = Agent(pair.client)
+    replies: list[asyncio.Future[dict[str, object]]] = []
+
+    async def ask() -> None:
+        for _ in range(100):  # 10 kB each: 1 MB in all
+            rid, fut = agent.start_request("tools/call")
+            replies.append(fut)
+            await agent.send_raw(
+                b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":'
+                b'{"name":"echo","arguments":{"t":"%s"}}}' % (rid, b"x" * 10_000)
+            )
+            await asyncio.sleep(0.005)
+
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            asking = asyncio.ensure_future(ask())
+            await until(lambda: agent.session.held, what="the caller to be paused")
+            await until(lambda: open_now == MAX_OPEN_REQUESTS, what="the open requests")
+            assert not asking.done() and most == MAX_OPEN_REQUESTS
+            release.set()
+            await asking
+            answers = await asyncio.gather(*replies)
+            assert [a["result"] for a in answers] == [{}] * 100
+            assert len(replies) == 100 and most == MAX_OPEN_REQUESTS and not agent.session.held
+    finally:
+        release.set()
+        await pair.close()
+        await runner.cleanup()
