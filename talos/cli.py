@@ -249,7 +249,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     _require_identity(path)
     status = _online(path, "status")
     if status is _NOT_RUNNING:
-        raise NoNodeError(f"no node is running on {path}")
+        raise NoNodeError(
+            f"no node is running on {path}; start one with `talosd run --home {path}`"
+        )
     if args.json:
         _out(status)
     else:

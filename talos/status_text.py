@@ -110,8 +110,7 @@ def outbox_lines(peers: list[dict[str, Any]]) -> list[str]:
             text = str(m.get("text", ""))
             preview = text if len(text) <= _PREVIEW else text[: _PREVIEW - 1] + "…"
             lines.append(
-                f"  {m['seq_text']:>10}  {_when(m.get('ts'))}  {m['id'][:16]}  {m['state']}"
-                f"  {preview!r}"
+                f"  {m['seq_text']:>10}  {_when(m.get('ts'))}  {m['id']}  {m['state']}  {preview!r}"
             )
         listed = len(peer.get("messages", []))
         if count > listed:

@@ -374,7 +374,7 @@ class LinkHandshake:
         if peer.did == self._signer.did:
             raise Refusal(CLOSE_BAD_PROOF, "peer claims our own DID")
         if self._authorizer is not None and not self._authorizer(peer.did):
-            raise Refusal(CLOSE_UNAUTHORIZED, "unknown peer", peer.did)
+            raise Refusal(CLOSE_UNAUTHORIZED, "not on the allow list", peer.did)
         if not set(self._suites) & set(peer.suites):
             raise Refusal(CLOSE_NO_SUITE, "no session suite in common")
         presented = peer.mldsa65 or None

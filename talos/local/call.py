@@ -75,7 +75,7 @@ def raise_for(error: Any) -> None:
 def no_node(home: Path, exc: OSError) -> NoNodeError:
     if isinstance(exc, PermissionError):
         return NoNodeError(f"permission denied on the node socket of {home}")
-    return NoNodeError(f"no node is running on {home}")
+    return NoNodeError(f"no node is running on {home}; start one with `talosd run --home {home}`")
 
 
 #: Longest a client retries a connect the node's full listen backlog turned away

@@ -157,5 +157,9 @@ def register_cli(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     sp.add_argument(
         "id", nargs="?", metavar="ID", help="transfer id (32 hex digits), for accept/reject"
     )
-    sp.add_argument("--json", action="store_true", help="print the list as JSON, for scripts")
+    sp.add_argument(
+        "--json",
+        action="store_true",
+        help="print the list as JSON, for scripts (each transfer's ID is its 'tid')",
+    )
     sp.set_defaults(fn=cmd_files)

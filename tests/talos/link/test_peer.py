@@ -89,7 +89,7 @@ async def test_link_authenticates_and_carries_frames(listener: Listener) -> None
 async def test_unknown_peer_gets_a_clear_refusal(listener: Listener) -> None:
     listener.authorizer = lambda did: False
     async with asyncio.timeout(5):
-        with pytest.raises(PeerRefused, match="unknown peer") as exc:  # sealed REFUSE
+        with pytest.raises(PeerRefused, match="not on the allow list") as exc:  # sealed REFUSE
             await dial_link(
                 listener.url, listener.wallet.did, Wallet.generate(), lambda d: True, SETTINGS
             )
