@@ -402,11 +402,11 @@ async def serve(home: Path, *, passphrase_file: str | None = None) -> None:
 
     A signal stops it as the end of stdin does (a node it runs is handed over to
     attached agents, its store closed cleanly), then exits the process at once
-    with 128 + the signal number: the SDK reads stdin in a worker thread that
+    with 128 + the signal number: stdin is read in a worker thread that
     nothing interrupts, and waiting for that read would keep the process until
     the client wrote another line.
     """
-    from mcp.server.stdio import stdio_server
+    from talos.agent_mcp.stdio import run_stdio
 
     backend = await open_backend(home, passphrase_file=passphrase_file)
     server = build_server(backend)
@@ -415,8 +415,7 @@ async def serve(home: Path, *, passphrase_file: str | None = None) -> None:
     low = server._lowlevel_server
 
     async def on_stdio() -> None:
-        async with stdio_server() as (read_stream, write_stream):
-            await _run_answering_parse_errors(low, read_stream, write_stream)
+        await run_stdio(low, sys.stdin.buffer)
 
     loop = asyncio.get_running_loop()
     signalled: list[int] = []
@@ -448,31 +447,3 @@ def _on_signal(signum: int, signalled: list[int], stopped: asyncio.Event) -> Non
     if not signalled:
         signalled.append(signum)
         stopped.set()
-
-
-async def _run_answering_parse_errors(low: Any, read_stream: Any, write_stream: Any) -> None:
-    """Run the server on the SDK's stdio streams, answering -32700 for a line that is
-    not JSON-RPC: the SDK hands such a line on as an exception the server only logs,
-    so the client would wait for ever (JSON-RPC 2.0 §5.1: Parse error, id null)."""
-    import anyio
-    from mcp import types
-    from mcp.shared.message import SessionMessage
-
-    writer, reader = anyio.create_memory_object_stream[Any](0)
-
-    async def relay() -> None:
-        async with writer:
-            async for item in read_stream:
-                if isinstance(item, Exception):
-                    error = types.ErrorData(
-                        code=types.PARSE_ERROR, message="Parse error: not JSON-RPC"
-                    )
-                    reply = types.JSONRPCError(jsonrpc="2.0", id=None, error=error)
-                    await write_stream.send(SessionMessage(reply))
-                else:
-                    await writer.send(item)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(relay)
-        await low.run(reader, write_stream, low.create_initialization_options())
-        tg.cancel_scope.cancel()

@@ -1,0 +1,77 @@
+"""``talosd mcp``'s stdio bounds (talos/agent_mcp/stdio.py), on a real ``talosd mcp``
+process over plain pipes: an oversize line, and a client that reads no answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from talos.agent_mcp.stdio import MAX_IN_FLIGHT, MAX_LINE
+from tests.talos.agent_mcp.test_talosd_mcp import _raw_status, init, raw_mcp
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+async def test_a_line_above_the_bound_is_answered_and_never_held(tmp_path: Path) -> None:
+    # 64 MiB without a newline, then a ping: the line is read past in pieces (the SDK's
+    # own reader held all of it, and more as text), answered -32600, and the ping after it.
+    init(tmp_path / "n")
+    proc = await raw_mcp(tmp_path / "n")
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        await _raw_status(proc)
+        before = _peak_rss(proc.pid)
+        piece = b"x" * (1 << 20)
+        for _ in range(64):
+            proc.stdin.write(piece)
+            await proc.stdin.drain()
+        proc.stdin.write(b'\n{"jsonrpc":"2.0","id":9,"method":"ping"}\n')
+        await proc.stdin.drain()
+        async with asyncio.timeout(60):
+            first = json.loads(await proc.stdout.readline())
+            second = json.loads(await proc.stdout.readline())
+        assert first["id"] is None and first["error"] == {
+            "code": -32600,
+            "message": f"message above {MAX_LINE} bytes",
+        }
+        assert second == {"jsonrpc": "2.0", "id": 9, "result": {}}
+        assert _peak_rss(proc.pid) - before < 40 * 1024 * 1024
+    finally:
+        proc.stdin.close()
+        await asyncio.wait_for(proc.wait(), 60)
+
+
+async def test_a_client_that_reads_no_answers_stops_being_read(tmp_path: Path) -> None:
+    # 10,000 requests and no reading: once MAX_IN_FLIGHT wait behind a full stdout, stdin
+    # is not read either (the SDK read all of it in about 4 s here, a task per request,
+    # +150 MB); reading the answers lets every request through, each answered once.
+    init(tmp_path / "n")
+    proc = await raw_mcp(tmp_path / "n")
+    assert proc.stdin is not None and proc.stdout is not None
+    count = 10_000
+    assert count > 10 * MAX_IN_FLIGHT  # far more than are ever read ahead
+    try:
+        await _raw_status(proc)
+        before = _peak_rss(proc.pid)
+        for i in range(count):
+            proc.stdin.write(b'{"jsonrpc":"2.0","id":%d,"method":"prompts/list"}\n' % (100 + i))
+        writing = asyncio.ensure_future(proc.stdin.drain())
+        done, _ = await asyncio.wait([writing], timeout=6)
+        assert not done, "stdin was read on although no answer was"
+        assert _peak_rss(proc.pid) - before < 40 * 1024 * 1024
+        ids: list[int] = []
+        async with asyncio.timeout(120):
+            while len(ids) < count:
+                ids.append(json.loads(await proc.stdout.readline())["id"])
+            await writing
+        assert sorted(ids) == list(range(100, 100 + count))
+    finally:
+        proc.stdin.close()
+        await asyncio.wait_for(proc.wait(), 60)
