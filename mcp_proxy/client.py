@@ -112,7 +112,12 @@ class ClientSession:
     def try_forward(self, line: bytes) -> bool:
         """Handle one line at once if the link is up and the tool takes input (the hot path);
         False means use from_agent."""
-        if self.held or not self.client.link_up:
+        return not self.held and self.forward_now(line)
+
+    def forward_now(self, line: bytes) -> bool:
+        """:meth:`try_forward`, even while the serving side holds this session: for a
+        small message that must not wait behind what is held (a cancellation)."""
+        if not self.client.link_up:
             return False
         msg = self._note(line)
         if msg is not None:
@@ -125,18 +130,28 @@ class ClientSession:
         msg = self._note(line)
         if msg is None:
             return
-        while True:
-            if not await self.client.wait_link():
-                if msg.kind is Kind.REQUEST:
-                    assert msg.id is not None
-                    self.pending.pop(msg.id, None)
-                    code, text = self.client.down_error()
-                    self.deliver(error_reply(msg.id, code, text))
-                return
-            if not self.held:
-                break
-            await self._unheld.wait()  # RESUME, or the session's end (detach, close)
-        self._forward(msg, line)
+        try:
+            while not self.closed:
+                if not await self.client.wait_link():
+                    if msg.kind is Kind.REQUEST:
+                        assert msg.id is not None
+                        self.pending.pop(msg.id, None)
+                        code, text = self.client.down_error()
+                        self.deliver(error_reply(msg.id, code, text))
+                    return
+                if not self.held:
+                    self._forward(msg, line)
+                    return
+                await self._unheld.wait()  # RESUME, or the session's end (detach, close)
+        except asyncio.CancelledError:
+            self._unsent(msg)  # its caller is gone (an HTTP client hung up): never sent
+            raise
+        self._unsent(msg)  # the session closed while the line waited: never sent
+
+    def _unsent(self, msg: Sniffed) -> None:
+        """Forget a request that will never be sent: its id may be used again."""
+        if msg.kind is Kind.REQUEST and msg.id is not None:
+            self.pending.pop(msg.id, None)
 
     def hold(self, held: bool) -> None:
         """The serving side asks this session to stop (PAUSE) or go on (RESUME) sending."""

@@ -108,7 +108,8 @@ class _Member:
             "params": {"requestId": request_id, "reason": "response stream closed"},
         }
         # Only if the link is up now: a lost link already ended the request at the tool.
-        self.tunnel.try_forward(orjson.dumps(note))
+        # Not held back by a PAUSE: it lets the tool drop work instead of adding any.
+        self.tunnel.forward_now(orjson.dumps(note))
 
     def deliver(self, line: bytes) -> None:
         try:

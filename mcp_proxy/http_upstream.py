@@ -12,10 +12,13 @@ version goes alone with ``MCP-Protocol-Version``, ``Mcp-Method`` and
 from the ``initialize`` response, the negotiated ``MCP-Protocol-Version``
 after it, a GET stream for server-initiated messages once ``initialized``
 was sent, DELETE at the end). Requests run concurrently, up to
-:data:`MAX_OPEN_REQUESTS`; notifications and responses are sent in order, each
-after the one before was accepted. Messages waiting to be sent count as the
-tool's unread input (``writable``, ``backlog``, ``drain``), so a caller faster
-than the upstream is paused like one faster than a stdio tool. A
+:data:`MAX_OPEN_REQUESTS` (later ones wait for a place, in order, and a
+cancellation of one still waiting drops it); notifications and responses are
+sent in order, each after the one before was accepted, and never wait for a
+request's place (a response may be what an open request waits for).
+Messages not sent yet count as the tool's unread input (``writable``,
+``backlog``, ``drain``), so a caller faster than the upstream is paused like
+one faster than a stdio tool. A
 stateless request is cancelled by closing its stream. Replies come back as
 JSON or SSE; each message is handed on as one line.
 """
@@ -25,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -100,11 +105,13 @@ class HttpUpstream:
         self._session_id: str | None = None
         self._version: str | None = None
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
-        self._queued = 0  # bytes in _outbox
+        self._queued = 0  # bytes handed to send() and not sent yet (_outbox and _waiting)
         self._room = asyncio.Event()  # set while _queued is below HIGH_WATER
         self._room.set()
-        self._slots = asyncio.Semaphore(MAX_OPEN_REQUESTS)
+        # Requests waiting for one of the MAX_OPEN_REQUESTS places: (line, message, era).
+        self._waiting: deque[tuple[bytes, Sniffed, str | None]] = deque()
         self._requests: dict[RequestId, tuple[asyncio.Task[None], bool]] = {}
+        self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._why = ""
         self._output = asyncio.Event()  # cleared: the caller is not taking our output
@@ -130,6 +137,13 @@ class HttpUpstream:
 
     def resume_output(self) -> None:
         self._output.set()
+
+    def discard_input(self) -> None:
+        """Drop every message not sent yet (the session failed)."""
+        while not self._outbox.empty():
+            self._outbox.get_nowait()
+        self._waiting.clear()
+        self._sent(self._queued)
 
     async def drain(self) -> None:
         """Wait until what waits to be POSTed is below :data:`HIGH_WATER` (or the end)."""
@@ -162,9 +176,7 @@ class HttpUpstream:
             self._fail_pending()
             return
         self._outbox.put_nowait(line)
-        self._queued += len(line)
-        if self._queued >= HIGH_WATER:
-            self._room.clear()
+        self._sent(-len(line))
 
     def hold(self) -> None:
         """Like ``ToolProcess.hold``; nothing to do: each message is its own HTTP request."""
@@ -185,6 +197,7 @@ class HttpUpstream:
         return self.exit_code
 
     async def terminate(self) -> int:
+        self._stopping = True  # no waiting request starts any more
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -223,31 +236,61 @@ class HttpUpstream:
             headers["MCP-Protocol-Version"] = self._version
         return headers
 
+    def _sent(self, size: int) -> None:
+        """``size`` bytes left the queue (negative: joined it)."""
+        self._queued -= size
+        self._room.set() if self._queued < HIGH_WATER else self._room.clear()
+
     async def _pump(self) -> None:
         """Send queued messages in order; requests are not waited for, other messages are."""
         while True:
             line = await self._outbox.get()
-            self._queued -= len(line)
-            if self._queued < HIGH_WATER:
-                self._room.set()
             try:
                 msg = sniff(line)
             except JsonRpcError:
+                self._sent(len(line))
                 continue  # the serve side judged every line before; nothing else arrives
             if msg.kind is Kind.REQUEST:
                 assert msg.id is not None
-                modern = self._modern_version(msg)
-                await self._slots.acquire()  # released when the request ends
-                task = self._spawn(self._request(line, msg, modern))
-                self._requests[msg.id] = (task, modern is not None)
+                self._waiting.append((line, msg, self._modern_version(msg)))
+                self._start_waiting()
                 continue
+            self._sent(len(line))
             if msg.method == "notifications/cancelled" and isinstance(msg.params, dict):
-                held = self._requests.get(msg.params.get("requestId"))  # type: ignore[arg-type]
+                rid = msg.params.get("requestId")
+                if self._drop_waiting(rid):
+                    continue  # never sent: the upstream has nothing to cancel
+                held = self._requests.get(rid)  # type: ignore[arg-type]
                 if held is not None and held[1]:
                     held[0].cancel()  # a stateless request is cancelled by closing its stream
                     continue
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 await self._post_message(line, msg)
+
+    def _start_waiting(self) -> None:
+        """POST waiting requests, in order, while fewer than MAX_OPEN_REQUESTS are open."""
+        while self._waiting and len(self._requests) < MAX_OPEN_REQUESTS and not self._stopping:
+            line, msg, modern = self._waiting.popleft()
+            assert msg.id is not None
+            self._sent(len(line))
+            task = self._spawn(self._request(line, msg, modern))
+            self._requests[msg.id] = (task, modern is not None)
+            # A callback, not a finally: it also runs for a task cancelled before it started.
+            task.add_done_callback(functools.partial(self._request_done, msg.id))
+
+    def _request_done(self, request_id: RequestId, task: asyncio.Task[None]) -> None:
+        held = self._requests.get(request_id)
+        if held is not None and held[0] is task:
+            del self._requests[request_id]
+        self._start_waiting()
+
+    def _drop_waiting(self, request_id: object) -> bool:
+        for entry in self._waiting:
+            if entry[1].id == request_id:
+                self._waiting.remove(entry)
+                self._sent(len(entry[0]))
+                return True
+        return False
 
     @staticmethod
     def _modern_version(msg: Sniffed) -> str | None:
@@ -291,9 +334,6 @@ class HttpUpstream:
             raise
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             self._answer(msg.id, f"upstream request failed: {exc}")
-        finally:
-            self._requests.pop(msg.id, None)
-            self._slots.release()
 
     async def _read_reply(self, resp: aiohttp.ClientResponse, msg: Sniffed) -> None:
         assert msg.id is not None

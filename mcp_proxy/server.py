@@ -57,7 +57,13 @@ from mcp_proxy.tunnel_wire import (
 from talos.logging import event
 from talos_sdk.errors import OversizeError, ProtocolError
 
-__all__ = ["INBOX_FRAMES", "MAX_SESSIONS_PER_PEER", "MAX_TOOL_BACKLOG", "TunnelServer"]
+__all__ = [
+    "INBOX_FRAMES",
+    "MAX_PEER_BACKLOG",
+    "MAX_SESSIONS_PER_PEER",
+    "MAX_TOOL_BACKLOG",
+    "TunnelServer",
+]
 
 log = logging.getLogger(__name__)
 WARN = logging.WARNING
@@ -69,9 +75,12 @@ _UNKNOWN_SESSION = b"unknown session"
 INBOX_FRAMES = 8
 #: Bytes a session's tool may leave unread before the session fails. A tool slower than
 #: its caller pauses the caller (PAUSE) as soon as its input passes the pipe's high water;
-#: what was in flight then is at most the caller's sender budget and one whole message,
-#: so only a caller that ignores PAUSE gets this far.
-MAX_TOOL_BACKLOG = 2 * MAX_MESSAGE_BYTES
+#: what can still arrive then is what was on the way (the caller's sender budget, a
+#: message it was sending, one it had read whole), so only a caller that ignores PAUSE
+#: gets this far.
+MAX_TOOL_BACKLOG = 3 * MAX_MESSAGE_BYTES
+#: The same bound over all sessions of one peer (so 16 sessions cannot hold 16 times it).
+MAX_PEER_BACKLOG = 2 * MAX_TOOL_BACKLOG
 
 
 class _Session:
@@ -124,7 +133,7 @@ class _Session:
     def check_input(self) -> None:
         """After the caller's lines were handed to the tool: pause the caller while the
         tool's input is full (PAUSE; RESUME once it drained), fail the session past
-        :data:`MAX_TOOL_BACKLOG`.
+        :data:`MAX_TOOL_BACKLOG`, or once its peer's sessions hold :data:`MAX_PEER_BACKLOG`.
 
         Per session, not by holding the link's reading: a tool slower than its caller
         then costs its own session only, and the link goes on carrying the peer's other
@@ -133,10 +142,12 @@ class _Session:
         proc = self.proc
         if proc is None or proc.writable or self.closing:
             return
-        if proc.backlog > MAX_TOOL_BACKLOG:
-            reason = f"the tool left {proc.backlog} bytes of input unread"
-            event(log, "tool_input_overrun", WARN, **self.log_fields, backlog=proc.backlog)
+        backlog = proc.backlog
+        if backlog > MAX_TOOL_BACKLOG or self.server.backlog_of(self.peer) > MAX_PEER_BACKLOG:
+            reason = f"the tool left {backlog} bytes of input unread"
+            event(log, "tool_input_overrun", WARN, **self.log_fields, backlog=backlog)
             self.audit.refusal(None, "overrun", reason)
+            proc.discard_input()  # freed now, not once the tool has exited
             self.server.session_failed(self, reason)
             return
         if self._resuming is None:
@@ -358,6 +369,10 @@ class TunnelServer:
             sender = self._senders[peer] = FrameSender(self.transport, peer)
             sender.on_pressure(functools.partial(self._pressure, peer))
         return sender
+
+    def backlog_of(self, peer: str) -> int:
+        """Bytes the tools of ``peer``'s sessions have not read."""
+        return sum(s.proc.backlog for (p, _), s in self.sessions.items() if p == peer and s.proc)
 
     def own_sender(self, peer: str, size: int) -> FrameSender | None:
         """The peer's sender for a reply of ``size`` bytes the proxy makes itself, or None:

@@ -224,6 +224,11 @@ class ToolProcess:
         stdin = self._stdin
         return stdin.get_write_buffer_size() if stdin is not None else 0
 
+    def discard_input(self) -> None:
+        """Drop what the tool has not read and close its stdin (the session failed)."""
+        if self._stdin is not None:
+            self._stdin.abort()
+
     async def drain(self) -> None:
         """Wait for stdin to accept what was written (back-pressure from a slow tool)."""
         if self._pipes is not None and self.exit_code is None:

@@ -17,8 +17,9 @@ and RESUME (no message; per-session flow control, either way: from the
 caller's side, its agent is not reading, so the serving side stops reading
 that session's tool until RESUME; from the serving side, that session's tool is
 not reading its input, so the caller's side stops reading that agent until
-RESUME; a peer that does not know them drops the frame and nothing else
-changes).
+RESUME; a peer that does not know them drops the frame: a serving side then
+does not pause that tool's output, and a caller goes on sending until its
+session fails at the serving side's bound on unread input).
 Splitting keeps the tunnel transparent for messages above the node's link frame
 bound (a 2 MiB resource read); the whole message is bounded by MAX_MESSAGE_BYTES.
 """

@@ -9,14 +9,18 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
+import orjson
 import pytest
+from aiohttp import web
 
 from mcp_proxy.http_front import HttpFront
+from mcp_proxy.http_upstream import MAX_OPEN_REQUESTS, HttpUpstream
 from mcp_proxy.policy import Policy, PolicyError
 from tests.mcp_proxy.e2e import ENV, REPO, did_of, serving
-from tests.mcp_proxy.loopback import CLIENT_DID, Pair
+from tests.mcp_proxy.loopback import CLIENT_DID, Agent, Pair
 from tests.mcp_proxy.sdk_callbacks import SDK_DEPRECATIONS_ALLOWED, text
 from tests.mcp_proxy.test_http_eras import MODES, TOKEN, exercise, sdk
 from tests.talos.nodes import until
@@ -133,62 +137,118 @@ async def test_talos_proxy_serve_url_end_to_end(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "--header needs K=V" in bad.stderr
 
 
+class HeldUpstream:
+    """A bare Streamable HTTP endpoint on 127.0.0.1 that answers no request until
+    :attr:`release` is set; it counts what it was sent."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.open_now = self.most = 0
+        self.requests: list[Any] = []  # ids, in the order their POSTs arrived
+        self.notes: list[str] = []  # methods of the other messages
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if "id" not in body or "method" not in body:
+            self.notes.append(str(body.get("method")))
+            return web.Response(status=202)
+        self.requests.append(body["id"])
+        self.open_now += 1
+        self.most = max(self.most, self.open_now)
+        try:
+            await self.release.wait()
+        finally:
+            self.open_now -= 1
+        return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {}})
+
+    async def __aenter__(self) -> HeldUpstream:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/mcp", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}/mcp"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release.set()
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+def _call(rid: int, size: int = 10) -> bytes:
+    return (
+        b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":'
+        b'{"name":"echo","arguments":{"t":"%s"}}}' % (rid, b"x" * size)
+    )
+
+
 async def test_a_slow_upstream_pauses_its_caller_and_bounds_open_requests() -> None:
     # An upstream that answers nothing yet: serve POSTs at most MAX_OPEN_REQUESTS at once,
     # keeps the rest queued, and past HIGH_WATER queued pauses the caller's session (PAUSE);
     # once the upstream answers, every request gets its response and the session resumes.
-    from aiohttp import web
+    async with HeldUpstream() as upstream:
+        pair = Pair(Policy.build(allow=[CLIENT_DID], url=upstream.url))
+        agent = Agent(pair.client)
+        replies: list[asyncio.Future[dict[str, object]]] = []
 
-    from mcp_proxy.http_upstream import MAX_OPEN_REQUESTS
-    from tests.mcp_proxy.loopback import Agent
+        async def ask() -> None:
+            for _ in range(100):  # 10 kB each: 1 MB in all
+                rid, fut = agent.start_request("tools/call")
+                replies.append(fut)
+                await agent.send_raw(_call(rid, 10_000))
+                await asyncio.sleep(0.005)
 
-    release = asyncio.Event()
-    open_now = most = 0
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                asking = asyncio.ensure_future(ask())
+                await until(lambda: agent.session.held, what="the caller to be paused")
+                await until(lambda: upstream.open_now == MAX_OPEN_REQUESTS, what="open requests")
+                assert not asking.done() and upstream.most == MAX_OPEN_REQUESTS
+                upstream.release.set()
+                await asking
+                answers = await asyncio.gather(*replies)
+                assert [a["result"] for a in answers] == [{}] * 100
+                assert upstream.most == MAX_OPEN_REQUESTS and not agent.session.held
+        finally:
+            await pair.close()
 
-    async def handle(request: web.Request) -> web.Response:
-        nonlocal open_now, most
-        body = await request.json()
-        if "id" not in body:
-            return web.Response(status=202)
-        open_now += 1
-        most = max(most, open_now)
-        await release.wait()
-        open_now -= 1
-        return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {}})
 
-    app = web.Application(client_max_size=1 << 20)
-    app.router.add_post("/mcp", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    pair = Pair(Policy.build(allow=[CLIENT_DID], url=f"http://127.0.0.1:{port}/mcp"))
-    agent = Agent(pair.client)
-    replies: list[asyncio.Future[dict[str, object]]] = []
+async def test_messages_pass_requests_waiting_for_a_place() -> None:
+    # With every place taken by requests the upstream holds, a notification still goes
+    # out (a response the upstream waits for would too), and a request cancelled while
+    # it waited for a place is never sent; the others are, in order, once places free.
+    lines: list[dict[str, Any]] = []
 
-    async def ask() -> None:
-        for _ in range(100):  # 10 kB each: 1 MB in all
-            rid, fut = agent.start_request("tools/call")
-            replies.append(fut)
-            await agent.send_raw(
-                b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":'
-                b'{"name":"echo","arguments":{"t":"%s"}}}' % (rid, b"x" * 10_000)
-            )
-            await asyncio.sleep(0.005)
+    def on_line(line: bytes) -> None:  # as serve's session takes a reply: settled
+        lines.append(orjson.loads(line))
+        proc.settle(lines[-1]["id"])
 
-    try:
-        async with asyncio.timeout(TIMEOUT):
-            asking = asyncio.ensure_future(ask())
-            await until(lambda: agent.session.held, what="the caller to be paused")
-            await until(lambda: open_now == MAX_OPEN_REQUESTS, what="the open requests")
-            assert not asking.done() and most == MAX_OPEN_REQUESTS
-            release.set()
-            await asking
-            answers = await asyncio.gather(*replies)
-            assert [a["result"] for a in answers] == [{}] * 100
-            assert len(replies) == 100 and most == MAX_OPEN_REQUESTS and not agent.session.held
-    finally:
-        release.set()
-        await pair.close()
-        await runner.cleanup()
+    async with HeldUpstream() as upstream:
+        proc = HttpUpstream(upstream.url, {}, on_line, lambda code: None)
+        await proc.start()
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                count = MAX_OPEN_REQUESTS + 6
+                for rid in range(1, count + 1):
+                    proc.send(_call(rid), rid)
+                await until(lambda: upstream.open_now == MAX_OPEN_REQUESTS, what="open requests")
+                proc.send(b'{"jsonrpc":"2.0","method":"notifications/roots/list_changed"}')
+                cancel = {"requestId": count, "reason": "no longer wanted"}
+                proc.send(orjson.dumps(
+                    {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": cancel}
+                ))  # fmt: skip
+                await until(lambda: upstream.notes != [], what="the notification")
+                assert upstream.notes == ["notifications/roots/list_changed"]
+                assert proc.backlog == 5 * len(_call(count))  # the 5 still waiting
+                upstream.release.set()
+                await until(lambda: len(lines) == count - 1, what="the answers")
+                assert upstream.requests == list(range(1, count))
+                assert sorted(line["id"] for line in lines) == list(range(1, count))
+                assert proc.backlog == 0 and proc.writable
+        finally:
+            await proc.terminate()

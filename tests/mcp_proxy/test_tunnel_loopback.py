@@ -333,13 +333,42 @@ async def test_a_tool_that_falls_behind_pauses_its_own_caller_not_the_link() -> 
         assert (await slow.request("ping"))["result"] == {"read": 42}
 
 
+async def test_a_held_line_whose_caller_leaves_is_never_sent() -> None:
+    # A request held by PAUSE whose caller gives up (an HTTP client hanging up) frees its
+    # id; one held when the session closes neither reopens the session nor starts a tool.
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=bad_tool("nap")))
+    agent = Agent(pair.client)
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
+        stack.push_async_callback(pair.close)
+        assert (await agent.request("nap", {"seconds": 60}))["result"] == {"read": 1}
+        session = agent.session
+        filler = orjson.dumps({"jsonrpc": "2.0", "method": "n", "params": {"t": "f" * 100_000}})
+        while not session.held:
+            await session.from_agent(filler)
+            await asyncio.sleep(0.01)
+        ping = b'{"jsonrpc":"2.0","id":7,"method":"ping"}'
+        waiting = asyncio.ensure_future(session.from_agent(ping))
+        await until(lambda: 7 in session.pending, what="the request to be noted")
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        assert 7 not in session.pending  # the same id may be used again
+        waiting = asyncio.ensure_future(session.from_agent(ping))
+        await until(lambda: 7 in session.pending, what="the request to be noted again")
+        session.close()
+        await asyncio.wait_for(waiting, 5)
+        await until(lambda: not pair.server.sessions, what="the session to end at serve")
+        assert pair.server.started_processes == 1 and not session.attached
+
+
+@pytest.mark.parametrize("bound", ["MAX_TOOL_BACKLOG", "MAX_PEER_BACKLOG"])
 async def test_a_caller_that_ignores_pause_fails_its_session_only(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, bound: str
 ) -> None:
     # A caller that goes on sending after PAUSE (an old or a hostile one) gets its session
-    # failed once the tool leaves MAX_TOOL_BACKLOG unread: bounded memory, a reason, and
-    # the next request starts a fresh tool.
-    monkeypatch.setattr(server_module, "MAX_TOOL_BACKLOG", 512 * 1024)
+    # failed once the tool leaves MAX_TOOL_BACKLOG unread (or its peer's tools together
+    # MAX_PEER_BACKLOG): bounded memory, a reason, and the next request starts a fresh tool.
+    monkeypatch.setattr(server_module, bound, 512 * 1024)
     sink = MemorySink()
     auditor = Auditor(sink)
     await auditor.start()
