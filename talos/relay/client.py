@@ -48,6 +48,7 @@ from talos_sdk.errors import TalosError
 from talos_sdk.wallet import Wallet
 
 __all__ = [
+    "ACCOUNT_RETRY_MAX",
     "MailboxFullError",
     "MailboxSettings",
     "MailboxUnavailableError",
@@ -62,6 +63,8 @@ _DATA_OVERHEAD: Final = 26
 _CLOSE_TRY_AGAIN: Final = 1013
 #: JetStream API error codes for a stream at its limits (nats-server errors.json).
 _STREAM_FULL_CODES: Final = frozenset({10077, 10047, 10028})
+#: Longest pause, in seconds, between two askings of an unanswered account question.
+ACCOUNT_RETRY_MAX: Final = 60.0
 
 
 class RelayError(TalosError):
@@ -237,19 +240,35 @@ class RelayClient:
     async def _check_account(self) -> None:
         """Ask the server which account this node is in: :attr:`vouched` if its own.
 
-        A relay whose configuration predates the question, or that puts nodes in
-        one shared account, leaves it False: packets are then taken as they come
-        and every relayed handshake shares one admission share.
+        A relay that puts nodes in one shared account leaves it False: packets are
+        then taken as they come and every relayed handshake shares one admission
+        share. A question nobody answers (a relay configured before it was allowed,
+        a busy server) is asked again, every :data:`ACCOUNT_RETRY_MAX` s at most,
+        until one does or the connection changes (which starts a new check).
         """
         nc = self._nc
         self._checks += 1
         check = self._checks
-        account = None
-        with contextlib.suppress(Exception):  # not allowed, no answer: not vouched
-            reply = await nc.request(USER_INFO_SUBJECT, b"", timeout=self._handshake_timeout)
-            account = user_info_account(reply.data)
+        wait = 1.0
+        while True:
+            try:
+                reply = await nc.request(USER_INFO_SUBJECT, b"", timeout=self._handshake_timeout)
+                break
+            except Exception as exc:  # not allowed, no answer: not vouched, for now
+                if check != self._checks:
+                    return
+                self._count("relay_account_unanswered")
+                if wait == 1.0:
+                    event(_log, "relay_account_unanswered", level=logging.WARNING,
+                          error=str(exc) or type(exc).__name__)  # fmt: skip
+                self.account, self.vouched = None, False
+                await asyncio.sleep(wait * random.uniform(0.5, 1.0))
+                wait = min(wait * 2, ACCOUNT_RETRY_MAX)
+                if check != self._checks or self._stopping:
+                    return
         if check != self._checks:
             return
+        account = user_info_account(reply.data)
         self.account = account
         self.vouched = account == self.names.account
         event(_log, "relay_account", account=account, own=self.vouched)

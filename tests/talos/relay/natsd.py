@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from talos.relay.names import USER_INFO_SUBJECT
 from talos.relay.serverconf import account_name, render_server_config, user_entry
 
 #: Each node account's JetStream storage here: the 256 MiB store then holds 15 mailboxes,
@@ -65,7 +67,9 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def write_config(self, *, no_imports: Iterable[str] = ()) -> None:
+    def write_config(
+        self, *, no_imports: Iterable[str] = (), no_account_question: bool = False
+    ) -> None:
         text = render_server_config(
             self.dids,
             host="127.0.0.1",
@@ -84,7 +88,15 @@ class NatsServer:
             for did in no_imports:
                 accounts[account_name(did)]["imports"] = []
             text = head + "accounts: " + json.dumps(accounts) + "\n"
+        if no_account_question:  # as relay-config wrote it before nodes asked their account
+            text = re.sub(r'\s*"' + re.escape(USER_INFO_SUBJECT) + r'",', "", text)
+            assert USER_INFO_SUBJECT not in text
         self.conf.write_text(text)
+
+    def reconfigure(self, *, no_account_question: bool = False) -> None:
+        """Rewrite the configuration and have the running server take it (SIGHUP)."""
+        self.write_config(no_account_question=no_account_question)
+        self._hangup()
 
     def start(self) -> None:
         self.write_config()

@@ -415,3 +415,24 @@ async def test_a_shared_account_relay_trusts_no_account_header(
         await nc.close()
         await a.stop()
         await b.stop()
+
+
+async def test_an_unanswered_account_question_is_asked_again(relay_net: RelayNet) -> None:
+    # A relay configured before nodes were allowed to ask their account (relay-config of
+    # an older release) answers nothing: the node goes on unvouched, and asks again, so
+    # the relay's operator updating the configuration (a reload, no restart) is enough.
+    server = relay_net.server
+    assert server is not None
+    home, config = relay_net.home("a")
+    server.reconfigure(no_account_question=True)
+    a = await started(home, config)
+    try:
+        assert a.relay is not None
+        client = a.relay.client
+        await until(lambda: client.connected.is_set(), 20, "A on the relay")
+        await until(lambda: client.counters.get("relay_account_unanswered", 0) >= 1, 30, "a try")
+        assert not client.vouched and client.account is None
+        server.reconfigure()
+        await until(lambda: client.vouched, 60, "A asked again and told its account")
+    finally:
+        await a.stop()
