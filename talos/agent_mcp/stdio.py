@@ -8,7 +8,10 @@ client would wait for ever. Here stdin is read by :func:`run_stdio` instead:
 
 - a line above :data:`MAX_LINE` bytes is read past, never held, and answered
   -32600 (as ``talos-proxy connect`` answers one);
-- a line that is not JSON-RPC is answered -32700 (Parse error, id null);
+- a line that is not JSON is answered -32700 (Parse error), and JSON that is
+  not a JSON-RPC message -32600 (Invalid Request), both with id null; so is a
+  request whose id is neither a string nor an integer (MCP "Requests"), which
+  the SDK would take for a notification and never answer;
 - while :data:`MAX_IN_FLIGHT` requests wait for their answers (a slow tool, or a
   client that does not read stdout), no more of stdin is read, so what the
   server holds stays bounded; a cancelled request no longer counts.
@@ -20,6 +23,7 @@ anything else while it serves.
 from __future__ import annotations
 
 import asyncio
+import json
 from types import TracebackType
 from typing import Any, BinaryIO
 
@@ -129,6 +133,29 @@ async def _read_line(stdin: BinaryIO) -> tuple[bytes, bool] | None:
     return await anyio.to_thread.run_sync(read, abandon_on_cancel=True)
 
 
+def _has_id(line: bytes) -> bool:
+    """Whether a line the SDK read as a notification has an ``id`` after all: a request
+    whose id is not a string or an integer (a float, an object, null, a boolean)."""
+    if b'"id"' not in line:
+        return False
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and "id" in obj
+
+
+def _invalid(line: bytes) -> tuple[int, str]:
+    """The JSON-RPC error for a line that is not a message (JSON-RPC 2.0 §5.1)."""
+    from mcp import types
+
+    try:
+        json.loads(line)
+    except ValueError:
+        return types.PARSE_ERROR, "Parse error: not JSON"
+    return types.INVALID_REQUEST, "Invalid Request: not a JSON-RPC 2.0 message"
+
+
 async def run_stdio(low: Any, stdin: BinaryIO) -> None:
     """Run the SDK's low-level server ``low`` over ``stdin`` and the process's stdout."""
     import anyio
@@ -163,8 +190,11 @@ async def run_stdio(low: Any, stdin: BinaryIO) -> None:
                     try:
                         message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
                     except ValueError:
-                        why = "Parse error: not JSON-RPC"
-                        await write_stream.send(error(types.PARSE_ERROR, why))
+                        await write_stream.send(error(*_invalid(line)))
+                        continue
+                    if isinstance(message, types.JSONRPCNotification) and _has_id(line):
+                        why = "Invalid Request: a request id is a string or an integer"
+                        await write_stream.send(error(types.INVALID_REQUEST, why))
                         continue
                     flight.asked(message)
                     await writer.send(SessionMessage(message))

@@ -75,3 +75,33 @@ async def test_a_client_that_reads_no_answers_stops_being_read(tmp_path: Path) -
     finally:
         proc.stdin.close()
         await asyncio.wait_for(proc.wait(), 60)
+
+
+async def test_a_request_with_an_id_mcp_does_not_allow_is_answered(tmp_path: Path) -> None:
+    # The SDK reads a request whose id is a float, an object, null or a boolean as a
+    # notification and never answers it; valid JSON that is no JSON-RPC message is an
+    # Invalid Request (-32600), not a Parse error. Each gets one error, id null.
+    init(tmp_path / "n")
+    proc = await raw_mcp(tmp_path / "n")
+    assert proc.stdin is not None and proc.stdout is not None
+    bad_ids = [b"1.5", b'{"a":1}', b"null", b"true"]
+    try:
+        await _raw_status(proc)
+        for rid in bad_ids:
+            proc.stdin.write(b'{"jsonrpc":"2.0","id":%s,"method":"ping"}\n' % rid)
+        proc.stdin.write(b'{"id":7,"method":"ping"}\n')  # no "jsonrpc"
+        proc.stdin.write(b'{"jsonrpc":"2.0","id":8,"method":"ping"}\n')
+        await proc.stdin.drain()
+        async with asyncio.timeout(30):
+            replies = [json.loads(await proc.stdout.readline()) for _ in range(6)]
+        for reply in replies[:4]:
+            assert reply["id"] is None and reply["error"]["code"] == -32600
+            assert "string or an integer" in reply["error"]["message"]
+        assert replies[4]["id"] is None and replies[4]["error"] == {
+            "code": -32600,
+            "message": "Invalid Request: not a JSON-RPC 2.0 message",
+        }
+        assert replies[5] == {"jsonrpc": "2.0", "id": 8, "result": {}}
+    finally:
+        proc.stdin.close()
+        await asyncio.wait_for(proc.wait(), 60)

@@ -447,7 +447,7 @@ async def test_a_line_that_is_not_json_rpc_is_answered_with_a_parse_error(tmp_pa
         assert first == {
             "jsonrpc": "2.0",
             "id": None,
-            "error": {"code": -32700, "message": "Parse error: not JSON-RPC"},
+            "error": {"code": -32700, "message": "Parse error: not JSON"},
         }
         assert second == {"jsonrpc": "2.0", "id": 4, "result": {}}
     finally:
