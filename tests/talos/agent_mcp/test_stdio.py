@@ -4,11 +4,27 @@ process over plain pipes: an oversize line, and a client that reads no answers."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from talos.agent_mcp.stdio import MAX_IN_FLIGHT, MAX_LINE
 from tests.talos.agent_mcp.test_talosd_mcp import _raw_status, init, raw_mcp
+
+
+@contextlib.asynccontextmanager
+async def _serving(root: Path) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A fresh home's ``talosd mcp`` on raw pipes, initialized; stdin closed at the end."""
+    init(root / "n")
+    proc = await raw_mcp(root / "n")
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        await _raw_status(proc)
+        yield proc
+    finally:
+        proc.stdin.close()
+        await asyncio.wait_for(proc.wait(), 60)
 
 
 def _peak_rss(pid: int) -> int:
@@ -22,11 +38,8 @@ def _peak_rss(pid: int) -> int:
 async def test_a_line_above_the_bound_is_answered_and_never_held(tmp_path: Path) -> None:
     # 64 MiB without a newline, then a ping: the line is read past in pieces (the SDK's
     # own reader held all of it, and more as text), answered -32600, and the ping after it.
-    init(tmp_path / "n")
-    proc = await raw_mcp(tmp_path / "n")
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
-        await _raw_status(proc)
+    async with _serving(tmp_path) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
         before = _peak_rss(proc.pid)
         piece = b"x" * (1 << 20)
         for _ in range(64):
@@ -43,22 +56,16 @@ async def test_a_line_above_the_bound_is_answered_and_never_held(tmp_path: Path)
         }
         assert second == {"jsonrpc": "2.0", "id": 9, "result": {}}
         assert _peak_rss(proc.pid) - before < 40 * 1024 * 1024
-    finally:
-        proc.stdin.close()
-        await asyncio.wait_for(proc.wait(), 60)
 
 
 async def test_a_client_that_reads_no_answers_stops_being_read(tmp_path: Path) -> None:
     # 10,000 requests and no reading: once MAX_IN_FLIGHT wait behind a full stdout, stdin
     # is not read either (the SDK read all of it in about 4 s here, a task per request,
     # +150 MB); reading the answers lets every request through, each answered once.
-    init(tmp_path / "n")
-    proc = await raw_mcp(tmp_path / "n")
-    assert proc.stdin is not None and proc.stdout is not None
     count = 10_000
     assert count > 10 * MAX_IN_FLIGHT  # far more than are ever read ahead
-    try:
-        await _raw_status(proc)
+    async with _serving(tmp_path) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
         before = _peak_rss(proc.pid)
         for i in range(count):
             proc.stdin.write(b'{"jsonrpc":"2.0","id":%d,"method":"prompts/list"}\n' % (100 + i))
@@ -72,22 +79,15 @@ async def test_a_client_that_reads_no_answers_stops_being_read(tmp_path: Path) -
                 ids.append(json.loads(await proc.stdout.readline())["id"])
             await writing
         assert sorted(ids) == list(range(100, 100 + count))
-    finally:
-        proc.stdin.close()
-        await asyncio.wait_for(proc.wait(), 60)
 
 
 async def test_a_request_with_an_id_mcp_does_not_allow_is_answered(tmp_path: Path) -> None:
     # The SDK reads a request whose id is a float, an object, null or a boolean as a
     # notification and never answers it; valid JSON that is no JSON-RPC message is an
     # Invalid Request (-32600), not a Parse error. Each gets one error, id null.
-    init(tmp_path / "n")
-    proc = await raw_mcp(tmp_path / "n")
-    assert proc.stdin is not None and proc.stdout is not None
-    bad_ids = [b"1.5", b'{"a":1}', b"null", b"true"]
-    try:
-        await _raw_status(proc)
-        for rid in bad_ids:
+    async with _serving(tmp_path) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        for rid in (b"1.5", b'{"a":1}', b"null", b"true"):
             proc.stdin.write(b'{"jsonrpc":"2.0","id":%s,"method":"ping"}\n' % rid)
         proc.stdin.write(b'{"id":7,"method":"ping"}\n')  # no "jsonrpc"
         proc.stdin.write(b'{"jsonrpc":"2.0","id":8,"method":"ping"}\n')
@@ -102,6 +102,3 @@ async def test_a_request_with_an_id_mcp_does_not_allow_is_answered(tmp_path: Pat
             "message": "Invalid Request: not a JSON-RPC 2.0 message",
         }
         assert replies[5] == {"jsonrpc": "2.0", "id": 8, "result": {}}
-    finally:
-        proc.stdin.close()
-        await asyncio.wait_for(proc.wait(), 60)
