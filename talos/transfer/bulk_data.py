@@ -38,7 +38,7 @@ from talos.transfer.protocol import (
     BULK_VERIFIED,
     MAX_CHUNK,
 )
-from talos_sdk.errors import OversizeError, UsageError
+from talos_sdk.errors import UsageError
 
 __all__ = ["PIPELINE_SLOTS", "WRITERS", "receive_chunks", "send_chunks", "send_verdict"]
 
@@ -240,7 +240,9 @@ async def receive_chunks(
         _recv_into(sock, memoryview(head))
         (length,) = BULK_FRAME.unpack(head)
         if length > min(len(slot.sealed), MAX_SEALED):
-            raise OversizeError(f"sealed chunk of {length} bytes exceeds {MAX_SEALED}")
+            # The length is not authenticated: damage in transit, worth another attempt,
+            # not a verdict on the transfer.
+            raise ConnectionError(f"sealed chunk of {length} bytes exceeds {MAX_SEALED}")
         _recv_into(sock, slot.sealed[:length])
         slot.sealed_size = length
         # Unauthenticated here, so only a hint to stop reading: the open stage

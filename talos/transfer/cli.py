@@ -86,7 +86,11 @@ def cmd_send_file(args: argparse.Namespace) -> int:
         info = _call(args, "files.get", {"id": tid})
     print(tid)
     if args.wait and info["state"] != TransferState.COMPLETE.value:
-        print(f"talosd: error: transfer {info['state']}: {info['error']}", file=sys.stderr)
+        from talos.logging import escape
+
+        # The peer's words (a reject reason) reach a terminal: controls made visible.
+        why = escape(info["error"])
+        print(f"talosd: error: transfer {info['state']}: {why}", file=sys.stderr)
         return exit_codes.REFUSED if info["state"] == TransferState.REJECTED else exit_codes.FAILED
     return 0
 

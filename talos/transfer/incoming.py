@@ -51,7 +51,11 @@ from talos_sdk.errors import (
 )
 from talos_sdk.wallet import verify as verify_signature
 
-__all__ = ["CreditExceededError", "IncomingTransfers"]
+__all__ = ["DISK_RESERVE", "CreditExceededError", "IncomingTransfers"]
+
+#: Free disk an accepted offer must leave (its file is preallocated whole): the node's
+#: store and block log live on that disk too, and a full disk stops them committing.
+DISK_RESERVE = 256 << 20
 
 
 class CreditExceededError(TransferProtocolError):
@@ -127,8 +131,11 @@ class IncomingTransfers(TransferBase):
                 f"too many transfers kept from this peer "
                 f"(limit {self.config.max_rows_per_peer}, none ended without a file)"
             )
-        elif shutil.disk_usage(self.files_dir).free < msg.size:
-            reason = f"not enough disk space for {msg.size} bytes"
+        elif shutil.disk_usage(self.files_dir).free < msg.size + DISK_RESERVE:
+            reason = (
+                f"not enough disk space for {msg.size} bytes "
+                f"(with {DISK_RESERVE >> 20} MiB kept free)"
+            )
         if reason:
             # No row for a refusal: a peer's offers cannot grow the store without bound.
             log.info("transfer %s from %s refused: %s", info.tid, peer, reason)

@@ -209,6 +209,12 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
             if info.state is TransferState.OFFERED:
                 await self._move(info, Event.HOLD)
         elif isinstance(msg, Done) and info.direction == "out" and not is_final(info.state):
+            if not info.signature:
+                # Only the commit chunk (the hash, signed) lets a receiver have the file.
+                raise TransferProtocolError("DONE before this node sent its commit")
+            sending = self._sending.pop(bytes.fromhex(info.tid), None)
+            if sending is not None:
+                sending.cancel()  # its receiver has it all: nothing is left to send
             # Waiters hear of completion once the block-log record is written too.
             info = await self._move(info, Event.DONE, notify=False, offset=info.size)
             await self._record(info, sender=self.node.did, recipient=peer)

@@ -42,7 +42,11 @@ from talos_sdk.errors import (
     UsageError,
 )
 
-__all__ = ["OutgoingTransfers"]
+__all__ = ["CREDIT_WAIT", "OutgoingTransfers"]
+
+#: Seconds a sender on the app-channel path waits for more credit before it takes the
+#: attempt for broken and offers the transfer again (the bulk path's IDLE_TIMEOUT).
+CREDIT_WAIT = bulk.IDLE_TIMEOUT
 
 
 class OutgoingTransfers(TransferBase):
@@ -109,12 +113,13 @@ class OutgoingTransfers(TransferBase):
             await self._send_fallback(info, msg)
         except asyncio.CancelledError:
             raise
+        except (OSError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            # First: a lost link (NotConnectedError) is a TalosError too, and worth a retry.
+            log.info("transfer %s attempt %d broke: %s", tid.hex(), msg.epoch, exc)
+            await self._retry_later(tid)
         except TalosError as exc:  # source changed, etc.: the transfer cannot go on
             await self._fail_out(self.get(tid), str(exc))
             await self._send(info.peer, Cancel(tid, str(exc)))
-        except (OSError, ConnectionError, asyncio.IncompleteReadError) as exc:
-            log.info("transfer %s attempt %d broke: %s", tid.hex(), msg.epoch, exc)
-            await self._retry_later(tid)
         finally:
             # Deregister now, not in a done callback: a link-up handled in between
             # would see a send still "running" and not re-offer.
@@ -195,7 +200,10 @@ class OutgoingTransfers(TransferBase):
                 index = out.index
                 while index >= self._credit[tid][0]:
                     event.clear()
-                    await event.wait()
+                    # A chunk lost with a link (or an attempt the receiver ended) gives
+                    # no more credit: past CREDIT_WAIT the attempt counts as broken
+                    # (TimeoutError) and the transfer is offered again from its checkpoint.
+                    await asyncio.wait_for(event.wait(), CREDIT_WAIT)
                 sealed = await asyncio.to_thread(out.next_sealed)
                 await self.node.send_app(
                     info.peer, APP_NAME, encode_message(Chunk(tid, msg.epoch, index, sealed))

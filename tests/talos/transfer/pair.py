@@ -15,13 +15,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from talos.chain.log import BlockLog
+from talos.node_apps import NotConnectedError
 from talos.store import Store
 from talos.writer import StoreWriter
 from talos_sdk.wallet import Wallet
 
 
-class NotConnected(ConnectionError):
-    """The other endpoint is down."""
+class NotConnected(NotConnectedError):
+    """The other endpoint is down (what talos.node.Node raises, a TalosError too)."""
 
 
 class Endpoint:

@@ -188,6 +188,26 @@ async def test_flipped_byte_on_the_wire_is_rejected(tmp_path: Path, listener: Bu
     assert list((files / PARTIAL_DIR).iterdir()) == []
 
 
+async def test_a_flipped_length_on_the_wire_breaks_the_attempt_only(
+    tmp_path: Path, listener: BulkListener
+) -> None:
+    # A frame's length is not authenticated: one damaged to a huge size is a broken
+    # connection (the transfer tries again from its checkpoint), not a verdict on it.
+    size = 2 * BULK_CHUNK
+    src, digest = _source(tmp_path, size)
+    done = await _serve_file(listener, tmp_path / "files", size, digest, window=4)
+    server, close = await _flip_proxy(listener.port, 53 + 32)  # the first frame's length
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with asyncio.timeout(20):
+            with contextlib.suppress(ConnectionError):
+                assert await _send(port, src, size, window=4) is False
+            with pytest.raises(ConnectionError, match="exceeds"):
+                await done
+    finally:
+        await close()
+
+
 def _receiver_expecting_failure(
     listener: BulkListener, files: Path, size: int
 ) -> tuple[IncomingFile, asyncio.Future[BaseException]]:

@@ -25,6 +25,7 @@ from talos.transfer.protocol import (
     FALLBACK_CHUNK,
     Accept,
     Chunk,
+    Done,
     TransferState,
     encode_commit,
     encode_message,
@@ -33,6 +34,7 @@ from talos.transfer.receiver import PARTIAL_DIR
 from talos.transfer.sender import OutgoingAttempt
 from talos_sdk.errors import UsageError
 from talos_sdk.wallet import Wallet
+from tests.talos.nodes import until
 
 from .pair import Endpoint, link
 
@@ -440,3 +442,97 @@ async def test_receiver_restart_resumes_from_checkpoint(net: Net) -> None:
     assert Path(inc.path).read_bytes() == src.read_bytes()
     sent_after = net.sender.bytes_sent[bytes.fromhex(tid)] - sent_before
     assert 0 < sent_after < size
+
+
+async def _no_bulk(net: Net, **config: Any) -> None:
+    """The receiver offers no bulk port: the bytes take the app channel (fallback)."""
+    assert net.receiver.listener is not None
+    await net.receiver.listener.close()
+    net.receiver.listener = None
+    net.receiver.config = TransferConfig(auto_accept=(net.a.did,), **config)
+
+
+async def test_a_link_drop_on_the_app_channel_path_is_resumed(net: Net) -> None:
+    # The lost link is a NotConnectedError, a TalosError as well as a ConnectionError:
+    # the attempt is broken and retried from the checkpoint, not the transfer failed.
+    await _no_bulk(net, checkpoint_bytes=1 << 20, window=2)
+    size = 8 << 20
+    src, _ = _file(net.tmp, size)
+    reached = asyncio.Event()
+    net.receiver.on_progress = lambda tid, offset: reached.set() if offset >= 2 << 20 else None
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        await reached.wait()
+        link(net.a, net.b, False)
+        await asyncio.sleep(0.2)  # the sender meets the dead link
+        assert net.sender.get(tid).state is TransferState.ACTIVE
+        link(net.a, net.b, True)
+        inc = await net.receiver.wait(tid)
+        out = await net.sender.wait(tid)
+    assert inc.state is out.state is TransferState.COMPLETE, out.error
+    assert Path(inc.path).read_bytes() == src.read_bytes()
+
+
+async def test_a_chunk_lost_on_the_app_channel_path_is_sent_again(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One chunk vanishes (a link that died with it in flight): the receiver's attempt
+    # ends at the gap and grants no more credit; past CREDIT_WAIT the sender takes the
+    # attempt for broken and offers again, and the transfer completes.
+    from talos.transfer import outgoing
+
+    monkeypatch.setattr(outgoing, "CREDIT_WAIT", 0.5)
+    await _no_bulk(net, window=2)
+    send_app = net.a.send_app
+    chunks = 0
+
+    async def lossy(did: str, name: str, payload: bytes) -> None:
+        nonlocal chunks
+        if payload[:1] == encode_message(Chunk(bytes(16), 1, 0, b""))[:1]:
+            chunks += 1
+            if chunks == 3:
+                return  # lost
+        await send_app(did, name, payload)
+
+    monkeypatch.setattr(net.a, "send_app", lossy)
+    src, _ = _file(net.tmp, 6 * FALLBACK_CHUNK + 1)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        inc = await net.receiver.wait(tid)
+        out = await net.sender.wait(tid)
+    assert inc.state is out.state is TransferState.COMPLETE
+    assert inc.attempts >= 2 and Path(inc.path).read_bytes() == src.read_bytes()
+
+
+async def test_done_before_the_commit_is_ignored(net: Net) -> None:
+    # A receiver that says DONE before it could have the file (no commit was sent yet)
+    # must not make the sender log a delivery without a hash.
+    await _no_bulk(net, window=2)  # the app-channel path: a while from ACCEPT to commit
+    src, digest = _file(net.tmp, 16 * FALLBACK_CHUNK)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        await until(lambda: net.sender.get(tid).state is TransferState.ACTIVE, what="accepted")
+        assert not net.sender.get(tid).signature
+        await net.b.send_app(net.a.did, APP_NAME, encode_message(Done(bytes.fromhex(tid))))
+        out = await net.sender.wait(tid)
+    assert out.state is TransferState.COMPLETE and out.sha256 == digest and out.signature
+    await asyncio.to_thread(net.a.log.seal)
+    records = [r for b in net.a.log.iter_blocks() for r in net.a.log.block_records(b.height)]
+    (record,) = [r for r in records if r.kind == "file"]
+    assert bytes.fromhex(digest) in record.commitment
+
+
+async def test_an_offer_must_leave_disk_free(net: Net, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The file is preallocated whole when accepted: an offer that would leave less than
+    # DISK_RESERVE free is refused (the store and the block log share that disk).
+    import shutil
+
+    from talos.transfer import incoming
+
+    files = net.receiver.files_dir
+    monkeypatch.setattr(incoming, "DISK_RESERVE", shutil.disk_usage(files).free - 1000)
+    src, _ = _file(net.tmp, 10_000)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        out = await net.sender.wait(tid)
+    assert out.state is TransferState.REJECTED and "kept free" in out.error
