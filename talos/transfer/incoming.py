@@ -82,7 +82,8 @@ class IncomingTransfers(TransferBase):
         if excess <= 0:
             return True
         ended = (TransferState.FAILED, TransferState.REJECTED, TransferState.CANCELLED)
-        drop = [bytes.fromhex(i.tid) for i in mine if i.state in ended][:excess]
+        oldest = sorted((i for i in mine if i.state in ended), key=lambda i: (i.created_ms, i.tid))
+        drop = [bytes.fromhex(i.tid) for i in oldest[:excess]]
         if len(drop) < excess:
             return False
 
@@ -91,6 +92,9 @@ class IncomingTransfers(TransferBase):
                 txn.delete(_DB, key)
 
         await self.node.writer.write(forget, kind="transfer")
+        kept = self.rows()
+        for key in drop:
+            kept.pop(key, None)
         return True
 
     async def _on_offer(self, peer: str, msg: Offer) -> None:
@@ -116,7 +120,7 @@ class IncomingTransfers(TransferBase):
             created_ms=now,
         )
         reason = ""
-        rows = self.list()
+        rows = list(self.rows().values())
         if sum(i.peer == peer and i.direction == "in" and i.state in _OPEN_IN for i in rows) >= (
             MAX_OPEN_OFFERS
         ):

@@ -95,6 +95,7 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         # Rows go to the store through the node's one writer, in order, so an fsync never
         # blocks the loop; rows queued but not yet committed are served from _unwritten.
         self._unwritten: dict[bytes, TransferInfo] = {}
+        self._rows: dict[bytes, TransferInfo] | None = None  # see TransferBase.rows
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -135,7 +136,17 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         task.add_done_callback(self._tasks.discard)
 
     def _on_link(self, did: str, up: bool) -> None:
-        if not up or self._stopped:
+        if self._stopped:
+            return
+        if not up:
+            # Sends on the app channel went with the link (a chunk may be lost, no credit
+            # will come): end them now, and the next link offers them again from the
+            # receiver's checkpoint. A bulk stream has its own connection and goes on.
+            for tid in list(self._credit):
+                task = self._sending.get(tid)
+                if task is not None and self.get(tid).peer == did:
+                    del self._sending[tid]
+                    task.cancel()
             return
         for info in self.list():
             tid = bytes.fromhex(info.tid)

