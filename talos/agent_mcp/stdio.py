@@ -13,8 +13,10 @@ client would wait for ever. Here stdin is read by :func:`run_stdio` instead:
   request whose id is neither a string nor an integer (MCP "Requests"), which
   the SDK would take for a notification and never answer;
 - while :data:`MAX_IN_FLIGHT` requests wait for their answers (a slow tool, or a
-  client that does not read stdout), no more of stdin is read, so what the
-  server holds stays bounded; a cancelled request no longer counts.
+  client that does not read stdout), later requests are held, and past as many
+  again (or 16 MiB of them) stdin waits, so what the server holds stays
+  bounded; the rest still passes (:class:`_Flow`); a request whose id is in use
+  is answered -32600; requests held when stdin ends are answered -32000.
 
 The SDK still writes stdout (one message per line) and keeps fd 1 away from
 anything else while it serves.
@@ -37,41 +39,91 @@ MAX_IN_FLIGHT = 256
 _SKIP = 1 << 20
 
 
-class _InFlight:
-    """The client's requests read and not answered (nor cancelled) yet."""
+class _Flow:
+    """Which of the client's messages go to the server now, and which wait.
+
+    Request ids as the SDK correlates them ("7" and 7 are one id). A request is
+    passed on while fewer than :data:`MAX_IN_FLIGHT` wait for their answers, else
+    held, in order (at most :data:`MAX_IN_FLIGHT` held, :data:`MAX_LINE` bytes of
+    them: past that stdin waits). Everything else passes at once, so the client
+    can still cancel (a held request cancelled is dropped, never sent: the SDK
+    never answers a cancelled request either), answer the server's own requests,
+    and close stdin.
+    """
+
+    SEND, HELD, DROP, DUPLICATE = range(4)
 
     def __init__(self) -> None:
         self.pending: set[Any] = set()
-        self.room = asyncio.Event()
-        self.room.set()
+        self.held: dict[Any, tuple[Any, int]] = {}  # in arrival order: key -> (message, size)
+        self.held_bytes = 0
+        self.can_read = asyncio.Event()
+        self.can_release = asyncio.Event()
+        self._update()
 
-    def asked(self, message: Any) -> None:
+    def take(self, message: Any, size: int) -> int:
+        """The verdict on one message of the client: SEND, HELD, DROP or DUPLICATE."""
         from mcp import types
 
+        verdict = self.SEND
         if isinstance(message, types.JSONRPCRequest):
-            self.pending.add(message.id)
+            key = _key(message.id)
+            if key in self.pending or key in self.held:
+                return self.DUPLICATE  # its answer could not be told from the first one's
+            if self.held or len(self.pending) >= MAX_IN_FLIGHT:
+                self.held[key] = (message, size)
+                self.held_bytes += size
+                verdict = self.HELD
+            else:
+                self.pending.add(key)
         elif isinstance(message, types.JSONRPCNotification):
             params = message.params if isinstance(message.params, dict) else {}
             if message.method == "notifications/cancelled":
-                # The SDK never answers a request its client cancelled.
-                self.pending.discard(params.get("requestId"))
+                key = _key(params.get("requestId"))
+                if key in self.held:
+                    self.held_bytes -= self.held.pop(key)[1]
+                    verdict = self.DROP
+                self.pending.discard(key)  # the SDK never answers a cancelled request
         self._update()
+        return verdict
+
+    def release(self) -> Any:
+        """The oldest held request, now counted as in flight (when ``can_release``)."""
+        key = next(iter(self.held))
+        message, size = self.held.pop(key)
+        self.held_bytes -= size
+        self.pending.add(key)
+        self._update()
+        return message
 
     def answered(self, message: Any) -> None:
         from mcp import types
 
         if isinstance(message, types.JSONRPCResponse | types.JSONRPCError):
-            self.pending.discard(message.id)
+            self.pending.discard(_key(message.id))
             self._update()
 
     def _update(self) -> None:
-        self.room.set() if len(self.pending) < MAX_IN_FLIGHT else self.room.clear()
+        full = len(self.held) >= MAX_IN_FLIGHT or self.held_bytes >= MAX_LINE
+        self.can_read.clear() if full else self.can_read.set()
+        ready = self.held and len(self.pending) < MAX_IN_FLIGHT
+        self.can_release.set() if ready else self.can_release.clear()
+
+
+def _key(request_id: Any) -> Any:
+    """A request id as the SDK correlates it (mcp.shared.dispatcher.coerce_request_id)."""
+    if isinstance(request_id, str):
+        try:
+            return int(request_id)
+        except ValueError:
+            pass
+    return request_id
 
 
 class _Answers:
-    """The server's write stream, telling :class:`_InFlight` of each answer written."""
+    """The server's write stream, telling :class:`_Flow` of each answer written."""
 
-    def __init__(self, stream: Any, flight: _InFlight) -> None:
+    def __init__(self, stream: Any, flight: _Flow) -> None:
         self.stream = stream
         self.flight = flight
 
@@ -163,45 +215,68 @@ async def run_stdio(low: Any, stdin: BinaryIO) -> None:
     from mcp.server.stdio import stdio_server
     from mcp.shared.message import SessionMessage
 
-    def error(code: int, message: str) -> SessionMessage:
+    def error(code: int, message: str, request_id: Any = None) -> SessionMessage:
         data = types.ErrorData(code=code, message=message)
-        return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=None, error=data))
+        return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=data))
 
-    flight = _InFlight()
+    flow = _Flow()
     no_input = _NoInput()
     async with stdio_server(stdin=no_input) as (_, write_stream):  # type: ignore[arg-type]
-        answers = _Answers(write_stream, flight)
+        answers = _Answers(write_stream, flow)
         writer, reader = anyio.create_memory_object_stream[Any](0)
+
+        async def take(line: bytes) -> None:
+            if not line.strip():
+                return
+            try:
+                # As the SDK's reader decoded it: bytes that are not UTF-8 replaced.
+                text = line.decode("utf-8", "replace")
+                message = types.jsonrpc_message_adapter.validate_json(text, by_name=False)
+            except ValueError:
+                await write_stream.send(error(*_invalid(line)))
+                return
+            if isinstance(message, types.JSONRPCNotification) and _has_id(line):
+                why = "Invalid Request: a request id is a string or an integer"
+                await write_stream.send(error(types.INVALID_REQUEST, why))
+                return
+            verdict = flow.take(message, len(line))
+            if verdict == flow.SEND:
+                await writer.send(SessionMessage(message))
+            elif verdict == flow.DUPLICATE:
+                assert isinstance(message, types.JSONRPCRequest)
+                why = "Invalid Request: id already in use"
+                await write_stream.send(error(types.INVALID_REQUEST, why, message.id))
 
         async def pump() -> None:
             async with writer:
                 while True:
-                    await flight.room.wait()  # before reading: nothing more is held meanwhile
+                    await flow.can_read.wait()  # held requests past their bound: stdin waits
                     read = await _read_line(stdin)
                     if read is None:
-                        return
+                        break
                     line, oversize = read
                     if oversize:
                         why = f"message above {MAX_LINE} bytes"
                         await write_stream.send(error(types.INVALID_REQUEST, why))
                         continue
-                    if not line.strip():
-                        continue
-                    try:
-                        message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
-                    except ValueError:
-                        await write_stream.send(error(*_invalid(line)))
-                        continue
-                    if isinstance(message, types.JSONRPCNotification) and _has_id(line):
-                        why = "Invalid Request: a request id is a string or an integer"
-                        await write_stream.send(error(types.INVALID_REQUEST, why))
-                        continue
-                    flight.asked(message)
-                    await writer.send(SessionMessage(message))
+                    # A bare CR ends a line too, as it did for the SDK's reader.
+                    for part in line.replace(b"\r\n", b"\n").split(b"\r"):
+                        await take(part)
+                # The client is gone: requests it never saw sent are answered, not kept.
+                for message, _ in list(flow.held.values()):
+                    closed = (types.CONNECTION_CLOSED, "Connection closed", message.id)
+                    await write_stream.send(error(*closed))
+                flow.held.clear()
+
+        async def release() -> None:
+            while True:
+                await flow.can_release.wait()
+                await writer.send(SessionMessage(flow.release()))
 
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(pump)
+                tg.start_soon(release)
                 await low.run(reader, answers, low.create_initialization_options())
                 tg.cancel_scope.cancel()
         finally:

@@ -187,6 +187,12 @@ class IncomingTransfers(TransferBase):
             await self._fail_in(info, f"gave up after {info.attempts} attempts")
             return
         epoch = info.epoch + 1
+        # Checked again before the first attempt preallocates the file: offers accepted
+        # by hand may have waited while others took the disk.
+        free = shutil.disk_usage(self.files_dir).free
+        if info.attempts == 0 and free < info.size + DISK_RESERVE:
+            await self._fail_in(info, f"not enough disk space for {info.size} bytes")
+            return
         try:
             file = await asyncio.to_thread(
                 IncomingFile, self.files_dir, tid, info.size, info.offset

@@ -204,9 +204,11 @@ class TransferBase:
 
         row = info.encode()
 
-        def written(_: object) -> None:
+        def written(done: asyncio.Future[Any]) -> None:
             if self._unwritten.get(key) is info:
                 del self._unwritten[key]
+                if not done.cancelled() and done.exception() is not None:
+                    self._rows = None  # never stored: what is kept is read again
 
         await self.node.writer.submit(
             lambda txn: txn.put(_DB, key, row), durable=durable, then=written, kind="transfer"

@@ -102,3 +102,39 @@ async def test_a_request_with_an_id_mcp_does_not_allow_is_answered(tmp_path: Pat
             "message": "Invalid Request: not a JSON-RPC 2.0 message",
         }
         assert replies[5] == {"jsonrpc": "2.0", "id": 8, "result": {}}
+
+
+def _long_poll(rid: int | str) -> bytes:
+    call = {"name": "read_inbox", "arguments": {"wait_seconds": 60}}
+    return json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": call})
+
+
+async def test_waiting_requests_can_be_cancelled_and_ids_are_not_reused(tmp_path: Path) -> None:
+    # 300 long polls: MAX_IN_FLIGHT go to the server, the rest are held. Cancelling them
+    # all, by ids written as strings (the SDK takes "7" for 7), still gets through while
+    # full and frees every place; a ping is then answered at once. A second request
+    # with an id still in use is refused (-32600), whatever the first one's form.
+    count = MAX_IN_FLIGHT + 44
+    async with _serving(tmp_path) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        for rid in range(1000, 1000 + count):
+            proc.stdin.write(_long_poll(rid).encode() + b"\n")
+        proc.stdin.write(_long_poll("1000").encode() + b"\n")  # 1000 is in flight
+        await proc.stdin.drain()
+        async with asyncio.timeout(30):
+            refused = json.loads(await proc.stdout.readline())
+            assert refused["id"] == "1000" and refused["error"] == {
+                "code": -32600,
+                "message": "Invalid Request: id already in use",
+            }
+            for rid in range(1000, 1000 + count):
+                params = {"requestId": str(rid), "reason": "no longer needed"}
+                note = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": params}
+                proc.stdin.write(json.dumps(note).encode() + b"\n")
+            proc.stdin.write(b'{"jsonrpc":"2.0","id":"p","method":"ping"}\n')
+            await proc.stdin.drain()
+            assert json.loads(await proc.stdout.readline()) == {
+                "jsonrpc": "2.0",
+                "id": "p",
+                "result": {},
+            }

@@ -569,3 +569,42 @@ def _pending(net: Net, tid: str) -> bool:
         return net.receiver.get(tid).state is TransferState.PENDING
     except UsageError:
         return False
+
+
+async def test_a_row_the_store_refused_is_not_kept(net: Net) -> None:
+    # send_file's row fails to commit (a full store): the caller hears so, and the kept
+    # rows are read again, so no transfer the caller was told failed is offered later.
+    from talos_sdk.errors import StorageFullError
+
+    src, _ = _file(net.tmp, 1000)
+    net.sender.list()  # the rows are kept from here on
+
+    def full(kind: str, size: int) -> None:
+        raise StorageFullError("map full")
+
+    undo = net.a.writer.before("transfer", full)
+    with pytest.raises(StorageFullError):
+        await net.sender.send_file(net.b.did, src)
+    undo()
+    assert net.sender.list() == []
+
+
+async def test_an_offer_accepted_by_hand_checks_the_disk_again(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Offers wait for a hand to accept them; meanwhile others may have taken the disk.
+    import shutil
+
+    from talos.transfer import incoming
+
+    net.receiver.config = TransferConfig()  # offers stay pending
+    src, _ = _file(net.tmp, 10_000)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        await until(lambda: _pending(net, tid), what="the offer")
+        free = shutil.disk_usage(net.receiver.files_dir).free
+        monkeypatch.setattr(incoming, "DISK_RESERVE", free)
+        await net.receiver.accept(tid)
+        out = await net.sender.wait(tid)
+    assert net.receiver.get(tid).state is TransferState.FAILED
+    assert out.state is TransferState.FAILED and "not enough disk space" in out.error
