@@ -190,7 +190,7 @@ class IncomingTransfers(TransferBase):
         # Checked again before the first attempt preallocates the file: offers accepted
         # by hand may have waited while others took the disk.
         free = shutil.disk_usage(self.files_dir).free
-        if info.attempts == 0 and free < info.size + DISK_RESERVE:
+        if info.epoch == 0 and free < info.size + DISK_RESERVE:
             await self._fail_in(info, f"not enough disk space for {info.size} bytes")
             return
         try:
@@ -260,7 +260,9 @@ class IncomingTransfers(TransferBase):
             inc.syncing = False
         self.progress[tid] = offset
         if self._incoming.get(tid) is inc:
-            await self._save(replace(self.get(tid), offset=offset))
+            # Progress committed: MAX_ATTEMPTS counts attempts in a row that commit
+            # nothing, so a long transfer over a link that drops now and then goes on.
+            await self._save(replace(self.get(tid), offset=offset, attempts=1))
         if self.on_progress is not None:
             self.on_progress(tid, offset)
 

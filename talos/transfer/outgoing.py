@@ -6,10 +6,11 @@ Part of :class:`~talos.transfer.manager.TransferManager`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -204,13 +205,14 @@ class OutgoingTransfers(TransferBase):
                     # no more credit: past CREDIT_WAIT the attempt counts as broken
                     # (TimeoutError) and the transfer is offered again from its checkpoint.
                     await asyncio.wait_for(event.wait(), CREDIT_WAIT)
-                sealed = await asyncio.to_thread(out.next_sealed)
+                sealed = await _finishing(asyncio.to_thread(out.next_sealed))
                 await self.node.send_app(
                     info.peer, APP_NAME, encode_message(Chunk(tid, msg.epoch, index, sealed))
                 )
                 count(len(sealed))
         finally:
-            out.close()
+            # In a thread: it joins the whole-file hash, which must not block the loop.
+            await asyncio.to_thread(out.close)
             self._credit.pop(tid, None)
 
     def _on_credit(self, msg: Credit) -> None:
@@ -222,3 +224,15 @@ class OutgoingTransfers(TransferBase):
     async def _fail_out(self, info: TransferInfo, reason: str) -> None:
         if not is_final(info.state):
             await self._move(info, Event.FAIL, error=reason)
+
+
+async def _finishing(work: Awaitable[bytes]) -> bytes:
+    """``work`` (a read in a worker thread); cancelled, it still ends before this returns,
+    so the caller's file is not closed under the thread reading it."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await task
+        raise
