@@ -96,6 +96,14 @@ class _Flow:
         self._update()
         return message
 
+    def drop_held(self) -> list[Any]:
+        """Every held request, no longer held (the client is gone)."""
+        dropped = [message for message, _ in self.held.values()]
+        self.held.clear()
+        self.held_bytes = 0
+        self._update()
+        return dropped
+
     def answered(self, message: Any) -> None:
         from mcp import types
 
@@ -263,15 +271,17 @@ async def run_stdio(low: Any, stdin: BinaryIO) -> None:
                     for part in line.replace(b"\r\n", b"\n").split(b"\r"):
                         await take(part)
                 # The client is gone: requests it never saw sent are answered, not kept.
-                for message, _ in list(flow.held.values()):
+                for message in flow.drop_held():
                     closed = (types.CONNECTION_CLOSED, "Connection closed", message.id)
                     await write_stream.send(error(*closed))
-                flow.held.clear()
 
         async def release() -> None:
             while True:
                 await flow.can_release.wait()
-                await writer.send(SessionMessage(flow.release()))
+                try:
+                    await writer.send(SessionMessage(flow.release()))
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    return  # stdin ended meanwhile: the server reads no more
 
         try:
             async with anyio.create_task_group() as tg:
