@@ -544,11 +544,8 @@ async def test_an_offer_decodes_no_stored_rows_once_they_are_kept(
     # Each offer checks every row (open offers, quota, the per-peer bound); they are read
     # from the store once, then kept as they change: a peer's flood of offers over
     # thousands of ended rows decoded them all each time (115 ms an offer at 10,000).
-    net.receiver.config = TransferConfig()  # offers stay pending
-    src, _ = _file(net.tmp, 10)
     async with asyncio.timeout(LIMIT):
-        first = await net.sender.send_file(net.b.did, src)
-        await until(lambda: _pending(net, first), what="the first offer")
+        src = await _offer_pending(net, 10)
         decoded = 0
         decode = TransferInfo.decode
 
@@ -562,6 +559,16 @@ async def test_an_offer_decodes_no_stored_rows_once_they_are_kept(
         await until(lambda: all(_pending(net, t) for t in tids), what="the offers")
     assert decoded == 0
     assert [i.tid for i in net.receiver.list()][-5:] == tids
+
+
+async def _offer_pending(net: Net, size: int) -> Path:
+    """Offer a file of ``size`` bytes that nobody auto-accepts; returns it once the
+    receiver holds the offer pending."""
+    net.receiver.config = TransferConfig()
+    src, _ = _file(net.tmp, size)
+    tid = await net.sender.send_file(net.b.did, src)
+    await until(lambda: _pending(net, tid), what="the offer")
+    return src
 
 
 def _pending(net: Net, tid: str) -> bool:
@@ -597,11 +604,9 @@ async def test_an_offer_accepted_by_hand_checks_the_disk_again(
 
     from talos.transfer import incoming
 
-    net.receiver.config = TransferConfig()  # offers stay pending
-    src, _ = _file(net.tmp, 10_000)
     async with asyncio.timeout(LIMIT):
-        tid = await net.sender.send_file(net.b.did, src)
-        await until(lambda: _pending(net, tid), what="the offer")
+        await _offer_pending(net, 10_000)
+        (tid,) = [i.tid for i in net.receiver.list()]
         free = shutil.disk_usage(net.receiver.files_dir).free
         monkeypatch.setattr(incoming, "DISK_RESERVE", free)
         await net.receiver.accept(tid)
