@@ -23,7 +23,8 @@ import orjson
 
 from mcp_proxy.audit import AuditKey, AuditMode, Auditor, BlockLogSink
 from mcp_proxy.cli_parser import build_parser
-from mcp_proxy.client import TunnelClient, serve_stdio
+from mcp_proxy.client import TunnelClient
+from mcp_proxy.connect_stdio import serve_stdio
 from mcp_proxy.nodehost import http_token, make_node, node_did
 from mcp_proxy.policy import Policy, PolicyError, load_policy_file
 from mcp_proxy.server import TunnelServer

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from mcp_proxy.client import STDIO_LINE_LIMIT
+from mcp_proxy.connect_stdio import STDIO_LINE_LIMIT
 from mcp_proxy.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, PARSE_ERROR, TOOL_DENIED
 from tests.mcp_proxy.e2e import Serve, did_of, http_connect, proxy, serving
 
