@@ -119,13 +119,10 @@ class _Flow:
 
 
 def _key(request_id: Any) -> Any:
-    """A request id as the SDK correlates it (mcp.shared.dispatcher.coerce_request_id)."""
-    if isinstance(request_id, str):
-        try:
-            return int(request_id)
-        except ValueError:
-            pass
-    return request_id
+    """A request id as the SDK correlates it ("7" is 7)."""
+    from mcp.shared.dispatcher import coerce_request_id
+
+    return coerce_request_id(request_id)
 
 
 class _Answers:

@@ -120,7 +120,7 @@ class IncomingTransfers(TransferBase):
             created_ms=now,
         )
         reason = ""
-        rows = list(self.rows().values())
+        rows = self.rows().values()
         if sum(i.peer == peer and i.direction == "in" and i.state in _OPEN_IN for i in rows) >= (
             MAX_OPEN_OFFERS
         ):
@@ -189,8 +189,7 @@ class IncomingTransfers(TransferBase):
         epoch = info.epoch + 1
         # Checked again before the first attempt preallocates the file: offers accepted
         # by hand may have waited while others took the disk.
-        free = shutil.disk_usage(self.files_dir).free
-        if info.epoch == 0 and free < info.size + DISK_RESERVE:
+        if info.epoch == 0 and (shutil.disk_usage(self.files_dir).free < info.size + DISK_RESERVE):
             await self._fail_in(info, f"not enough disk space for {info.size} bytes")
             return
         try:
