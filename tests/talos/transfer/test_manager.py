@@ -613,25 +613,3 @@ async def test_an_offer_accepted_by_hand_checks_the_disk_again(
         out = await net.sender.wait(tid)
     assert net.receiver.get(tid).state is TransferState.FAILED
     assert out.state is TransferState.FAILED and "not enough disk space" in out.error
-
-
-async def test_more_drops_than_attempts_are_fine_while_each_commits_progress(net: Net) -> None:
-    # MAX_ATTEMPTS counts attempts in a row that commit nothing: a long transfer over a
-    # link that drops more often than that, but moves on between drops, completes.
-    from talos.transfer.records import MAX_ATTEMPTS
-
-    await _no_bulk(net, checkpoint_bytes=1 << 20, window=2)
-    size = 12 << 20
-    src, _ = _file(net.tmp, size)
-    committed = [0]
-    net.receiver.on_progress = lambda tid, offset: committed.__setitem__(0, offset)
-    async with asyncio.timeout(3 * LIMIT):
-        tid = await net.sender.send_file(net.b.did, src)
-        for drop in range(MAX_ATTEMPTS + 1):
-            await until(lambda d=drop: committed[0] >= (d + 1) << 20, what=f"progress {drop}")
-            link(net.a, net.b, False)
-            await asyncio.sleep(0.05)
-            link(net.a, net.b, True)
-        inc = await net.receiver.wait(tid)
-    assert inc.state is TransferState.COMPLETE, inc.error
-    assert Path(inc.path).read_bytes() == src.read_bytes()
