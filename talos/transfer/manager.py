@@ -49,6 +49,7 @@ from talos.transfer.records import (
     MAX_ATTEMPTS,
     MAX_OPEN_OFFERS,
     AppNode,
+    CreditGate,
     IncomingState,
     TransferConfig,
     TransferInfo,
@@ -84,7 +85,7 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         self.block_log: Any = getattr(node, "log", None)
         self._incoming: dict[bytes, IncomingState] = {}
         self._sending: dict[bytes, asyncio.Task[None]] = {}
-        self._credit: dict[bytes, tuple[int, asyncio.Event]] = {}
+        self._credit: dict[bytes, CreditGate] = {}
         self._waiters: dict[bytes, list[asyncio.Future[TransferInfo]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.progress: dict[bytes, int] = {}

@@ -32,6 +32,7 @@ from talos.transfer.protocol import (
     is_final,
 )
 from talos.transfer.records import (
+    CreditGate,
     TransferBase,
     TransferInfo,
     log,
@@ -189,8 +190,7 @@ class OutgoingTransfers(TransferBase):
 
     async def _send_fallback(self, info: TransferInfo, msg: Accept) -> None:
         tid = msg.tid
-        event = asyncio.Event()
-        self._credit[tid] = (msg.window, event)
+        gate = self._credit[tid] = CreditGate(msg.epoch, msg.window)
         out = OutgoingAttempt(
             Path(info.path), info.size, bytes.fromhex(info.key), tid, msg.epoch, msg.offset,
             FALLBACK_CHUNK, self._signer(info),
@@ -199,12 +199,12 @@ class OutgoingTransfers(TransferBase):
         try:
             while not out.finished:
                 index = out.index
-                while index >= self._credit[tid][0]:
-                    event.clear()
+                while index >= gate.upto:
+                    gate.event.clear()
                     # A chunk lost with a link (or an attempt the receiver ended) gives
                     # no more credit: past CREDIT_WAIT the attempt counts as broken
                     # (TimeoutError) and the transfer is offered again from its checkpoint.
-                    await asyncio.wait_for(event.wait(), CREDIT_WAIT)
+                    await asyncio.wait_for(gate.event.wait(), CREDIT_WAIT)
                 sealed = await _finishing(asyncio.to_thread(out.next_sealed))
                 await self.node.send_app(
                     info.peer, APP_NAME, encode_message(Chunk(tid, msg.epoch, index, sealed))
@@ -213,13 +213,14 @@ class OutgoingTransfers(TransferBase):
         finally:
             # In a thread: it joins the whole-file hash, which must not block the loop.
             await asyncio.to_thread(out.close)
-            self._credit.pop(tid, None)
+            if self._credit.get(tid) is gate:
+                del self._credit[tid]
 
     def _on_credit(self, msg: Credit) -> None:
-        entry = self._credit.get(msg.tid)
-        if entry is not None and msg.upto > entry[0]:
-            self._credit[msg.tid] = (msg.upto, entry[1])
-            entry[1].set()
+        gate = self._credit.get(msg.tid)
+        if gate is not None and msg.epoch == gate.epoch and msg.upto > gate.upto:
+            gate.upto = msg.upto
+            gate.event.set()
 
     async def _fail_out(self, info: TransferInfo, reason: str) -> None:
         if not is_final(info.state):

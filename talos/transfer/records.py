@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -127,6 +127,19 @@ class IncomingState:
     sync_task: asyncio.Task[None] | None = None
 
 
+@dataclass(eq=False)
+class CreditGate:
+    """One app-channel attempt's credit: chunks with index < ``upto`` may be sent.
+
+    Each attempt has its own gate, so a cancelled attempt still winding down cannot
+    take away, or be granted, the credit of the attempt that replaced it.
+    """
+
+    epoch: int
+    upto: int
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class TransferBase:
     """The manager's shared state and row access (see the module docstring)."""
 
@@ -137,7 +150,7 @@ class TransferBase:
     block_log: Any
     _incoming: dict[bytes, IncomingState]
     _sending: dict[bytes, asyncio.Task[None]]
-    _credit: dict[bytes, tuple[int, asyncio.Event]]
+    _credit: dict[bytes, CreditGate]
     _waiters: dict[bytes, list[asyncio.Future[TransferInfo]]]
     _tasks: set[asyncio.Task[Any]]
     progress: dict[bytes, int]

@@ -613,3 +613,68 @@ async def test_an_offer_accepted_by_hand_checks_the_disk_again(
         out = await net.sender.wait(tid)
     assert net.receiver.get(tid).state is TransferState.FAILED
     assert out.state is TransferState.FAILED and "not enough disk space" in out.error
+
+
+async def test_a_closing_attempt_leaves_the_next_attempts_credit_alone(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A link drop cancels the app-channel attempt, whose file closes in a thread; the
+    # next link re-offers at once, and the new attempt starts before the old one has
+    # closed. The old attempt, finishing, must not take the new one's credit away (it
+    # did: the new attempt died on a KeyError and the transfer stood still).
+    await _no_bulk(net, checkpoint_bytes=1 << 20, window=2)
+    close = OutgoingAttempt.close
+    closes = 0
+    released = threading.Event()
+
+    def slow_first_close(self: OutgoingAttempt) -> None:
+        nonlocal closes
+        closes += 1
+        if closes == 1:  # the cancelled attempt's close, in its thread
+            released.wait(LIMIT)
+        close(self)
+
+    monkeypatch.setattr(OutgoingAttempt, "close", slow_first_close)
+    size = 8 << 20
+    src, _ = _file(net.tmp, size)
+    reached = asyncio.Event()
+
+    def progress(tid: bytes, offset: int) -> None:
+        if offset >= 2 << 20:
+            reached.set()
+        if offset >= 4 << 20 and closes == 1:
+            released.set()  # the new attempt is under way, halfway through the file
+
+    net.receiver.on_progress = progress
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        await reached.wait()
+        link(net.a, net.b, False)
+        link(net.a, net.b, True)
+        inc = await net.receiver.wait(tid)
+        out = await net.sender.wait(tid)
+    assert released.is_set()  # the new attempt ran while the old one was closing
+    assert inc.state is out.state is TransferState.COMPLETE, out.error
+    assert Path(inc.path).read_bytes() == src.read_bytes()
+
+
+async def test_more_drops_than_attempts_are_fine_while_each_commits_progress(net: Net) -> None:
+    # MAX_ATTEMPTS counts attempts in a row that commit nothing: a long transfer over a
+    # link that drops more often than that, but moves on between drops, completes.
+    from talos.transfer.records import MAX_ATTEMPTS
+
+    await _no_bulk(net, checkpoint_bytes=1 << 20, window=2)
+    size = 12 << 20
+    src, _ = _file(net.tmp, size)
+    committed = [0]
+    net.receiver.on_progress = lambda tid, offset: committed.__setitem__(0, offset)
+    async with asyncio.timeout(3 * LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        for drop in range(MAX_ATTEMPTS + 1):
+            await until(lambda d=drop: committed[0] >= (d + 1) << 20, what=f"progress {drop}")
+            link(net.a, net.b, False)
+            await asyncio.sleep(0.05)
+            link(net.a, net.b, True)
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.COMPLETE, inc.error
+    assert Path(inc.path).read_bytes() == src.read_bytes()
