@@ -82,3 +82,7 @@ class AppHost(Protocol):
     def channel_binding(self, did: str) -> bytes:
         """The current link's handshake hash (b"" without a link): what tokens bind to."""
         ...
+
+    def peer_host(self, did: str) -> str | None:
+        """The IP address of the current direct link to ``did`` (None via a relay)."""
+        ...

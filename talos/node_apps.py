@@ -109,6 +109,13 @@ class NodeApps(NodeBase):
         link = peer.link if peer is not None else None
         return link.transcript_hash if link is not None else b""
 
+    def peer_host(self, did: str) -> str | None:
+        """The IP address of the current direct link to ``did``; None over a relay or
+        without a link. The one address a peer's request to be dialled may name."""
+        peer = self._peers.get(did)
+        link = peer.link if peer is not None else None
+        return link.remote_host if link is not None else None
+
     def _notify_link(self, did: str, up: bool) -> None:
         for cb in list(self._link_callbacks):
             try:

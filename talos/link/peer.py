@@ -287,6 +287,14 @@ class Link:
         return self.ws.close_code is None
 
     @property
+    def remote_host(self) -> str | None:
+        """The peer's IP address on a direct link; None over a relay."""
+        if not isinstance(self.ws, Connection):
+            return None
+        remote = self.ws.remote_address
+        return str(remote[0]) if remote else None
+
+    @property
     def frames_sealed(self) -> int:
         """Frames sealed toward the peer on this link (each one WebSocket message)."""
         return self._channel.frames_sent

@@ -163,7 +163,17 @@ class OutgoingTransfers(TransferBase):
         return sign
 
     async def _send_bulk(self, info: TransferInfo, msg: Accept) -> bool:
-        """True if the bulk path carried the attempt to a verdict; False to fall back."""
+        """True if the bulk path carried the attempt to a verdict; False to fall back.
+
+        The bulk port is dialled at the address of the link itself, never at the host
+        the ACCEPT names: a hostile receiver could otherwise aim this node's connections
+        at any host and port it can reach (the FTP bounce attack, RFC 2577 section 3).
+        A peer reached through a relay has no address to dial: its bytes take the app
+        channel.
+        """
+        host = self.node.peer_host(info.peer)
+        if host is None:
+            return False
         out = OutgoingAttempt(
             Path(info.path), info.size, bytes.fromhex(info.key), msg.tid, msg.epoch, msg.offset,
             BULK_CHUNK, self._signer(info),
@@ -171,7 +181,7 @@ class OutgoingTransfers(TransferBase):
         try:
             try:
                 token = bind_token(msg.token, self.node.channel_binding(info.peer))
-                stream = await bulk.connect_bulk(msg.bulk_host, msg.bulk_port, msg.tid, token)
+                stream = await bulk.connect_bulk(host, msg.bulk_port, msg.tid, token)
             except (OSError, TimeoutError, HandshakeError) as exc:
                 log.info("bulk path to %s unavailable (%s); using the app channel", info.peer, exc)
                 return False

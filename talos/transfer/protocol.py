@@ -120,8 +120,9 @@ class Accept:
     """Receiver -> sender: start attempt ``epoch`` at byte ``offset``.
 
     ``window`` is the initial credit in chunks. ``bulk_port`` 0 means "no bulk
-    listener, use the app channel"; otherwise the sender connects to
-    ``bulk_host:bulk_port`` and proves ``token`` (one-time, bound to this tid).
+    listener, use the app channel"; otherwise the sender connects to ``bulk_port``
+    at the address of its direct link with the receiver and proves ``token``
+    (one-time, bound to this tid). ``bulk_host`` is carried but not dialled.
     """
 
     tid: bytes

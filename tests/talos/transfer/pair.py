@@ -40,6 +40,7 @@ class Endpoint:
         self.other: Endpoint | None = None
         self.up = False
         self.binding = b""  # stands in for the link's handshake hash
+        self.host: str | None = "127.0.0.1"  # the link's peer address (None: a relay)
         self.queue: asyncio.Queue[tuple[str, str, bytes]] = asyncio.Queue()
         self.pump = asyncio.create_task(self._pump())
 
@@ -71,6 +72,9 @@ class Endpoint:
 
     def channel_binding(self, did: str) -> bytes:
         return self.binding if self.is_connected(did) else b""
+
+    def peer_host(self, did: str) -> str | None:
+        return self.host if self.is_connected(did) else None
 
     async def close(self) -> None:
         self.pump.cancel()

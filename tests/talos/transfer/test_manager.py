@@ -7,7 +7,7 @@ import hashlib
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from talos.transfer.protocol import (
     Chunk,
     Done,
     TransferState,
+    decode_message,
     encode_commit,
     encode_message,
 )
@@ -142,6 +143,60 @@ async def test_fallback_over_app_channel(net: Net) -> None:
         inc = await net.receiver.wait(tid)
     assert inc.state is TransferState.COMPLETE
     assert Path(inc.path).read_bytes() == src.read_bytes()
+
+
+def _count_app_chunks(net: Net, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the CHUNK messages the sender puts on the app channel (the fallback)."""
+    send_app = net.a.send_app
+    chunks = [0]
+    chunk_type = encode_message(Chunk(bytes(16), 1, 0, b""))[:1]
+
+    async def counting(did: str, name: str, payload: bytes) -> None:
+        chunks[0] += payload[:1] == chunk_type
+        await send_app(did, name, payload)
+
+    monkeypatch.setattr(net.a, "send_app", counting)
+    return chunks
+
+
+async def test_the_bulk_port_is_dialled_at_the_links_address_only(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A receiver's ACCEPT may name any host: dialling it would let a hostile peer aim
+    # the sender at other hosts' ports (the FTP bounce). The sender dials the bulk port
+    # at its link's address, so this transfer takes the bulk path although the named
+    # host does not exist.
+    send_app = net.b.send_app
+
+    async def naming_elsewhere(did: str, name: str, payload: bytes) -> None:
+        msg = decode_message(payload)
+        if isinstance(msg, Accept) and msg.bulk_port:
+            payload = encode_message(replace(msg, bulk_host="bounce.invalid"))
+        await send_app(did, name, payload)
+
+    monkeypatch.setattr(net.b, "send_app", naming_elsewhere)
+    chunks = _count_app_chunks(net, monkeypatch)
+    src, _ = _file(net.tmp, 3 * BULK_CHUNK + 5)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.COMPLETE
+    assert Path(inc.path).read_bytes() == src.read_bytes()
+    assert chunks[0] == 0  # the bulk path carried it
+
+
+async def test_a_peer_reached_through_a_relay_gets_the_app_channel(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    net.a.host = None  # the link has no address to dial
+    chunks = _count_app_chunks(net, monkeypatch)
+    src, _ = _file(net.tmp, 3 * FALLBACK_CHUNK + 5)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.COMPLETE
+    assert Path(inc.path).read_bytes() == src.read_bytes()
+    assert chunks[0] >= 4  # all of it on the app channel
 
 
 async def test_sender_ignoring_credit_fails_the_transfer(

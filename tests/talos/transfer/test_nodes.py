@@ -146,6 +146,7 @@ async def test_file_between_real_nodes_logged_on_both(
         tid = await a.manager.send_file(b.node.did, src)
         inc = await b.manager.wait(tid)
         out = await a.manager.wait(tid)
+    assert a.node.peer_host(b.node.did) == "127.0.0.1"  # where the bulk port was dialled
     assert inc.state is out.state is TransferState.COMPLETE
     assert Path(inc.path).read_bytes() == src.read_bytes()
     digest = hashlib.sha256(src.read_bytes()).hexdigest()
