@@ -44,6 +44,7 @@ from mcp_proxy.jsonrpc import (
     one_line,
     sniff,
 )
+from mcp_proxy.peer_pause import PeerPause
 from mcp_proxy.transport import FrameSender, TunnelTransport
 from mcp_proxy.tunnel_wire import FrameKind, Joiner, decode_frame
 from talos.logging import event
@@ -78,8 +79,10 @@ class ClientSession:
         # Asked after each delivery: an awaitable means the agent is not reading, and the
         # serving side is asked to pause this session's tool until it is done (PAUSE).
         self.backpressure = backpressure
-        self.paused_sid: int | None = None  # the session id a PAUSE was sent for
-        self._resuming: asyncio.Task[None] | None = None
+        self.pause = PeerPause(
+            lambda: client.sender,
+            lambda sid: sid == self.sid and not self.closed and client.link_up,
+        )
         # The serving side's tool is not reading (a PAUSE from it, until RESUME): the
         # agent's lines wait, and ``on_hold`` (the stdin reader) stops reading meanwhile.
         self.held = False
@@ -388,27 +391,8 @@ class TunnelClient:
         if session is not None and session.backpressure is not None:
             wait = session.backpressure()
             if wait is not None:
-                self._pause(session, wait)
-
-    def _pause(self, session: ClientSession, wait: Awaitable[None]) -> None:
-        """The agent is not reading: the serving side pauses this session's tool.
-
-        Per session, not by holding the link's reading: the link also carries
-        keepalives (and, through an attached node, other traffic), which must go on.
-        """
-        if session.paused_sid != session.sid:
-            session.paused_sid = session.sid
-            self.sender.control(FrameKind.PAUSE, session.sid)
-            self.sender.flush_now()
-        if session._resuming is None or session._resuming.done():
-            session._resuming = asyncio.get_running_loop().create_task(self._resume(session, wait))
-
-    async def _resume(self, session: ClientSession, wait: Awaitable[None]) -> None:
-        await wait
-        sid, session.paused_sid = session.paused_sid, None
-        if sid is not None and sid == session.sid and not session.closed and self.link_up:
-            self.sender.control(FrameKind.RESUME, sid)
-            self.sender.flush_now()
+                # The agent is not reading: the serving side pauses this session's tool.
+                session.pause.pause(session.sid, lambda: wait)
 
     def _take(self, peer: str, payload: bytes) -> ClientSession | None:
         """Handle one tunnel frame; the session it delivered messages to, if any."""

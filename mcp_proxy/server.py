@@ -42,6 +42,7 @@ from mcp_proxy.jsonrpc import (
     error_reply,
     sniff,
 )
+from mcp_proxy.peer_pause import PeerPause
 from mcp_proxy.policy import Policy, PolicyDenied
 from mcp_proxy.session_audit import Call, SessionAudit, refused_outside_a_session
 from mcp_proxy.toolenv import tool_environment
@@ -106,7 +107,10 @@ class _Session:
         self._strict_out: deque[bytes] = deque()
         self._strict_wake = asyncio.Event()
         self._strict_task: asyncio.Task[None] | None = None
-        self._resuming: asyncio.Task[None] | None = None  # the caller is paused until it ends
+        self.pause = PeerPause(
+            lambda: self.sender,
+            lambda _sid: not self.closing and server.sessions.get((peer, sid)) is self,
+        )
 
     @property
     def sender(self) -> FrameSender:
@@ -150,19 +154,7 @@ class _Session:
             proc.discard_input()  # freed now, not once the tool has exited
             self.server.session_failed(self, reason)
             return
-        if self._resuming is None:
-            sender = self.sender
-            sender.control(FrameKind.PAUSE, self.sid)
-            sender.flush_now()
-            self._resuming = asyncio.get_running_loop().create_task(self._resume_caller(proc))
-
-    async def _resume_caller(self, proc: ToolProcess | HttpUpstream) -> None:
-        await proc.drain()
-        self._resuming = None
-        if not self.closing and self.server.sessions.get((self.peer, self.sid)) is self:
-            sender = self.sender
-            sender.control(FrameKind.RESUME, self.sid)
-            sender.flush_now()
+        self.pause.pause(self.sid, proc.drain)
 
     def from_client(self, line: bytes) -> None:
         proc = self.proc
@@ -321,8 +313,7 @@ class _Session:
             self.audit.event(Event.SESSION, "close", "ok", reason)
         if self.proc is not None:
             await self.proc.terminate()
-        if self._resuming is not None:
-            self._resuming.cancel()
+        self.pause.cancel()
         if self._strict_task is not None:
             self._strict_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
