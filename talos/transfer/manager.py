@@ -94,7 +94,8 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         self.bytes_sent: dict[bytes, int] = {}
         self._stopped = False
         # Rows go to the store through the node's one writer, in order, so an fsync never
-        # blocks the loop; rows queued but not yet committed are served from _unwritten.
+        # blocks the loop. Rows queued but not yet committed are in _unwritten too, which
+        # rebuilds the kept rows after a write the store refused (TransferBase.rows).
         self._unwritten: dict[bytes, TransferInfo] = {}
         self._rows: dict[bytes, TransferInfo] | None = None  # see TransferBase.rows
 

@@ -171,19 +171,10 @@ class TransferBase:
     def get(self, tid: str | bytes) -> TransferInfo:
         """The transfer with id ``tid`` (hex or bytes); :class:`UsageError` if unknown."""
         key = bytes.fromhex(tid) if isinstance(tid, str) else tid
-        queued = self._unwritten.get(key)
-        if queued is not None:
-            return queued
-        if self._rows is not None:
-            kept = self._rows.get(key)
-            if kept is None:
-                raise UsageError(f"no transfer with id {key.hex()}")
-            return kept
-        with self.node.store.read() as txn:
-            raw = txn.get(_DB, key)
-        if raw is None:
+        info = self.rows().get(key)
+        if info is None:
             raise UsageError(f"no transfer with id {key.hex()}")
-        return TransferInfo.decode(raw)
+        return info
 
     def list(self) -> list[TransferInfo]:
         """Every transfer, oldest first."""
