@@ -182,7 +182,7 @@ class BulkListener:
 
     async def _on_connect(self, conn: socket.socket, address: str) -> None:
         try:
-            stream = await asyncio.wait_for(self._authenticate(conn), HANDSHAKE_TIMEOUT)
+            stream, entry = await asyncio.wait_for(self._authenticate(conn), HANDSHAKE_TIMEOUT)
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ProtocolError):
             self.refused += 1
             conn.close()
@@ -192,13 +192,18 @@ class BulkListener:
             raise
         finally:
             self._admission.leave(address)
-        token_handler = self._expected.pop(stream.tid, None)
-        if token_handler is None:  # raced with forget()
+        # Only to the attempt whose token it proved: the entry may have been withdrawn,
+        # or replaced by the next attempt's, while the handshake ran.
+        if self._expected.get(stream.tid) is not entry:
             await stream.close()
             return
-        await token_handler[1](stream)
+        del self._expected[stream.tid]
+        await entry[1](stream)
 
-    async def _authenticate(self, conn: socket.socket) -> BulkStream:
+    async def _authenticate(
+        self, conn: socket.socket
+    ) -> tuple[BulkStream, tuple[bytes, BulkHandler]]:
+        """Run the token proof; the stream and the expected entry it proved."""
         loop = asyncio.get_running_loop()
         hello = await _recv_exact(loop, conn, BULK_HELLO.size)
         magic, tid, client_nonce = BULK_HELLO.unpack(hello)
@@ -214,7 +219,7 @@ class BulkListener:
         if not hmac.compare_digest(client_proof, expected):
             raise HandshakeError("bad bulk token proof")
         _to_data_phase(conn)
-        return BulkStream(tid, conn)
+        return BulkStream(tid, conn), entry
 
     async def close(self) -> None:
         """Stop listening; connections already handed to handlers are theirs to close."""

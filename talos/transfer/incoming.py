@@ -42,6 +42,7 @@ from talos.transfer.records import (
     TransferBase,
     TransferInfo,
     log,
+    uncancelled,
 )
 from talos_sdk.errors import (
     DecryptionError,
@@ -98,6 +99,10 @@ class IncomingTransfers(TransferBase):
         return True
 
     async def _on_offer(self, peer: str, msg: Offer) -> None:
+        async with self._one_at_a_time(msg.tid):
+            await self._offered(peer, msg)
+
+    async def _offered(self, peer: str, msg: Offer) -> None:
         try:
             info: TransferInfo | None = self.get(msg.tid)
         except UsageError:
@@ -159,30 +164,53 @@ class IncomingTransfers(TransferBase):
         elif info.state is TransferState.PENDING:
             await self._send(info.peer, Pending(tid))
         elif info.state is TransferState.ACTIVE:
+            inc = self._incoming.get(tid)
+            if inc is not None and inc.attempt.commit is not None:
+                # The attempt has the whole stream and is finishing: DONE or FAILED comes
+                # next. A new attempt would reopen the partial file being placed.
+                return
             await self._start_attempt(info)
         else:
             await self._send(info.peer, Reject(tid, info.error or info.state.value))
 
     async def accept(self, tid: str | bytes) -> TransferInfo:
         """Accept a pending incoming transfer (``talosd files accept ID``)."""
-        info = self.get(tid)
-        if info.direction != "in" or info.state is not TransferState.PENDING:
-            raise UsageError(f"transfer {info.tid} is not a pending incoming transfer")
-        await self._start_attempt(info)
+        key = self.get(tid)
+        async with self._one_at_a_time(bytes.fromhex(key.tid)):
+            info = self._pending_in(tid)
+            await self._start_attempt(info)
         return self.get(tid)
 
     async def reject(self, tid: str | bytes, reason: str = "declined") -> TransferInfo:
         """Refuse a pending incoming transfer."""
-        info = self.get(tid)
-        if info.direction != "in" or info.state is not TransferState.PENDING:
-            raise UsageError(f"transfer {info.tid} is not a pending incoming transfer")
-        info = await self._move(info, Event.REJECT, error=reason)
+        key = self.get(tid)
+        async with self._one_at_a_time(bytes.fromhex(key.tid)):
+            info = await self._move(self._pending_in(tid), Event.REJECT, error=reason)
         await self._send(info.peer, Reject(bytes.fromhex(info.tid), reason))
         return info
 
+    def _pending_in(self, tid: str | bytes) -> TransferInfo:
+        info = self.get(tid)
+        if info.direction != "in" or info.state is not TransferState.PENDING:
+            raise UsageError(f"transfer {info.tid} is not a pending incoming transfer")
+        return info
+
+    async def _on_cancel_in(self, tid: bytes, reason: str) -> None:
+        """The sender withdrew an incoming transfer: end its attempt, drop the partial."""
+        async with self._one_at_a_time(tid):
+            await self._end_incoming(tid)
+            info = self.get(tid)  # read after the attempt ended: its checkpoint is in
+            if not is_final(info.state):
+                (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
+                await self._move(info, Event.CANCEL, error=reason)
+
     async def _start_attempt(self, info: TransferInfo) -> None:
+        """Start attempt ``info.epoch + 1`` (the caller holds the transfer's turn)."""
         tid = bytes.fromhex(info.tid)
         await self._end_incoming(tid)
+        info = self.get(tid)  # as the ended attempt's last checkpoint left it
+        if not self._may_start(info):
+            return
         if info.attempts >= MAX_ATTEMPTS:
             await self._fail_in(info, f"gave up after {info.attempts} attempts")
             return
@@ -198,6 +226,10 @@ class IncomingTransfers(TransferBase):
             )
         except StorageError as exc:
             await self._fail_in(info, str(exc))
+            return
+        info = self.get(tid)
+        if not self._may_start(info):  # ended while the file was opened
+            file.close()
             return
         attempt = IncomingAttempt(file, bytes.fromhex(info.key), tid, epoch)
         info = await self._move(info, Event.ACCEPT, epoch=epoch, attempts=info.attempts + 1)
@@ -215,6 +247,9 @@ class IncomingTransfers(TransferBase):
         inc.task = asyncio.ensure_future(self._receive_fallback(tid, inc))
         accept = Accept(tid, info.offset, epoch, self.config.window, port, token, host)
         await self._send(info.peer, accept)
+
+    def _may_start(self, info: TransferInfo) -> bool:
+        return not self._stopped and not is_final(info.state)
 
     async def _end_incoming(self, tid: bytes) -> None:
         inc = self._incoming.pop(tid, None)
@@ -305,7 +340,8 @@ class IncomingTransfers(TransferBase):
                     return
                 if isinstance(sealed, Exception):
                     raise sealed
-                final = await asyncio.to_thread(inc.attempt.process, sealed)
+                # Not cut by a cancel: the file must not close under the thread writing it.
+                final = await uncancelled(asyncio.to_thread(inc.attempt.process, sealed))
                 processed += 1
                 trigger()
                 if final:
@@ -348,13 +384,24 @@ class IncomingTransfers(TransferBase):
         assert inc.attempt.commit is not None  # set with the final chunk
         digest, signature = inc.attempt.commit
         commitment = file_commitment(tid, digest, info.size, info.peer, self.node.did)
+        if not verify_signature(info.peer, commitment, signature):
+            await self._fail_in(info, "the sender's commit signature does not verify")
+            return False
         try:
-            if not verify_signature(info.peer, commitment, signature):
-                raise TransferProtocolError("the sender's commit signature does not verify")
-            path = await asyncio.to_thread(inc.file.finish, digest, info.name)
-        except (TransferProtocolError, StorageError) as exc:
+            # Placed and recorded in one go: a cancel (stop, a cancel from the sender) in
+            # between left the file visible under its name with its row still ACTIVE.
+            info = await uncancelled(self._place(tid, inc, info, digest, signature))
+        except StorageError as exc:
             await self._fail_in(info, str(exc))
             return False
+        await self._send(info.peer, Done(tid))
+        return True
+
+    async def _place(
+        self, tid: bytes, inc: IncomingState, info: TransferInfo, digest: bytes, signature: bytes
+    ) -> TransferInfo:
+        """Check the hash, move the file to its name, and write its row and record."""
+        path = await asyncio.to_thread(inc.file.finish, digest, info.name)
         self._incoming.pop(tid, None)
         if self.listener is not None:
             self.listener.forget(tid)
@@ -369,8 +416,7 @@ class IncomingTransfers(TransferBase):
         )
         await self._record(info, sender=info.peer, recipient=self.node.did)
         self._notify(info)
-        await self._send(info.peer, Done(tid))
-        return True
+        return info
 
     async def _attempt_failed(self, tid: bytes, inc: IncomingState, exc: BaseException) -> None:
         info = self.get(tid)

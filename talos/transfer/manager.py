@@ -53,6 +53,7 @@ from talos.transfer.records import (
     IncomingState,
     TransferConfig,
     TransferInfo,
+    TransferLock,
     log,
 )
 from talos_sdk.errors import (
@@ -98,6 +99,7 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         # rebuilds the kept rows after a write the store refused (TransferBase.rows).
         self._unwritten: dict[bytes, TransferInfo] = {}
         self._rows: dict[bytes, TransferInfo] | None = None  # see TransferBase.rows
+        self._turns: dict[bytes, TransferLock] = {}  # see TransferBase._one_at_a_time
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -126,7 +128,7 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for inc in self._incoming.values():
+        for inc in list(self._incoming.values()):
             await self._settle_checkpoint(inc)
             inc.file.close()
         self._incoming.clear()
@@ -190,6 +192,8 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
             log.error("transfer %s: block log record not written: %s", info.tid, exc)
 
     async def _on_app(self, peer: str, payload: bytes) -> None:
+        if self._stopped:
+            return  # the node's links outlive the manager (Daemon stops it first)
         try:
             msg = decode_message(payload)
         except ProtocolError as exc:
@@ -238,6 +242,6 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
             await self._fail_out(info, msg.reason)
         elif isinstance(msg, Cancel) and not is_final(info.state):
             if info.direction == "in":
-                await self._end_incoming(bytes.fromhex(info.tid))
-                (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
-            await self._move(info, Event.CANCEL, error=msg.reason)
+                await self._on_cancel_in(msg.tid, msg.reason)
+            else:
+                await self._move(info, Event.CANCEL, error=msg.reason)

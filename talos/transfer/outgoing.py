@@ -6,11 +6,10 @@ Part of :class:`~talos.transfer.manager.TransferManager`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from talos.transfer.records import (
     TransferBase,
     TransferInfo,
     log,
+    uncancelled,
 )
 from talos.transfer.sender import OutgoingAttempt, Signer, file_size
 from talos_sdk.errors import (
@@ -95,6 +95,8 @@ class OutgoingTransfers(TransferBase):
         if not 0 <= msg.offset <= info.size:
             await self._fail_out(info, f"receiver asked to resume at {msg.offset}")
             return
+        if msg.tid in self._sending and msg.epoch <= info.epoch:
+            return  # an attempt of this epoch, or a later one, is running
         info = await self._move(info, Event.ACCEPT, epoch=msg.epoch, offset=msg.offset)
         old = self._sending.pop(msg.tid, None)
         if old is not None:
@@ -214,17 +216,22 @@ class OutgoingTransfers(TransferBase):
                     # A chunk lost with a link (or an attempt the receiver ended) gives
                     # no more credit: past CREDIT_WAIT the attempt counts as broken
                     # (TimeoutError) and the transfer is offered again from its checkpoint.
-                    await asyncio.wait_for(gate.event.wait(), CREDIT_WAIT)
-                sealed = await _finishing(asyncio.to_thread(out.next_sealed))
+                    # Not asyncio.wait_for: on 3.11 it swallows a cancel that lands as
+                    # the credit arrives, and a link drop then left this attempt running.
+                    async with asyncio.timeout(CREDIT_WAIT):
+                        await gate.event.wait()
+                # Not cut by a cancel: the file must not close under the thread reading it.
+                sealed = await uncancelled(asyncio.to_thread(out.next_sealed))
                 await self.node.send_app(
                     info.peer, APP_NAME, encode_message(Chunk(tid, msg.epoch, index, sealed))
                 )
                 count(len(sealed))
         finally:
-            # In a thread: it joins the whole-file hash, which must not block the loop.
-            await asyncio.to_thread(out.close)
+            # The gate first: a second cancel during the close below would skip it.
             if self._credit.get(tid) is gate:
                 del self._credit[tid]
+            # In a thread: it joins the whole-file hash, which must not block the loop.
+            await asyncio.to_thread(out.close)
 
     def _on_credit(self, msg: Credit) -> None:
         gate = self._credit.get(msg.tid)
@@ -235,15 +242,3 @@ class OutgoingTransfers(TransferBase):
     async def _fail_out(self, info: TransferInfo, reason: str) -> None:
         if not is_final(info.state):
             await self._move(info, Event.FAIL, error=reason)
-
-
-async def _finishing(work: Awaitable[bytes]) -> bytes:
-    """``work`` (a read in a worker thread); cancelled, it still ends before this returns,
-    so the caller's file is not closed under the thread reading it."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await task
-        raise

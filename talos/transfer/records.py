@@ -15,10 +15,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 import orjson
 
@@ -48,6 +48,8 @@ __all__ = [
     "TransferBase",
     "TransferConfig",
     "TransferInfo",
+    "TransferLock",
+    "uncancelled",
 ]
 
 log = logging.getLogger("talos.transfer")
@@ -127,6 +129,33 @@ class IncomingState:
     sync_task: asyncio.Task[None] | None = None
 
 
+_T = TypeVar("_T")
+
+
+async def uncancelled(work: Awaitable[_T]) -> _T:
+    """Run ``work`` to its end: a caller cancelled meanwhile waits for it, then is cancelled.
+
+    For steps that must not be cut in half: a worker thread reading a file that the
+    caller would close next, or a file placed under its name whose row is not yet
+    written (a cancel there left a visible file that no row accounts for).
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await task
+        raise
+
+
+@dataclass(eq=False)
+class TransferLock:
+    """One transfer's turn (:meth:`TransferBase._one_at_a_time`), kept while in use."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
 @dataclass(eq=False)
 class CreditGate:
     """One app-channel attempt's credit: chunks with index < ``upto`` may be sent.
@@ -159,6 +188,7 @@ class TransferBase:
     _stopped: bool
     _unwritten: dict[bytes, TransferInfo]
     _rows: dict[bytes, TransferInfo] | None
+    _turns: dict[bytes, TransferLock]
 
     if TYPE_CHECKING:
         # Defined by another part of the manager.
@@ -167,6 +197,24 @@ class TransferBase:
         async def _record(self, info: TransferInfo, sender: str, recipient: str) -> None: ...
 
         async def _offer(self, tid: bytes) -> None: ...
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, tid: bytes) -> AsyncIterator[None]:
+        """Serialise the steps that start or end one transfer's attempts (an offer, an
+        accept or reject by hand, a cancel): each reads the row, awaits, then writes it,
+        and two at once (an accept and a reject; an offer on the old link and the new)
+        wrote stale rows or started two attempts of one epoch."""
+        turn = self._turns.get(tid)
+        if turn is None:
+            turn = self._turns[tid] = TransferLock()
+        turn.users += 1
+        try:
+            async with turn.lock:
+                yield
+        finally:
+            turn.users -= 1
+            if turn.users == 0:
+                del self._turns[tid]
 
     def get(self, tid: str | bytes) -> TransferInfo:
         """The transfer with id ``tid`` (hex or bytes); :class:`UsageError` if unknown."""

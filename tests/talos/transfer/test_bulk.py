@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -16,7 +17,15 @@ import pytest
 from talos.transfer.bulk import BulkListener, BulkStream, connect_bulk
 from talos.transfer.bulk_data import PIPELINE_SLOTS, receive_chunks, send_chunks, send_verdict
 from talos.transfer.pipeline import Slot
-from talos.transfer.protocol import BULK_CHUNK
+from talos.transfer.protocol import (
+    BULK_CHUNK,
+    BULK_HELLO,
+    BULK_MAGIC,
+    BULK_PROOF,
+    BULK_REPLY,
+    NONCE_LEN,
+    bulk_client_proof,
+)
 from talos.transfer.receiver import PARTIAL_DIR, IncomingAttempt, IncomingFile
 from talos.transfer.sender import OutgoingAttempt, SourceChangedError
 from talos_sdk.errors import DecryptionError, HandshakeError
@@ -372,3 +381,39 @@ def test_bound_token_depends_on_the_link() -> None:
     one, two = bind_token(TOKEN, b"\x01" * 32), bind_token(TOKEN, b"\x02" * 32)
     assert len(one) == 32 and one != two and one != TOKEN
     assert bind_token(TOKEN, b"\x01" * 32) == one
+
+
+async def test_a_stream_proved_for_a_replaced_attempt_is_not_handed_to_the_next(
+    listener: BulkListener,
+) -> None:
+    # The sender of attempt A is mid-handshake when A is replaced by B (forget, then
+    # expect with B's token): its proof with A's token must not give it B's handler.
+    tid = os.urandom(16)
+    token_a, token_b = os.urandom(32), os.urandom(32)
+    handed: list[str] = []
+
+    def handler(name: str) -> Callable[[BulkStream], Awaitable[None]]:
+        async def take(stream: BulkStream) -> None:
+            handed.append(name)
+            await stream.close()
+
+        return take
+
+    listener.expect(tid, token_a, handler("A"))
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", listener.port))
+        nonce = os.urandom(NONCE_LEN)
+        await loop.sock_sendall(sock, BULK_HELLO.pack(BULK_MAGIC, tid, nonce))
+        server_nonce, _ = BULK_REPLY.unpack(await loop.sock_recv(sock, BULK_REPLY.size))
+        listener.forget(tid)
+        listener.expect(tid, token_b, handler("B"))
+        proof = bulk_client_proof(token_a, tid, nonce, server_nonce)
+        await loop.sock_sendall(sock, BULK_PROOF.pack(proof))
+        async with asyncio.timeout(10):
+            assert await loop.sock_recv(sock, 1) == b""  # closed: handed to nobody
+    finally:
+        sock.close()
+    assert handed == []
