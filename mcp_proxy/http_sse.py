@@ -216,7 +216,10 @@ async def respond(
     try:
         first: Item | bool
         try:
-            first = await asyncio.wait_for(queue.get(), keepalive) if json_ok else False
+            first = False
+            if json_ok:
+                async with asyncio.timeout(keepalive):
+                    first = await queue.get()
         except TimeoutError:
             first = False  # silent for a while: commit to SSE so keepalives can flow
         if isinstance(first, tuple) and exchange.sink is queue:
@@ -251,7 +254,10 @@ async def _pump(
 ) -> None:
     while True:
         try:
-            item = await asyncio.wait_for(queue.get(), keepalive)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel (the client
+            # gone) that lands as an item arrives, and the handler went on for nobody.
+            async with asyncio.timeout(keepalive):
+                item = await queue.get()
         except TimeoutError:
             await response.write(b": keepalive\n\n")
             continue

@@ -266,7 +266,8 @@ class ToolProcess:
 
     async def _wait_process(self, timeout: float) -> bool:
         try:
-            await asyncio.wait_for(self._process_done.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._process_done.wait()
         except TimeoutError:
             return False
         return True

@@ -213,7 +213,8 @@ class _Conn(FlowControlled):
     async def wait_drained(self, drained: asyncio.Future[None]) -> None:
         """Wait for the client to read its buffer; past APP_STALL_LIMIT, disconnect it."""
         try:
-            await asyncio.wait_for(asyncio.shield(drained), APP_STALL_LIMIT)
+            async with asyncio.timeout(APP_STALL_LIMIT):
+                await asyncio.shield(drained)
         except TimeoutError:
             self.server.node.metrics.inc("local_clients_too_slow")
             event(_log, "local_client_too_slow", level=logging.WARNING, waited=APP_STALL_LIMIT)
@@ -447,7 +448,8 @@ class LocalServer:
         if holders:
             self._draining = asyncio.Event()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._draining.wait(), DRAIN_SECONDS)
+                async with asyncio.timeout(DRAIN_SECONDS):
+                    await self._draining.wait()
         for conn in list(self.conns):
             conn.close()
         await self._server.wait_closed()
