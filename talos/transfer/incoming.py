@@ -52,11 +52,15 @@ from talos_sdk.errors import (
 )
 from talos_sdk.wallet import verify as verify_signature
 
-__all__ = ["DISK_RESERVE", "CreditExceededError", "IncomingTransfers"]
+__all__ = ["DISK_RESERVE", "MAX_BULK_RECEIVES", "CreditExceededError", "IncomingTransfers"]
 
 #: Free disk an accepted offer must leave (its file is preallocated whole): the node's
 #: store and block log live on that disk too, and a full disk stops them committing.
 DISK_RESERVE = 256 << 20
+#: Incoming attempts offered the bulk path at once; later ones take the app channel. A
+#: bulk stream runs a pipeline of five threads, and the open offers of every peer
+#: (MAX_OPEN_OFFERS each) would otherwise all get one.
+MAX_BULK_RECEIVES = 8
 
 
 class CreditExceededError(TransferProtocolError):
@@ -238,7 +242,14 @@ class IncomingTransfers(TransferBase):
         inc = IncomingState(file, attempt, asyncio.Queue(maxsize=window + 1), granted=window)
         self._incoming[tid] = inc
         port, token, host = 0, b"", ""
-        if self.listener is not None:
+        # A relayed peer has no address to dial the bulk port at (outgoing.py _send_bulk).
+        direct = self.node.peer_host(info.peer) is not None
+        if (
+            self.listener is not None
+            and direct
+            and sum(i.bulk for i in self._incoming.values()) < MAX_BULK_RECEIVES
+        ):
+            inc.bulk = True
             token = os.urandom(32)
             port, host = self.listener.port, self.config.bulk_host
             # Bound to the link the ACCEPT travels on (docs/PROTOCOL.md "File transfer").
@@ -376,6 +387,10 @@ class IncomingTransfers(TransferBase):
             return
         inc.received += 1
         inc.queue.put_nowait(msg.sealed)
+        if inc.bulk:  # the sender took the app channel: its bulk place is free again
+            inc.bulk = False
+            if self.listener is not None:
+                self.listener.forget(msg.tid)
 
     async def _finish(self, tid: bytes, inc: IncomingState) -> bool:
         """Check the sender's commit (signature, then SHA-256) and make the file visible."""

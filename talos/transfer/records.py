@@ -124,6 +124,8 @@ class IncomingState:
     #: fallback chunks taken in by :meth:`TransferManager._on_chunk`
     received: int = 0
     task: asyncio.Task[None] | None = None
+    #: offered the bulk path (counted against incoming.MAX_BULK_RECEIVES)
+    bulk: bool = False
     #: set by the receiving thread when it asks for a checkpoint, cleared when it is done
     syncing: bool = False
     sync_task: asyncio.Task[None] | None = None

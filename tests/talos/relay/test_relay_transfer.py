@@ -14,10 +14,11 @@ from tests.talos.nodes import started, until
 from tests.talos.relay.conftest import RelayNet
 
 
-@pytest.mark.parametrize("bulk", [False, True], ids=["no-bulk-listener", "bulk-offered"])
+@pytest.mark.parametrize("bulk", [False, True], ids=["no-bulk-listener", "bulk-listener"])
 async def test_file_over_a_relayed_link(relay_net: RelayNet, bulk: bool) -> None:
     # A relayed link has no address to dial a bulk port at: the bytes take the app
-    # channel even where the receiver offers one (outgoing.py, _send_bulk).
+    # channel even where the receiver listens for bulk streams (incoming.py offers no
+    # port to a relayed peer, outgoing.py _send_bulk would not dial one).
     a = await started(*relay_net.home("a"))
     b = await started(*relay_net.home("b"))
     a.allow(b.did)

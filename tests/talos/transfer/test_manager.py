@@ -122,10 +122,26 @@ async def test_the_bulk_port_is_dialled_at_the_links_address_only(
     assert chunks[0] == 0  # the bulk path carried it
 
 
+def _accepts(net: Net, monkeypatch: pytest.MonkeyPatch) -> list[Accept]:
+    """The ACCEPTs the receiver sends."""
+    send_app = net.b.send_app
+    seen: list[Accept] = []
+
+    async def spying(did: str, name: str, payload: bytes) -> None:
+        msg = decode_message(payload)
+        if isinstance(msg, Accept):
+            seen.append(msg)
+        await send_app(did, name, payload)
+
+    monkeypatch.setattr(net.b, "send_app", spying)
+    return seen
+
+
 async def test_a_peer_reached_through_a_relay_gets_the_app_channel(
     net: Net, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    net.a.host = None  # the link has no address to dial
+    net.a.host = net.b.host = None  # the link has no address to dial
+    accepts = _accepts(net, monkeypatch)
     chunks = count_app_chunks(net, monkeypatch)
     src, _ = source_file(net.tmp, 3 * FALLBACK_CHUNK + 5)
     async with asyncio.timeout(LIMIT):
@@ -134,6 +150,28 @@ async def test_a_peer_reached_through_a_relay_gets_the_app_channel(
     assert inc.state is TransferState.COMPLETE
     assert Path(inc.path).read_bytes() == src.read_bytes()
     assert chunks[0] >= 4  # all of it on the app channel
+    assert [a.bulk_port for a in accepts] == [0]  # no bulk port offered that nobody dials
+
+
+async def test_bulk_receives_at_once_are_capped(net: Net, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each bulk stream runs five threads; past MAX_BULK_RECEIVES, attempts get the app
+    # channel. A sender that falls back frees its place (its first chunk says so).
+    from talos.transfer import incoming
+
+    monkeypatch.setattr(incoming, "MAX_BULK_RECEIVES", 1)
+    accepts = _accepts(net, monkeypatch)
+    chunks = count_app_chunks(net, monkeypatch)
+    one, _ = source_file(net.tmp, 3 * BULK_CHUNK, "one.bin")
+    two, _ = source_file(net.tmp, 3 * BULK_CHUNK, "two.bin")
+    async with asyncio.timeout(LIMIT):
+        tids = [await net.sender.send_file(net.b.did, p) for p in (one, two)]
+        done = [await net.receiver.wait(t) for t in tids]
+        three, _ = source_file(net.tmp, 1000, "three.bin")
+        last = await net.receiver.wait(await net.sender.send_file(net.b.did, three))
+    assert [i.state for i in [*done, last]] == [TransferState.COMPLETE] * 3
+    assert sorted(bool(a.bulk_port) for a in accepts[:2]) == [False, True]
+    assert accepts[2].bulk_port != 0  # the cap counts live attempts only
+    assert chunks[0] > 0
 
 
 async def test_sender_ignoring_credit_fails_the_transfer(
