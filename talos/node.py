@@ -363,12 +363,14 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         with self.store.read() as txn:
             return list(take(pl.iter_inbox(txn, after), limit))
 
-    async def wait_inbox(self, after: int, timeout: float) -> list[pl.InboxEntry]:
+    async def wait_inbox(
+        self, after: int, timeout: float, limit: int = 1000
+    ) -> list[pl.InboxEntry]:
         """Like :meth:`inbox` but wait up to ``timeout`` for something new."""
         deadline = time.monotonic() + timeout
         while True:
             signal = self._inbox_event
-            entries = self.inbox(after)
+            entries = self.inbox(after, limit)
             left = deadline - time.monotonic()
             if entries or left <= 0 or self._quiescing:
                 return entries

@@ -278,11 +278,12 @@ async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
         raise UsageError("'after' must be a message number from 0 to 2**64-1")
     limit = int(_num(args, "limit", 50, 1, MAX_LIMIT))
     wait = _num(args, "wait", 0.0, 0.0, MAX_WAIT)
-    entries = await node.wait_inbox(after, wait) if wait else node.inbox(after)
+    # Only the page asked for is read and decoded (it was up to 1000 entries for 50).
+    entries = await node.wait_inbox(after, wait, limit) if wait else node.inbox(after, limit)
     names = _names(node)
     messages: list[dict[str, Any]] = []
     size = 0
-    for entry in entries[:limit]:
+    for entry in entries:
         item = entry.to_json(names)
         size += len(orjson.dumps(item))
         if messages and size > INBOX_REPLY_BYTES:
