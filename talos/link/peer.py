@@ -411,6 +411,10 @@ async def dial_link(
                 url,
                 create_connection=_LinkClientConnection,
                 open_timeout=settings.handshake_timeout,
+                # Straight to the peer, never through an HTTP proxy named in the
+                # environment: the link's address is where a bulk port is dialled
+                # (Link.remote_host), and a relay is the way through closed networks.
+                proxy=None,
                 **_ws_options(settings),
             )
     except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:

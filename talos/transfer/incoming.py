@@ -6,7 +6,6 @@ Part of :class:`~talos.transfer.manager.TransferManager`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import time
@@ -237,6 +236,9 @@ class IncomingTransfers(TransferBase):
             return
         attempt = IncomingAttempt(file, bytes.fromhex(info.key), tid, epoch)
         info = await self._move(info, Event.ACCEPT, epoch=epoch, attempts=info.attempts + 1)
+        if self._stopped:  # stopped while the row was written: nothing may start now
+            file.close()
+            return
         window = self.config.window
         # +1: room for the credit-violation error behind a full window
         inc = IncomingState(file, attempt, asyncio.Queue(maxsize=window + 1), granted=window)
@@ -268,12 +270,16 @@ class IncomingTransfers(TransferBase):
             self.listener.forget(tid)
         if inc is None:
             return
-        if inc.task is not None and inc.task is not asyncio.current_task():
-            inc.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await inc.task
-        await self._settle_checkpoint(inc)
-        inc.file.close()
+        try:
+            task = inc.task
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+                # Until it has ended, even if this caller is cancelled meanwhile: its
+                # worker thread may be writing the file closed below.
+                await uncancelled(asyncio.wait({task}))
+            await self._settle_checkpoint(inc)
+        finally:
+            inc.file.close()
 
     def _checkpoint_trigger(self, tid: bytes, inc: IncomingState) -> Callable[[], None]:
         """Per-chunk hook (receiving thread or loop): start a checkpoint when one is due.

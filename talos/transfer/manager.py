@@ -18,6 +18,7 @@ deleted and the sender is told why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -71,6 +72,10 @@ __all__ = [
     "TransferManager",
 ]
 
+#: Seconds stop() waits for the steps already in a transfer's turn (TransferBase
+#: _one_at_a_time) before it stops the attempts under them.
+STOP_TURNS_WAIT = 5.0
+
 
 class TransferManager(OutgoingTransfers, IncomingTransfers):
     """Sends and receives files for one node."""
@@ -123,6 +128,13 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         self._stopped = True
         if self.listener is not None:
             await self.listener.close()
+        # Steps already in a transfer's turn end first (each sees _stopped and starts
+        # nothing), within a bound: one may be waiting on a link that takes nothing.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_TURNS_WAIT):
+                for turn in list(self._turns.values()):
+                    async with turn.lock:
+                        pass
         tasks = [*self._tasks, *self._sending.values()]
         tasks += [i.task for i in self._incoming.values() if i.task is not None]
         for task in tasks:

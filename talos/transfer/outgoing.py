@@ -90,6 +90,12 @@ class OutgoingTransfers(TransferBase):
         await self._send(info.peer, Offer(tid, info.size, bytes.fromhex(info.key), info.name))
 
     async def _on_accept(self, peer: str, msg: Accept, info: TransferInfo) -> None:
+        # In the transfer's turn: two ACCEPTs at once (the old link and the new) each
+        # passed the epoch check, and the stale one cancelled the newer attempt.
+        async with self._one_at_a_time(msg.tid):
+            await self._accepted(msg, self.get(msg.tid))
+
+    async def _accepted(self, msg: Accept, info: TransferInfo) -> None:
         if info.direction != "out" or is_final(info.state):
             return
         if not 0 <= msg.offset <= info.size:

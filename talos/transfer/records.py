@@ -145,8 +145,11 @@ async def uncancelled(work: Awaitable[_T]) -> _T:
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await task
+        while not task.done():
+            # asyncio.wait passes no cancel on to ``task``; a second cancel of the
+            # caller must not end this wait early either.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({task})
         raise
 
 

@@ -14,15 +14,17 @@ from talos.transfer.manager import TransferConfig
 from talos.transfer.protocol import (
     APP_NAME,
     FALLBACK_CHUNK,
+    Accept,
     Chunk,
     Credit,
     Done,
+    Event,
     Offer,
     TransferState,
     encode_message,
 )
-from talos.transfer.receiver import IncomingFile
-from talos.transfer.records import IncomingState
+from talos.transfer.receiver import IncomingAttempt, IncomingFile
+from talos.transfer.records import IncomingState, TransferInfo
 from talos.transfer.sender import OutgoingAttempt
 from talos_sdk.errors import UsageError
 from tests.talos.nodes import until
@@ -319,3 +321,92 @@ async def test_a_done_during_the_close_leaves_no_credit_gate(
         await until(lambda: not net.sender._sending, what="the attempt ended")
     assert out.state is TransferState.COMPLETE
     assert net.sender._credit == {}
+
+
+async def test_a_stop_while_the_accept_row_is_written_starts_nothing(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await no_bulk(net, window=2)
+    move = net.receiver._move
+    stopped = asyncio.Event()
+
+    async def moving(info: TransferInfo, event: Event, **changes: Any) -> TransferInfo:
+        out = await move(info, event, **changes)
+        if event is Event.ACCEPT and not stopped.is_set():
+            stopped.set()
+            await net.receiver.stop()  # the daemon stops while the ACCEPT row commits
+        return out
+
+    monkeypatch.setattr(net.receiver, "_move", moving)
+    src, _ = source_file(net.tmp, 64 << 10)
+    async with asyncio.timeout(LIMIT):
+        await net.sender.send_file(net.b.did, src)
+        await stopped.wait()
+        await until(lambda: not net.receiver._turns, what="the offer handled")
+    assert net.receiver._incoming == {}  # no attempt registered after stop() returned
+
+
+async def test_two_accepts_at_once_keep_the_newer_attempt(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ACCEPT 2 (the new link) and a late ACCEPT 1 (the old link) handled at once: both
+    # passed the epoch check before either registered, and the stale one won.
+    await offer_pending(net, 1 << 20)
+    (tid_hex,) = [i.tid for i in net.sender.list()]
+    tid = bytes.fromhex(tid_hex)
+    started: list[int] = []
+    forever = asyncio.Event()
+
+    async def run_send(info: TransferInfo, msg: Accept) -> None:
+        started.append(msg.epoch)
+        await forever.wait()
+
+    monkeypatch.setattr(net.sender, "_run_send", run_send)
+    newer, older = (encode_message(Accept(tid, 0, e, 2, 0, b"", "")) for e in (2, 1))
+    async with asyncio.timeout(LIMIT):
+        await asyncio.gather(
+            net.sender._on_app(net.b.did, newer), net.sender._on_app(net.b.did, older)
+        )
+        await until(lambda: bool(started), what="the attempt started")
+    assert net.sender.get(tid).epoch == 2
+    assert started == [2]
+
+
+async def test_stop_waits_for_an_attempt_being_ended_under_a_turn(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A re-offer ends the live attempt in the transfer's turn, waiting for its worker
+    # thread; stop() no longer saw that attempt and returned with the thread still
+    # writing the file it was about to close.
+    await no_bulk(net, window=2)
+    process = IncomingAttempt.process
+    inside, release = threading.Event(), threading.Event()
+    calls = 0
+
+    def slow(self: IncomingAttempt, sealed: bytes) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            inside.set()
+            release.wait(LIMIT)
+        try:
+            return process(self, sealed)
+        finally:
+            inside.clear()
+
+    monkeypatch.setattr(IncomingAttempt, "process", slow)
+    src, _ = source_file(net.tmp, 8 * FALLBACK_CHUNK)
+    try:
+        async with asyncio.timeout(LIMIT):
+            tid = await net.sender.send_file(net.b.did, src)
+            await until(inside.is_set, what="the worker thread writing")
+            info = net.sender.get(tid)
+            offer = Offer(bytes.fromhex(tid), info.size, bytes.fromhex(info.key), info.name)
+            handler = asyncio.ensure_future(net.receiver._on_app(net.a.did, encode_message(offer)))
+            await until(lambda: bool(net.receiver._turns), what="the re-offer in its turn")
+            threading.Timer(0.5, release.set).start()
+            await net.receiver.stop()
+            assert not inside.is_set()  # the thread was done before stop() returned
+            assert handler.done()
+    finally:
+        release.set()
