@@ -60,6 +60,10 @@ DISK_RESERVE = 256 << 20
 #: bulk stream runs a pipeline of five threads, and the open offers of every peer
 #: (MAX_OPEN_OFFERS each) would otherwise all get one.
 MAX_BULK_RECEIVES = 8
+#: Seconds a bulk place waits for its sender's stream (which dials and proves its token
+#: within bulk.HANDSHAKE_TIMEOUT) before it goes to other attempts: a sender that never
+#: comes would otherwise hold it for the attempt's whole life.
+BULK_DIAL_WAIT = 2 * bulk.HANDSHAKE_TIMEOUT
 
 
 class CreditExceededError(TransferProtocolError):
@@ -257,9 +261,17 @@ class IncomingTransfers(TransferBase):
             # Bound to the link the ACCEPT travels on (docs/PROTOCOL.md "File transfer").
             bound = bind_token(token, self.node.channel_binding(info.peer))
             self.listener.expect(tid, bound, lambda s: self._receive_bulk(tid, inc, s))
+            asyncio.get_running_loop().call_later(BULK_DIAL_WAIT, self._bulk_unclaimed, tid, inc)
         inc.task = asyncio.ensure_future(self._receive_fallback(tid, inc))
         accept = Accept(tid, info.offset, epoch, self.config.window, port, token, host)
         await self._send(info.peer, accept)
+
+    def _bulk_unclaimed(self, tid: bytes, inc: IncomingState) -> None:
+        """No bulk stream came for this attempt in time: its place goes to others."""
+        if inc.bulk and not inc.streaming and self._incoming.get(tid) is inc:
+            inc.bulk = False
+            if self.listener is not None:
+                self.listener.forget(tid)
 
     def _may_start(self, info: TransferInfo) -> bool:
         return not self._stopped and not is_final(info.state)
@@ -328,6 +340,7 @@ class IncomingTransfers(TransferBase):
         if inc.task is not None:  # the bulk path won: no fallback chunks for this attempt
             inc.task.cancel()
         inc.task = asyncio.current_task()
+        inc.streaming = True
         try:
             await bulk_data.receive_chunks(
                 stream,

@@ -126,6 +126,8 @@ class IncomingState:
     task: asyncio.Task[None] | None = None
     #: offered the bulk path (counted against incoming.MAX_BULK_RECEIVES)
     bulk: bool = False
+    #: the sender's bulk stream is attached
+    streaming: bool = False
     #: set by the receiving thread when it asks for a checkpoint, cleared when it is done
     syncing: bool = False
     sync_task: asyncio.Task[None] | None = None

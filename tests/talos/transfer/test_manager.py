@@ -174,6 +174,38 @@ async def test_bulk_receives_at_once_are_capped(net: Net, monkeypatch: pytest.Mo
     assert chunks[0] > 0
 
 
+async def test_a_bulk_place_its_sender_never_claims_goes_to_others(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A sender that neither dials the bulk port nor sends a chunk held its place for the
+    # attempt's whole life; past BULK_DIAL_WAIT the place is free again.
+    from talos.transfer import incoming
+
+    monkeypatch.setattr(incoming, "MAX_BULK_RECEIVES", 1)
+    monkeypatch.setattr(incoming, "BULK_DIAL_WAIT", 0.2)
+    accepts = _accepts(net, monkeypatch)
+    run_send = net.sender._run_send
+    idle: list[bytes] = []
+
+    async def first_never_comes(info: TransferInfo, msg: Accept) -> None:
+        if not idle:
+            idle.append(msg.tid)  # accepted, then nothing: no dial, no chunk
+            return
+        await run_send(info, msg)
+
+    monkeypatch.setattr(net.sender, "_run_send", first_never_comes)
+    one, _ = source_file(net.tmp, 1000, "one.bin")
+    two, _ = source_file(net.tmp, 1000, "two.bin")
+    async with asyncio.timeout(LIMIT):
+        await net.sender.send_file(net.b.did, one)
+        await until(lambda: bool(idle), what="the first attempt accepted")
+        assert net.receiver._incoming[idle[0]].bulk
+        await until(lambda: not net.receiver._incoming[idle[0]].bulk, what="its place freed")
+        done = await net.receiver.wait(await net.sender.send_file(net.b.did, two))
+    assert done.state is TransferState.COMPLETE
+    assert accepts[1].bulk_port != 0
+
+
 async def test_sender_ignoring_credit_fails_the_transfer(
     net: Net, monkeypatch: pytest.MonkeyPatch
 ) -> None:
