@@ -3,6 +3,7 @@ manager each, and the helpers those tests share."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from dataclasses import dataclass
@@ -103,3 +104,13 @@ def is_pending(net: Net, tid: str) -> bool:
         return net.receiver.get(tid).state is TransferState.PENDING
     except UsageError:
         return False
+
+
+async def send_whole(net: Net, size: int) -> None:
+    """Send a file of ``size`` random bytes; it must arrive whole."""
+    src, _ = source_file(net.tmp, size)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.COMPLETE, inc.error
+    assert Path(inc.path).read_bytes() == src.read_bytes()

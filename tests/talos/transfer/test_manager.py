@@ -41,6 +41,7 @@ from .net import (
     count_app_chunks,
     is_pending,
     offer_pending,
+    send_whole,
     source_file,
     visible,
 )
@@ -88,12 +89,27 @@ async def test_fallback_over_app_channel(net: Net) -> None:
     assert net.receiver.listener is not None
     await net.receiver.listener.close()
     net.receiver.listener = None  # this receiver offers no bulk port
-    src, _ = source_file(net.tmp, 3 * BULK_CHUNK + 5)
-    async with asyncio.timeout(LIMIT):
-        tid = await net.sender.send_file(net.b.did, src)
-        inc = await net.receiver.wait(tid)
-    assert inc.state is TransferState.COMPLETE
-    assert Path(inc.path).read_bytes() == src.read_bytes()
+    await send_whole(net, 3 * BULK_CHUNK + 5)
+
+
+def _accepts(
+    net: Net, monkeypatch: pytest.MonkeyPatch, rewrite: Callable[[Accept], Accept] | None = None
+) -> list[Accept]:
+    """The ACCEPTs the receiver sends, each changed by ``rewrite`` first if given."""
+    send_app = net.b.send_app
+    seen: list[Accept] = []
+
+    async def spying(did: str, name: str, payload: bytes) -> None:
+        msg = decode_message(payload)
+        if isinstance(msg, Accept):
+            if rewrite is not None:
+                msg = rewrite(msg)
+                payload = encode_message(msg)
+            seen.append(msg)
+        await send_app(did, name, payload)
+
+    monkeypatch.setattr(net.b, "send_app", spying)
+    return seen
 
 
 async def test_the_bulk_port_is_dialled_at_the_links_address_only(
@@ -103,38 +119,10 @@ async def test_the_bulk_port_is_dialled_at_the_links_address_only(
     # the sender at other hosts' ports (the FTP bounce). The sender dials the bulk port
     # at its link's address, so this transfer takes the bulk path although the named
     # host does not exist.
-    send_app = net.b.send_app
-
-    async def naming_elsewhere(did: str, name: str, payload: bytes) -> None:
-        msg = decode_message(payload)
-        if isinstance(msg, Accept) and msg.bulk_port:
-            payload = encode_message(replace(msg, bulk_host="bounce.invalid"))
-        await send_app(did, name, payload)
-
-    monkeypatch.setattr(net.b, "send_app", naming_elsewhere)
+    _accepts(net, monkeypatch, lambda msg: replace(msg, bulk_host="bounce.invalid"))
     chunks = count_app_chunks(net, monkeypatch)
-    src, _ = source_file(net.tmp, 3 * BULK_CHUNK + 5)
-    async with asyncio.timeout(LIMIT):
-        tid = await net.sender.send_file(net.b.did, src)
-        inc = await net.receiver.wait(tid)
-    assert inc.state is TransferState.COMPLETE
-    assert Path(inc.path).read_bytes() == src.read_bytes()
+    await send_whole(net, 3 * BULK_CHUNK + 5)
     assert chunks[0] == 0  # the bulk path carried it
-
-
-def _accepts(net: Net, monkeypatch: pytest.MonkeyPatch) -> list[Accept]:
-    """The ACCEPTs the receiver sends."""
-    send_app = net.b.send_app
-    seen: list[Accept] = []
-
-    async def spying(did: str, name: str, payload: bytes) -> None:
-        msg = decode_message(payload)
-        if isinstance(msg, Accept):
-            seen.append(msg)
-        await send_app(did, name, payload)
-
-    monkeypatch.setattr(net.b, "send_app", spying)
-    return seen
 
 
 async def test_a_peer_reached_through_a_relay_gets_the_app_channel(
@@ -143,12 +131,7 @@ async def test_a_peer_reached_through_a_relay_gets_the_app_channel(
     net.a.host = net.b.host = None  # the link has no address to dial
     accepts = _accepts(net, monkeypatch)
     chunks = count_app_chunks(net, monkeypatch)
-    src, _ = source_file(net.tmp, 3 * FALLBACK_CHUNK + 5)
-    async with asyncio.timeout(LIMIT):
-        tid = await net.sender.send_file(net.b.did, src)
-        inc = await net.receiver.wait(tid)
-    assert inc.state is TransferState.COMPLETE
-    assert Path(inc.path).read_bytes() == src.read_bytes()
+    await send_whole(net, 3 * FALLBACK_CHUNK + 5)
     assert chunks[0] >= 4  # all of it on the app channel
     assert [a.bulk_port for a in accepts] == [0]  # no bulk port offered that nobody dials
 
