@@ -89,7 +89,8 @@ class _PipeWriter:
     async def aclose(self) -> None:
         self._transport.close()  # flushes what is buffered, then closes
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._protocol.lost), CLOSE_DRAIN_TIMEOUT)
+            async with asyncio.timeout(CLOSE_DRAIN_TIMEOUT):
+                await asyncio.shield(self._protocol.lost)
 
 
 class _FileWriter:

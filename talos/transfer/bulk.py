@@ -182,7 +182,8 @@ class BulkListener:
 
     async def _on_connect(self, conn: socket.socket, address: str) -> None:
         try:
-            stream, entry = await asyncio.wait_for(self._authenticate(conn), HANDSHAKE_TIMEOUT)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                stream, entry = await self._authenticate(conn)
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ProtocolError):
             self.refused += 1
             conn.close()
@@ -275,4 +276,5 @@ async def connect_bulk(
             sock.close()
             raise
 
-    return await asyncio.wait_for(dial(), timeout)
+    async with asyncio.timeout(timeout):
+        return await dial()
