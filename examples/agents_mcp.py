@@ -102,7 +102,8 @@ async def converse(alice_home: Path, bob_home: Path) -> None:
             warnings.simplefilter("ignore")
             await alice.subscribe_resource("talos://inbox")
         await bob.call_tool("send_message", {"to": "alice", "text": "yes, see you there"})
-        await asyncio.wait_for(updated.wait(), TIMEOUT)
+        async with asyncio.timeout(TIMEOUT):
+            await updated.wait()
         got = await alice.read_resource("talos://inbox")
         text = got.contents[0].text  # type: ignore[union-attr]
         print(f"alice: talos://inbox -> {[m['text'] for m in json.loads(text)['messages']]}")
