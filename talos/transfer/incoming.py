@@ -214,6 +214,11 @@ class IncomingTransfers(TransferBase):
     async def _start_attempt(self, info: TransferInfo) -> None:
         """Start attempt ``info.epoch + 1`` (the caller holds the transfer's turn)."""
         tid = bytes.fromhex(info.tid)
+        # An attempt still live here is replaced because the sender offered again (its
+        # link was lost, it restarted): that is not this transfer failing, and a peer
+        # whose link drops often must not use up the attempts. Only attempts that broke
+        # on their own (_attempt_failed: damaged or cut bytes) count toward MAX_ATTEMPTS.
+        replaced = tid in self._incoming
         await self._end_incoming(tid)
         info = self.get(tid)  # as the ended attempt's last checkpoint left it
         if not self._may_start(info):
@@ -239,7 +244,8 @@ class IncomingTransfers(TransferBase):
             file.close()
             return
         attempt = IncomingAttempt(file, bytes.fromhex(info.key), tid, epoch)
-        info = await self._move(info, Event.ACCEPT, epoch=epoch, attempts=info.attempts + 1)
+        attempts = info.attempts if replaced and info.attempts else info.attempts + 1
+        info = await self._move(info, Event.ACCEPT, epoch=epoch, attempts=attempts)
         if self._stopped:  # stopped while the row was written: nothing may start now
             file.close()
             return

@@ -410,3 +410,30 @@ async def test_stop_waits_for_an_attempt_being_ended_under_a_turn(
             assert handler.done()
     finally:
         release.set()
+
+
+async def test_link_drops_with_no_progress_between_them_do_not_fail_the_transfer(
+    net: Net,
+) -> None:
+    # A peer that is offline half the time: its link drops again and again before an
+    # attempt commits a checkpoint. Each re-offer replaces a live attempt, which is not
+    # the transfer failing; it gave up after MAX_ATTEMPTS drops and lost the partial.
+    from talos.transfer.records import MAX_ATTEMPTS
+
+    await no_bulk(net, checkpoint_bytes=1 << 30, window=2)
+    src, _ = source_file(net.tmp, 32 << 20)
+
+    def epoch(tid: str) -> int:
+        rows = net.receiver.rows()
+        return rows[bytes.fromhex(tid)].epoch if bytes.fromhex(tid) in rows else 0
+
+    async with asyncio.timeout(3 * LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        for drop in range(MAX_ATTEMPTS + 1):
+            await until(lambda d=drop: epoch(tid) == d + 1, what=f"attempt {drop + 1}")
+            link(net.a, net.b, False)
+            link(net.a, net.b, True)
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.COMPLETE, inc.error
+    assert inc.epoch == MAX_ATTEMPTS + 2
+    assert Path(inc.path).read_bytes() == src.read_bytes()
