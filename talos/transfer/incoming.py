@@ -214,11 +214,13 @@ class IncomingTransfers(TransferBase):
     async def _start_attempt(self, info: TransferInfo) -> None:
         """Start attempt ``info.epoch + 1`` (the caller holds the transfer's turn)."""
         tid = bytes.fromhex(info.tid)
-        # An attempt still live here is replaced because the sender offered again (its
-        # link was lost, it restarted): that is not this transfer failing, and a peer
-        # whose link drops often must not use up the attempts. Only attempts that broke
-        # on their own (_attempt_failed: damaged or cut bytes) count toward MAX_ATTEMPTS.
-        replaced = tid in self._incoming
+        # A live attempt whose link was replaced (lost, or the sender restarted) ends
+        # with it: that is not this transfer failing, and a peer whose link drops often
+        # must not use up the attempts. Every other attempt counts toward MAX_ATTEMPTS,
+        # also one the sender offers again over the same link: a sender failing on its
+        # own side (its file gone, a read error) re-offered every retry_delay for ever.
+        old = self._incoming.get(tid)
+        replaced = old is not None and old.binding != self.node.channel_binding(info.peer)
         await self._end_incoming(tid)
         info = self.get(tid)  # as the ended attempt's last checkpoint left it
         if not self._may_start(info):
@@ -252,6 +254,7 @@ class IncomingTransfers(TransferBase):
         window = self.config.window
         # +1: room for the credit-violation error behind a full window
         inc = IncomingState(file, attempt, asyncio.Queue(maxsize=window + 1), granted=window)
+        inc.binding = self.node.channel_binding(info.peer)
         self._incoming[tid] = inc
         port, token, host = 0, b"", ""
         # A relayed peer has no address to dial the bulk port at (outgoing.py _send_bulk).

@@ -11,7 +11,7 @@ block log when a transfer completes.
 Failure policy: a broken connection or a chunk that fails authentication ends
 the *attempt* (the sender re-offers and resumes from the receiver's last
 committed offset; at most :data:`MAX_ATTEMPTS` in a row that break and commit
-nothing, not counting attempts the sender's next offer replaces). A size lie, a SHA-256
+nothing, not counting attempts ended by a lost link). A size lie, a SHA-256
 mismatch, a full disk or the quota end the *transfer*: the partial file is
 deleted and the sender is told why.
 """

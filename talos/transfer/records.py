@@ -128,6 +128,8 @@ class IncomingState:
     bulk: bool = False
     #: the sender's bulk stream is attached
     streaming: bool = False
+    #: the link (its channel binding) the attempt's ACCEPT went out on
+    binding: bytes = b""
     #: set by the receiving thread when it asks for a checkpoint, cleared when it is done
     syncing: bool = False
     sync_task: asyncio.Task[None] | None = None

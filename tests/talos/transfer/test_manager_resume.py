@@ -437,3 +437,23 @@ async def test_link_drops_with_no_progress_between_them_do_not_fail_the_transfer
     assert inc.state is TransferState.COMPLETE, inc.error
     assert inc.epoch == MAX_ATTEMPTS + 2
     assert Path(inc.path).read_bytes() == src.read_bytes()
+
+
+@pytest.mark.parametrize("bulk", [False, True], ids=["app-channel", "bulk-offered"])
+async def test_a_sender_that_cannot_read_its_file_fails_after_max_attempts(
+    net: Net, bulk: bool
+) -> None:
+    # The sender takes its own read error for a broken attempt and offers again over
+    # the same link; those attempts count, or it looped every retry_delay for ever.
+    from talos.transfer.records import MAX_ATTEMPTS
+
+    if not bulk:
+        await no_bulk(net, window=2)
+    src = await offer_pending(net, 4 << 20)
+    (tid,) = [i.tid for i in net.receiver.list()]
+    src.unlink()
+    async with asyncio.timeout(LIMIT):
+        await net.receiver.accept(tid)
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.FAILED
+    assert f"gave up after {MAX_ATTEMPTS} attempts" in inc.error
