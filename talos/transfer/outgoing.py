@@ -37,7 +37,7 @@ from talos.transfer.records import (
     log,
     uncancelled,
 )
-from talos.transfer.sender import OutgoingAttempt, Signer, file_size
+from talos.transfer.sender import OutgoingAttempt, Signer, SourceChangedError, file_size
 from talos_sdk.errors import (
     HandshakeError,
     TalosError,
@@ -170,6 +170,17 @@ class OutgoingTransfers(TransferBase):
 
         return sign
 
+    def _open_source(self, info: TransferInfo, msg: Accept, chunk: int) -> OutgoingAttempt:
+        """The attempt's reader; a file that cannot be opened ends the transfer (it is not
+        a broken attempt: offering again would not bring it back)."""
+        try:
+            return OutgoingAttempt(
+                Path(info.path), info.size, bytes.fromhex(info.key), msg.tid, msg.epoch,
+                msg.offset, chunk, self._signer(info),
+            )  # fmt: skip
+        except OSError as exc:
+            raise SourceChangedError(f"cannot read {info.path}: {exc.strerror}") from None
+
     async def _send_bulk(self, info: TransferInfo, msg: Accept) -> bool:
         """True if the bulk path carried the attempt to a verdict; False to fall back.
 
@@ -182,10 +193,7 @@ class OutgoingTransfers(TransferBase):
         host = self.node.peer_host(info.peer)
         if host is None:
             return False
-        out = OutgoingAttempt(
-            Path(info.path), info.size, bytes.fromhex(info.key), msg.tid, msg.epoch, msg.offset,
-            BULK_CHUNK, self._signer(info),
-        )  # fmt: skip
+        out = self._open_source(info, msg, BULK_CHUNK)
         try:
             try:
                 token = bind_token(msg.token, self.node.channel_binding(info.peer))
@@ -209,10 +217,7 @@ class OutgoingTransfers(TransferBase):
     async def _send_fallback(self, info: TransferInfo, msg: Accept) -> None:
         tid = msg.tid
         gate = self._credit[tid] = CreditGate(msg.epoch, msg.window)
-        out = OutgoingAttempt(
-            Path(info.path), info.size, bytes.fromhex(info.key), tid, msg.epoch, msg.offset,
-            FALLBACK_CHUNK, self._signer(info),
-        )  # fmt: skip
+        out = self._open_source(info, msg, FALLBACK_CHUNK)
         count = self._count(tid)
         try:
             while not out.finished:

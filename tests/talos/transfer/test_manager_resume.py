@@ -4,6 +4,7 @@ chunk or a restart, and the races between an attempt ending and the next one sta
 from __future__ import annotations
 
 import asyncio
+import errno
 import threading
 from pathlib import Path
 from typing import Any
@@ -440,13 +441,8 @@ async def test_link_drops_with_no_progress_between_them_do_not_fail_the_transfer
 
 
 @pytest.mark.parametrize("bulk", [False, True], ids=["app-channel", "bulk-offered"])
-async def test_a_sender_that_cannot_read_its_file_fails_after_max_attempts(
-    net: Net, bulk: bool
-) -> None:
-    # The sender takes its own read error for a broken attempt and offers again over
-    # the same link; those attempts count, or it looped every retry_delay for ever.
-    from talos.transfer.records import MAX_ATTEMPTS
-
+async def test_a_source_gone_before_the_accept_ends_the_transfer(net: Net, bulk: bool) -> None:
+    # It was taken for a broken attempt and offered again every retry_delay.
     if not bulk:
         await no_bulk(net, window=2)
     src = await offer_pending(net, 4 << 20)
@@ -454,6 +450,27 @@ async def test_a_sender_that_cannot_read_its_file_fails_after_max_attempts(
     src.unlink()
     async with asyncio.timeout(LIMIT):
         await net.receiver.accept(tid)
+        inc = await net.receiver.wait(tid)
+        out = await net.sender.wait(tid)
+    assert out.state is TransferState.FAILED and "cannot read" in out.error
+    assert inc.state is TransferState.CANCELLED and inc.epoch == 1
+
+
+async def test_a_sender_read_error_counts_its_attempts(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sender takes a read error for a broken attempt and offers again over the same
+    # link; those attempts count, or it looped every retry_delay for ever.
+    from talos.transfer.records import MAX_ATTEMPTS
+
+    def failing(self: OutgoingAttempt) -> bytes:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(OutgoingAttempt, "next_sealed", failing)
+    await no_bulk(net, window=2)
+    src, _ = source_file(net.tmp, 4 << 20)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
         inc = await net.receiver.wait(tid)
     assert inc.state is TransferState.FAILED
     assert f"gave up after {MAX_ATTEMPTS} attempts" in inc.error
