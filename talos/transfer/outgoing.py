@@ -216,8 +216,8 @@ class OutgoingTransfers(TransferBase):
 
     async def _send_fallback(self, info: TransferInfo, msg: Accept) -> None:
         tid = msg.tid
-        gate = self._credit[tid] = CreditGate(msg.epoch, msg.window)
         out = self._open_source(info, msg, FALLBACK_CHUNK)
+        gate = self._credit[tid] = CreditGate(msg.epoch, msg.window)
         count = self._count(tid)
         try:
             while not out.finished:

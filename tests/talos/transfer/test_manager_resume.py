@@ -454,6 +454,7 @@ async def test_a_source_gone_before_the_accept_ends_the_transfer(net: Net, bulk:
         out = await net.sender.wait(tid)
     assert out.state is TransferState.FAILED and "cannot read" in out.error
     assert inc.state is TransferState.CANCELLED and inc.epoch == 1
+    assert net.sender._credit == {}  # no gate left by the attempt that never began
 
 
 async def test_a_sender_read_error_counts_its_attempts(
