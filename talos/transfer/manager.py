@@ -234,7 +234,7 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
 
     async def _on_control(self, peer: str, msg: TransferMessage, info: TransferInfo) -> None:
         if isinstance(msg, Accept):
-            await self._on_accept(peer, msg, info)
+            await self._on_accept(msg)
         elif isinstance(msg, Pending) and info.direction == "out":
             if info.state is TransferState.OFFERED:
                 await self._move(info, Event.HOLD)

@@ -89,7 +89,7 @@ class OutgoingTransfers(TransferBase):
             return
         await self._send(info.peer, Offer(tid, info.size, bytes.fromhex(info.key), info.name))
 
-    async def _on_accept(self, peer: str, msg: Accept, info: TransferInfo) -> None:
+    async def _on_accept(self, msg: Accept) -> None:
         # In the transfer's turn: two ACCEPTs at once (the old link and the new) each
         # passed the epoch check, and the stale one cancelled the newer attempt.
         async with self._one_at_a_time(msg.tid):

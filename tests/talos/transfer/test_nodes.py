@@ -117,10 +117,10 @@ def _accepted_offsets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     original = TransferManager._on_accept
 
-    async def spy(self: TransferManager, peer: str, msg: Accept, info: Any) -> None:
-        if info.direction == "out":
+    async def spy(self: TransferManager, msg: Accept) -> None:
+        if self.get(msg.tid).direction == "out":
             seen.append(msg.offset)
-        await original(self, peer, msg, info)
+        await original(self, msg)
 
     monkeypatch.setattr(TransferManager, "_on_accept", spy)
     return seen
