@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Final, TypeVar
 
+from talos.aio import uncancelled
 from talos.transfer.bulk import IDLE_TIMEOUT, MAX_SEALED, BulkStream
 from talos.transfer.pipeline import Pipeline, Slot, Stage
 from talos.transfer.protocol import (
@@ -76,14 +77,9 @@ async def _in_thread(stream: BulkStream, fn: Callable[[], _T], name: str) -> _T:
                 loop.call_soon_threadsafe(settle, result, None)
 
     threading.Thread(target=target, name=name, daemon=True).start()
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        # Never leave a thread writing into a file the caller is about to close.
-        stream.abort()
-        with contextlib.suppress(BaseException):
-            await fut
-        raise
+    # Never leave a thread writing into a file the caller is about to close: a cancel
+    # shuts the stream down (which wakes the thread) and waits for the thread's end.
+    return await uncancelled(fut, on_cancel=stream.abort)
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:

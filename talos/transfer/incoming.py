@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+from talos.aio import uncancelled
 from talos.store import Txn
 from talos.transfer import bulk, bulk_data
 from talos.transfer.protocol import (
@@ -41,7 +42,6 @@ from talos.transfer.records import (
     TransferBase,
     TransferInfo,
     log,
-    uncancelled,
 )
 from talos_sdk.errors import (
     DecryptionError,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from talos.aio import uncancelled
 from talos.transfer import bulk, bulk_data
 from talos.transfer.protocol import (
     APP_NAME,
@@ -35,7 +36,6 @@ from talos.transfer.records import (
     TransferBase,
     TransferInfo,
     log,
-    uncancelled,
 )
 from talos.transfer.sender import OutgoingAttempt, Signer, SourceChangedError, file_size
 from talos_sdk.errors import (

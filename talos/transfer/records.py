@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import orjson
 
@@ -49,7 +49,6 @@ __all__ = [
     "TransferConfig",
     "TransferInfo",
     "TransferLock",
-    "uncancelled",
 ]
 
 log = logging.getLogger("talos.transfer")
@@ -133,28 +132,6 @@ class IncomingState:
     #: set by the receiving thread when it asks for a checkpoint, cleared when it is done
     syncing: bool = False
     sync_task: asyncio.Task[None] | None = None
-
-
-_T = TypeVar("_T")
-
-
-async def uncancelled(work: Awaitable[_T]) -> _T:
-    """Run ``work`` to its end: a caller cancelled meanwhile waits for it, then is cancelled.
-
-    For steps that must not be cut in half: a worker thread reading a file that the
-    caller would close next, or a file placed under its name whose row is not yet
-    written (a cancel there left a visible file that no row accounts for).
-    """
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():
-            # asyncio.wait passes no cancel on to ``task``; a second cancel of the
-            # caller must not end this wait early either.
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait({task})
-        raise
 
 
 @dataclass(eq=False)

@@ -19,6 +19,7 @@ from talos.transfer.bulk_data import PIPELINE_SLOTS, receive_chunks, send_chunks
 from talos.transfer.pipeline import Slot
 from talos.transfer.protocol import (
     BULK_CHUNK,
+    BULK_FRAME,
     BULK_HELLO,
     BULK_MAGIC,
     BULK_PROOF,
@@ -417,3 +418,38 @@ async def test_a_stream_proved_for_a_replaced_attempt_is_not_handed_to_the_next(
     finally:
         sock.close()
     assert handed == []
+
+
+async def test_a_second_cancel_still_waits_for_the_receiving_threads() -> None:
+    """Cancelled twice, receive_chunks returns only once its stage threads have ended:
+    a thread left writing into a file the caller then closes would corrupt it."""
+    server = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(server.getsockname())
+    mine, _ = server.accept()
+    server.close()
+    entered, release, left = threading.Event(), threading.Event(), threading.Event()
+
+    def stalled_write(slot: Slot) -> None:
+        entered.set()
+        release.wait(30)
+        left.set()
+
+    seen_at_end: list[bool] = []
+    task = asyncio.create_task(receive_chunks(BulkStream(TID, mine), [stalled_write], window=4))
+    task.add_done_callback(lambda _: seen_at_end.append(left.is_set()))
+    try:
+        peer.sendall(BULK_FRAME.pack(32) + bytes(32))
+        assert await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert seen_at_end == [True]
+    finally:
+        release.set()
+        peer.close()
+        mine.close()
