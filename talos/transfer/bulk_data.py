@@ -26,6 +26,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Final, TypeVar
 
@@ -82,9 +83,18 @@ async def _in_thread(stream: BulkStream, fn: Callable[[], _T], name: str) -> _T:
     return await uncancelled(fut, on_cancel=stream.abort)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view``; with ``deadline`` (``time.monotonic``), fail once it has passed.
+
+    The socket's timeout (IDLE_TIMEOUT) bounds each read that makes no progress;
+    the deadline bounds the whole, so a peer trickling a byte now and then cannot
+    hold the stream open. Checked between reads: a frame ends at most one
+    IDLE_TIMEOUT after it.
+    """
     got = 0
     while got < len(view):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"bulk frame not complete within {IDLE_TIMEOUT:g} s")
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionError("bulk stream closed mid-frame")
@@ -233,13 +243,14 @@ async def receive_chunks(
     credit_lock = threading.Lock()  # the last stage runs in WRITERS threads
 
     def receive(slot: Slot) -> None:
-        _recv_into(sock, memoryview(head))
+        deadline = time.monotonic() + IDLE_TIMEOUT
+        _recv_into(sock, memoryview(head), deadline)
         (length,) = BULK_FRAME.unpack(head)
         if length > min(len(slot.sealed), MAX_SEALED):
             # The length is not authenticated: damage in transit, worth another attempt,
             # not a verdict on the transfer.
             raise ConnectionError(f"sealed chunk of {length} bytes exceeds {MAX_SEALED}")
-        _recv_into(sock, slot.sealed[:length])
+        _recv_into(sock, slot.sealed[:length], deadline)
         slot.sealed_size = length
         # Unauthenticated here, so only a hint to stop reading: the open stage
         # checks the flag (it is in the AD) and fails the stream if it lied.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from talos.transfer import bulk_data
 from talos.transfer.bulk import BulkListener, BulkStream, connect_bulk
 from talos.transfer.bulk_data import PIPELINE_SLOTS, receive_chunks, send_chunks, send_verdict
 from talos.transfer.pipeline import Slot
@@ -451,5 +452,43 @@ async def test_a_second_cancel_still_waits_for_the_receiving_threads() -> None:
         assert seen_at_end == [True]
     finally:
         release.set()
+        peer.close()
+        mine.close()
+
+
+async def test_a_peer_trickling_a_frame_cannot_hold_the_stream_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each read makes progress, yet the frame is not complete within IDLE_TIMEOUT: the
+    receive fails while the trickle goes on (a per-read timeout alone never fires)."""
+    monkeypatch.setattr(bulk_data, "IDLE_TIMEOUT", 0.5)
+    server = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(server.getsockname())
+    mine, _ = server.accept()
+    server.close()
+    mine.settimeout(5)  # the per-read timeout: never reached while bytes come
+    stop = threading.Event()
+    sent: list[int] = []
+
+    def trickle() -> None:
+        frame = BULK_FRAME.pack(4096) + bytes(4096)
+        for i in range(200):  # 10 s of trickle at most
+            if stop.wait(0.05):
+                return
+            try:
+                peer.sendall(frame[i : i + 1])
+            except OSError:
+                return
+            sent.append(i)
+
+    feeder = threading.Thread(target=trickle, daemon=True)
+    feeder.start()
+    try:
+        with pytest.raises(TimeoutError, match="not complete"):
+            await receive_chunks(BulkStream(TID, mine), [lambda slot: None], window=4)
+        assert len(sent) < 200, "the stream stayed open as long as bytes came"
+    finally:
+        stop.set()
+        await asyncio.to_thread(feeder.join, 30)
         peer.close()
         mine.close()
