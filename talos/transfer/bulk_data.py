@@ -169,14 +169,14 @@ async def send_chunks(
     stages: Sequence[Stage],
     slots: Sequence[Slot],
     window: int,
-    on_sent: Callable[[int], None] | None = None,
+    on_sent: Callable[[Slot], None] | None = None,
 ) -> bool:
     """Send sealed chunks until the final one, honouring credits; True if the receiver verified.
 
     ``stages`` fill a slot's ``sealed`` buffer (read, hash, seal: the first is
     the pipeline's source and marks the final slot ``last``); each runs in its
     own thread over the ring ``slots``, and a last stage here frames and sends
-    the chunk. Returns False if the receiver reported failure; raises
+    the chunk, then calls ``on_sent(slot)``. Returns False if the receiver reported failure; raises
     ``ConnectionError`` if the stream ends without a verdict.
     """
     if any(len(slot.sealed) > MAX_SEALED for slot in slots):
@@ -195,7 +195,7 @@ async def send_chunks(
         _sendmsg_all(sock, [memoryview(head), slot.sealed[: slot.sealed_size]])
         index += 1
         if on_sent is not None:
-            on_sent(slot.sealed_size)
+            on_sent(slot)
 
     def run() -> bool:
         pipeline = Pipeline(slots, [*stages[1:], send], stream.abort)

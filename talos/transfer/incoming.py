@@ -330,7 +330,6 @@ class IncomingTransfers(TransferBase):
             return
         finally:
             inc.syncing = False
-        self.progress[tid] = offset
         if self._incoming.get(tid) is inc:
             # Progress committed: MAX_ATTEMPTS counts attempts in a row that commit
             # nothing, so a long transfer over a link that drops now and then goes on.

@@ -95,7 +95,6 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         self._credit: dict[bytes, CreditGate] = {}
         self._waiters: dict[bytes, list[asyncio.Future[TransferInfo]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.progress: dict[bytes, int] = {}
         #: called as ``on_progress(tid, committed_offset)`` after each receiver checkpoint
         self.on_progress: Callable[[bytes, int], None] | None = None
         self.bytes_sent: dict[bytes, int] = {}

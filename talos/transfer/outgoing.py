@@ -15,6 +15,7 @@ from pathlib import Path
 
 from talos.aio import uncancelled
 from talos.transfer import bulk, bulk_data
+from talos.transfer.pipeline import Slot
 from talos.transfer.protocol import (
     APP_NAME,
     BULK_CHUNK,
@@ -135,6 +136,8 @@ class OutgoingTransfers(TransferBase):
             # would see a send still "running" and not re-offer.
             if self._sending.get(tid) is asyncio.current_task():
                 del self._sending[tid]
+            if is_final(self.get(tid).state):  # counted after the row ended (a cancel)
+                self.bytes_sent.pop(tid, None)
 
     async def _retry_later(self, tid: bytes) -> None:
         await asyncio.sleep(self.config.retry_delay)
@@ -142,9 +145,11 @@ class OutgoingTransfers(TransferBase):
         if not is_final(info.state) and self.node.is_connected(info.peer):
             await self._offer(tid)
 
-    def _count(self, tid: bytes) -> Callable[[int], None]:
-        def on_sent(n: int) -> None:
-            self.bytes_sent[tid] = self.bytes_sent.get(tid, 0) + n
+    def _count(self, tid: bytes, size: int) -> Callable[[Slot], None]:
+        """Note how far into the file the bulk stream has sent (routes.view shows it)."""
+
+        def on_sent(slot: Slot) -> None:
+            self.bytes_sent[tid] = min(slot.offset + slot.size, size)  # the commit is no data
 
         return on_sent
 
@@ -204,7 +209,7 @@ class OutgoingTransfers(TransferBase):
             try:
                 slots = out.slots(bulk_data.PIPELINE_SLOTS)
                 verified = await bulk_data.send_chunks(
-                    stream, out.stages, slots, msg.window, self._count(msg.tid)
+                    stream, out.stages, slots, msg.window, self._count(msg.tid, info.size)
                 )
             finally:
                 await stream.close()
@@ -218,7 +223,6 @@ class OutgoingTransfers(TransferBase):
         tid = msg.tid
         out = self._open_source(info, msg, FALLBACK_CHUNK)
         gate = self._credit[tid] = CreditGate(msg.epoch, msg.window)
-        count = self._count(tid)
         try:
             while not out.finished:
                 index = out.index
@@ -236,7 +240,7 @@ class OutgoingTransfers(TransferBase):
                 await self.node.send_app(
                     info.peer, APP_NAME, encode_message(Chunk(tid, msg.epoch, index, sealed))
                 )
-                count(len(sealed))
+                self.bytes_sent[tid] = out.offset
         finally:
             # The gate first: a second cancel during the close below would skip it.
             if self._credit.get(tid) is gate:

@@ -168,7 +168,6 @@ class TransferBase:
     _credit: dict[bytes, CreditGate]
     _waiters: dict[bytes, list[asyncio.Future[TransferInfo]]]
     _tasks: set[asyncio.Task[Any]]
-    progress: dict[bytes, int]
     on_progress: Callable[[bytes, int], None] | None
     bytes_sent: dict[bytes, int]
     _stopped: bool
@@ -241,6 +240,9 @@ class TransferBase:
             self._rows[key] = info
 
         row = info.encode()
+        if is_final(info.state):
+            # Live figures only: an ended transfer's row says how far it got.
+            self.bytes_sent.pop(key, None)
 
         def written(done: asyncio.Future[Any]) -> None:
             if self._unwritten.get(key) is info:

@@ -36,7 +36,8 @@ def view(manager: TransferManager, tid: str) -> dict[str, Any]:
     info = manager.get(tid)
     data = info.to_public()
     key = bytes.fromhex(info.tid)
-    moved = manager.bytes_sent.get(key) if info.direction == "out" else manager.progress.get(key)
+    # The receiver's row holds its committed offset; the sender counts what it has sent.
+    moved = manager.bytes_sent.get(key) if info.direction == "out" else None
     data["transferred"] = (
         info.size if info.state is TransferState.COMPLETE else moved or info.offset
     )

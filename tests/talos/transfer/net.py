@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from talos.transfer.manager import TransferConfig, TransferManager
+from talos.transfer.pipeline import Slot
 from talos.transfer.protocol import Chunk, TransferState, encode_message
 from talos.transfer.receiver import PARTIAL_DIR
 from talos_sdk.errors import UsageError
@@ -87,6 +89,24 @@ def count_app_chunks(net: Net, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(net.a, "send_app", counting)
     return chunks
+
+
+def bulk_offsets(sender: TransferManager, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The file offset of each chunk ``sender`` puts on a bulk stream, in order."""
+    count = sender._count
+    offsets: list[int] = []
+
+    def watched(tid: bytes, size: int) -> Callable[[Slot], None]:
+        on_sent = count(tid, size)
+
+        def sent(slot: Slot) -> None:
+            offsets.append(slot.offset)
+            on_sent(slot)
+
+        return sent
+
+    monkeypatch.setattr(sender, "_count", watched)
+    return offsets
 
 
 async def offer_pending(net: Net, size: int) -> Path:

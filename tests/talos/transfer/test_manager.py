@@ -31,6 +31,7 @@ from talos.transfer.protocol import (
     encode_message,
 )
 from talos.transfer.receiver import PARTIAL_DIR
+from talos.transfer.routes import view
 from talos.transfer.sender import OutgoingAttempt
 from talos_sdk.errors import UsageError
 from tests.talos.nodes import until
@@ -38,6 +39,7 @@ from tests.talos.nodes import until
 from .net import (
     LIMIT,
     Net,
+    bulk_offsets,
     count_app_chunks,
     is_pending,
     offer_pending,
@@ -74,15 +76,23 @@ async def test_send_and_receive(net: Net, size: int) -> None:
         assert (files[0].sender, files[0].recipient) == (net.a.did, net.b.did)
 
 
-async def test_64_mib_over_bulk(net: Net) -> None:
+async def test_64_mib_over_bulk(net: Net, monkeypatch: pytest.MonkeyPatch) -> None:
     src, _ = source_file(net.tmp, 64 << 20)
+    app_chunks = count_app_chunks(net, monkeypatch)
+    offsets = bulk_offsets(net.sender, monkeypatch)
     async with asyncio.timeout(LIMIT):
         tid = await net.sender.send_file(net.b.did, src)
         inc = await net.receiver.wait(tid)
         await net.sender.wait(tid)
     assert inc.state is TransferState.COMPLETE
     assert hashlib.sha256(Path(inc.path).read_bytes()).hexdigest() == inc.sha256
-    assert net.sender.bytes_sent[bytes.fromhex(tid)] > 64 << 20  # bulk path, sealed overhead
+    assert app_chunks == [0]  # the bulk path carried it
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] == 64 << 20
+    # The sender's progress is kept only while the transfer runs; then the row says it.
+    assert bytes.fromhex(tid) not in net.sender.bytes_sent
+    assert (
+        view(net.sender, tid)["transferred"] == view(net.receiver, tid)["transferred"] == 64 << 20
+    )
 
 
 async def test_fallback_over_app_channel(net: Net) -> None:
