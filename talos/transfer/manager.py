@@ -76,6 +76,9 @@ __all__ = [
 #: Seconds stop() waits for the steps already in a transfer's turn (TransferBase
 #: _one_at_a_time) before it stops the attempts under them.
 STOP_TURNS_WAIT = 5.0
+#: Control messages of one peer waiting to be handled; past this the link's reading
+#: waits too, so a peer's flood is held back on its link rather than queued here.
+MAX_QUEUED_CONTROL = 64
 
 
 class TransferManager(OutgoingTransfers, IncomingTransfers):
@@ -95,6 +98,7 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         self._credit: dict[bytes, CreditGate] = {}
         self._waiters: dict[bytes, list[asyncio.Future[TransferInfo]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._control: dict[str, asyncio.Queue[TransferMessage]] = {}
         #: called as ``on_progress(tid, committed_offset)`` after each receiver checkpoint
         self.on_progress: Callable[[bytes, int], None] | None = None
         self.bytes_sent: dict[bytes, int] = {}
@@ -137,6 +141,8 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
                         pass
         tasks = [*self._tasks, *self._sending.values()]
         tasks += [i.task for i in self._incoming.values() if i.task is not None]
+        # Not the task calling: a step of this manager may stop it (gather would wait on itself).
+        tasks = [t for t in tasks if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -211,25 +217,49 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         except ProtocolError as exc:
             log.warning("bad transfer message from %s: %s", peer, exc)
             return
-        if isinstance(msg, Offer):
-            await self._on_offer(peer, msg)
-            return
         if isinstance(msg, Chunk):
             self._on_chunk(peer, msg)
             return
         if isinstance(msg, Credit):
             self._on_credit(msg)
             return
+        # The others wait for their transfer's turn and write its row (an fsync): a task
+        # handles them, in order per peer, so the link's other traffic (messages, a
+        # tunnel) never waits on this node's disk or on a transfer's turn.
+        queue = self._control.get(peer)
+        if queue is None:
+            queue = self._control[peer] = asyncio.Queue(MAX_QUEUED_CONTROL)
+            self._spawn(self._handle_control(peer, queue))
+        await queue.put(msg)
+
+    async def _handle_control(self, peer: str, queue: asyncio.Queue[TransferMessage]) -> None:
+        try:
+            while not queue.empty() and not self._stopped:
+                msg = queue.get_nowait()
+                try:
+                    await self._on_message(peer, msg)
+                except TransferProtocolError as exc:
+                    log.info("transfer %s: ignored %s: %s", msg.tid.hex(), type(msg).__name__, exc)
+                except Exception as exc:
+                    # A row the store refused, or a bug: it costs this message, never the
+                    # peer's later ones (the node's read loop treats a frame the same way).
+                    name = type(msg).__name__
+                    log.error("transfer %s: %s not handled: %r", msg.tid.hex(), name, exc)
+        finally:
+            # No await since the queue was seen empty: nothing was put in between.
+            if self._control.get(peer) is queue:
+                del self._control[peer]
+
+    async def _on_message(self, peer: str, msg: TransferMessage) -> None:
+        if isinstance(msg, Offer):
+            await self._on_offer(peer, msg)
+            return
         try:
             info = self.get(msg.tid)
         except UsageError:
             return
-        if info.peer != peer:
-            return
-        try:
+        if info.peer == peer:
             await self._on_control(peer, msg, info)
-        except TransferProtocolError as exc:
-            log.info("transfer %s: ignored %s: %s", info.tid, type(msg).__name__, exc)
 
     async def _on_control(self, peer: str, msg: TransferMessage, info: TransferInfo) -> None:
         if isinstance(msg, Accept):

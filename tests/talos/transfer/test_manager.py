@@ -15,6 +15,7 @@ import pytest
 
 from talos.transfer.manager import (
     MAX_OPEN_OFFERS,
+    MAX_QUEUED_CONTROL,
     TransferConfig,
     TransferInfo,
     TransferManager,
@@ -24,6 +25,7 @@ from talos.transfer.protocol import (
     BULK_CHUNK,
     FALLBACK_CHUNK,
     Accept,
+    Cancel,
     Chunk,
     TransferState,
     decode_message,
@@ -263,6 +265,49 @@ async def test_pending_until_accepted(net: Net) -> None:
     assert inc.state is out.state is TransferState.COMPLETE
     with pytest.raises(UsageError, match="no transfer"):
         net.receiver.get("00" * 16)
+
+
+async def test_a_transfer_waiting_for_its_turn_does_not_hold_the_link(net: Net) -> None:
+    # A control message whose transfer is busy (its turn held, as by a slow accept by
+    # hand) waits in the manager, not on the link: the peer's other traffic goes on.
+    await offer_pending(net, 1 << 20)
+    (tid_hex,) = [i.tid for i in net.receiver.list()]
+    tid = bytes.fromhex(tid_hex)
+    chat = asyncio.Event()
+    net.b.register_app("chat", lambda did, payload: chat.set())
+    async with asyncio.timeout(LIMIT):
+        async with net.receiver._one_at_a_time(tid):
+            cancel = encode_message(Cancel(tid, "changed my mind"))
+            await net.a.send_app(net.b.did, APP_NAME, cancel)
+            await net.a.send_app(net.b.did, "chat", b"hello")
+            await chat.wait()
+            assert net.receiver.get(tid).state is TransferState.PENDING  # the cancel waits
+        await until(lambda: net.receiver.get(tid).state is TransferState.CANCELLED, what="cancel")
+    assert net.receiver._control == {}  # its handler ended with the queue
+
+
+async def test_a_flood_of_control_messages_is_held_on_the_link(net: Net) -> None:
+    # Past MAX_QUEUED_CONTROL waiting, the link's reading waits too: a peer cannot
+    # grow the queue without bound by sending faster than its transfers take turns.
+    await offer_pending(net, 1 << 20)
+    (tid_hex,) = [i.tid for i in net.receiver.list()]
+    tid = bytes.fromhex(tid_hex)
+    chat = asyncio.Event()
+    net.b.register_app("chat", lambda did, payload: chat.set())
+    cancel = encode_message(Cancel(tid, "changed my mind"))
+    async with asyncio.timeout(LIMIT):
+        async with net.receiver._one_at_a_time(tid):
+            for _ in range(MAX_QUEUED_CONTROL + 5):
+                await net.a.send_app(net.b.did, APP_NAME, cancel)
+            await net.a.send_app(net.b.did, "chat", b"hello")
+            queues = net.receiver._control
+            await until(lambda: net.a.did in queues and queues[net.a.did].full(), what="full")
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert not chat.is_set()  # behind the flood, on the link
+        await chat.wait()
+        await until(lambda: net.receiver._control == {}, what="the flood handled")
+    assert net.receiver.get(tid).state is TransferState.CANCELLED
 
 
 async def test_pending_rejected(net: Net) -> None:
