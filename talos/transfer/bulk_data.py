@@ -44,6 +44,10 @@ from talos_sdk.errors import UsageError
 
 __all__ = ["PIPELINE_SLOTS", "WRITERS", "receive_chunks", "send_chunks", "send_verdict"]
 
+#: Bytes per second a bulk frame must arrive at, beyond IDLE_TIMEOUT of grace (32 kbit/s,
+#: below a 2G mobile link): a 1 MiB frame may take 60 + 256 s. A peer trickling a byte
+#: now and then no longer holds a receive (and one of MAX_BULK_RECEIVES) for ever.
+MIN_RATE: Final = 4096
 #: Chunks in flight inside one process: one per pipeline stage plus slack for jitter.
 PIPELINE_SLOTS: Final = 6
 #: Receiver threads writing to disk at once: two positional writes in flight hide
@@ -94,7 +98,7 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = N
     got = 0
     while got < len(view):
         if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"bulk frame not complete within {IDLE_TIMEOUT:g} s")
+            raise TimeoutError("bulk frame not complete in time (below MIN_RATE)")
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionError("bulk stream closed mid-frame")
@@ -243,14 +247,14 @@ async def receive_chunks(
     credit_lock = threading.Lock()  # the last stage runs in WRITERS threads
 
     def receive(slot: Slot) -> None:
-        deadline = time.monotonic() + IDLE_TIMEOUT
-        _recv_into(sock, memoryview(head), deadline)
+        started = time.monotonic()
+        _recv_into(sock, memoryview(head), started + IDLE_TIMEOUT)
         (length,) = BULK_FRAME.unpack(head)
         if length > min(len(slot.sealed), MAX_SEALED):
             # The length is not authenticated: damage in transit, worth another attempt,
             # not a verdict on the transfer.
             raise ConnectionError(f"sealed chunk of {length} bytes exceeds {MAX_SEALED}")
-        _recv_into(sock, slot.sealed[:length], deadline)
+        _recv_into(sock, slot.sealed[:length], started + IDLE_TIMEOUT + length / MIN_RATE)
         slot.sealed_size = length
         # Unauthenticated here, so only a hint to stop reading: the open stage
         # checks the flag (it is in the AD) and fails the stream if it lied.

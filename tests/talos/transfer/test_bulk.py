@@ -459,9 +459,11 @@ async def test_a_second_cancel_still_waits_for_the_receiving_threads() -> None:
 async def test_a_peer_trickling_a_frame_cannot_hold_the_stream_open(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Each read makes progress, yet the frame is not complete within IDLE_TIMEOUT: the
-    receive fails while the trickle goes on (a per-read timeout alone never fires)."""
+    """Each read makes progress, yet the frame is not complete within IDLE_TIMEOUT plus its
+    length at MIN_RATE: the receive fails while the trickle goes on (a per-read timeout
+    alone never fires)."""
     monkeypatch.setattr(bulk_data, "IDLE_TIMEOUT", 0.5)
+    monkeypatch.setattr(bulk_data, "MIN_RATE", 1 << 20)  # 4 KiB in 4 ms
     server = socket.create_server(("127.0.0.1", 0))
     peer = socket.create_connection(server.getsockname())
     mine, _ = server.accept()
