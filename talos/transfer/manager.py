@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,15 @@ STOP_TURNS_WAIT = 5.0
 MAX_QUEUED_CONTROL = 64
 
 
+@dataclass(eq=False)
+class PeerControl:
+    """One peer's control messages waiting to be handled (TransferManager._handle_control)."""
+
+    waiting: deque[TransferMessage] = field(default_factory=deque)
+    #: set while ``waiting`` is below MAX_QUEUED_CONTROL: the link's reading waits on it
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class TransferManager(OutgoingTransfers, IncomingTransfers):
     """Sends and receives files for one node."""
 
@@ -98,7 +109,7 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         self._credit: dict[bytes, CreditGate] = {}
         self._waiters: dict[bytes, list[asyncio.Future[TransferInfo]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._control: dict[str, asyncio.Queue[TransferMessage]] = {}
+        self._control: dict[str, PeerControl] = {}
         #: called as ``on_progress(tid, committed_offset)`` after each receiver checkpoint
         self.on_progress: Callable[[bytes, int], None] | None = None
         self.bytes_sent: dict[bytes, int] = {}
@@ -130,6 +141,8 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
     async def stop(self) -> None:
         """Stop every transfer task; progress already committed survives."""
         self._stopped = True
+        for control in self._control.values():
+            control.room.set()  # a link waiting for room reads on (what comes is ignored)
         if self.listener is not None:
             await self.listener.close()
         # Steps already in a transfer's turn end first (each sees _stopped and starts
@@ -226,16 +239,23 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         # The others wait for their transfer's turn and write its row (an fsync): a task
         # handles them, in order per peer, so the link's other traffic (messages, a
         # tunnel) never waits on this node's disk or on a transfer's turn.
-        queue = self._control.get(peer)
-        if queue is None:
-            queue = self._control[peer] = asyncio.Queue(MAX_QUEUED_CONTROL)
-            self._spawn(self._handle_control(peer, queue))
-        await queue.put(msg)
+        # Appended before any await: a handler task present now sees the message.
+        control = self._control.get(peer)
+        if control is None:
+            control = self._control[peer] = PeerControl()
+            self._spawn(self._handle_control(peer, control))
+        control.waiting.append(msg)
+        if len(control.waiting) >= MAX_QUEUED_CONTROL:
+            control.room.clear()
+            await control.room.wait()
 
-    async def _handle_control(self, peer: str, queue: asyncio.Queue[TransferMessage]) -> None:
+    async def _handle_control(self, peer: str, control: PeerControl) -> None:
+        waiting = control.waiting
         try:
-            while not queue.empty() and not self._stopped:
-                msg = queue.get_nowait()
+            while waiting and not self._stopped:
+                msg = waiting.popleft()
+                if len(waiting) < MAX_QUEUED_CONTROL:
+                    control.room.set()
                 try:
                     await self._on_message(peer, msg)
                 except TransferProtocolError as exc:
@@ -246,9 +266,10 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
                     name = type(msg).__name__
                     log.error("transfer %s: %s not handled: %r", msg.tid.hex(), name, exc)
         finally:
-            # No await since the queue was seen empty: nothing was put in between.
-            if self._control.get(peer) is queue:
+            # No await since ``waiting`` was seen empty: nothing was appended in between.
+            if self._control.get(peer) is control:
                 del self._control[peer]
+            control.room.set()  # stopped: the link's reading goes on (and is ignored)
 
     async def _on_message(self, peer: str, msg: TransferMessage) -> None:
         if isinstance(msg, Offer):

@@ -301,13 +301,66 @@ async def test_a_flood_of_control_messages_is_held_on_the_link(net: Net) -> None
                 await net.a.send_app(net.b.did, APP_NAME, cancel)
             await net.a.send_app(net.b.did, "chat", b"hello")
             queues = net.receiver._control
-            await until(lambda: net.a.did in queues and queues[net.a.did].full(), what="full")
+            await until(
+                lambda: (
+                    net.a.did in queues and len(queues[net.a.did].waiting) >= MAX_QUEUED_CONTROL
+                ),
+                what="the link waiting for room",
+            )
             for _ in range(10):
                 await asyncio.sleep(0)
             assert not chat.is_set()  # behind the flood, on the link
         await chat.wait()
         await until(lambda: net.receiver._control == {}, what="the flood handled")
     assert net.receiver.get(tid).state is TransferState.CANCELLED
+
+
+async def test_a_message_put_as_the_queue_drains_is_handled(net: Net) -> None:
+    # The link waits for room behind 64 messages that need no await; the handler
+    # task empties them all in one go and ends: the waiting message must not be lost.
+    await offer_pending(net, 1 << 20)
+    await offer_pending(net, 1 << 20)
+    first, second = [bytes.fromhex(i.tid) for i in net.receiver.list()]
+    async with asyncio.timeout(LIMIT):
+        async with net.receiver._one_at_a_time(first):
+            await net.a.send_app(net.b.did, APP_NAME, encode_message(Cancel(first, "slow")))
+            for _ in range(MAX_QUEUED_CONTROL):  # unknown transfers: handled at once
+                unknown = encode_message(Cancel(os.urandom(16), "no such transfer"))
+                await net.a.send_app(net.b.did, APP_NAME, unknown)
+            await net.a.send_app(net.b.did, APP_NAME, encode_message(Cancel(second, "real")))
+            queues = net.receiver._control
+            await until(
+                lambda: (
+                    net.a.did in queues and len(queues[net.a.did].waiting) >= MAX_QUEUED_CONTROL
+                ),
+                what="the link waiting for room",
+            )
+        await until(lambda: net.receiver.get(second).state is TransferState.CANCELLED, what="2nd")
+    assert net.receiver.get(first).state is TransferState.CANCELLED
+    await until(lambda: net.receiver._control == {}, what="the handler ended")
+
+
+async def test_stop_releases_a_link_waiting_for_room(net: Net) -> None:
+    await offer_pending(net, 1 << 20)
+    (tid,) = [bytes.fromhex(i.tid) for i in net.receiver.list()]
+    chat = asyncio.Event()
+    net.b.register_app("chat", lambda did, payload: chat.set())
+    cancel = encode_message(Cancel(tid, "changed my mind"))
+    async with asyncio.timeout(LIMIT):
+        async with net.receiver._one_at_a_time(tid):
+            for _ in range(MAX_QUEUED_CONTROL + 2):
+                await net.a.send_app(net.b.did, APP_NAME, cancel)
+            await net.a.send_app(net.b.did, "chat", b"hello")
+            queues = net.receiver._control
+            await until(
+                lambda: (
+                    net.a.did in queues and len(queues[net.a.did].waiting) >= MAX_QUEUED_CONTROL
+                ),
+                what="the link waiting for room",
+            )
+            stopping = asyncio.ensure_future(net.receiver.stop())
+            await chat.wait()  # stop() let the link read on, while the turn is still held
+        await stopping
 
 
 async def test_pending_rejected(net: Net) -> None:
