@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from talos import pipeline as pl
 from talos.chain.log import UnknownRecordError
 from talos.config import LOOPBACK_HOSTS
 from talos.http_serve import HttpServer, serve_http, trusted
@@ -200,6 +201,7 @@ def build_app(node: Node, token: str, transfers: TransferManager | None = None) 
             return _error(400, "wait must be a finite number of seconds")
         wait = min(max(wait, 0.0), 300.0)
         entries = await node.wait_inbox(after, wait) if wait else node.inbox(after)
+        entries = pl.fit_page(entries)
         return _json(
             InboxResponse(
                 messages=[

@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+import orjson
+
 from talos.store import Txn
 from talos_sdk.errors import StorageError, UsageError
 
@@ -185,6 +187,23 @@ class InboxEntry:
             "text": self.text,
             "ts": self.ts_ms,
         }
+
+
+#: JSON bytes of message texts one inbox page carries at most (the local ``inbox`` op,
+#: ``GET /v1/inbox``): a text may be about 1 MiB and grow sixfold escaped (control
+#: characters), so 1,000 of them made a reply of gigabytes. Past it the page stops
+#: early and its ``next`` says where to go on.
+INBOX_PAGE_BYTES: Final = 16 << 20
+
+
+def fit_page(entries: list[InboxEntry], budget: int = INBOX_PAGE_BYTES) -> list[InboxEntry]:
+    """The leading ``entries`` whose texts, as JSON, fit ``budget`` bytes (at least one)."""
+    size = 0
+    for i, entry in enumerate(entries):
+        size += len(orjson.dumps(entry.text))
+        if i and size > budget:
+            return entries[:i]
+    return entries
 
 
 def outbox_prefix(peer: str) -> bytes:

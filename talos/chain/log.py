@@ -443,6 +443,8 @@ class BlockLog:
     def inclusion_proof(self, record_id: bytes) -> dict[str, Any]:
         """A JSON-able RFC 6962 inclusion proof for a sealed record, checked by
         :func:`verify_inclusion_proof` with nothing but the node's DID."""
+        if len(record_id) not in (16, 32):  # as validate_record; LMDB refuses an empty key
+            raise UnknownRecordError(f"no sealed record with id {record_id.hex()!r}")
         in_memory = self._index.in_memory(record_id)
         with self.store.read() as txn:
             loc = in_memory or RecordIndex.stored(txn, record_id)

@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from talos import peer_names
+from talos import pipeline as pl
 from talos.chain.log import UnknownRecordError
 from talos.local.log_ops import op_log_append, op_log_records
-from talos.local.wire import MAX_FRAME, MAX_LIMIT, MAX_SEND_WAIT, MAX_WAIT, SEND_WAIT
+from talos.local.wire import MAX_LIMIT, MAX_SEND_WAIT, MAX_WAIT, SEND_WAIT
 from talos.node_send import until_done
 from talos.peer_refs import is_did
 from talos_sdk.errors import (
@@ -261,12 +260,6 @@ async def op_outbox(host: LocalHost, args: dict[str, Any]) -> Any:
     return outbox_json(node, resolve(node, ref) if ref is not None else None)
 
 
-#: JSON bytes of messages one ``inbox`` reply carries at most: a message's text can grow
-#: sixfold when escaped (control characters), and a full page of large messages must still
-#: fit one local frame (MAX_FRAME); past it the reply stops early and ``next`` says where.
-INBOX_REPLY_BYTES = MAX_FRAME // 2
-
-
 async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
     """Messages after ``after`` (default: the read cursor), waiting up to ``wait`` seconds."""
     node = host.node
@@ -281,14 +274,9 @@ async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
     # Only the page asked for is read and decoded (it was up to 1000 entries for 50).
     entries = await node.wait_inbox(after, wait, limit) if wait else node.inbox(after, limit)
     names = _names(node)
-    messages: list[dict[str, Any]] = []
-    size = 0
-    for entry in entries:
-        item = entry.to_json(names)
-        size += len(orjson.dumps(item))
-        if messages and size > INBOX_REPLY_BYTES:
-            break  # the caller pages on from "next"
-        messages.append(item)
+    # A page's texts fit half a local frame (pl.INBOX_PAGE_BYTES): the rest of each
+    # entry is a few hundred bytes, so a whole page fits one frame.
+    messages = [entry.to_json(names) for entry in pl.fit_page(entries)]
     with node.store.read() as txn:
         last = _last_n(txn)
     return {
@@ -365,7 +353,7 @@ async def op_files_send(host: LocalHost, args: dict[str, Any]) -> Any:
     path = Path(_str(args, "path")).expanduser().resolve()
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
-    tid = await _transfers(host).send_file(did, str(path), args.get("name"))
+    tid = await _transfers(host).send_file(did, str(path), _str(args, "name", optional=True))
     return _file_view(host, tid)
 
 

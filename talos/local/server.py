@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import struct
 from collections import Counter, deque
 from collections.abc import Awaitable
@@ -41,6 +40,7 @@ from talos.local import wire
 from talos.local.call import SOCKET_NAME, socket_path
 from talos.local.flow import HIGH_WATER, FlowControlled
 from talos.local.ops import LocalHost, error_json, resolve, run_op, start_op_send
+from talos.local.peercred import peer_allowed, peer_uid
 from talos.logging import event
 from talos_sdk.errors import MalformedFrameError, OversizeError, TalosError, UsageError
 
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from talos.node import Node
     from talos.node_send import Sending
 
-__all__ = ["SOCKET_NAME", "LocalServer", "peer_allowed", "peer_uid", "socket_path"]
+__all__ = ["SOCKET_NAME", "LocalServer", "socket_path"]
 
 _log = logging.getLogger("talos.local")
 #: A keyed claim's share of the 32-bit key space; keys below the first range stay unkeyed.
@@ -68,26 +68,6 @@ def key_half(own_did: str, peer_did: str) -> tuple[int, int]:
     if own_did < peer_did:
         return 1, _RANGES_PER_HALF
     return _RANGES_PER_HALF, 2 * _RANGES_PER_HALF
-
-
-_CREDS = struct.Struct("3i")
-
-
-def peer_uid(sock: Any) -> int | None:
-    """The uid of the process at the other end of a Unix socket (Linux ``SO_PEERCRED``)."""
-    opt = getattr(socket, "SO_PEERCRED", None)
-    if opt is None:
-        return None
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, opt, _CREDS.size)
-    except OSError:
-        return None
-    return int(_CREDS.unpack(raw)[1])
-
-
-def peer_allowed(uid: int | None, own_uid: int) -> bool:
-    """Only the node's own user may attach (an unknown uid is refused)."""
-    return uid is not None and uid == own_uid
 
 
 @dataclass(slots=True)
@@ -120,6 +100,8 @@ APP_STALL_LIMIT = 10.0
 #: Calls one client may have in progress (long-polls and waiting sends included); past
 #: it the node reads no more of its frames until some are answered.
 MAX_PENDING_CALLS = 1024
+#: Bytes of a watching client's buffer, beyond which a new event disconnects it.
+MAX_UNREAD_EVENTS = 4 * HIGH_WATER
 
 
 class _Conn(FlowControlled):
@@ -172,11 +154,7 @@ class _Conn(FlowControlled):
             self.event({"event": "refused", "reason": f"malformed local frame: {exc}"})
             self.close()
             return
-        if self._partial is not None:
-            self._partial.cancel()
-            self._partial = None
-        if self.reader.pending and self._loop is not None:
-            self._partial = self._loop.call_later(PARTIAL_FRAME_TIMEOUT, self._partial_stale)
+        self._time_partial()
         for frame in frames:
             if frame.kind is wire.Kind.APP:
                 assert isinstance(frame.body, wire.AppFrame)
@@ -221,11 +199,22 @@ class _Conn(FlowControlled):
             if self.transport is not None:
                 self.transport.abort()  # it reads nothing: close() would wait for it
 
+    def _time_partial(self) -> None:
+        """Time the frame the client has begun, while this node reads (none while held)."""
+        if self._partial is not None:
+            self._partial.cancel()
+            self._partial = None
+        if self.reader.pending and not self._holds and self._loop is not None:
+            self._partial = self._loop.call_later(PARTIAL_FRAME_TIMEOUT, self._partial_stale)
+
     def _hold(self, why: str) -> None:
         """Stop reading this client's frames until every hold is released."""
         if not self._holds and self.transport is not None and not self.closed:
             self.transport.pause_reading()
         self._holds.add(why)
+        # The rest of a frame cut by the pause waits unread in the kernel: not the
+        # client's delay, so its timer stops (and starts again on release).
+        self._time_partial()
 
     def _release(self, why: str) -> None:
         if why not in self._holds:
@@ -233,6 +222,7 @@ class _Conn(FlowControlled):
         self._holds.discard(why)
         if not self._holds and self.transport is not None and not self.closed:
             self.transport.resume_reading()
+            self._time_partial()
 
     def _partial_stale(self) -> None:
         self._partial = None
@@ -292,6 +282,21 @@ class _Conn(FlowControlled):
 
     def event(self, obj: dict[str, Any]) -> None:
         self.write(wire.encode_json(wire.Kind.EVENT, obj))
+
+    def notify(self, frame: bytes) -> None:
+        """A watched event (link up/down, a link problem), which anyone who dials the node
+        can cause: a client that leaves MAX_UNREAD_EVENTS unread is disconnected rather
+        than have its buffer grow with every refused dial."""
+        transport = self.transport
+        if self.closed or transport is None:
+            return
+        if transport.get_write_buffer_size() > MAX_UNREAD_EVENTS:
+            self.server.node.metrics.inc("local_clients_too_slow")
+            event(_log, "local_client_too_slow", level=logging.WARNING, unread="events")
+            self.closed = True
+            transport.abort()  # it reads nothing: close() would wait for it
+            return
+        self.write(frame)
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -459,8 +464,11 @@ class LocalServer:
 
     def forget(self, conn: _Conn) -> None:
         self.conns.discard(conn)
-        for claims in self.claims.values():
+        for channel, claims in self.claims.items():
             claims[:] = [c for c in claims if c.conn is not conn]
+            if not any(c.hi for c in claims):
+                # The key offset is the keyed claims' layout: the next keyed client sets it.
+                self._key_offsets.pop(channel, None)
         self._lent.subtract(conn.lent)
         conn.lent = []
         if self._draining is not None and not self._holders():
@@ -473,7 +481,7 @@ class LocalServer:
         frame = wire.encode_json(wire.Kind.EVENT, obj)
         for conn in list(self.conns):
             if conn.watch:
-                conn.write(frame)
+                conn.notify(frame)
 
     def _on_problem(self, did: str, problem: Any) -> None:
         body = {
@@ -486,7 +494,7 @@ class LocalServer:
         frame = wire.encode_json(wire.Kind.EVENT, body)
         for conn in list(self.conns):
             if conn.watch:
-                conn.write(frame)
+                conn.notify(frame)
 
     async def call(self, conn: _Conn, op: str, args: dict[str, Any]) -> Any:
         if op == "hello":

@@ -59,7 +59,13 @@ class OutgoingTransfers(TransferBase):
         """Offer ``path`` to ``did`` (as ``name``, default its base name); returns the id (hex).
 
         The transfer resumes by itself after a link drop or a restart of either node.
+        Checked before anything is stored: a row that cannot be offered would be
+        offered again, and fail again, on every link-up and restart.
         """
+        if name is not None and (not isinstance(name, str) or not name):
+            raise UsageError("a file's name must be a non-empty string")
+        if did == self.node.did:
+            raise UsageError("a node cannot send a file to itself")
         path = Path(path).resolve()
         try:
             # No hashing pass here: the digest is computed while the bytes stream.

@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
+from talos import pipeline as pl
 from talos.daemon import Daemon
 from talos.node import Node
+from talos.pipeline import INBOX_PAGE_BYTES
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import link, make_home, until
 
@@ -134,11 +137,36 @@ async def test_bad_requests_get_clear_errors(
             ("GET", "/v1/files/zz", {}, 400, "hex"),
             ("GET", "/v1/chain/proof/zz", {}, 400, "hex"),
             ("GET", "/v1/chain/proof/" + "00" * 16, {}, 404, "no sealed record"),
+            ("GET", "/v1/chain/proof/%20", {}, 404, "no sealed record"),  # hex of nothing
         ]
         for method, path, kw, want, text in cases:
             status, body = await call(http, method, path, **kw)
             assert status == want, (path, body)
             assert text.lower() in body["error"].lower(), (path, body)
+
+
+async def test_an_inbox_page_is_bounded_in_bytes(
+    nodes: tuple[Node, Node, aiohttp.ClientSession],
+) -> None:
+    # Control characters grow sixfold in JSON: five of the largest such messages came
+    # back in one 30 MB response, and 1,000 would have been gigabytes. The page stops
+    # early and "next" says where to go on.
+    a, b, http = nodes
+    async with asyncio.timeout(60):
+        await link(a, b)
+        text = "\x01" * pl.text_limit(b.config.max_frame)
+        for _ in range(5):
+            await b.send_message(a.did, text, wait=True)
+        pages, after = [], 0
+        while True:
+            status, page = await call(http, "GET", f"/v1/inbox?after={after}")
+            assert status == 200
+            if not page["messages"]:
+                break
+            assert len(orjson.dumps([m["text"] for m in page["messages"]])) <= 2 * INBOX_PAGE_BYTES
+            pages.append(len(page["messages"]))
+            after = page["next"]
+        assert sum(pages) == 5 and len(pages) > 1, pages
 
 
 async def test_a_send_that_waits_says_why_no_ack_came(

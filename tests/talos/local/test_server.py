@@ -17,42 +17,16 @@ from typing import Any
 import pytest
 
 from talos import pipeline as pl
-from talos.config import NodeConfig
-from talos.daemon import Daemon
 from talos.local import server as local_server
 from talos.local import wire
 from talos.local.call import LocalUsageError, NodeGoneError, NoNodeError, call
 from talos.local.client import LocalClient
-from talos.local.server import SOCKET_NAME, peer_allowed, peer_uid
-from talos.node import Node
+from talos.local.peercred import peer_allowed, peer_uid
+from talos.local.server import SOCKET_NAME
 from tests.talos.nodes import addr, link, make_home, until
 
-
-class _Running:
-    """A node as `talosd run` composes it (talos/daemon.py): the socket comes with it."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        self.node: Node = daemon.node
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.node, name)
-
-    async def stop(self) -> None:
-        await self.daemon.stop()
-
-
-async def started(home: Path, config: NodeConfig) -> _Running:
-    daemon = Daemon(home, config)
-    await daemon.start()
-    return _Running(daemon)
-
-
-async def _pair(tmp_path: Path) -> tuple[_Running, _Running]:
-    a = await started(*make_home(tmp_path, "a"))
-    b = await started(*make_home(tmp_path, "b"))
-    b.allow(a.did)
-    return a, b
+from .running import Running, started
+from .running import pair as _pair
 
 
 async def test_socket_is_owner_only_in_an_owner_only_home(tmp_path: Path) -> None:
@@ -206,7 +180,7 @@ async def test_a_client_that_reads_no_replies_costs_the_node_bounded_memory(
 
 
 async def _unread_calls(
-    node: _Running, body: dict[str, object], times: int
+    node: Running, body: dict[str, object], times: int
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Any]:
     """A raw client that sends the CALL ``body`` ``times`` times at once and reads nothing
     yet; with the node's connection object for it."""

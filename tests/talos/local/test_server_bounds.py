@@ -1,0 +1,131 @@
+"""Bounds of the node's local socket (talos/local/server.py) that clients and strangers
+must not get round: unread events, a frame cut by the node's own pause, a channel's key
+layout, files a client offers. Real nodes, sockets and LMDB."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from talos.local import server as local_server
+from talos.local import wire
+from talos.local.call import LocalUsageError
+from talos.local.client import LocalClient
+from talos.local.server import SOCKET_NAME
+from tests.talos.nodes import link, make_home, until
+
+from .running import pair, started
+
+#: Seconds each test may take; each stops by itself well before.
+LIMIT = 60
+
+
+async def test_a_watcher_that_reads_no_events_is_disconnected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Link events are caused by anyone who dials the node (a refused handshake is one):
+    # a watching client that reads nothing had them buffered without bound.
+    monkeypatch.setattr(local_server, "MAX_UNREAD_EVENTS", 64 << 10)
+    a = await started(*make_home(tmp_path, "a"))
+    try:
+        local = a.daemon.local
+        assert local is not None
+        # A client that says hello with watch on, then reads nothing.
+        _, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
+        writer.write(
+            wire.encode_json(wire.Kind.CALL, {"id": 1, "op": "hello", "args": {"watch": True}})
+        )
+        await until(lambda: any(c.watch for c in local.conns), 10, "the client watching")
+        (conn,) = local.conns
+        other = await LocalClient.connect(a.home.path)
+        stranger = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+        async with asyncio.timeout(LIMIT):
+            for _ in range(100_000):  # about 10 MB of events, were they all kept
+                local._on_link(stranger, False)
+                if conn not in local.conns:
+                    break
+                await asyncio.sleep(0)
+            assert conn not in local.conns
+            assert (await other.call("id"))["did"] == a.did  # others are served on
+        await other.close()
+        writer.close()
+    finally:
+        await a.stop()
+
+
+async def test_a_frame_cut_by_the_nodes_own_pause_is_not_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The node stops reading a client with MAX_PENDING_CALLS in progress; the rest of a
+    # frame that pause cut waits unread in the kernel, which is not the client's delay.
+    monkeypatch.setattr(local_server, "PARTIAL_FRAME_TIMEOUT", 0.5)
+    monkeypatch.setattr(local_server, "MAX_PENDING_CALLS", 4)
+    a, b = await pair(tmp_path)
+    try:
+        await link(a.node, b.node)
+        reader, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
+        polls = b"".join(
+            wire.encode_json(
+                wire.Kind.CALL, {"id": i, "op": "inbox", "args": {"after": 0, "wait": 30}}
+            )
+            for i in range(4)
+        )
+        last = wire.encode_json(wire.Kind.CALL, {"id": 9, "op": "id", "args": {}})
+        writer.write(polls + last[:5])
+        await asyncio.sleep(1.5)  # three timeouts' worth while the node holds the client
+        writer.write(last[5:])
+        await b.send_message(a.did, "wakes the long-polls", wait=True)
+        frames, ids = wire.FrameReader(), set()
+        async with asyncio.timeout(LIMIT):
+            while 9 not in ids:
+                data = await reader.read(1 << 16)
+                assert data, "the node cut the connection"
+                ids |= {f.body["id"] for f in frames.feed(data) if f.kind is wire.Kind.REPLY}
+        assert ids == {0, 1, 2, 3, 9}
+        writer.close()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_channels_key_layout_goes_with_its_last_keyed_claim(tmp_path: Path) -> None:
+    a, b = await pair(tmp_path)
+    try:
+        async with asyncio.timeout(LIMIT):
+            first = await LocalClient.connect(a.home.path)
+            await first.call("app.claim", channel="t", peer=b.did, key_offset=7)
+            await first.close()
+            local = a.daemon.local
+            assert local is not None
+            await until(lambda: not local.conns, 10, "the claimer gone")
+            later = await LocalClient.connect(a.home.path)
+            claim = await later.call("app.claim", channel="t", peer=b.did, key_offset=2)
+            assert claim["hi"] > claim["lo"]
+            await later.close()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_file_offer_that_could_never_be_sent_stores_nothing(tmp_path: Path) -> None:
+    a, b = await pair(tmp_path)
+    try:
+        src = tmp_path / "data.bin"
+        src.write_bytes(b"x" * 100)
+        async with asyncio.timeout(LIMIT):
+            client = await LocalClient.connect(a.home.path)
+            cases = [
+                ({"to": b.did, "path": str(src), "name": 7}, "'name'"),
+                ({"to": b.did, "path": str(src), "name": ""}, "'name'"),
+                ({"to": a.did, "path": str(src)}, "to itself"),
+            ]
+            for args, expected in cases:
+                with pytest.raises(LocalUsageError, match=expected):
+                    await client.call("files.send", **args)
+            assert await client.call("files.list") == []
+            await client.close()
+    finally:
+        await a.stop()
+        await b.stop()
