@@ -5,12 +5,13 @@ layout, files a client offers. Real nodes, sockets and LMDB."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from pathlib import Path
 
 import pytest
 
+from talos.local import log_ops, wire
 from talos.local import server as local_server
-from talos.local import wire
 from talos.local.call import LocalUsageError
 from talos.local.client import LocalClient
 from talos.local.server import SOCKET_NAME
@@ -129,3 +130,34 @@ async def test_a_file_offer_that_could_never_be_sent_stores_nothing(tmp_path: Pa
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_log_records_looks_at_a_bounded_number_per_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scan for one kind runs on the node's loop: a kind that is rare among many
+    # records held it for seconds. Now a page ends after MAX_SCAN records, perhaps
+    # empty, and the reader goes on from its "next".
+    monkeypatch.setattr(log_ops, "MAX_SCAN", 4)
+    a = await started(*make_home(tmp_path, "a"))
+    try:
+        async with asyncio.timeout(LIMIT):
+            client = await LocalClient.connect(a.home.path)
+            rec = {"recipient": a.did, "commitment": base64.b64encode(b"{}").decode(),
+                   "timestamp_ms": 5}  # fmt: skip
+            await client.call("log.append", kind="other", records=[rec] * 10)
+            await client.call("log.append", kind="app", records=[rec] * 3)
+            await client.call("log.append", kind="other", records=[rec] * 10, durable=True)
+            sizes, ids, after = [], set(), None
+            while True:
+                page = await client.call("log.records", kind="app", after=after)
+                sizes.append(len(page["records"]))
+                ids |= {r["record_id"] for r in page["records"]}
+                if page["next"] is None:
+                    break
+                after = page["next"]
+            assert len(ids) == 3
+            assert 0 in sizes[:-1]  # a page of nothing that still said where to go on
+            await client.close()
+    finally:
+        await a.stop()
