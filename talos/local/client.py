@@ -69,6 +69,11 @@ class _Protocol(FlowControlled):
         self.wake_writers()
 
 
+def _cancel(call_id: int) -> dict[str, Any]:
+    """The frame that drops call ``call_id`` at the node (it has no id: no reply)."""
+    return {"op": "cancel", "args": {"id": call_id}}
+
+
 class LocalClient:
     """An attachment to the running node of a home."""
 
@@ -116,6 +121,12 @@ class LocalClient:
         try:
             self._write(wire.encode_json(wire.Kind.CALL, {"id": call_id, "op": op, "args": args}))
             return await fut
+        except asyncio.CancelledError:
+            if fut.cancelled():
+                # The node drops the call too: a long-poll, a send waiting for its ack.
+                with contextlib.suppress(NodeGoneError):
+                    self._write(wire.encode_json(wire.Kind.CALL, _cancel(call_id)))
+            raise
         finally:
             self._pending.pop(call_id, None)
 

@@ -28,29 +28,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import struct
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from talos.local import wire
 from talos.local.call import SOCKET_NAME, socket_path
-from talos.local.flow import HIGH_WATER, FlowControlled
-from talos.local.ops import LocalHost, error_json, resolve, run_op, start_op_send
-from talos.local.peercred import peer_allowed, peer_uid
-from talos.logging import event
-from talos_sdk.errors import MalformedFrameError, OversizeError, TalosError, UsageError
+from talos.local.conn import ClientConn
+from talos.local.ops import LocalHost, resolve, run_op
+from talos_sdk.errors import UsageError
 
 if TYPE_CHECKING:
     from talos.node import Node
-    from talos.node_send import Sending
 
 __all__ = ["SOCKET_NAME", "LocalServer", "socket_path"]
 
-_log = logging.getLogger("talos.local")
 #: A keyed claim's share of the 32-bit key space; keys below the first range stay unkeyed.
 KEY_RANGE = 1 << 20
 _KEY = struct.Struct(">I")
@@ -72,7 +67,7 @@ def key_half(own_did: str, peer_did: str) -> tuple[int, int]:
 
 @dataclass(slots=True)
 class _Claim:
-    conn: _Conn
+    conn: ClientConn
     channel: str
     peer: str | None
     lo: int = 0
@@ -89,307 +84,6 @@ class _Claim:
 #: Connections the kernel queues before the node accepts them (asyncio's default is 100:
 #: a few hundred agents starting at once got EAGAIN); the kernel caps it at somaxconn.
 LISTEN_BACKLOG = 1024
-#: A frame begun and not continued for this long ends the connection: an idle client
-#: holds nothing, one stopped mid-frame holds what it sent of it (up to MAX_FRAME).
-PARTIAL_FRAME_TIMEOUT = 30.0
-#: Longest the node waits for a client that claimed an app channel to read what it was
-#: handed: the link's read loop waits with it (frames of one link stay in order), so a
-#: client stuck longer is disconnected rather than let stall every message of the link.
-#: Claimers flow-control their own sessions (the tunnel's PAUSE/RESUME) and keep reading.
-APP_STALL_LIMIT = 10.0
-#: Calls one client may have in progress (long-polls and waiting sends included); past
-#: it the node reads no more of its frames until some are answered.
-MAX_PENDING_CALLS = 1024
-#: Bytes of a watching client's buffer, beyond which a new event disconnects it.
-MAX_UNREAD_EVENTS = 4 * HIGH_WATER
-
-
-class _Conn(FlowControlled):
-    """One local client.
-
-    Its frames are not read while any *hold* is on: its replies pile up unread
-    (above the write buffer's high water), it has :data:`MAX_PENDING_CALLS` calls in
-    progress, or its APP frames wait for a busy link. So a client that stops
-    reading, or floods calls, costs the node a bounded amount of memory.
-    """
-
-    def __init__(self, server: LocalServer) -> None:
-        super().__init__()
-        self.server = server
-        self.reader = wire.FrameReader()
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.sends: set[Sending] = set()  # sends not answered yet (no task each)
-        self.watch = False
-        self.closed = False
-        self.lent: list[str] = []  # DIDs this client lets link while it is attached
-        self._app_out: deque[wire.AppFrame] = deque()
-        self._app_task: asyncio.Task[None] | None = None
-        self._replies: list[bytes] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._holds: set[str] = set()
-        self._queued = 0  # bytes in _replies
-        self._partial: asyncio.TimerHandle | None = None  # PARTIAL_FRAME_TIMEOUT's timer
-
-    # --- asyncio.Protocol --------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        # Kept: asyncio.get_running_loop() is a getpid() syscall per call on 3.11.
-        self._loop = asyncio.get_running_loop()
-        uid = peer_uid(transport.get_extra_info("socket"))
-        if not peer_allowed(uid, os.getuid()):
-            self.server.node.metrics.inc("local_clients_refused")
-            event(_log, "local_client_refused", level=logging.WARNING, uid=uid)
-            self.event({"event": "refused", "reason": "this node belongs to another user"})
-            transport.close()
-            self.closed = True
-            return
-        self.server.conns.add(self)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self.reader.feed(data)
-        except (MalformedFrameError, OversizeError) as exc:
-            event(_log, "local_frame_rejected", level=logging.WARNING, error=str(exc))
-            self.event({"event": "refused", "reason": f"malformed local frame: {exc}"})
-            self.close()
-            return
-        self._time_partial()
-        for frame in frames:
-            if frame.kind is wire.Kind.APP:
-                assert isinstance(frame.body, wire.AppFrame)
-                self._app(frame.body)
-            elif frame.kind is wire.Kind.CALL:
-                assert isinstance(frame.body, dict)
-                if frame.body.get("op") == "send" and isinstance(frame.body.get("args"), dict):
-                    self._send(frame.body)
-                    continue
-                assert self._loop is not None
-                task = self._loop.create_task(self._call(frame.body))
-                self.tasks.add(task)
-                task.add_done_callback(self._call_done)
-            # REPLY / EVENT from a client mean nothing to the node: ignored.
-        if len(self.tasks) + len(self.sends) >= MAX_PENDING_CALLS:
-            self._hold("calls")
-
-    def _call_done(self, task: asyncio.Task[None]) -> None:
-        self.tasks.discard(task)
-        self._settled()
-
-    def _settled(self) -> None:
-        if "calls" in self._holds and len(self.tasks) + len(self.sends) < MAX_PENDING_CALLS:
-            self._release("calls")
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        self._hold("replies")  # it does not read its replies: read none of its calls
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        self._release("replies")
-
-    async def wait_drained(self, drained: asyncio.Future[None]) -> None:
-        """Wait for the client to read its buffer; past APP_STALL_LIMIT, disconnect it."""
-        try:
-            async with asyncio.timeout(APP_STALL_LIMIT):
-                await asyncio.shield(drained)
-        except TimeoutError:
-            self.server.node.metrics.inc("local_clients_too_slow")
-            event(_log, "local_client_too_slow", level=logging.WARNING, waited=APP_STALL_LIMIT)
-            if self.transport is not None:
-                self.transport.abort()  # it reads nothing: close() would wait for it
-
-    def _time_partial(self) -> None:
-        """Time the frame the client has begun, while this node reads (none while held)."""
-        if self._partial is not None:
-            self._partial.cancel()
-            self._partial = None
-        if self.reader.pending and not self._holds and self._loop is not None:
-            self._partial = self._loop.call_later(PARTIAL_FRAME_TIMEOUT, self._partial_stale)
-
-    def _hold(self, why: str) -> None:
-        """Stop reading this client's frames until every hold is released."""
-        if not self._holds and self.transport is not None and not self.closed:
-            self.transport.pause_reading()
-        self._holds.add(why)
-        # The rest of a frame cut by the pause waits unread in the kernel: not the
-        # client's delay, so its timer stops (and starts again on release).
-        self._time_partial()
-
-    def _release(self, why: str) -> None:
-        if why not in self._holds:
-            return
-        self._holds.discard(why)
-        if not self._holds and self.transport is not None and not self.closed:
-            self.transport.resume_reading()
-            self._time_partial()
-
-    def _partial_stale(self) -> None:
-        self._partial = None
-        reason = f"a local frame begun {PARTIAL_FRAME_TIMEOUT:g} s ago is still incomplete"
-        event(_log, "local_frame_rejected", level=logging.WARNING, error=reason)
-        if self.transport is not None:
-            self.transport.abort()  # it may read nothing either: close() would wait for it
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._partial is not None:
-            self._partial.cancel()
-        self.server.forget(self)
-        for task in list(self.tasks):
-            task.cancel()  # a client gone mid-long-poll: its call ends, nothing was consumed
-        for sending in list(self.sends):
-            sending.abandon()
-        self.sends.clear()
-        if self._app_task is not None:
-            self._app_task.cancel()
-        self.wake_writers()
-
-    # --- writing -----------------------------------------------------------------------------
-
-    def write(self, data: bytes) -> asyncio.Future[None] | None:
-        """Write a frame; a future to await when the client reads slower than we write."""
-        if self._replies:  # queued replies leave first: frames keep their order
-            self._replies.append(data)
-            data = b"".join(self._replies)
-            self._replies = []
-            self._queued = 0
-        if self.closed or self.transport is None:
-            return None
-        self.transport.write(data)
-        return self.drained
-
-    def reply(self, data: bytes) -> None:
-        """Write a REPLY together with the others of this loop pass, in one write.
-
-        An ack settles many waiting sends in one pass: one write per reply was 9 % of
-        a sending node's GIL time at 64 sends in flight on one connection.
-        """
-        if not self._replies:
-            if self._loop is None:
-                self._loop = asyncio.get_running_loop()
-            self._loop.call_soon(self._flush_replies)
-        self._replies.append(data)
-        self._queued += len(data)
-        if self._queued > HIGH_WATER:
-            # Out now: the transport then says whether the client keeps up (pause_writing),
-            # before the next call of this pass runs (see _call).
-            self._flush_replies()
-
-    def _flush_replies(self) -> None:
-        if self._replies:  # not already written ahead of another frame
-            self.write(b"")  # write() sends the queued replies first
-
-    def event(self, obj: dict[str, Any]) -> None:
-        self.write(wire.encode_json(wire.Kind.EVENT, obj))
-
-    def notify(self, frame: bytes) -> None:
-        """A watched event (link up/down, a link problem), which anyone who dials the node
-        can cause: a client that leaves MAX_UNREAD_EVENTS unread is disconnected rather
-        than have its buffer grow with every refused dial."""
-        transport = self.transport
-        if self.closed or transport is None:
-            return
-        if transport.get_write_buffer_size() > MAX_UNREAD_EVENTS:
-            self.server.node.metrics.inc("local_clients_too_slow")
-            event(_log, "local_client_too_slow", level=logging.WARNING, unread="events")
-            self.closed = True
-            transport.abort()  # it reads nothing: close() would wait for it
-            return
-        self.write(frame)
-
-    def close(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.closed = True
-            self.transport.close()
-
-    # --- calls -------------------------------------------------------------------------------
-
-    async def _call(self, msg: dict[str, Any]) -> None:
-        call_id = msg.get("id")
-        op = msg.get("op")
-        args = msg.get("args") or {}
-        try:
-            # Calls read before the client stopped reading its replies run only as it reads
-            # them: each reply can be up to a frame (32 MiB), so running them all at once
-            # would buffer up to MAX_PENDING_CALLS of them.
-            while self.drained is not None:
-                await self.drained
-            if not isinstance(op, str) or not isinstance(args, dict):
-                raise UsageError("a CALL needs 'op' (string) and 'args' (object)")
-            result = await self.server.call(self, op, args)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._answer(call_id, op, None, exc)
-        else:
-            self._answer(call_id, op, result, None)
-
-    def _send(self, msg: dict[str, Any]) -> None:
-        """The ``send`` op driven by callbacks: no task per call (talos/node_send.py)."""
-        call_id = msg.get("id")
-        started: list[Sending] = []
-
-        def done(result: Any, exc: BaseException | None) -> None:
-            if started:
-                self.sends.discard(started[0])
-                self._settled()
-            self._answer(call_id, "send", result, exc)
-
-        try:
-            sending = start_op_send(self.server.host, msg["args"], done)
-        except Exception as exc:
-            self._answer(call_id, "send", None, exc)
-            return
-        started.append(sending)
-        self.sends.add(sending)
-
-    def _answer(self, call_id: Any, op: Any, result: Any, exc: BaseException | None) -> None:
-        if exc is None:
-            reply: dict[str, Any] = {"id": call_id, "result": result}
-        else:
-            if not isinstance(exc, TalosError | TimeoutError):
-                event(_log, "local_op_failed", level=logging.ERROR, op=op, error=repr(exc))
-            reply = {"id": call_id, "error": error_json(exc)}
-        try:
-            frame = wire.encode_json(wire.Kind.REPLY, reply)
-        except (UsageError, OversizeError) as bad:  # text that is not UTF-8, a reply too big
-            event(_log, "local_reply_unencodable", level=logging.ERROR, op=op, error=str(bad))
-            frame = wire.encode_json(wire.Kind.REPLY, {"id": call_id, "error": error_json(bad)})
-        self.reply(frame)
-
-    # --- app frames to the node's links ----------------------------------------------------
-
-    def _app(self, frame: wire.AppFrame) -> None:
-        if self._app_task is not None:
-            self._app_out.append(frame)
-            return
-        try:
-            if self.server.node.try_send_app(frame.peer, frame.channel, frame.payload):
-                return
-        except (TalosError, ConnectionError) as exc:
-            self._app_lost(frame, exc)
-            return
-        # The link is busy: keep order, stop reading this client until it drained.
-        self._app_out.append(frame)
-        self._hold("app")
-        self._app_task = asyncio.ensure_future(self._drain_app())
-
-    async def _drain_app(self) -> None:
-        node = self.server.node
-        while self._app_out:
-            frame = self._app_out.popleft()
-            try:
-                await node.send_app(frame.peer, frame.channel, frame.payload)
-            except (TalosError, ConnectionError) as exc:
-                self._app_lost(frame, exc)
-        self._app_task = None
-        self._release("app")
-
-    def _app_lost(self, frame: wire.AppFrame, exc: BaseException) -> None:
-        # As for an in-process sender: the link listener fails what depended on it.
-        self.server.node.metrics.inc("local_app_dropped")
-        event(_log, "local_app_dropped", level=logging.DEBUG, peer=frame.peer, error=str(exc))
 
 
 class LocalServer:
@@ -399,7 +93,7 @@ class LocalServer:
         self.node = node
         self.host = LocalHost(node, transfers)
         self.path = socket_path(node.home.path)
-        self.conns: set[_Conn] = set()
+        self.conns: set[ClientConn] = set()
         self.claims: dict[str, list[_Claim]] = {}
         self._key_offsets: dict[str, int] = {}
         self._server: asyncio.AbstractServer | None = None
@@ -419,7 +113,7 @@ class LocalServer:
         try:
             loop = asyncio.get_running_loop()
             self._server = await loop.create_unix_server(
-                lambda: _Conn(self), str(self.path), backlog=LISTEN_BACKLOG
+                lambda: ClientConn(self), str(self.path), backlog=LISTEN_BACKLOG
             )
         finally:
             os.umask(old)
@@ -429,7 +123,7 @@ class LocalServer:
         own = self.node.authorizer
         self.node.authorizer = lambda did: own(did) or self._lent[did] > 0
 
-    def _holders(self) -> set[_Conn]:
+    def _holders(self) -> set[ClientConn]:
         return {c.conn for claims in self.claims.values() for c in claims}
 
     async def close(self, *, handover: bool = False) -> None:
@@ -462,7 +156,7 @@ class LocalServer:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
-    def forget(self, conn: _Conn) -> None:
+    def forget(self, conn: ClientConn) -> None:
         self.conns.discard(conn)
         for channel, claims in self.claims.items():
             claims[:] = [c for c in claims if c.conn is not conn]
@@ -496,7 +190,7 @@ class LocalServer:
             if conn.watch:
                 conn.notify(frame)
 
-    async def call(self, conn: _Conn, op: str, args: dict[str, Any]) -> Any:
+    async def call(self, conn: ClientConn, op: str, args: dict[str, Any]) -> Any:
         if op == "hello":
             conn.watch = bool(args.get("watch", False))
         elif op == "app.claim":
@@ -505,7 +199,7 @@ class LocalServer:
 
     # --- app channels ------------------------------------------------------------------------
 
-    def _claim(self, conn: _Conn, args: dict[str, Any]) -> dict[str, Any]:
+    def _claim(self, conn: ClientConn, args: dict[str, Any]) -> dict[str, Any]:
         channel = args.get("channel")
         if not isinstance(channel, str) or not 0 < len(channel.encode()) < 256:
             raise UsageError("'channel' must be 1..255 bytes")

@@ -20,7 +20,7 @@ from mcp_proxy.client import TunnelClient
 from mcp_proxy.policy import Policy
 from mcp_proxy.server import TunnelServer
 from mcp_proxy.transport import NodeTransport
-from talos.local import server as local_server
+from talos.local import conn as local_conn
 from tests.mcp_proxy.loopback import Agent, bad_tool
 from tests.talos.local.test_server import started
 from tests.talos.nodes import addr, make_home, until
@@ -35,7 +35,7 @@ async def test_an_attached_serve_with_a_slow_tool_keeps_reading_its_node(
     # caller (PAUSE) and goes on reading its node, so the node never takes it for a stuck
     # claimer (APP_STALL_LIMIT, 1 s here) and the link carries a message meanwhile; once
     # the tool reads again, every line reaches it.
-    monkeypatch.setattr(local_server, "APP_STALL_LIMIT", 1.0)
+    monkeypatch.setattr(local_conn, "APP_STALL_LIMIT", 1.0)
     a = await started(*make_home(tmp_path, "a"))
     b = await started(*make_home(tmp_path, "b"))
     async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):

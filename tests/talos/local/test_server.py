@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from talos import pipeline as pl
-from talos.local import server as local_server
+from talos.local import conn as local_conn
 from talos.local import wire
 from talos.local.call import LocalUsageError, NodeGoneError, NoNodeError, call
 from talos.local.client import LocalClient
@@ -226,7 +226,7 @@ async def test_a_frame_left_unfinished_ends_its_connection(
 ) -> None:
     # A client may sit idle for good, or send a frame in pieces; one that stops in the
     # middle of a frame is cut off, and what it had sent of it is freed.
-    monkeypatch.setattr(local_server, "PARTIAL_FRAME_TIMEOUT", 0.5)
+    monkeypatch.setattr(local_conn, "PARTIAL_FRAME_TIMEOUT", 0.5)
     a = await started(*make_home(tmp_path, "a"))
     try:
         path = str(a.home.path / SOCKET_NAME)
@@ -325,7 +325,7 @@ async def test_a_claimer_that_stops_reading_does_not_stall_the_link(
     # What arrives on a claimed app channel is handed to the claimer in link order, so the
     # link's read loop waits while the claimer's buffer is full. A claimer that stops
     # reading is disconnected after APP_STALL_LIMIT; the peer's messages flow again.
-    monkeypatch.setattr(local_server, "APP_STALL_LIMIT", 1.0)
+    monkeypatch.setattr(local_conn, "APP_STALL_LIMIT", 1.0)
     a, b = await _pair(tmp_path)
     flood: asyncio.Task[None] | None = None
     try:

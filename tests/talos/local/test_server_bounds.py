@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from talos.local import conn as local_conn
 from talos.local import log_ops, wire
-from talos.local import server as local_server
 from talos.local.call import LocalUsageError
 from talos.local.client import LocalClient
 from talos.local.server import SOCKET_NAME
@@ -28,7 +28,7 @@ async def test_a_watcher_that_reads_no_events_is_disconnected(
 ) -> None:
     # Link events are caused by anyone who dials the node (a refused handshake is one):
     # a watching client that reads nothing had them buffered without bound.
-    monkeypatch.setattr(local_server, "MAX_UNREAD_EVENTS", 64 << 10)
+    monkeypatch.setattr(local_conn, "MAX_UNREAD_EVENTS", 64 << 10)
     a = await started(*make_home(tmp_path, "a"))
     try:
         local = a.daemon.local
@@ -61,8 +61,8 @@ async def test_a_frame_cut_by_the_nodes_own_pause_is_not_timed(
 ) -> None:
     # The node stops reading a client with MAX_PENDING_CALLS in progress; the rest of a
     # frame that pause cut waits unread in the kernel, which is not the client's delay.
-    monkeypatch.setattr(local_server, "PARTIAL_FRAME_TIMEOUT", 0.5)
-    monkeypatch.setattr(local_server, "MAX_PENDING_CALLS", 4)
+    monkeypatch.setattr(local_conn, "PARTIAL_FRAME_TIMEOUT", 0.5)
+    monkeypatch.setattr(local_conn, "MAX_PENDING_CALLS", 4)
     a, b = await pair(tmp_path)
     try:
         await link(a.node, b.node)
@@ -161,3 +161,33 @@ async def test_log_records_looks_at_a_bounded_number_per_call(
             await client.close()
     finally:
         await a.stop()
+
+
+async def test_a_call_its_caller_gave_up_ends_at_the_node(tmp_path: Path) -> None:
+    # An agent cancelled its long-polls (an MCP client's notifications/cancelled): the
+    # node ran each on for its whole wait, and past MAX_PENDING_CALLS stopped reading
+    # the connection that carries the agent's other calls and its events.
+    a, b = await pair(tmp_path)
+    try:
+        await link(a.node, b.node)
+        local = a.daemon.local
+        assert local is not None
+        async with asyncio.timeout(LIMIT):
+            client = await LocalClient.connect(a.home.path)
+            (conn,) = local.conns
+            polls = [
+                asyncio.ensure_future(client.call("inbox", after=2**63, wait=300)) for _ in range(5)
+            ]
+            await until(lambda: len(conn.tasks) == 5, 10, "the long-polls running")
+            for poll in polls:
+                poll.cancel()
+            await until(lambda: not conn.tasks and not conn._by_id, 10, "the polls ended")
+            # The connection serves on, and a call nobody cancelled is answered.
+            assert (await client.call("id"))["did"] == a.did
+            waiting = asyncio.ensure_future(client.call("inbox", after=0, wait=30))
+            await b.send_message(a.did, "after the cancels", wait=True)
+            assert [m["text"] for m in (await waiting)["messages"]] == ["after the cancels"]
+            await client.close()
+    finally:
+        await a.stop()
+        await b.stop()
