@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 from talos import pipeline as pl
 from talos.link import wire as link_wire
 from talos.link.peer import Link, dial_link, initiate_link
-from talos.logging import event
+from talos.logging import Throttle, event
 from talos.relay.client import (
     MailboxFullError,
     MailboxSettings,
@@ -103,6 +103,7 @@ class NodeRelay:
         )
         self._mailboxed: dict[str, int] = {}
         self._hold: dict[str, float] = {}
+        self._throttle = Throttle()  # anyone may put garbage in this node's mailbox
         self._tasks: list[asyncio.Task[Any]] = []
         self.counters: dict[str, int] = {}
 
@@ -268,16 +269,23 @@ class NodeRelay:
         waiting: list[tuple[int, _Peer, int]] = []
         senders: set[str] = set()
         for data in batch:
+            # A message that names a known sender costs its ratchet work before it fails
+            # (a forged header may make it derive thousands of keys): a batch of them
+            # must not hold the loop, and every link's traffic, for seconds.
+            await asyncio.sleep(0)
             try:
                 peer, seq = self._take(data)
             except (ProtocolError, DecryptionError, SignatureError, UsageError) as exc:
                 # Garbage, a replay, a forged sender: dropped (the sender's outbox still
                 # holds anything real), never counted towards a session resync.
                 self._count("mailbox_rejected")
-                event(
-                    _log, "mailbox_rejected", level=logging.WARNING, kind=type(exc).__name__,
-                    error=str(exc),
-                )  # fmt: skip
+                dropped = self._throttle.admit(type(exc).__name__, time.monotonic())
+                if dropped is not None:
+                    event(
+                        _log, "mailbox_rejected", level=logging.WARNING,
+                        kind=type(exc).__name__, error=str(exc),
+                        **({"suppressed": dropped} if dropped else {}),
+                    )  # fmt: skip
                 verdicts.append(True)
                 continue
             senders.add(peer.did)
@@ -301,6 +309,10 @@ class NodeRelay:
             raise ProtocolError(f"{type(frame).__name__} in a mailbox (only MSG frames go there)")
         if env.sender == node.did or not node.sessions.has(env.sender):
             raise ProtocolError("mailbox message from a peer without a session")
+        if not node.authorizer(env.sender):
+            # A session outlives the allow list it was made under (a restart without
+            # --allow): what a link would refuse, the mailbox refuses too.
+            raise ProtocolError("mailbox message from a peer not allowed to link")
         peer = node._peer(env.sender)
         node._on_msg(peer, frame)
         self._count("mailbox_in")

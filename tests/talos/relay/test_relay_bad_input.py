@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from typing import Any
 
 import nats.errors
+import pytest
 
 from talos.link.handshake import LinkHandshake, Role
 from talos.node import Node
@@ -436,3 +438,46 @@ async def test_an_unanswered_account_question_is_asked_again(relay_net: RelayNet
         await until(lambda: client.vouched, 60, "A asked again and told its account")
     finally:
         await a.stop()
+
+
+async def test_mail_from_a_peer_no_longer_allowed_is_refused(relay_net: RelayNet) -> None:
+    # B restarts without allowing A: its links refuse A, and so must its mailbox, though
+    # the session the two made earlier is still kept (security.md, "Links").
+    a, b = await _pair(relay_net)
+    home_b, config_b = relay_net.homes["b"]
+    try:
+        await a.send_message(b.did, "while allowed", wait=True)
+        await b.stop()
+        await a.send_message(b.did, "after B stopped allowing A")
+        await until(lambda: a.metrics.counters.get("mailbox_out", 0) >= 1, 30, "mailboxed")
+        b = await started(home_b, config_b)
+        assert not b.authorizer(a.did)
+        await until(lambda: b.metrics.counters.get("mailbox_rejected", 0) >= 1, 30, "refused")
+        assert _texts(b) == ["while allowed"]
+        assert b.metrics.counters.get("mailbox_in", 0) == 0
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_mailbox_garbage_writes_a_bounded_number_of_warnings(
+    relay_net: RelayNet, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Anyone with a relay account may fill a node's mailbox with garbage: every piece is
+    # counted, but the warning lines are throttled as the link path's are.
+    b = await started(*relay_net.home("b"))
+    nc = await _rogue(relay_net)
+    try:
+        assert b.relay is not None
+        await until(b.relay.client.connected.is_set, 20, "B on the relay")
+        js = nc.jetstream()
+        mailbox = RelayNames.for_did(b.did).mailbox
+        with caplog.at_level(logging.WARNING, logger="talos.relay"):
+            for _ in range(300):
+                await js.publish(mailbox, os.urandom(100))
+            await until(lambda: b.metrics.counters.get("mailbox_rejected", 0) >= 300, 60, "all")
+        lines = [r for r in caplog.records if r.getMessage() == "mailbox_rejected"]
+        assert 1 <= len(lines) <= 20, len(lines)
+    finally:
+        await nc.close()
+        await b.stop()
