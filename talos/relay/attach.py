@@ -104,6 +104,8 @@ class NodeRelay:
         self._mailboxed: dict[str, int] = {}
         self._hold: dict[str, float] = {}
         self._throttle = Throttle()  # anyone may put garbage in this node's mailbox
+        #: peer -> (seq, relay bound) of the message last found too large to mail
+        self._oversize: dict[str, tuple[int, int]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self.counters: dict[str, int] = {}
 
@@ -234,9 +236,17 @@ class NodeRelay:
                 if ready is None:
                     continue  # the peer can never accept it: failed for good
                 row = ready
+                bound = self.client.max_payload
+                if bound is not None and self._oversize.get(did) == (row.seq, bound):
+                    # Found too large before: not sealed again (each seal spends a key).
+                    self._hold[did] = time.monotonic() + _MAILBOX_HOLD
+                    return posted
                 body, record = node.sessions.seal_message(did, row)
                 frame = link_wire.encode(link_wire.Msg(row.seq, body))
                 envelope = seal_envelope(did, node.did, frame, os.urandom(32))
+                if bound is not None and len(envelope) > bound:
+                    self._too_large(did, row.seq, bound)
+                    return posted
                 try:
                     await self.client.put_mailbox(did, envelope)
                 except (MailboxUnavailableError, MailboxFullError) as exc:
@@ -260,6 +270,17 @@ class NodeRelay:
                 self._mailboxed[did] = row.seq
                 posted += 1
                 self._count("mailbox_out")
+
+    def _too_large(self, did: str, seq: int, bound: int) -> None:
+        """A message the relay's message bound cannot take waits for a link, and the
+        ones after it with it (they are delivered in order); said once per message."""
+        self._hold[did] = time.monotonic() + _MAILBOX_HOLD
+        self._oversize[did] = (seq, bound)
+        self._count("mailbox_too_large")
+        event(
+            _log, "mailbox_message_too_large", level=logging.WARNING, peer=did, seq=seq,
+            max_payload=bound, reason="it waits for a link, and the messages after it too",
+        )  # fmt: skip
 
     # --- mailbox, recipient side -----------------------------------------------------------------
 

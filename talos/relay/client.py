@@ -481,3 +481,9 @@ class RelayClient:
     @property
     def streams(self) -> int:
         return len(self._streams)
+
+    @property
+    def max_payload(self) -> int | None:
+        """The relay's bound on one message (None until connected): a mailbox envelope's."""
+        nc = self._nc
+        return int(nc.max_payload) if nc is not None and self.connected.is_set() else None

@@ -14,7 +14,9 @@ from typing import Any
 
 import nats.errors
 import pytest
+from nats.js.errors import NoStreamResponseError
 
+from talos import pipeline as pl
 from talos.link.handshake import LinkHandshake, Role
 from talos.node import Node
 from talos.relay import wire
@@ -286,6 +288,33 @@ async def test_full_mailbox_keeps_messages_queued(relay_net: RelayNet) -> None:
         await b.stop()
 
 
+async def test_a_message_above_the_relays_bound_waits_for_a_link_and_says_so(
+    relay_net: RelayNet, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 4 MiB frames over a relay whose messages stop at 1 MiB: the big message cannot be
+    # mailed (relayed links chunk it, the mailbox cannot). It was reported as "mailbox
+    # full" every 30 s and sealed again each time, spending a ratchet key per try.
+    a, b = await _pair(relay_net, max_frame=4 << 20)
+    home_b, config_b = relay_net.homes["b"]
+    try:
+        await a.send_message(b.did, "hello", wait=True)
+        await b.stop()
+        big = "x" * pl.text_limit(4 << 20)
+        with caplog.at_level(logging.WARNING, logger="talos.relay"):
+            await a.send_message(b.did, big)
+            await a.send_message(b.did, "small, behind it")
+            await until(lambda: a.metrics.counters.get("mailbox_too_large", 0) >= 1, 30, "said")
+        assert a.metrics.counters.get("mailbox_full", 0) == 0
+        assert [r.getMessage() for r in caplog.records].count("mailbox_message_too_large") == 1
+        b = await started(home_b, config_b)
+        b.allow(a.did)
+        await until(lambda: a.status()["queues"]["outbox"] == 0, 60, "all acked")
+        assert _texts(b) == ["hello", big, "small, behind it"]
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 async def test_relay_storage_holds_no_message_text(relay_net: RelayNet) -> None:
     server = relay_net.server
     assert server is not None
@@ -473,7 +502,13 @@ async def test_mailbox_garbage_writes_a_bounded_number_of_warnings(
         js = nc.jetstream()
         mailbox = RelayNames.for_did(b.did).mailbox
         with caplog.at_level(logging.WARNING, logger="talos.relay"):
-            for _ in range(300):
+            for _ in range(100):  # B makes its mailbox stream just after it connects
+                try:
+                    await js.publish(mailbox, os.urandom(100))
+                    break
+                except (nats.errors.NoRespondersError, NoStreamResponseError):
+                    await asyncio.sleep(0.1)
+            for _ in range(299):
                 await js.publish(mailbox, os.urandom(100))
             await until(lambda: b.metrics.counters.get("mailbox_rejected", 0) >= 300, 60, "all")
         lines = [r for r in caplog.records if r.getMessage() == "mailbox_rejected"]
