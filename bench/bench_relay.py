@@ -142,16 +142,18 @@ async def measure(suite: Suite, count: int, burst: int, mail: int) -> None:
         dids = {n: init_home(h, direct_cfg).did for n, h in homes.items()}
         nats, url = start_nats(root, [dids["ra"], dids["rb"]])
         relay_cfg = NodeConfig.model_validate({**base, "relays": (url,)})
+        # Each relayed node allows the other in its config, as `--allow` does: a node
+        # restarted without it takes no mail from that peer (docs/security.md).
+        ra_cfg = relay_cfg.model_copy(update={"allow": (dids["rb"],)})
+        rb_cfg = relay_cfg.model_copy(update={"allow": (dids["ra"],)})
         nodes: list[Node] = []
         try:
             da, db = Node(homes["da"], direct_cfg), Node(homes["db"], direct_cfg)
-            ra, rb = Node(homes["ra"], relay_cfg), Node(homes["rb"], relay_cfg)
+            ra, rb = Node(homes["ra"], ra_cfg), Node(homes["rb"], rb_cfg)
             for n in (da, db, ra, rb):
                 await n.start()
                 nodes.append(n)
             db.allow(da.did)
-            ra.allow(rb.did)
-            rb.allow(ra.did)
             await da.add_peer(f"{db.listen_url}#{db.did}")
             await da.wait_connected(db.did, 30)
 
@@ -169,7 +171,7 @@ async def measure(suite: Suite, count: int, burst: int, mail: int) -> None:
             await _until(lambda: ra.metrics.counters.get("mailbox_out", 0) >= mail, 600)
             await ra.stop()
             nodes.remove(ra)
-            rb = Node(homes["rb"], relay_cfg)
+            rb = Node(homes["rb"], rb_cfg)
             start = time.perf_counter()
             await rb.start()
             nodes.append(rb)
