@@ -227,6 +227,7 @@ class ClientConn(FlowControlled):
         for sending in list(self.sends):
             sending.abandon()
         self.sends.clear()
+        self._by_id.clear()
         if self._app_task is not None:
             self._app_task.cancel()
         self.wake_writers()
