@@ -146,6 +146,11 @@ class Target:
 
 
 TARGETS: tuple[Target, ...] = (
+    # Ed25519 against the faster library: libsodium through its raw binding (the pair's
+    # raw side, measured in alternation with ours) or OpenSSL. PyNaCl's SigningKey /
+    # VerifyKey call the same libsodium function through a class and are shown as
+    # floors only: measured once, apart from ours, the same C call read up to 18 %
+    # faster or slower than itself from one pyperf run to the next on this host.
     Target(
         "Wallet.sign (64 B)",
         "15.4k ops/s",
@@ -153,7 +158,7 @@ TARGETS: tuple[Target, ...] = (
         (
             AtLeastRatio(
                 "wallet.sign.64B",
-                ("wallet.sign.64B.raw", "ed25519.sign.64B.nacl", "ed25519.sign.64B.openssl"),
+                ("wallet.sign.64B.raw", "ed25519.sign.64B.openssl"),
                 0.9,
             ),
         ),
@@ -165,7 +170,7 @@ TARGETS: tuple[Target, ...] = (
         (
             AtLeastRatio(
                 "wallet.verify.64B",
-                ("wallet.verify.64B.raw", "ed25519.verify.64B.nacl", "ed25519.verify.64B.openssl"),
+                ("wallet.verify.64B.raw", "ed25519.verify.64B.openssl"),
                 0.9,
             ),
         ),

@@ -15,7 +15,6 @@ import pytest
 
 from talos.transfer.manager import (
     MAX_OPEN_OFFERS,
-    MAX_QUEUED_CONTROL,
     TransferConfig,
     TransferInfo,
     TransferManager,
@@ -25,7 +24,6 @@ from talos.transfer.protocol import (
     BULK_CHUNK,
     FALLBACK_CHUNK,
     Accept,
-    Cancel,
     Chunk,
     TransferState,
     decode_message,
@@ -265,102 +263,6 @@ async def test_pending_until_accepted(net: Net) -> None:
     assert inc.state is out.state is TransferState.COMPLETE
     with pytest.raises(UsageError, match="no transfer"):
         net.receiver.get("00" * 16)
-
-
-async def test_a_transfer_waiting_for_its_turn_does_not_hold_the_link(net: Net) -> None:
-    # A control message whose transfer is busy (its turn held, as by a slow accept by
-    # hand) waits in the manager, not on the link: the peer's other traffic goes on.
-    await offer_pending(net, 1 << 20)
-    (tid_hex,) = [i.tid for i in net.receiver.list()]
-    tid = bytes.fromhex(tid_hex)
-    chat = asyncio.Event()
-    net.b.register_app("chat", lambda did, payload: chat.set())
-    async with asyncio.timeout(LIMIT):
-        async with net.receiver._one_at_a_time(tid):
-            cancel = encode_message(Cancel(tid, "changed my mind"))
-            await net.a.send_app(net.b.did, APP_NAME, cancel)
-            await net.a.send_app(net.b.did, "chat", b"hello")
-            await chat.wait()
-            assert net.receiver.get(tid).state is TransferState.PENDING  # the cancel waits
-        await until(lambda: net.receiver.get(tid).state is TransferState.CANCELLED, what="cancel")
-    assert net.receiver._control == {}  # its handler ended with the queue
-
-
-async def test_a_flood_of_control_messages_is_held_on_the_link(net: Net) -> None:
-    # Past MAX_QUEUED_CONTROL waiting, the link's reading waits too: a peer cannot
-    # grow the queue without bound by sending faster than its transfers take turns.
-    await offer_pending(net, 1 << 20)
-    (tid_hex,) = [i.tid for i in net.receiver.list()]
-    tid = bytes.fromhex(tid_hex)
-    chat = asyncio.Event()
-    net.b.register_app("chat", lambda did, payload: chat.set())
-    cancel = encode_message(Cancel(tid, "changed my mind"))
-    async with asyncio.timeout(LIMIT):
-        async with net.receiver._one_at_a_time(tid):
-            for _ in range(MAX_QUEUED_CONTROL + 5):
-                await net.a.send_app(net.b.did, APP_NAME, cancel)
-            await net.a.send_app(net.b.did, "chat", b"hello")
-            queues = net.receiver._control
-            await until(
-                lambda: (
-                    net.a.did in queues and len(queues[net.a.did].waiting) >= MAX_QUEUED_CONTROL
-                ),
-                what="the link waiting for room",
-            )
-            for _ in range(10):
-                await asyncio.sleep(0)
-            assert not chat.is_set()  # behind the flood, on the link
-        await chat.wait()
-        await until(lambda: net.receiver._control == {}, what="the flood handled")
-    assert net.receiver.get(tid).state is TransferState.CANCELLED
-
-
-async def test_a_message_put_as_the_queue_drains_is_handled(net: Net) -> None:
-    # The link waits for room behind 64 messages that need no await; the handler
-    # task empties them all in one go and ends: the waiting message must not be lost.
-    await offer_pending(net, 1 << 20)
-    await offer_pending(net, 1 << 20)
-    first, second = [bytes.fromhex(i.tid) for i in net.receiver.list()]
-    async with asyncio.timeout(LIMIT):
-        async with net.receiver._one_at_a_time(first):
-            await net.a.send_app(net.b.did, APP_NAME, encode_message(Cancel(first, "slow")))
-            for _ in range(MAX_QUEUED_CONTROL):  # unknown transfers: handled at once
-                unknown = encode_message(Cancel(os.urandom(16), "no such transfer"))
-                await net.a.send_app(net.b.did, APP_NAME, unknown)
-            await net.a.send_app(net.b.did, APP_NAME, encode_message(Cancel(second, "real")))
-            queues = net.receiver._control
-            await until(
-                lambda: (
-                    net.a.did in queues and len(queues[net.a.did].waiting) >= MAX_QUEUED_CONTROL
-                ),
-                what="the link waiting for room",
-            )
-        await until(lambda: net.receiver.get(second).state is TransferState.CANCELLED, what="2nd")
-    assert net.receiver.get(first).state is TransferState.CANCELLED
-    await until(lambda: net.receiver._control == {}, what="the handler ended")
-
-
-async def test_stop_releases_a_link_waiting_for_room(net: Net) -> None:
-    await offer_pending(net, 1 << 20)
-    (tid,) = [bytes.fromhex(i.tid) for i in net.receiver.list()]
-    chat = asyncio.Event()
-    net.b.register_app("chat", lambda did, payload: chat.set())
-    cancel = encode_message(Cancel(tid, "changed my mind"))
-    async with asyncio.timeout(LIMIT):
-        async with net.receiver._one_at_a_time(tid):
-            for _ in range(MAX_QUEUED_CONTROL + 2):
-                await net.a.send_app(net.b.did, APP_NAME, cancel)
-            await net.a.send_app(net.b.did, "chat", b"hello")
-            queues = net.receiver._control
-            await until(
-                lambda: (
-                    net.a.did in queues and len(queues[net.a.did].waiting) >= MAX_QUEUED_CONTROL
-                ),
-                what="the link waiting for room",
-            )
-            stopping = asyncio.ensure_future(net.receiver.stop())
-            await chat.wait()  # stop() let the link read on, while the turn is still held
-        await stopping
 
 
 async def test_pending_rejected(net: Net) -> None:
