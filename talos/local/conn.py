@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "APP_STALL_LIMIT",
+    "MAX_HELD_EVENTS",
     "MAX_PENDING_CALLS",
-    "MAX_UNREAD_EVENTS",
     "PARTIAL_FRAME_TIMEOUT",
     "ClientConn",
 ]
@@ -51,8 +51,14 @@ APP_STALL_LIMIT = 10.0
 #: Calls one client may have in progress (long-polls and waiting sends included); past
 #: it the node reads no more of its frames until some are answered.
 MAX_PENDING_CALLS = 1024
-#: Bytes of a watching client's buffer, beyond which a new event disconnects it.
-MAX_UNREAD_EVENTS = 4 * HIGH_WATER
+#: Links whose latest event is held for a watching client that does not read.
+MAX_HELD_EVENTS = 1024
+#: Holds on a client's reading that are the node's doing (its calls in progress, a busy
+#: link), not the client's (its replies unread): the partial-frame timer waits for them.
+_NODE_HOLDS = frozenset({"calls", "app"})
+#: Ops a ``cancel`` ends (besides ``send``): those that wait. The others are short and
+#: write then update state (a peer stored, then kept): cut between, the two disagreed.
+_CANCELLABLE = frozenset({"inbox"})
 
 
 class ClientConn(FlowControlled):
@@ -82,6 +88,8 @@ class ClientConn(FlowControlled):
         self._holds: set[str] = set()
         self._queued = 0  # bytes in _replies
         self._partial: asyncio.TimerHandle | None = None  # PARTIAL_FRAME_TIMEOUT's timer
+        #: (kind, DID) -> the latest watched event, held while the client does not read
+        self._held_events: dict[tuple[str, str], bytes] = {}
 
     # --- asyncio.Protocol --------------------------------------------------------------------
 
@@ -127,7 +135,8 @@ class ClientConn(FlowControlled):
                 self.tasks.add(task)
                 call_id = body.get("id")
                 task.add_done_callback(functools.partial(self._call_done, call_id))
-                self._track(call_id, task)
+                if op in _CANCELLABLE:
+                    self._track(call_id, task)
             # REPLY / EVENT from a client mean nothing to the node: ignored.
         if len(self.tasks) + len(self.sends) >= MAX_PENDING_CALLS:
             self._hold("calls")
@@ -146,7 +155,8 @@ class ClientConn(FlowControlled):
             del self._by_id[call_id]
 
     def _cancel(self, args: Any) -> None:
-        """The client gave up a call (its caller was cancelled): end it, answer nothing.
+        """The client gave up a call that waits (a long-poll, a send waiting for its ack):
+        end it, answer nothing. Other calls run to their end, their reply ignored.
 
         Otherwise an agent's cancelled long-polls and waiting sends ran on, up to
         MAX_PENDING_CALLS of them, and the node stopped reading the connection.
@@ -173,6 +183,9 @@ class ClientConn(FlowControlled):
     def resume_writing(self) -> None:
         super().resume_writing()
         self._release("replies")
+        held, self._held_events = self._held_events, {}
+        for frame in held.values():
+            self.write(frame)
 
     async def wait_drained(self, drained: asyncio.Future[None]) -> None:
         """Wait for the client to read its buffer; past APP_STALL_LIMIT, disconnect it."""
@@ -186,11 +199,14 @@ class ClientConn(FlowControlled):
                 self.transport.abort()  # it reads nothing: close() would wait for it
 
     def _time_partial(self) -> None:
-        """Time the frame the client has begun, while this node reads (none while held)."""
+        """Time the frame the client has begun, except while the node itself holds its
+        reading (calls in progress, a busy link): the rest of the frame then waits in
+        the kernel, not by the client's doing. A client that does not read its own
+        replies is timed on."""
         if self._partial is not None:
             self._partial.cancel()
             self._partial = None
-        if self.reader.pending and not self._holds and self._loop is not None:
+        if self.reader.pending and not (self._holds & _NODE_HOLDS) and self._loop is not None:
             self._partial = self._loop.call_later(PARTIAL_FRAME_TIMEOUT, self._partial_stale)
 
     def _hold(self, why: str) -> None:
@@ -198,9 +214,8 @@ class ClientConn(FlowControlled):
         if not self._holds and self.transport is not None and not self.closed:
             self.transport.pause_reading()
         self._holds.add(why)
-        # The rest of a frame cut by the pause waits unread in the kernel: not the
-        # client's delay, so its timer stops (and starts again on release).
-        self._time_partial()
+        if why in _NODE_HOLDS:
+            self._time_partial()
 
     def _release(self, why: str) -> None:
         if why not in self._holds:
@@ -208,6 +223,7 @@ class ClientConn(FlowControlled):
         self._holds.discard(why)
         if not self._holds and self.transport is not None and not self.closed:
             self.transport.resume_reading()
+        if why in _NODE_HOLDS:
             self._time_partial()
 
     def _partial_stale(self) -> None:
@@ -270,20 +286,24 @@ class ClientConn(FlowControlled):
     def event(self, obj: dict[str, Any]) -> None:
         self.write(wire.encode_json(wire.Kind.EVENT, obj))
 
-    def notify(self, frame: bytes) -> None:
-        """A watched event (link up/down, a link problem), which anyone who dials the node
-        can cause: a client that leaves MAX_UNREAD_EVENTS unread is disconnected rather
-        than have its buffer grow with every refused dial."""
-        transport = self.transport
-        if self.closed or transport is None:
+    def notify(self, key: tuple[str, str], frame: bytes) -> None:
+        """A watched event (link up/down, a link problem: ``key`` is its kind and DID).
+
+        Anyone who dials the node can cause one, so while the client leaves its buffer
+        above high water (a paused attached proxy does, on purpose) only the latest
+        event per key is held, for at most MAX_HELD_EVENTS keys, and written once it
+        reads again: a later state of a link replaces an earlier one, and a refused
+        dial no longer grows the buffer.
+        """
+        if self.closed or self.transport is None:
             return
-        if transport.get_write_buffer_size() > MAX_UNREAD_EVENTS:
-            self.server.node.metrics.inc("local_clients_too_slow")
-            event(_log, "local_client_too_slow", level=logging.WARNING, unread="events")
-            self.closed = True
-            transport.abort()  # it reads nothing: close() would wait for it
+        if self.drained is None and not self._held_events:
+            self.write(frame)
             return
-        self.write(frame)
+        self._held_events.pop(key, None)
+        self._held_events[key] = frame
+        if len(self._held_events) > MAX_HELD_EVENTS:
+            del self._held_events[next(iter(self._held_events))]  # the oldest key's
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:

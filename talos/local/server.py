@@ -175,7 +175,7 @@ class LocalServer:
         frame = wire.encode_json(wire.Kind.EVENT, obj)
         for conn in list(self.conns):
             if conn.watch:
-                conn.notify(frame)
+                conn.notify(("link", did), frame)
 
     def _on_problem(self, did: str, problem: Any) -> None:
         body = {
@@ -188,7 +188,7 @@ class LocalServer:
         frame = wire.encode_json(wire.Kind.EVENT, body)
         for conn in list(self.conns):
             if conn.watch:
-                conn.notify(frame)
+                conn.notify(("link_problem", did), frame)
 
     async def call(self, conn: ClientConn, op: str, args: dict[str, Any]) -> Any:
         if op == "hello":

@@ -23,35 +23,68 @@ from .running import pair, started
 LIMIT = 60
 
 
-async def test_a_watcher_that_reads_no_events_is_disconnected(
+async def test_a_watcher_that_reads_nothing_keeps_the_latest_event_per_link(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Link events are caused by anyone who dials the node (a refused handshake is one):
-    # a watching client that reads nothing had them buffered without bound.
-    monkeypatch.setattr(local_conn, "MAX_UNREAD_EVENTS", 64 << 10)
+    # Link events are caused by anyone who dials the node (a refused handshake is one).
+    # A watching client that reads nothing (a paused attached proxy does so on purpose)
+    # had them buffered without bound; it is not cut off, its buffer does not grow, and
+    # once it reads it gets the latest event of each of the last MAX_HELD_EVENTS links.
+    monkeypatch.setattr(local_conn, "MAX_HELD_EVENTS", 16)
     a = await started(*make_home(tmp_path, "a"))
     try:
         local = a.daemon.local
         assert local is not None
-        # A client that says hello with watch on, then reads nothing.
-        _, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
-        writer.write(
-            wire.encode_json(wire.Kind.CALL, {"id": 1, "op": "hello", "args": {"watch": True}})
-        )
-        await until(lambda: any(c.watch for c in local.conns), 10, "the client watching")
-        (conn,) = local.conns
-        other = await LocalClient.connect(a.home.path)
-        stranger = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+        hello = wire.encode_json(wire.Kind.CALL, {"id": 0, "op": "hello", "args": {"watch": True}})
+        calls = wire.encode_json(wire.Kind.CALL, {"id": 1, "op": "id", "args": {}}) * 100_000
+        reader, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
+        writer.write(hello + calls)  # ~20 MB of replies it does not read yet
         async with asyncio.timeout(LIMIT):
-            for _ in range(100_000):  # about 10 MB of events, were they all kept
-                local._on_link(stranger, False)
-                if conn not in local.conns:
-                    break
-                await asyncio.sleep(0)
-            assert conn not in local.conns
-            assert (await other.call("id"))["did"] == a.did  # others are served on
-        await other.close()
+            await until(lambda: len(local.conns) == 1, 10, "the client connected")
+            (conn,) = local.conns
+            await until(lambda: conn.drained is not None, 10, "its replies piling up")
+            size = conn.transport.get_write_buffer_size()
+            dids = [f"did:example:stranger{i}" for i in range(5_000)]
+            for did in dids:
+                local._on_link(did, False)
+            assert conn in local.conns and conn.transport.get_write_buffer_size() == size
+            frames, seen = wire.FrameReader(), []
+            while len(seen) < 16:
+                data = await reader.read(1 << 20)
+                assert data, "the node closed the connection"
+                seen += [
+                    f.body["did"]
+                    for f in frames.feed(data)
+                    if f.kind is wire.Kind.EVENT and f.body.get("event") == "link"
+                ]
+        assert seen == dids[-16:]
+        writer.transport.abort()  # ~20 MB of replies still unread
+        await writer.wait_closed()
+    finally:
+        await a.stop()
+
+
+async def test_a_client_that_reads_no_replies_is_timed_on_its_unfinished_frame(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the node's own holds stop the partial-frame timer: a client could otherwise
+    # keep a frame half sent for ever by leaving its replies unread.
+    monkeypatch.setattr(local_conn, "PARTIAL_FRAME_TIMEOUT", 0.5)
+    a = await started(*make_home(tmp_path, "a"))
+    try:
+        local = a.daemon.local
+        assert local is not None
+        _, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
+        frame = wire.encode_json(wire.Kind.CALL, {"id": 7, "op": "id", "args": {}})
+        writer.write(frame[:5])
+        async with asyncio.timeout(LIMIT):
+            await until(lambda: len(local.conns) == 1, 10, "the client connected")
+            (conn,) = local.conns
+            await until(lambda: conn._partial is not None, 10, "the frame timed")
+            conn._hold("replies")  # what the transport does once its replies pile up
+            await until(lambda: conn not in local.conns, 10, "the connection cut")
         writer.close()
+        await writer.wait_closed()
     finally:
         await a.stop()
 
