@@ -35,9 +35,11 @@ from talos.link import wire as link_wire
 from talos.link.peer import Link, dial_link, initiate_link
 from talos.logging import Throttle, event
 from talos.relay.client import (
+    RETRY_SOON,
     MailboxFullError,
     MailboxSettings,
     MailboxUnavailableError,
+    MailboxVerdict,
     RelayClient,
     RelayError,
 )
@@ -63,6 +65,14 @@ RELAY_SCHEMES: Final = ("nats://", "tls://")
 _MAILBOX_HOLD: Final = 30.0
 #: Longest wait for a drained message's commit before it is handed back to JetStream.
 _COMMIT_WAIT: Final = 30.0
+
+
+#: Seconds before mail from a sender the node does not let link is handed back again.
+_NOT_ALLOWED_RETRY: Final = 300.0
+
+
+class _NotAllowed(Exception):
+    """Mail from a peer the node's authorizer does not let link (not garbage: kept)."""
 
 
 def is_relay_address(url: str) -> bool:
@@ -284,9 +294,9 @@ class NodeRelay:
 
     # --- mailbox, recipient side -----------------------------------------------------------------
 
-    async def _on_mailbox(self, batch: list[bytes]) -> list[bool]:
+    async def _on_mailbox(self, batch: list[bytes]) -> list[MailboxVerdict]:
         node = self.node
-        verdicts: list[bool] = []
+        verdicts: list[MailboxVerdict] = []
         waiting: list[tuple[int, _Peer, int]] = []
         senders: set[str] = set()
         for data in batch:
@@ -296,6 +306,14 @@ class NodeRelay:
             await asyncio.sleep(0)
             try:
                 peer, seq = self._take(data)
+            except _NotAllowed:
+                # Left with the relay, handed back now and then until the node lets the
+                # sender link (`peers.allow`) or the mailbox's max age drops it: taken
+                # and dropped, it was lost for offline delivery (the sender mails it
+                # only once). A link would refuse the sender too.
+                self._count("mailbox_held")
+                verdicts.append(_NOT_ALLOWED_RETRY)
+                continue
             except (ProtocolError, DecryptionError, SignatureError, UsageError) as exc:
                 # Garbage, a replay, a forged sender: dropped (the sender's outbox still
                 # holds anything real), never counted towards a session resync.
@@ -307,16 +325,16 @@ class NodeRelay:
                         kind=type(exc).__name__, error=str(exc),
                         **({"suppressed": dropped} if dropped else {}),
                     )  # fmt: skip
-                verdicts.append(True)
+                verdicts.append(None)
                 continue
             senders.add(peer.did)
             if peer.rx.delivered < seq <= peer.rx.accepted:
                 waiting.append((len(verdicts), peer, seq))  # in the open batch: ack after commit
-            verdicts.append(True)
+            verdicts.append(None)
         if waiting:
             await self._committed(waiting)
             for i, peer, seq in waiting:
-                verdicts[i] = peer.rx.delivered >= seq
+                verdicts[i] = None if peer.rx.delivered >= seq else RETRY_SOON
         for did in senders:
             node.links.ensure(did)  # so the end-to-end ACK can reach the sender
         return verdicts
@@ -332,8 +350,8 @@ class NodeRelay:
             raise ProtocolError("mailbox message from a peer without a session")
         if not node.authorizer(env.sender):
             # A session outlives the allow list it was made under (a restart without
-            # --allow): what a link would refuse, the mailbox refuses too.
-            raise ProtocolError("mailbox message from a peer not allowed to link")
+            # --allow): what a link would refuse, the mailbox does not take either.
+            raise _NotAllowed(env.sender)
         peer = node._peer(env.sender)
         node._on_msg(peer, frame)
         self._count("mailbox_in")

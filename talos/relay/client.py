@@ -94,7 +94,12 @@ class MailboxSettings:
 
 StreamHandler = Callable[[RelayStream], Awaitable[None]]
 #: Gets a batch, returns for each message True (committed or worthless: ack) or False (nak).
-MailboxHandler = Callable[[list[bytes]], Awaitable[list[bool]]]
+#: What the mailbox handler answers for each message: ``None`` takes it (the relay
+#: drops it), a number of seconds hands it back that much later.
+MailboxVerdict = float | None
+MailboxHandler = Callable[[list[bytes]], Awaitable[list[MailboxVerdict]]]
+#: The usual hand-back delay: a message whose commit did not finish in time.
+RETRY_SOON: Final = 1.0
 
 
 class RelayClient:
@@ -434,11 +439,11 @@ class RelayClient:
                 except (nats.errors.TimeoutError, TimeoutError):
                     continue
                 verdicts = await self._on_mailbox([bytes(m.data) for m in msgs])
-                for m, ok in zip(msgs, verdicts, strict=True):
-                    if ok:
+                for m, later in zip(msgs, verdicts, strict=True):
+                    if later is None:
                         await m.ack()
                     else:
-                        await m.nak(delay=1.0)
+                        await m.nak(delay=later)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # relay restarted, stream gone, limits: set up again

@@ -19,6 +19,7 @@ from nats.js.errors import NoStreamResponseError
 from talos import pipeline as pl
 from talos.link.handshake import LinkHandshake, Role
 from talos.node import Node
+from talos.relay import attach as relay_attach
 from talos.relay import wire
 from talos.relay.names import RelayNames, nkey_seed
 from talos_sdk.wallet import Wallet
@@ -469,9 +470,13 @@ async def test_an_unanswered_account_question_is_asked_again(relay_net: RelayNet
         await a.stop()
 
 
-async def test_mail_from_a_peer_no_longer_allowed_is_refused(relay_net: RelayNet) -> None:
-    # B restarts without allowing A: its links refuse A, and so must its mailbox, though
-    # the session the two made earlier is still kept (security.md, "Links").
+async def test_mail_from_a_peer_not_allowed_waits_with_the_relay(
+    relay_net: RelayNet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # B restarts without allowing A: its links refuse A, and its mailbox does not take
+    # A's mail either, though the session the two made earlier is kept. The mail stays
+    # with the relay: once B allows A it is delivered, A offline all the while.
+    monkeypatch.setattr(relay_attach, "_NOT_ALLOWED_RETRY", 0.5)
     a, b = await _pair(relay_net)
     home_b, config_b = relay_net.homes["b"]
     try:
@@ -479,11 +484,14 @@ async def test_mail_from_a_peer_no_longer_allowed_is_refused(relay_net: RelayNet
         await b.stop()
         await a.send_message(b.did, "after B stopped allowing A")
         await until(lambda: a.metrics.counters.get("mailbox_out", 0) >= 1, 30, "mailboxed")
+        await a.stop()
         b = await started(home_b, config_b)
         assert not b.authorizer(a.did)
-        await until(lambda: b.metrics.counters.get("mailbox_rejected", 0) >= 1, 30, "refused")
+        await until(lambda: b.metrics.counters.get("mailbox_held", 0) >= 2, 30, "held")
         assert _texts(b) == ["while allowed"]
-        assert b.metrics.counters.get("mailbox_in", 0) == 0
+        b.allow(a.did)
+        await until(lambda: len(_texts(b)) == 2, 30, "taken once allowed")
+        assert _texts(b) == ["while allowed", "after B stopped allowing A"]
     finally:
         await a.stop()
         await b.stop()
