@@ -21,6 +21,14 @@ def _chat(net: Net) -> asyncio.Event:
     return chat
 
 
+async def _cancels_then_chat(net: Net, tid: bytes, count: int) -> None:
+    """``count`` CANCELs of transfer ``tid``, then a frame on another channel, in order."""
+    cancel = encode_message(Cancel(tid, "changed my mind"))
+    for _ in range(count):
+        await net.a.send_app(net.b.did, APP_NAME, cancel)
+    await net.a.send_app(net.b.did, "chat", b"hello")
+
+
 async def _link_waiting_for_room(net: Net) -> None:
     """Until the sender's link waits behind MAX_QUEUED_CONTROL messages at the receiver."""
     queues = net.receiver._control
@@ -55,12 +63,9 @@ async def test_a_flood_of_control_messages_is_held_on_the_link(net: Net) -> None
     (tid_hex,) = [i.tid for i in net.receiver.list()]
     tid = bytes.fromhex(tid_hex)
     chat = _chat(net)
-    cancel = encode_message(Cancel(tid, "changed my mind"))
     async with asyncio.timeout(LIMIT):
         async with net.receiver._one_at_a_time(tid):
-            for _ in range(MAX_QUEUED_CONTROL + 5):
-                await net.a.send_app(net.b.did, APP_NAME, cancel)
-            await net.a.send_app(net.b.did, "chat", b"hello")
+            await _cancels_then_chat(net, tid, MAX_QUEUED_CONTROL + 5)
             await _link_waiting_for_room(net)
             for _ in range(10):
                 await asyncio.sleep(0)
@@ -93,12 +98,9 @@ async def test_stop_releases_a_link_waiting_for_room(net: Net) -> None:
     await offer_pending(net, 1 << 20)
     (tid,) = [bytes.fromhex(i.tid) for i in net.receiver.list()]
     chat = _chat(net)
-    cancel = encode_message(Cancel(tid, "changed my mind"))
     async with asyncio.timeout(LIMIT):
         async with net.receiver._one_at_a_time(tid):
-            for _ in range(MAX_QUEUED_CONTROL + 2):
-                await net.a.send_app(net.b.did, APP_NAME, cancel)
-            await net.a.send_app(net.b.did, "chat", b"hello")
+            await _cancels_then_chat(net, tid, MAX_QUEUED_CONTROL + 2)
             await _link_waiting_for_room(net)
             stopping = asyncio.ensure_future(net.receiver.stop())
             await chat.wait()  # stop() let the link read on, while the turn is still held
