@@ -71,10 +71,6 @@ _COMMIT_WAIT: Final = 30.0
 _NOT_ALLOWED_RETRY: Final = 300.0
 
 
-class _NotAllowed(Exception):
-    """Mail from a peer the node's authorizer does not let link (not garbage: kept)."""
-
-
 def is_relay_address(url: str) -> bool:
     return url.startswith(RELAY_SCHEMES)
 
@@ -305,15 +301,7 @@ class NodeRelay:
             # must not hold the loop, and every link's traffic, for seconds.
             await asyncio.sleep(0)
             try:
-                peer, seq = self._take(data)
-            except _NotAllowed:
-                # Left with the relay, handed back now and then until the node lets the
-                # sender link (`peers.allow`) or the mailbox's max age drops it: taken
-                # and dropped, it was lost for offline delivery (the sender mails it
-                # only once). A link would refuse the sender too.
-                self._count("mailbox_held")
-                verdicts.append(_NOT_ALLOWED_RETRY)
-                continue
+                taken = self._take(data)
             except (ProtocolError, DecryptionError, SignatureError, UsageError) as exc:
                 # Garbage, a replay, a forged sender: dropped (the sender's outbox still
                 # holds anything real), never counted towards a session resync.
@@ -327,6 +315,15 @@ class NodeRelay:
                     )  # fmt: skip
                 verdicts.append(None)
                 continue
+            if taken is None:
+                # Left with the relay, handed back now and then until the node lets the
+                # sender link (`peers.allow`) or the mailbox's max age drops it: taken
+                # and dropped, it was lost for offline delivery (the sender mails it
+                # only once). A link would refuse the sender too.
+                self._count("mailbox_held")
+                verdicts.append(_NOT_ALLOWED_RETRY)
+                continue
+            peer, seq = taken
             senders.add(peer.did)
             if peer.rx.delivered < seq <= peer.rx.accepted:
                 waiting.append((len(verdicts), peer, seq))  # in the open batch: ack after commit
@@ -339,7 +336,9 @@ class NodeRelay:
             node.links.ensure(did)  # so the end-to-end ACK can reach the sender
         return verdicts
 
-    def _take(self, data: bytes) -> tuple[_Peer, int]:
+    def _take(self, data: bytes) -> tuple[_Peer, int] | None:
+        """Open one mail and hand its MSG frame on; None if the node does not let its
+        sender link (a session outlives the allow list it was made under)."""
         node = self.node
         env = open_envelope(node.wallet.seed, node.did, data)
         public_key_from_did(env.sender)
@@ -349,9 +348,7 @@ class NodeRelay:
         if env.sender == node.did or not node.sessions.has(env.sender):
             raise ProtocolError("mailbox message from a peer without a session")
         if not node.authorizer(env.sender):
-            # A session outlives the allow list it was made under (a restart without
-            # --allow): what a link would refuse, the mailbox does not take either.
-            raise _NotAllowed(env.sender)
+            return None
         peer = node._peer(env.sender)
         node._on_msg(peer, frame)
         self._count("mailbox_in")
