@@ -227,7 +227,10 @@ async def test_signed_heads_are_kept_and_a_rewritten_log_is_flagged(tmp_path: Pa
             assert alert["reason"] == "same height, different block hash"
             assert alert["presented"]["hash"] == again.hash().hex()
             assert b.heads.peer_heads()[a.did]["hash"] == block.hash().hex()  # the first one stays
-            assert b.metrics.counters["head_equivocations"] == 1
+            # Counted once the writer's commit is back on the loop, just after the row
+            # can be read: waited for, not read at once (CI caught it in between).
+            counters = b.metrics.counters
+            await until(lambda: counters.get("head_equivocations") == 1, what="counted")
     finally:
         await a.stop()
         await b.stop()
