@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from talos.local import wire
 from talos.local.flow import HIGH_WATER, FlowControlled
@@ -59,6 +59,11 @@ _NODE_HOLDS = frozenset({"calls", "app"})
 #: Ops a ``cancel`` ends (besides ``send``): those that wait. The others are short and
 #: write then update state (a peer stored, then kept): cut between, the two disagreed.
 _CANCELLABLE = frozenset({"inbox"})
+
+
+def _is_call_id(value: object) -> TypeGuard[int | str]:
+    """A client's call id a ``cancel`` can name: a string or an integer (not a bool)."""
+    return type(value) is int or type(value) is str
 
 
 class ClientConn(FlowControlled):
@@ -147,11 +152,11 @@ class ClientConn(FlowControlled):
         self._settled()
 
     def _track(self, call_id: Any, call: asyncio.Task[None] | Sending) -> None:
-        if type(call_id) is int or type(call_id) is str:
+        if _is_call_id(call_id):
             self._by_id[call_id] = call
 
     def _untrack(self, call_id: Any, call: asyncio.Task[None] | Sending) -> None:
-        if (type(call_id) is int or type(call_id) is str) and self._by_id.get(call_id) is call:
+        if _is_call_id(call_id) and self._by_id.get(call_id) is call:
             del self._by_id[call_id]
 
     def _cancel(self, args: Any) -> None:
@@ -162,9 +167,7 @@ class ClientConn(FlowControlled):
         MAX_PENDING_CALLS of them, and the node stopped reading the connection.
         """
         call_id = args.get("id") if isinstance(args, dict) else None
-        if type(call_id) is not int and type(call_id) is not str:
-            return
-        call = self._by_id.pop(call_id, None)
+        call = self._by_id.pop(call_id, None) if _is_call_id(call_id) else None
         if isinstance(call, asyncio.Task):
             call.cancel()  # _call raises CancelledError: no reply
         elif call is not None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from talos.config import NodeConfig
 from talos.daemon import Daemon
+from talos.local.conn import ClientConn
+from talos.local.server import SOCKET_NAME
 from talos.node import Node
-from tests.talos.nodes import make_home
+from tests.talos.nodes import make_home, until
 
 
 class Running:
@@ -35,3 +38,17 @@ async def pair(tmp_path: Path) -> tuple[Running, Running]:
     b = await started(*make_home(tmp_path, "b"))
     b.allow(a.did)
     return a, b
+
+
+async def raw_client(
+    node: Running, data: bytes
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, ClientConn]:
+    """A client on ``node``'s socket that writes ``data`` and reads nothing yet, with the
+    node's connection object for it (the node's only client)."""
+    reader, writer = await asyncio.open_unix_connection(str(node.home.path / SOCKET_NAME))
+    writer.write(data)
+    local = node.daemon.local
+    assert local is not None
+    await until(lambda: len(local.conns) == 1, 10, "the client connected")
+    (conn,) = local.conns
+    return reader, writer, conn

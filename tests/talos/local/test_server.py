@@ -25,7 +25,7 @@ from talos.local.peercred import peer_allowed, peer_uid
 from talos.local.server import SOCKET_NAME
 from tests.talos.nodes import addr, link, make_home, until
 
-from .running import Running, started
+from .running import Running, raw_client, started
 from .running import pair as _pair
 
 
@@ -184,13 +184,7 @@ async def _unread_calls(
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Any]:
     """A raw client that sends the CALL ``body`` ``times`` times at once and reads nothing
     yet; with the node's connection object for it."""
-    reader, writer = await asyncio.open_unix_connection(str(node.home.path / SOCKET_NAME))
-    writer.write(wire.encode_json(wire.Kind.CALL, {"id": 1, **body}) * times)
-    local = node.daemon.local
-    assert local is not None
-    await until(lambda: len(local.conns) == 1, 10, "the client connected")
-    (conn,) = local.conns
-    return reader, writer, conn
+    return await raw_client(node, wire.encode_json(wire.Kind.CALL, {"id": 1, **body}) * times)
 
 
 async def _read_replies(reader: asyncio.StreamReader, count: int) -> None:

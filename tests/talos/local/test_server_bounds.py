@@ -17,7 +17,7 @@ from talos.local.client import LocalClient
 from talos.local.server import SOCKET_NAME
 from tests.talos.nodes import link, make_home, until
 
-from .running import pair, started
+from .running import pair, raw_client, started
 
 #: Seconds each test may take; each stops by itself well before.
 LIMIT = 60
@@ -37,11 +37,9 @@ async def test_a_watcher_that_reads_nothing_keeps_the_latest_event_per_link(
         assert local is not None
         hello = wire.encode_json(wire.Kind.CALL, {"id": 0, "op": "hello", "args": {"watch": True}})
         calls = wire.encode_json(wire.Kind.CALL, {"id": 1, "op": "id", "args": {}}) * 100_000
-        reader, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
-        writer.write(hello + calls)  # ~20 MB of replies it does not read yet
         async with asyncio.timeout(LIMIT):
-            await until(lambda: len(local.conns) == 1, 10, "the client connected")
-            (conn,) = local.conns
+            # ~20 MB of replies it does not read yet
+            reader, writer, conn = await raw_client(a, hello + calls)
             await until(lambda: conn.drained is not None, 10, "its replies piling up")
             size = conn.transport.get_write_buffer_size()
             dids = [f"did:example:stranger{i}" for i in range(5_000)]
@@ -74,12 +72,9 @@ async def test_a_client_that_reads_no_replies_is_timed_on_its_unfinished_frame(
     try:
         local = a.daemon.local
         assert local is not None
-        _, writer = await asyncio.open_unix_connection(str(a.home.path / SOCKET_NAME))
         frame = wire.encode_json(wire.Kind.CALL, {"id": 7, "op": "id", "args": {}})
-        writer.write(frame[:5])
         async with asyncio.timeout(LIMIT):
-            await until(lambda: len(local.conns) == 1, 10, "the client connected")
-            (conn,) = local.conns
+            _, writer, conn = await raw_client(a, frame[:5])
             await until(lambda: conn._partial is not None, 10, "the frame timed")
             conn._hold("replies")  # what the transport does once its replies pile up
             await until(lambda: conn not in local.conns, 10, "the connection cut")

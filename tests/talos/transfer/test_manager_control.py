@@ -47,9 +47,7 @@ async def test_a_transfer_waiting_for_its_turn_does_not_hold_the_link(net: Net) 
     chat = _chat(net)
     async with asyncio.timeout(LIMIT):
         async with net.receiver._one_at_a_time(tid):
-            cancel = encode_message(Cancel(tid, "changed my mind"))
-            await net.a.send_app(net.b.did, APP_NAME, cancel)
-            await net.a.send_app(net.b.did, "chat", b"hello")
+            await _cancels_then_chat(net, tid, 1)
             await chat.wait()
             assert net.receiver.get(tid).state is TransferState.PENDING  # the cancel waits
         await until(lambda: net.receiver.get(tid).state is TransferState.CANCELLED, what="cancel")
