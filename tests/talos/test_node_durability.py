@@ -173,8 +173,16 @@ async def test_sender_logs_its_own_record_of_each_acked_message(tmp_path: Path) 
             await until(lambda: b.log.pending_count >= 1, what="B's record appended")
             await asyncio.to_thread(a.log.seal)
             await asyncio.to_thread(b.log.seal)
-            found_a = a.log.find_record(bytes.fromhex(msg_id))
-            found_b = b.log.find_record(bytes.fromhex(msg_id))
+            # Sealed by the call above or by the node's own sealer running meanwhile,
+            # whose seal may still be finishing: waited for, not read at once (CI
+            # once read it in between).
+            rid = bytes.fromhex(msg_id)
+            await until(
+                lambda: a.log.find_record(rid) is not None and b.log.find_record(rid) is not None,
+                what="both records sealed",
+            )
+            found_a = a.log.find_record(rid)
+            found_b = b.log.find_record(rid)
             assert found_a is not None and found_b is not None
             rec_a, rec_b = found_a[2], found_b[2]
             assert (rec_a.kind, rec_a.sender, rec_a.recipient) == ("msg", a.did, b.did)
