@@ -40,8 +40,9 @@ __all__ = [
 
 _log = logging.getLogger("talos.local")
 
-#: A frame begun and not continued for this long ends the connection: an idle client
-#: holds nothing, one stopped mid-frame holds what it sent of it (up to MAX_FRAME).
+#: A frame not complete this long after its first byte ends the connection (time the
+#: node itself holds the client's reading not counted): an idle client holds nothing,
+#: one stopped or trickling mid-frame holds what it sent of it (up to MAX_FRAME).
 PARTIAL_FRAME_TIMEOUT = 30.0
 #: Longest the node waits for a client that claimed an app channel to read what it was
 #: handed: the link's read loop waits with it (frames of one link stay in order), so a
@@ -93,6 +94,8 @@ class ClientConn(FlowControlled):
         self._holds: set[str] = set()
         self._queued = 0  # bytes in _replies
         self._partial: asyncio.TimerHandle | None = None  # PARTIAL_FRAME_TIMEOUT's timer
+        self._frame_left = PARTIAL_FRAME_TIMEOUT  # what the begun frame has left of it
+        self._timed_since = 0.0  # loop time the running timer started
         #: (kind, DID) -> the latest watched event, held while the client does not read
         self._held_events: dict[tuple[str, str], bytes] = {}
 
@@ -120,7 +123,7 @@ class ClientConn(FlowControlled):
             self.event({"event": "refused", "reason": f"malformed local frame: {exc}"})
             self.close()
             return
-        self._time_partial()
+        self._time_partial(new_frame=bool(frames))
         for frame in frames:
             if frame.kind is wire.Kind.APP:
                 assert isinstance(frame.body, wire.AppFrame)
@@ -201,16 +204,24 @@ class ClientConn(FlowControlled):
             if self.transport is not None:
                 self.transport.abort()  # it reads nothing: close() would wait for it
 
-    def _time_partial(self) -> None:
-        """Time the frame the client has begun, except while the node itself holds its
-        reading (calls in progress, a busy link): the rest of the frame then waits in
-        the kernel, not by the client's doing. A client that does not read its own
+    def _time_partial(self, *, new_frame: bool = False) -> None:
+        """Time the frame the client has begun from its first byte (``new_frame``: the
+        bytes pending began after a frame completed), except while the node itself holds
+        its reading (calls in progress, a busy link): the rest of the frame then waits
+        in the kernel, not by the client's doing. A client that does not read its own
         replies is timed on."""
+        loop = self._loop
+        if loop is None:
+            return
         if self._partial is not None:
             self._partial.cancel()
             self._partial = None
-        if self.reader.pending and not (self._holds & _NODE_HOLDS) and self._loop is not None:
-            self._partial = self._loop.call_later(PARTIAL_FRAME_TIMEOUT, self._partial_stale)
+            self._frame_left -= loop.time() - self._timed_since
+        if new_frame or not self.reader.pending:
+            self._frame_left = PARTIAL_FRAME_TIMEOUT
+        if self.reader.pending and not (self._holds & _NODE_HOLDS):
+            self._timed_since = loop.time()
+            self._partial = loop.call_later(max(self._frame_left, 0.0), self._partial_stale)
 
     def _hold(self, why: str) -> None:
         """Stop reading this client's frames until every hold is released."""

@@ -84,6 +84,30 @@ async def test_a_client_that_reads_no_replies_is_timed_on_its_unfinished_frame(
         await a.stop()
 
 
+async def test_a_frame_trickled_a_byte_at_a_time_is_timed_from_its_first_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The timer measures from the frame's first byte, not from its latest: a client
+    # sending one byte now and then used to keep a frame (up to MAX_FRAME) open for ever.
+    monkeypatch.setattr(local_conn, "PARTIAL_FRAME_TIMEOUT", 0.5)
+    a = await started(*make_home(tmp_path, "a"))
+    try:
+        local = a.daemon.local
+        assert local is not None
+        frame = wire.encode_json(wire.Kind.CALL, {"id": 7, "op": "id", "args": {"pad": "x" * 64}})
+        async with asyncio.timeout(LIMIT):
+            _, writer, conn = await raw_client(a, frame[:5])
+            for i in range(5, 45):  # 40 bytes, one each 0.1 s: 8 timeouts' worth
+                if conn not in local.conns:
+                    break
+                writer.write(frame[i : i + 1])
+                await asyncio.sleep(0.1)
+            assert conn not in local.conns, "a trickled frame kept its connection"
+        writer.close()
+    finally:
+        await a.stop()
+
+
 async def test_a_frame_cut_by_the_nodes_own_pause_is_not_timed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
