@@ -47,7 +47,7 @@ from talos.chain.block import (
     head_statement,
     verify_inclusion_proof,
 )
-from talos.chain.record_index import RecordIndex, Step
+from talos.chain.record_index import RecordIndex, Step, record_id_of
 from talos.store import Store, Txn
 from talos.writer import DirectWrites, Writes
 from talos_sdk.errors import MalformedFrameError, UsageError
@@ -430,13 +430,12 @@ class BlockLog:
         """Where a sealed record is: its block, index, and the record itself."""
         in_memory = self._index.in_memory(record_id)  # before the snapshot, see RecordIndex
         with self.store.read() as txn:
-            loc = in_memory or RecordIndex.stored(txn, record_id)
-            if loc is None:
+            place = _sealed_at(txn, in_memory or RecordIndex.stored(txn, record_id), record_id)
+            if place is None:
                 return None
-            height, index = _LOC.unpack(loc)
+            height, index, data = place
             block = txn.get("blocks", block_key(height))
-            data = txn.get("block_records", loc)
-        if block is None or data is None:
+        if block is None:
             return None
         return Block.from_bytes(block), index, Record.from_bytes(data)
 
@@ -447,10 +446,10 @@ class BlockLog:
             raise UnknownRecordError(f"no sealed record with id {record_id.hex()!r}")
         in_memory = self._index.in_memory(record_id)
         with self.store.read() as txn:
-            loc = in_memory or RecordIndex.stored(txn, record_id)
-            if loc is None:
+            place = _sealed_at(txn, in_memory or RecordIndex.stored(txn, record_id), record_id)
+            if place is None:
                 raise UnknownRecordError(f"no sealed record with id {record_id.hex()}")
-            height, index = _LOC.unpack(loc)
+            height, index, _ = place
             block_bytes = txn.get("blocks", block_key(height))
             leaves = [v for _, v in _records_of(txn, height)]
         if block_bytes is None or index >= len(leaves):
@@ -509,6 +508,22 @@ def _records_of(txn: Txn, height: int) -> Iterator[tuple[bytes, bytes]]:
         if key[:8] != prefix:
             return
         yield key, value
+
+
+def _sealed_at(txn: Txn, loc: bytes | None, record_id: bytes) -> tuple[int, int, bytes] | None:
+    """Height, index and bytes of the sealed record ``record_id`` at the index entry
+    ``loc``; None unless a record with that id is stored there (a damaged or forged
+    index row must not answer for another record, or raise)."""
+    if loc is None or len(loc) != _LOC.size:
+        return None
+    data = txn.get("block_records", loc)
+    try:
+        if data is None or record_id_of(data) != record_id:
+            return None
+    except IndexError:  # too short to hold an id
+        return None
+    height, index = _LOC.unpack(loc)
+    return height, index, data
 
 
 def _quarantine_value(reason: str, data: bytes) -> bytes:

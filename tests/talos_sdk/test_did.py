@@ -68,6 +68,8 @@ KEY0 = b58decode(VECTORS[0]["publicKeyBase58"])
         ("did:key:z", "not a valid unsigned varint"),
         # From the W3C did-key-test-suite: a key too short for Ed25519.
         ("did:key:zTjsVPtY", "must be 32 bytes, got 3"),
+        # Refused before decoding: base58 decoding is quadratic in the length.
+        ("did:key:z" + "2" * 65_000, "identifier of 65001 characters"),
     ],
 )
 def test_malformed_dids(bad: str, message: str) -> None:

@@ -18,6 +18,7 @@ from talos.chain.log import (
     run_sealer,
     verify_inclusion_proof,
 )
+from talos.chain.record_index import index_db
 from talos.store import Store
 from talos_sdk.errors import UsageError
 from tests.talos.chain import ALICE, BOB, NODE, audit_record, make_record
@@ -209,6 +210,28 @@ def test_find_record_and_inclusion_proofs(tmp_path: Path) -> None:
     with pytest.raises(UnknownRecordError):
         log.inclusion_proof(b"\x00" * 16)
     assert log.find_record(b"\x00" * 16) is None
+    store.close()
+
+
+def test_a_forged_or_damaged_index_row_answers_for_no_record(tmp_path: Path) -> None:
+    # The index is data on disk like any other: a row naming another record's place
+    # must not make a proof of that record pass for the one asked about, and a row of
+    # the wrong length is "no sealed record", not a struct error.
+    store, log = open_log(tmp_path, max_records=4)
+    records = [make_record(i) for i in range(8)]
+    for r in records:
+        log.append(r)
+    log.seal()
+    log.flush_index()
+    never_sealed = bytes.fromhex("00112233445566778899aabbccddeeff")
+    with store.write() as txn:
+        txn.put(index_db(txn), never_sealed, record_key(1, 2))
+        txn.put(index_db(txn), records[1].record_id, b"\x00\x00\x01")
+    for rid in (never_sealed, records[1].record_id):
+        with pytest.raises(UnknownRecordError):
+            log.inclusion_proof(rid)
+        assert log.find_record(rid) is None
+    assert verify_inclusion_proof(log.inclusion_proof(records[6].record_id), NODE.did)
     store.close()
 
 
