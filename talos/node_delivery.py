@@ -40,7 +40,7 @@ from talos.node_base import Incoming, NodeBase, OnCommitted, Peer
 from talos.node_send import Done, Sending, until_done
 from talos.peer_pipeline import UNSENT_BATCH, Failed, Received, Retry
 from talos.pipeline import MessageTooLargeError
-from talos.sessions import MessageSignatureError, UnsignedMessageError
+from talos.sessions import MessageSignatureError, UnknownSessionError, UnsignedMessageError
 from talos.store import Txn
 from talos_sdk.errors import ProtocolError, StorageError, StorageFullError, UsageError
 
@@ -389,7 +389,12 @@ class NodeDelivery(NodeBase):
         ready = self.prepare_row(peer, row)
         if ready is None:
             return True
-        body, record = self.sessions.seal_message(peer.did, ready)
+        try:
+            body, record = self.sessions.seal_message(peer.did, ready)
+        except UnknownSessionError:
+            # The session went while the link was still ready (a resync under way): the
+            # row is queued already, so the caller hears nothing here; the next session sends it.
+            return False
         peer.on_sent(ready, record, time.monotonic())
         frame = wire.encode(wire.Msg(ready.seq, body))
         try:

@@ -31,6 +31,7 @@ from talos.link.refusals import DEFER_WHY, UNREACHABLE, LinkProblem
 from talos.logging import event
 from talos.node_apps import ConnectTimeoutError
 from talos.node_base import NodeBase, Peer
+from talos.sessions import UnknownSessionError
 from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
@@ -294,6 +295,12 @@ class NodeLinks(NodeBase):
         max_frame = self.config.max_frame
         while True:
             data = await link.recv()
+            if peer.link is not link:
+                # A link replaced by a newer one is read only until it has closed: what
+                # it still carries is stale (an attacker may have held it back, and a
+                # late SESSION_OFFER dropped the live session); the live link resends.
+                self.metrics.inc("frames_stale")
+                continue
             try:
                 frame = wire.decode(data, max_frame)
                 if isinstance(frame, wire.Msg):
@@ -325,6 +332,9 @@ class NodeLinks(NodeBase):
                 self._frame_lost(peer, "frames_rejected", "frame_rejected", logging.WARNING, exc)
                 if isinstance(exc, DecryptionError) and peer.decrypt_failed():
                     await self._resync(peer, link)
+                    return
+                if isinstance(exc, UnknownSessionError) and peer.ready.is_set():
+                    await self._resync(peer, link)  # a ready link without a session: re-key
                     return
             except (ConnectionClosed, asyncio.CancelledError):
                 raise
@@ -370,6 +380,8 @@ class NodeLinks(NodeBase):
             return  # ready once the peer's SESSION_ACK shows it accepted the init
         if self.sessions.has(peer.did):
             self._set_ready(peer)
+        elif peer.ready.is_set():
+            self._set_down(peer)  # the offer replaced the session: ready again with its init
 
     async def _setup_failed(self, peer: Peer, link: Link, exc: TalosError) -> None:
         """A link without a session is useless: close it so the next one sets up afresh."""
@@ -383,6 +395,8 @@ class NodeLinks(NodeBase):
             error=str(exc),
         )
         self.sessions.drop(peer.did)
+        if peer.link is link:
+            self._set_down(peer)  # no sends sealed for a session that is gone
         with contextlib.suppress(ConnectionClosed):
             await link.close(CLOSE_PROTOCOL, f"session setup failed: {exc}")
 

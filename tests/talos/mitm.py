@@ -79,3 +79,90 @@ async def relay_to(target: str, tamper: Tamper = honest) -> AsyncIterator[Relay]
     async with serve(relay._handler, "127.0.0.1", 0, compression=None, max_size=None) as server:
         relay.server = server
         yield relay
+
+
+def client_frames(buf: bytearray) -> list[bytes]:
+    """Complete WebSocket frames (client to server: masked) cut off the front of ``buf``."""
+    out: list[bytes] = []
+    while len(buf) >= 2:
+        size, at = buf[1] & 0x7F, 2
+        if size >= 126:
+            width = 2 if size == 126 else 8
+            if len(buf) < 2 + width:
+                break
+            size, at = int.from_bytes(buf[2 : 2 + width], "big"), 2 + width
+        at += 4 if buf[1] & 0x80 else 0
+        if len(buf) < at + size:
+            break
+        out.append(bytes(buf[: at + size]))
+        del buf[: at + size]
+    return out
+
+
+@dataclass
+class Delayer:
+    """A TCP relay to ``port`` that, on the first connection only, holds the dialler's
+    frames after the handshake (``held``) instead of passing them on; every later
+    connection is relayed untouched. :meth:`cut_dialler` drops the dialler's side of
+    the first connection while the listener's stays open and silent, so the listener
+    closes that link without an answer: what a network path that delays, then loses,
+    a connection looks like. :meth:`release` then delivers a held frame, late."""
+
+    port: int
+    held: list[bytes] = field(default_factory=list)
+    _first: tuple[asyncio.StreamWriter, asyncio.StreamWriter] | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _writers: list[asyncio.StreamWriter] = field(default_factory=list)
+
+    async def _copy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+
+    async def handle(self, ar: asyncio.StreamReader, aw: asyncio.StreamWriter) -> None:
+        br, bw = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers += (aw, bw)
+        if self._first is not None:
+            await asyncio.gather(self._copy(ar, bw), self._copy(br, aw))
+            return
+        self._first = (aw, bw)
+        task = asyncio.ensure_future(self._copy(br, aw))
+        self._tasks.add(task)
+        buf = bytearray()
+        while b"\r\n\r\n" not in buf:
+            data = await ar.read(1 << 16)
+            if not data:
+                return
+            buf += data
+        head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+        bw.write(head + b"\r\n\r\n")  # the HTTP upgrade
+        buf, passed = bytearray(rest), 0
+        with contextlib.suppress(OSError):
+            while True:
+                for frame in client_frames(buf):
+                    if passed < 2:  # handshake messages 1 and 3
+                        bw.write(frame)
+                        passed += 1
+                    else:
+                        self.held.append(frame)
+                data = await ar.read(1 << 16)
+                if not data:
+                    return
+                buf += data
+
+    def cut_dialler(self) -> None:
+        assert self._first is not None
+        for task in self._tasks:
+            task.cancel()  # the listener's side is read no more: its close goes unanswered
+        self._first[0].transport.abort()
+
+    def release(self, index: int) -> None:
+        assert self._first is not None
+        self._first[1].write(self.held[index])
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for writer in self._writers:
+            writer.transport.abort()

@@ -23,7 +23,7 @@ from talos.link.handshake import CLOSE_BAD_PROOF
 from talos.node import CLOSE_TRY_AGAIN, Node
 from talos.node_delivery import HEARTBEAT_IDLE
 from talos_sdk.did import public_key_from_did
-from tests.talos.mitm import Tamper, relay_to
+from tests.talos.mitm import Delayer, Tamper, relay_to
 from tests.talos.nodes import make_home, started, until
 
 #: Sealed frames start at index 2 in each direction (after the handshake messages).
@@ -259,3 +259,39 @@ async def test_a_tampered_handshake_on_every_dial_does_not_end_a_wait_as_a_refus
         assert relay.connections >= 2  # it kept dialling, refused each time
         tampering["on"] = False
         await until(lambda: [m.text for m in b.inbox()] == ["kept"], 30, "delivered")
+
+
+async def test_a_delayed_frame_of_a_replaced_link_changes_nothing(tmp_path: Path) -> None:
+    # The attacker only delays: it holds the dialler's SESSION_OFFER on the first link,
+    # loses that connection (the dialler redials, a new session comes up on link 2),
+    # then hands the held offer, authentic and in order, to the listener's end of the
+    # first link, which the listener is still closing. It used to be taken as current:
+    # the listener dropped the live session and the ready link carried nothing again.
+    x = await started(*make_home(tmp_path, "x"))
+    y = await started(*make_home(tmp_path, "y"))
+    a, b = (x, y) if x.did < y.did else (y, x)  # a opens the session (X3DH initiator)
+    try:
+        async with asyncio.timeout(60):
+            assert b.listen_url is not None
+            delayer = Delayer(int(b.listen_url.rsplit(":", 1)[1]))
+            proxy = await asyncio.start_server(delayer.handle, "127.0.0.1", 0)
+            port = proxy.sockets[0].getsockname()[1]
+            b.allow(a.did)
+            await a.add_peer(f"ws://127.0.0.1:{port}#{b.did}")
+            await until(lambda: len(delayer.held) >= 1, 20, "a's offer held")
+            delayer.cut_dialler()
+            await until(lambda: a.is_connected(b.did) and b.is_connected(a.did), 20, "link 2")
+            delayer.release(0)
+            await until(
+                lambda: b.metrics.counters.get("frames_stale", 0) >= 1 or not b.sessions.has(a.did),
+                20,
+                "the late offer read",
+            )
+            assert b.sessions.has(a.did), "a late frame of the replaced link dropped the session"
+            await a.send_message(b.did, "after the late offer", wait=True, timeout=20)
+            await b.send_message(a.did, "and back", wait=True, timeout=20)
+            proxy.close()
+            delayer.close()
+    finally:
+        await a.stop()
+        await b.stop()
