@@ -41,6 +41,7 @@ from talos.chain.block import Record
 from talos.link import wire
 from talos.pipeline import OutboxEntry
 from talos.store import Txn
+from talos_sdk.budget import TokenBucket
 from talos_sdk.bundle import (
     MAX_ONE_TIME,
     SUITE_HYBRID,
@@ -50,7 +51,7 @@ from talos_sdk.bundle import (
 from talos_sdk.errors import BundleError, MalformedFrameError, ProtocolError, UsageError
 from talos_sdk.frames import Frame, RatchetFrameCrypto
 from talos_sdk.prekeys import MAX_PQ_ONE_TIME, PrekeySecrets
-from talos_sdk.ratchet import Session
+from talos_sdk.ratchet import MAX_SKIP, Session
 from talos_sdk.wallet import Wallet, verify_with_public_key
 
 __all__ = [
@@ -67,6 +68,14 @@ _SECRETS_KEY = b"secrets"
 _APP_AD = b"talos/app/v1"
 _SID_LEN = 16
 _U16 = struct.Struct(">H")
+#: Skipped-key derivations a peer's headers may make this node do: a burst of two
+#: whole chains' MAX_SKIP (messages lost on both, the worst honest case), refilled
+#: at 200 a second. Forged headers cost ~1 us of HMAC per key before failing: a
+#: peer sending them is held to ~0.2 ms of CPU a second, where it had 2.4 ms a frame.
+SKIP_BURST = 2 * MAX_SKIP
+SKIP_RATE = 200.0
+#: Peers whose budgets are kept (a re-keyed session keeps its peer's): the oldest go.
+_MAX_BUDGETS = 4096
 _U64 = struct.Struct(">Q")
 _MSG_HEAD = 16 + _U64.size
 MSG_FRAME_TYPE = 1  # talos_sdk.frames Frame.type of a durable text message
@@ -177,6 +186,7 @@ class SessionManager:
         self._reserved: dict[str, int] = {}
         self._reserved_pq: dict[str, int] = {}
         self._signer = _KeepingSigner(wallet)
+        self._skip_budgets: dict[str, TokenBucket] = {}
 
     # --- persistence ---------------------------------------------------------------------------
 
@@ -371,6 +381,12 @@ class SessionManager:
         session.check_policy()
 
     def _install(self, peer: str, sid: bytes, session: Session) -> None:
+        budget = self._skip_budgets.get(peer)
+        if budget is None:
+            if len(self._skip_budgets) >= _MAX_BUDGETS:
+                del self._skip_budgets[next(iter(self._skip_budgets))]
+            budget = self._skip_budgets[peer] = TokenBucket(SKIP_RATE, SKIP_BURST, self._clock)
+        session.skip_budget = budget.take
         self._entries[peer] = _Entry(sid, session)
         self._dirty.add(peer)
 

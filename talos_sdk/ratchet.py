@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
@@ -58,7 +57,7 @@ from talos_sdk.ratchet_state import (
     state_to_dict,
 )
 from talos_sdk.wallet import Wallet
-from talos_sdk.x3dh import InitialData
+from talos_sdk.x3dh import InitialData, PeerIdentity
 from talos_sdk.x3dh import initiate as x3dh_initiate
 from talos_sdk.x3dh import respond as x3dh_respond
 
@@ -97,15 +96,6 @@ def _open(mk: bytes, n: int, ciphertext: bytes, aad: bytes) -> bytes:
         raise DecryptionError() from None
 
 
-@dataclass(frozen=True, slots=True)
-class PeerIdentity:
-    """Who the session talks to: DID, its Ed25519 key, and its X25519 identity key."""
-
-    did: str
-    signing_key: bytes
-    identity_dh: bytes
-
-
 class Session:
     """One Double Ratchet session with one peer. Not thread-safe; persist with
     :meth:`to_bytes` / :meth:`to_dict` after every call that changed it."""
@@ -132,6 +122,7 @@ class Session:
         "peer_identity",
         "ratchet_every",
         "ratchet_max_age",
+        "skip_budget",
         "suite",
     )
 
@@ -182,6 +173,9 @@ class Session:
         self._skipped: dict[tuple[bytes, int], bytes] = dict(skipped or {})
         self._rng = rng
         self._first_dh: tuple[bytes, bytes] | None = None
+        #: The owner's ``take(n) -> bool`` for n skipped-key derivations, asked before
+        #: a message that needs them is tried: a forged header costs them anyway.
+        self.skip_budget: Callable[[int], bool] | None = None
 
     # --- construction ------------------------------------------------------
 
@@ -223,7 +217,7 @@ class Session:
         session = cls(
             suite=x.suite,
             local_did=wallet.did,
-            peer_identity=PeerIdentity(x.peer_did, x.peer_signing_key, x.peer_identity_dh),
+            peer_identity=x.peer,
             ad=x.associated_data,
             rk=rk,
             dhs=dhs,
@@ -270,7 +264,7 @@ class Session:
         session = cls(
             suite=x.suite,
             local_did=wallet.did,
-            peer_identity=PeerIdentity(x.peer_did, x.peer_signing_key, x.peer_identity_dh),
+            peer_identity=x.peer,
             ad=x.associated_data,
             rk=x.shared_secret,
             dhs=(b"", x.responder_spk),
@@ -429,7 +423,7 @@ class Session:
         if dh == self._dhr:
             # No receiving chain yet (an initiator that has heard nothing): a header
             # naming the peer's public prekey is forged, not a bug.
-            if self._ckr is None or n < self._nr or n - self._nr > MAX_SKIP:
+            if self._ckr is None or n < self._nr or not self._may_skip(n - self._nr):
                 raise DecryptionError()
             ck = self._ckr
             for i in range(self._nr, n):
@@ -442,15 +436,14 @@ class Session:
         else:
             # A new peer ratchet key: finish the old receiving chain up to PN, then
             # step the root chain once (the receiving half of DHRatchet).
-            if n > MAX_SKIP:
+            old_ck, dhr = self._ckr, self._dhr
+            behind = max(pn - self._nr, 0) if old_ck is not None and dhr is not None else 0
+            if behind > MAX_SKIP or not self._may_skip(n, behind):
                 raise DecryptionError()
-            if self._ckr is not None and self._dhr is not None:
-                if pn - self._nr > MAX_SKIP:
-                    raise DecryptionError()
-                ck = self._ckr
+            if old_ck is not None and dhr is not None:
                 for i in range(self._nr, pn):
-                    mk, ck = kdf_ck(ck)
-                    new_skipped.append(((self._dhr, i), mk))
+                    mk, old_ck = kdf_ck(old_ck)
+                    new_skipped.append(((dhr, i), mk))
             if self._first_dh is not None and self._first_dh[0] == dh:
                 dh_out = self._first_dh[1]
             else:
@@ -480,6 +473,11 @@ class Session:
                 del skipped[next(iter(skipped))]
         self._initial = b""  # the peer has the session: stop resending X3DH data
         return plaintext
+
+    def _may_skip(self, count: int, more: int = 0) -> bool:
+        """``count`` <= MAX_SKIP, and the owner's budget pays for ``count + more`` keys."""
+        budget, total = self.skip_budget, count + more
+        return count <= MAX_SKIP and (total <= 0 or budget is None or budget(total))
 
     # --- persistence -------------------------------------------------------
 

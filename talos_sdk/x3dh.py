@@ -47,6 +47,7 @@ __all__ = [
     "INFO_HYBRID",
     "INFO_X25519",
     "InitialData",
+    "PeerIdentity",
     "X3DHResult",
     "initiate",
     "respond",
@@ -116,6 +117,15 @@ class InitialData:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerIdentity:
+    """Who a session talks to: DID, its Ed25519 key, and its X25519 identity key."""
+
+    did: str
+    signing_key: bytes
+    identity_dh: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class X3DHResult:
     """The agreed secret plus what the Double Ratchet needs to start.
 
@@ -133,6 +143,10 @@ class X3DHResult:
     peer_signing_key: bytes
     peer_identity_dh: bytes
     responder_spk: bytes
+
+    @property
+    def peer(self) -> PeerIdentity:
+        return PeerIdentity(self.peer_did, self.peer_signing_key, self.peer_identity_dh)
 
 
 def _kdf(suite: str, parts: list[bytes]) -> bytes:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import struct
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +21,12 @@ from talos.link import wire
 from talos.link.handshake import CLOSE_PROTOCOL
 from talos.link.peer import Link, LinkSettings, dial_link
 from talos.node import Node
-from talos.sessions import MSG_FRAME_TYPE, SessionManager
+from talos.sessions import MSG_FRAME_TYPE, SKIP_BURST, SessionManager
 from talos.store import Store
+from talos_sdk import ratchet
+from talos_sdk.bundle import x25519_keypair
 from talos_sdk.frames import Frame, RatchetFrameCrypto
+from talos_sdk.ratchet import MAX_SKIP
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import link, make_home, started, until
 
@@ -264,6 +269,39 @@ async def test_sessions_out_of_step_are_rekeyed(victim: Node, rogue: Rogue) -> N
         assert rogue.link is not None
         await rogue.link.send(b"\x30" + rogue.sessions.seal_app(victim.did, "t", b"in step"))
         await until(lambda: got == [b"in step"], what="frame on the new session")
+
+
+async def test_forged_headers_cost_the_node_a_bounded_number_of_key_derivations(
+    victim: Node, rogue: Rogue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A forged header may ask for MAX_SKIP derivations on each of two chains before its
+    # tag is checked (~2.4 ms of CPU for an 82-byte frame). Fifteen of them and one real
+    # frame, again and again, never made the 16-in-a-row re-key; the peer's skip budget
+    # (talos/sessions.py SKIP_BURST, SKIP_RATE) now pays for them, and is soon empty.
+    derived = [0]
+    real_kdf_ck = ratchet.kdf_ck
+
+    def counting(ck: bytes) -> tuple[bytes, bytes]:
+        derived[0] += 1
+        return real_kdf_ck(ck)
+
+    monkeypatch.setattr(ratchet, "kdf_ck", counting)
+    got: list[bytes] = []
+    victim.register_app("t", lambda did, payload: got.append(payload))
+    async with asyncio.timeout(60):
+        link = await rogue.connect(victim)
+        await rogue.establish(victim)
+        for round_ in range(10):
+            for _ in range(15):
+                _, fresh = x25519_keypair()
+                head = struct.pack(">B32sII", 1, fresh, MAX_SKIP, MAX_SKIP)
+                await link.send(b"\x30" + head + os.urandom(40))
+            await link.send(b"\x30" + rogue.sessions.seal_app(victim.did, "t", b"%d" % round_))
+        await until(lambda: len(got) == 10, what="the real frames")
+        # 150 forged frames asked for ~300,000; the budget and a little refill paid for
+        # fewer than three frames' worth.
+        assert derived[0] < SKIP_BURST + 3 * MAX_SKIP, derived[0]
+        assert victim.is_connected(rogue.wallet.did)
 
 
 def first_message(sender: str, recipient: str, text: bytes) -> Frame:
