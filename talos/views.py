@@ -59,6 +59,7 @@ def report_json(report: VerifyReport, quarantined: Iterable[Quarantined] = ()) -
             {"code": d.code, "height": d.height, "index": d.index, "message": d.message}
             for d in report.defects
         ],
+        "defects_omitted": report.omitted,
         "quarantined": [quarantined_json(q) for q in quarantined],
     }
 

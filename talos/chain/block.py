@@ -410,12 +410,12 @@ def collect_block_defects(
 
     ``auth_key``: see :func:`block_signature_problem`.
     """
-    h = block.height
+    # Defects are placed where the block is stored, not where its (maybe damaged)
+    # header says: one flipped height bit put them at block 72057594037927937.
+    h = block.height if expected_height is None else expected_height
     out: list[ChainDefect] = []
-    if expected_height is not None and h != expected_height:
-        out.append(
-            BlockHeightError(f"header says height {h}, expected {expected_height}", height=h)
-        )
+    if block.height != h:
+        out.append(BlockHeightError(f"header says height {block.height}, expected {h}", height=h))
     if block.prev_hash != prev_hash:
         out.append(
             BlockLinkError(

@@ -44,7 +44,7 @@ import os
 import struct
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,9 +73,9 @@ PARALLEL_THRESHOLD = 4096
 #: Records per chunk handed to a worker: ~0.1 s of Ed25519 on one core, so a
 #: slow (shared) core holds up little and the pickling (~0.5 MB) is amortised.
 CHUNK_RECORDS = 2048
-#: A run of missing heights longer than this is one defect, not one per height
-#: (a corrupt key far beyond the tip must not make the walk take forever).
-MAX_GAP_REPORTED = 4096
+#: Defects listed in a report; more are counted (``VerifyReport.omitted``): a store
+#: damaged throughout must not make the report as large as the log.
+MAX_DEFECTS = 10_000
 
 
 class RecordIndexError(ChainDefect):
@@ -108,10 +108,27 @@ class VerifyReport:
     head_hash: bytes | None
     defects: tuple[Defect, ...] = field(default=())
     workers: int = 1
+    omitted: int = 0  # defects found beyond MAX_DEFECTS, not listed
 
     @property
     def ok(self) -> bool:
         return not self.defects
+
+
+class _Found(list[Defect]):
+    """The defects found: the first :data:`MAX_DEFECTS` kept, the others counted."""
+
+    omitted = 0
+
+    def append(self, defect: Defect) -> None:
+        if len(self) < MAX_DEFECTS:
+            super().append(defect)
+        else:
+            self.omitted += 1
+
+    def extend(self, defects: Iterable[Defect]) -> None:
+        for defect in defects:
+            self.append(defect)
 
 
 # The node's ML-DSA-65 key and the first height it must sign (bytes: picklable).
@@ -208,14 +225,14 @@ class _LogWalk:
         prev: bytes | None = GENESIS_PREV
         while block is not None or record is not None:
             present = min(x[0] for x in (block, record) if x is not None)
-            if present - height > MAX_GAP_REPORTED:
+            if present > height:
+                # A run of heights with nothing stored is one defect, however long:
+                # junk keys far apart must not cost a job and a defect per height.
+                where = (
+                    "this height" if present == height + 1 else f"heights {height}..{present - 1}"
+                )
                 self._defects.append(
-                    Defect(
-                        "missing_block",
-                        height,
-                        None,
-                        f"no block stored at heights {height}..{present - 1}",
-                    )
+                    Defect("missing_block", height, None, f"no block stored at {where}")
                 )
                 height, prev = present, None
             raw = None
@@ -358,7 +375,7 @@ def _verify(
     parallel_threshold: int,
     mldsa65_public_key: bytes | None,
 ) -> VerifyReport:
-    defects: list[Defect] = []
+    defects = _Found()
     n = workers if workers is not None else (os.cpu_count() or 1)
     with store.read() as txn:
         since_raw = txn.get("meta", HYBRID_SINCE_KEY)
@@ -384,6 +401,7 @@ def _verify(
         head_hash=walk.head_hash,
         defects=tuple(defects),
         workers=max(n, 1),
+        omitted=defects.omitted,
     )
 
 

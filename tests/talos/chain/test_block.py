@@ -173,10 +173,10 @@ def test_each_block_defect_is_named_with_its_place() -> None:
         with pytest.raises(exc) as info:
             validate_block(**args)
         assert isinstance(info.value, ChainError)
-        assert info.value.height == 3
+        assert info.value.height == args["expected_height"]  # where it is stored
         return info.value
 
-    assert "expected 2" in str(fails(BlockHeightError, expected_height=2))
+    assert "header says height 3, expected 2" in str(fails(BlockHeightError, expected_height=2))
     fails(BlockLinkError, prev_hash=b"\x22" * 32)
     fails(BlockNodeError, node_did=ALICE.did)
     fails(RecordCountError, records=records[:3])

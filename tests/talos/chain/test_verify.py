@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from talos.chain import verify
 from talos.chain.block import Block, Record
 from talos.chain.log import BlockLog, block_key, record_key
 from talos.chain.record_index import index_db
@@ -312,13 +313,35 @@ def test_block_far_beyond_the_tip_is_one_gap_defect(chain: tuple[Store, BlockLog
     report = verify_chain(store, NODE.did, workers=1)
     gap = [(d.code, d.height, d.message) for d in report.defects if d.code == "missing_block"]
     assert gap == [("missing_block", BLOCKS, f"no block stored at heights {BLOCKS}..{2**40 - 1}")]
-    # The copied block itself is judged where its header says it is.
+    # The copied block is judged where it is stored, not where its header says.
     assert {(d.code, d.height) for d in report.defects} - {("missing_block", BLOCKS)} == {
-        ("height", BLOCKS - 1),
-        ("merkle_root", BLOCKS - 1),
-        ("record_count", BLOCKS - 1),
+        ("height", 2**40),
+        ("merkle_root", 2**40),
+        ("record_count", 2**40),
     }  # no prev_link: the block before it is missing, there is no link to check
     assert report.blocks == 2**40 + 1
+
+
+def test_junk_keys_a_few_heights_apart_cost_one_defect_each(
+    chain: tuple[Store, BlockLog], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every run of missing heights is one defect, short or long, and the report lists
+    at most MAX_DEFECTS: 1,000 junk keys 4,096 heights apart made 4 million defects."""
+    store, log = chain
+    tip = log.get_block(log.height)
+    assert tip is not None
+    with store.write() as txn:
+        for i in range(1, 41):
+            txn.put("blocks", block_key(BLOCKS + i * 100), tip.to_bytes())
+    report = verify_chain(store, NODE.did, workers=1)
+    gaps = [d for d in report.defects if d.code == "missing_block"]
+    assert len(gaps) == 40 and report.omitted == 0
+    assert gaps[0].message == f"no block stored at heights {BLOCKS}..{BLOCKS + 99}"
+    assert report.blocks == BLOCKS + 4001
+    monkeypatch.setattr(verify, "MAX_DEFECTS", 50)
+    capped = verify_chain(store, NODE.did, workers=1)
+    assert len(capped.defects) == 50 and capped.omitted == len(report.defects) - 50
+    assert not capped.ok
 
 
 def test_chunk_runner_outside_a_pool_refuses() -> None:
