@@ -29,7 +29,7 @@ import orjson
 from mcp_proxy.audit import RECORD_KIND
 from mcp_proxy.audit_record import BATCH_VERSION
 from talos.logging import escape
-from talos_sdk.errors import UsageError
+from talos_sdk.errors import MalformedFrameError, UsageError
 
 __all__ = [
     "AuditEntry",
@@ -177,15 +177,29 @@ def record_entries(record: Any, height: int | None) -> list[AuditEntry]:
     )
 
 
+def unreadable_entry(height: int | None, key: str, error: str) -> AuditEntry:
+    """A stored record that does not decode (a damaged or edited store), shown where
+    it is instead of ending the listing; ``talosd chain verify`` says more."""
+    detail = f"{error}; run talosd chain verify"
+    return AuditEntry(
+        0, height, key, {"event": "record", "outcome": "unreadable", "detail": detail}, b""
+    )
+
+
 def _read_from_node(home: Path) -> list[AuditEntry]:
     """The records as the running node of ``home`` reads them, a page at a time."""
     from talos.local.call import call
 
     pending: dict[str, list[AuditEntry]] = {}
     sealed: dict[str, list[AuditEntry]] = {}
+    unreadable: list[AuditEntry] = []
     after: str | None = None
     while True:
         page = call(home, "log.records", {"kind": RECORD_KIND, "after": after})
+        unreadable += (
+            unreadable_entry(bad["height"], str(bad["key"]), str(bad["error"]))
+            for bad in page.get("unreadable", ())
+        )
         for row in page["records"]:
             entries = entries_of(
                 commitment=base64.b64decode(row["commitment"]),
@@ -204,6 +218,7 @@ def _read_from_node(home: Path) -> list[AuditEntry]:
     return [
         *(e for entries in sealed.values() for e in entries),
         *(e for rid, entries in pending.items() if rid not in sealed for e in entries),
+        *unreadable,
     ]
 
 
@@ -225,10 +240,15 @@ def read_entries(home: Path) -> list[AuditEntry]:
     out: list[AuditEntry] = []
     try:
         with store.read() as txn:
-            for key, leaf in txn.items("block_records"):
-                out += record_entries(Record.from_bytes(leaf), int.from_bytes(key[:8], "big"))
-            for _, encoded in txn.items("pending"):
-                out += record_entries(Record.from_bytes(encoded), None)
+            for db in ("block_records", "pending"):
+                for key, data in txn.items(db):
+                    height = int.from_bytes(key[:8], "big") if db == "block_records" else None
+                    try:
+                        record = Record.from_bytes(data)
+                    except MalformedFrameError as exc:
+                        out.append(unreadable_entry(height, key.hex(), str(exc)))
+                        continue
+                    out += record_entries(record, height)
     finally:
         store.close()
     return out

@@ -295,6 +295,13 @@ def _audit(args: argparse.Namespace) -> None:
         else:
             print(format_entry(entry))
     sys.stdout.flush()
+    unreadable = sum(1 for e in entries if e.body.get("outcome") == "unreadable")
+    if unreadable:  # said whatever the filters: damage must not hide behind them
+        print(
+            f"talos-proxy: WARNING: {unreadable} stored record(s) could not be read"
+            " (outcome 'unreadable'); run talosd chain verify",
+            file=sys.stderr,
+        )
     if not entries:  # on stderr: stdout stays the (empty) listing a script reads
         print(
             f"talos-proxy: no audit records in {args.home}; they are kept by the serving side "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from talos import pipeline as pl
-from talos.chain.log import BlockLog
+from talos.chain.log import BlockLog, read_quarantine
 from talos.chain.verify import verify_chain
 from talos.config import Home, NodeConfig, parse_peer_addr
 from talos.keys import is_encrypted, key_file_did, key_file_suite, unlock
@@ -192,7 +192,7 @@ def offline_verify(home: Home, owner: LogOwner) -> dict[str, Any]:
     identity, mldsa = owner
     with _offline_store(home) as store:
         report = verify_chain(store, identity.did, mldsa65_public_key=mldsa)
-        return report_json(report, BlockLog(store, identity).quarantined())
+        return report_json(report, read_quarantine(store))
 
 
 def offline_blocks(home: Home, owner: LogOwner) -> list[dict[str, Any]]:

@@ -62,6 +62,7 @@ __all__ = [
     "Quarantined",
     "UnknownRecordError",
     "block_key",
+    "read_quarantine",
     "record_key",
     "run_sealer",
     "verify_inclusion_proof",
@@ -468,8 +469,14 @@ class BlockLog:
 
     def quarantined(self) -> list[Quarantined]:
         """Records refused at sealing, oldest first."""
-        with self.store.read() as txn:
-            return [_quarantine_entry(v) for _, v in txn.items("quarantine")]
+        return read_quarantine(self.store)
+
+
+def read_quarantine(store: Store) -> list[Quarantined]:
+    """Records refused at sealing, oldest first, read without opening the log (whose
+    newest block may be the damage an audit is looking for)."""
+    with store.read() as txn:
+        return [_quarantine_entry(v) for _, v in txn.items("quarantine")]
 
 
 def _no_write(txn: Txn) -> None:

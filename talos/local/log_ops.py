@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from talos.chain.block import Record
-from talos_sdk.errors import UsageError
+from talos_sdk.errors import MalformedFrameError, UsageError
 
 if TYPE_CHECKING:
     from talos.local.ops import LocalHost
@@ -128,6 +128,9 @@ async def op_log_records(host: LocalHost, args: dict[str, Any]) -> Any:
     except ValueError:
         raise UsageError("'after' must be the 'next' of a previous page") from None
     out: list[dict[str, Any]] = []
+    # Records that do not decode (a damaged or edited store): said, not fatal, so a
+    # reader still gets every record that does (talosd chain verify names the damage).
+    unreadable: list[dict[str, Any]] = []
     last = start
     scanned = 0
     with node.store.read() as txn:
@@ -137,12 +140,21 @@ async def op_log_records(host: LocalHost, args: dict[str, Any]) -> Any:
                 continue
             last = key
             scanned += 1
-            record = Record.from_bytes(value)
+            height = None if phase == "p" else int.from_bytes(key[:8], "big")
+            try:
+                record = Record.from_bytes(value)
+            except MalformedFrameError as exc:
+                unreadable.append({"height": height, "key": key.hex(), "error": str(exc)})
+                continue
             if record.kind == kind:
-                height = None if phase == "p" else int.from_bytes(key[:8], "big")
                 out.append(_entry(record, height))
             if len(out) >= MAX_PAGE or scanned >= MAX_SCAN:
-                return {"records": out, "next": f"{phase}:{last.hex()}"}
-    if phase == "p":
-        return {"records": out, "next": "s:"}
-    return {"records": out, "next": None}
+                return _page(out, unreadable, f"{phase}:{last.hex()}")
+    return _page(out, unreadable, "s:" if phase == "p" else None)
+
+
+def _page(records: list[dict[str, Any]], bad: list[dict[str, Any]], after: str | None) -> Any:
+    page: dict[str, Any] = {"records": records, "next": after}
+    if bad:
+        page["unreadable"] = bad
+    return page

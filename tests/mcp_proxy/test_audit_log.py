@@ -10,7 +10,7 @@ import pytest
 from mcp_proxy.audit import Auditor, AuditRecord, BlockLogSink, Event
 from mcp_proxy.audit_log import AuditFilter, format_entry, parse_since, read_entries, select
 from mcp_proxy.nodehost import ensure_home
-from talos.chain.log import BlockLog
+from talos.chain.log import BlockLog, record_key
 from talos.config import Home
 from talos.store import Store
 from talos_sdk.errors import UsageError
@@ -78,6 +78,31 @@ async def test_sealed_and_pending_records_are_read_and_filtered(tmp_path: Path) 
     line = format_entry(entries[6])
     assert "session" in line and "exited" in line and "(x)" in line and "block 0" in line
     assert "pending" in format_entry(entries[7])
+
+
+async def test_a_record_that_does_not_decode_is_listed_as_unreadable(tmp_path: Path) -> None:
+    # One damaged record ended the whole listing ("record truncated"), hiding every
+    # audit entry: it is now an entry of its own, where it is stored.
+    ensure_home(tmp_path)
+    home = Home(tmp_path)
+    store = Store(home.store_dir)
+    log = BlockLog(store, load_wallet(home.identity))
+    auditor = Auditor(BlockLogSink(log, log.node_did))
+    await auditor.start()
+    for i in range(3):
+        auditor.submit(record(i))
+        await auditor.stop()  # one record each
+        await auditor.start()
+    await auditor.stop()
+    log.seal()
+    with store.write() as txn:
+        txn.put("block_records", record_key(0, 1), b"\x00\x01")
+    store.close()
+    entries = await asyncio.to_thread(read_entries, tmp_path)
+    assert [e.body.get("id") for e in entries] == [0, None, 2]
+    bad = entries[1]
+    assert (bad.height, bad.body["outcome"]) == (0, "unreadable")
+    assert "talosd chain verify" in format_entry(bad)
 
 
 def test_not_a_home(tmp_path: Path) -> None:

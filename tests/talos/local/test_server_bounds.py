@@ -15,6 +15,7 @@ from talos.local import log_ops, wire
 from talos.local.call import LocalUsageError
 from talos.local.client import LocalClient
 from talos.local.server import SOCKET_NAME
+from talos.store import Txn
 from tests.talos.nodes import link, make_home, until
 
 from .running import pair, raw_client, started
@@ -210,6 +211,33 @@ async def test_log_records_looks_at_a_bounded_number_per_call(
                 after = page["next"]
             assert len(ids) == 3
             assert 0 in sizes[:-1]  # a page of nothing that still said where to go on
+            await client.close()
+    finally:
+        await a.stop()
+
+
+async def test_log_records_names_a_record_that_does_not_decode_and_goes_on(
+    tmp_path: Path,
+) -> None:
+    # A damaged or edited pending row ended every log.records call with an error, so
+    # talos-proxy audit of an attached serve showed nothing at all.
+    a = await started(*make_home(tmp_path, "a", seal_interval=600))  # the rows stay pending
+    try:
+        async with asyncio.timeout(LIMIT):
+            client = await LocalClient.connect(a.home.path)
+            rec = {"recipient": a.did, "commitment": base64.b64encode(b"{}").decode(),
+                   "timestamp_ms": 5}  # fmt: skip
+            await client.call("log.append", kind="app", records=[rec] * 3, durable=True)
+
+            def damage(txn: Txn) -> bytes:
+                key, _ = list(txn.items("pending"))[1]
+                txn.put("pending", key, b"\x00\x01")
+                return key
+
+            key = await a.node.writer.write(damage)
+            page = await client.call("log.records", kind="app")
+            assert len(page["records"]) == 2
+            assert [(u["height"], u["key"]) for u in page["unreadable"]] == [(None, key.hex())]
             await client.close()
     finally:
         await a.stop()
