@@ -399,8 +399,19 @@ def cmd_chain(args: argparse.Namespace) -> int:
             return 1
         if not args.json:
             print(f"chain ok: {report['blocks']} blocks, {report['records']} records")
+            print(f"node: {report.get('node')}")
             if "witness" in report:
                 print(f"heads held by others: {report['witness']['checked']} match")
+        vouched = report.get("witness", {}).get("checked", 0) > 0  # by heads peers signed
+        if not report.get("node_checked", True) and not vouched:
+            from talos.keys import PASSPHRASE_ENV
+
+            print(
+                "NOTE: the node's DID was read from the key file's clear header, which only"
+                f" the passphrase checks: give --passphrase-file or {PASSPHRASE_ENV} to check"
+                " that the log's owner was not swapped (or --heads, which peers signed)",
+                file=sys.stderr,
+            )
         return 0
     if args.chain_cmd == "heads":
         heads = _online(path, "chain.peer_heads")

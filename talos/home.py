@@ -17,7 +17,7 @@ from talos import pipeline as pl
 from talos.chain.log import BlockLog, read_quarantine
 from talos.chain.verify import verify_chain
 from talos.config import Home, NodeConfig, parse_peer_addr
-from talos.keys import is_encrypted, key_file_did, key_file_suite, unlock
+from talos.keys import PASSPHRASE_ENV, is_encrypted, key_file_did, key_file_suite, unlock
 from talos.peer_names import names as peer_names
 from talos.peer_names import resolve_peer
 from talos.sessions import SessionManager, load_secrets
@@ -156,9 +156,11 @@ def offline_inbox(home: Home, after: int = 0) -> list[dict[str, object]]:
 class _LogReader:
     """Who a stopped node's log belongs to, for reading it: a classical home's DID
     from the key file's clear header, so a sealed key needs no passphrase. Signs
-    nothing (the offline chain commands only read)."""
+    nothing (the offline chain commands only read). Nothing vouches for that DID
+    (``checked`` False): the AEAD that binds the header is opened with the key."""
 
     hybrid_public_key = None
+    checked = False
 
     def __init__(self, did: str) -> None:
         self.did = did
@@ -178,10 +180,14 @@ def log_owner(home: Home, passphrase_file: str | None = None) -> LogOwner:
 
     A hybrid home is unlocked: its ML-DSA public key is not in the key file's
     header (only its fingerprint), and it must come from the key, never from
-    the store being audited.
+    the store being audited. A classical home's sealed key is unlocked only when
+    a passphrase is at hand without asking (``passphrase_file``, the
+    environment): that checks its DID, which a disk thief could otherwise swap
+    with the log (its clear header is authenticated by the seal alone).
     """
     path = home.identity
-    if is_encrypted(path) and key_file_suite(path) == "ed25519":
+    at_hand = passphrase_file is not None or bool(os.environ.get(PASSPHRASE_ENV))
+    if is_encrypted(path) and key_file_suite(path) == "ed25519" and not at_hand:
         return _LogReader(key_file_did(path)), None
     wallet = unlock(path, passphrase_file=passphrase_file)
     return wallet, wallet.mldsa_public_key
@@ -192,7 +198,8 @@ def offline_verify(home: Home, owner: LogOwner) -> dict[str, Any]:
     identity, mldsa = owner
     with _offline_store(home) as store:
         report = verify_chain(store, identity.did, mldsa65_public_key=mldsa)
-        return report_json(report, read_quarantine(store))
+        checked = not isinstance(identity, _LogReader)
+        return report_json(report, identity.did, read_quarantine(store), node_checked=checked)
 
 
 def offline_blocks(home: Home, owner: LogOwner) -> list[dict[str, Any]]:

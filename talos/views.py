@@ -47,10 +47,15 @@ def block_json(block: Block) -> dict[str, Any]:
     }
 
 
-def report_json(report: VerifyReport, quarantined: Iterable[Quarantined] = ()) -> dict[str, Any]:
-    """A chain verify report; ``quarantined`` lists the records the sealer refused."""
+def report_json(
+    report: VerifyReport, node: str, quarantined: Iterable[Quarantined], *, node_checked: bool
+) -> dict[str, Any]:
+    """A chain verify report of ``node``'s log; ``quarantined`` lists the records the sealer
+    refused; ``node_checked``: the DID came from the unlocked key, not a clear header."""
     return {
         "ok": report.ok,
+        "node": node,
+        "node_checked": node_checked,
         "blocks": report.blocks,
         "records": report.records,
         "head_height": report.head_height,
@@ -73,7 +78,7 @@ def node_verify_json(node: Node) -> dict[str, Any]:
     report = verify_chain(
         node.store, node.did, workers=1, mldsa65_public_key=node.wallet.mldsa_public_key
     )
-    return report_json(report, node.log.quarantined())
+    return report_json(report, node.did, node.log.quarantined(), node_checked=True)
 
 
 def quarantined_json(q: Quarantined) -> dict[str, Any]:

@@ -7,9 +7,12 @@ peers kept (docs/PROTOCOL.md "Link protocol", Signed heads; ``talosd chain heads
 them) can: a head this node signed at height *h* must match block *h* of its
 log. Pure: the caller hands in the statements and the log's block hashes.
 
-Defects: ``truncated`` (the log ends below a height this node signed) and
-``rewritten`` (block *h* has another hash than the one signed). Statements of
-other nodes, or whose signature does not verify, are skipped and counted.
+Defects: ``truncated`` (the log ends below a height this node signed),
+``rewritten`` (block *h* has another hash than the one signed) and
+``no_head`` (statements were given and not one is a valid statement of this
+node: whoever swapped the log's owner, key file and all, would be its node).
+Statements of other nodes, or whose signature does not verify, are skipped and
+counted.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def check_heads(
     """Check ``block_hashes`` (height -> hex hash of this node's log) against signed heads."""
     report = WitnessReport()
     tip = max(block_hashes, default=-1)
+    statements = list(statements)
     for statement in statements:
         if statement.get("node") != node_did or not verify_head_statement(
             statement, node_did, mldsa65_public_key
@@ -92,4 +96,15 @@ def check_heads(
                     f"block {height} is {held[:16]}..., but this node signed {signed[:16]}...",
                 )
             )
+    if report.skipped and not report.checked:
+        names = sorted({str(s.get("node"))[:32] for s in statements})[:3]
+        report.defects.append(
+            Defect(
+                "no_head",
+                None,
+                None,
+                f"none of the {report.skipped} head statement(s) is a valid one of {node_did}"
+                f" (they name {', '.join(names)}): a log whose owner was swapped looks so",
+            )
+        )
     return report

@@ -60,8 +60,14 @@ def test_foreign_and_forged_statements_are_skipped(
     forged = {**heads[2], "height": 7}  # the signature no longer covers the body
     report = check_heads(ALICE.did, heads, hashes(log))
     assert (report.checked, report.skipped) == (0, 3)
+    # Not one statement is this node's: what a log whose owner was swapped (key file
+    # and all) looks like, since the peers' heads name the real owner. It fails.
+    assert [(d.code, d.height) for d in report.defects] == [("no_head", None)]
+    assert NODE.did[:32] in report.defects[0].message
     report = check_heads(NODE.did, [forged], {})
-    assert (report.checked, report.skipped, report.defects) == (0, 1, [])
+    assert (report.checked, report.skipped) == (0, 1)
+    report = check_heads(NODE.did, [forged, heads[0]], hashes(log))
+    assert (report.checked, report.skipped, report.defects) == (1, 1, [])
     log.store.close()
 
 
