@@ -454,12 +454,12 @@ def _witness(
         from talos.home import offline_blocks
 
         blocks = offline_blocks(home, owner())
-    identity, mldsa = owner()
+    who = owner()
     witness = check_heads(
-        identity.did,
+        who.identity.did,
         statements_of(document),
         {int(b["height"]): str(b["hash"]) for b in blocks},
-        mldsa,
+        who.mldsa,
     )
     report["witness"] = witness.to_json()
     report["defects"] += report["witness"]["defects"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,15 @@ from talos import pipeline as pl
 from talos.chain.log import BlockLog, read_quarantine
 from talos.chain.verify import verify_chain
 from talos.config import Home, NodeConfig, parse_peer_addr
-from talos.keys import PASSPHRASE_ENV, is_encrypted, key_file_did, key_file_suite, unlock
+from talos.keys import (
+    HYBRID_SINCE_FIELD,
+    PASSPHRASE_ENV,
+    hybrid_since,
+    is_encrypted,
+    key_file_did,
+    key_file_suite,
+    unlock,
+)
 from talos.peer_names import names as peer_names
 from talos.peer_names import resolve_peer
 from talos.sessions import SessionManager, load_secrets
@@ -62,7 +71,9 @@ def init_home(
     path.chmod(0o700)
     config = config or NodeConfig()
     wallet = Wallet.generate(suite=suite)
-    save_wallet(wallet, home.identity, passphrase)
+    # A hybrid identity signs hybrid from its first block on: said under the seal.
+    since = {HYBRID_SINCE_FIELD: 0} if wallet.hybrid_public_key is not None else None
+    save_wallet(wallet, home.identity, passphrase, extra=since)
     home.save_config(config)
     home.create_api_token()
     with Store(home.store_dir, map_size=config.map_size) as store:
@@ -171,8 +182,16 @@ class _LogReader:
     sign_auth = sign
 
 
-#: Who a log belongs to, and the ML-DSA key its hybrid blocks must carry (or None).
-LogOwner = tuple[Wallet | _LogReader, bytes | None]
+@dataclass(frozen=True, slots=True)
+class LogOwner:
+    """Who a stopped node's log belongs to, as its key (not its store) says."""
+
+    identity: Wallet | _LogReader
+    #: The ML-DSA key its hybrid blocks must carry (None: a classical node).
+    mldsa: bytes | None = None
+    #: The first height that must be hybrid, from the unlocked key file (None: not kept
+    #: there, the store's row decides).
+    hybrid_since: int | None = None
 
 
 def log_owner(home: Home, passphrase_file: str | None = None) -> LogOwner:
@@ -188,16 +207,18 @@ def log_owner(home: Home, passphrase_file: str | None = None) -> LogOwner:
     path = home.identity
     at_hand = passphrase_file is not None or bool(os.environ.get(PASSPHRASE_ENV))
     if is_encrypted(path) and key_file_suite(path) == "ed25519" and not at_hand:
-        return _LogReader(key_file_did(path)), None
+        return LogOwner(_LogReader(key_file_did(path)))
     wallet = unlock(path, passphrase_file=passphrase_file)
-    return wallet, wallet.mldsa_public_key
+    return LogOwner(wallet, wallet.mldsa_public_key, hybrid_since(path))
 
 
 def offline_verify(home: Home, owner: LogOwner) -> dict[str, Any]:
     """``talosd chain verify`` while stopped, as the API's JSON report."""
-    identity, mldsa = owner
+    identity = owner.identity
     with _offline_store(home) as store:
-        report = verify_chain(store, identity.did, mldsa65_public_key=mldsa)
+        report = verify_chain(
+            store, identity.did, mldsa65_public_key=owner.mldsa, hybrid_since=owner.hybrid_since
+        )
         checked = not isinstance(identity, _LogReader)
         return report_json(report, identity.did, read_quarantine(store), node_checked=checked)
 
@@ -205,7 +226,7 @@ def offline_verify(home: Home, owner: LogOwner) -> dict[str, Any]:
 def offline_blocks(home: Home, owner: LogOwner) -> list[dict[str, Any]]:
     """``talosd chain show`` while stopped."""
     with _offline_store(home) as store:
-        return [block_json(b) for b in BlockLog(store, owner[0]).iter_blocks()]
+        return [block_json(b) for b in BlockLog(store, owner.identity).iter_blocks()]
 
 
 def offline_proof(home: Home, record_id: str, owner: LogOwner) -> dict[str, Any]:
@@ -215,4 +236,4 @@ def offline_proof(home: Home, record_id: str, owner: LogOwner) -> dict[str, Any]
     except ValueError:
         raise UsageError("record id must be hex") from None
     with _offline_store(home) as store:
-        return BlockLog(store, owner[0]).inclusion_proof(rid)
+        return BlockLog(store, owner.identity).inclusion_proof(rid)

@@ -33,6 +33,7 @@ __all__ = [
     "PASSPHRASE_ENV",
     "PassphraseNeededError",
     "change_passphrase",
+    "hybrid_since",
     "is_encrypted",
     "key_file_did",
     "key_file_suite",
@@ -42,6 +43,11 @@ __all__ = [
 
 PASSPHRASE_ENV = "TALOS_PASSPHRASE"
 NEW_PASSPHRASE_ENV = "TALOS_NEW_PASSPHRASE"
+#: Key file field: the first block height a hybrid identity signs hybrid (0 for one
+#: made hybrid by ``talosd init``). Kept there, under the seal, rather than only in
+#: the store: a row in the audited store would let whoever rewrites the log say that
+#: its hybrid blocks never began (docs/PROTOCOL.md "Block log").
+HYBRID_SINCE_FIELD = "hybrid_since"
 
 
 class PassphraseNeededError(UsageError):
@@ -69,6 +75,13 @@ def key_file_did(path: Path) -> str:
     if not isinstance(did, str):
         raise KeyFileError(f"{path} has no 'did' string")
     return did
+
+
+def hybrid_since(path: Path) -> int | None:
+    """The key file's ``hybrid_since`` (None if it has none). Read it right after the
+    key was unlocked: the seal vouches for the header only as it was then."""
+    value = _read_doc(path).get(HYBRID_SINCE_FIELD)
+    return value if type(value) is int and value >= 0 else None
 
 
 def key_file_suite(path: Path) -> str:
@@ -201,6 +214,7 @@ def change_passphrase(
     ``no_passphrase``. The file is replaced atomically, 0600.
     """
     wallet = unlock(path, passphrase_file=passphrase_file)
+    since = hybrid_since(path)
     new = new_key_passphrase(
         passphrase_file=new_passphrase_file,
         no_passphrase=no_passphrase,
@@ -208,5 +222,6 @@ def change_passphrase(
         command="talosd passphrase",
         flag="--new-passphrase-file",
     )
-    save_wallet(wallet, path, new, overwrite=True)
+    extra = None if since is None else {HYBRID_SINCE_FIELD: since}
+    save_wallet(wallet, path, new, overwrite=True, extra=extra)
     return new is not None

@@ -38,7 +38,7 @@ from talos.discovery import (
     StaticResolver,
 )
 from talos.home import init_home
-from talos.keys import unlock
+from talos.keys import hybrid_since, unlock
 from talos.link.auth import AuthPolicy
 from talos.link.handshake import CLOSE_SHUTDOWN
 from talos.link.peer import LinkSettings
@@ -168,6 +168,10 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
             raise UsageError(f"no identity in {self.home.path}: run `talosd init` first")
         self.wallet = self._unlocked or unlock(self.home.identity)
         self.did = self.wallet.did
+        #: The first hybrid height as the key file keeps it (read as it was unlocked).
+        self.hybrid_since = (
+            hybrid_since(self.home.identity) if self.wallet.hybrid_public_key else None
+        )
         #: Dialling, accepting, admission, the duplicate-link rule (talos/link/supervisor.py).
         self.links = LinkSupervisor(
             self.did,

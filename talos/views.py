@@ -76,7 +76,11 @@ def node_verify_json(node: Node) -> dict[str, Any]:
     """
     node.log.seal()
     report = verify_chain(
-        node.store, node.did, workers=1, mldsa65_public_key=node.wallet.mldsa_public_key
+        node.store,
+        node.did,
+        workers=1,
+        mldsa65_public_key=node.wallet.mldsa_public_key,
+        hybrid_since=node.hybrid_since,
     )
     return report_json(report, node.did, node.log.quarantined(), node_checked=True)
 

@@ -16,7 +16,9 @@ associated data is the RFC 8785 canonical JSON of every field except
 The DID is stored in clear so a node can say who it is without the passphrase.
 Suite ``ed25519-mldsa65`` (:class:`~talos_sdk.wallet.HybridWallet`) stores the same
 32-byte seed (the ML-DSA-65 key is derived from it) plus a clear ``key_id`` field,
-the hybrid key fingerprint, checked against the key after loading.
+the hybrid key fingerprint, checked against the key after loading. Fields the
+owner adds (``extra``, e.g. a node's ``hybrid_since``) are kept in the header,
+authenticated like the rest when the key is sealed; decoding ignores them.
 
 :func:`encode_key_file` / :func:`decode_key_file` are pure (bytes <-> wallet);
 :func:`write_private_file` / :func:`read_private_file` do the file I/O, and
@@ -30,7 +32,7 @@ import binascii
 import json
 import os
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,7 @@ _MAX_FILE = 64 * 1024
 # Bounds on costs read from a file, so a hostile file cannot demand gigabytes.
 _MIN_N, _MAX_N = 2**10, 2**20
 _MAX_SCRYPT_MEMORY = 256 * 1024 * 1024
+_OWN_FIELDS = frozenset({"kdf", "cipher", "secret", "ciphertext"})
 
 
 def _b64(data: bytes) -> str:
@@ -112,8 +115,10 @@ def encode_key_file(
     *,
     rng: Callable[[int], bytes] = os.urandom,
     scrypt_n: int = DEFAULT_SCRYPT_N,
+    extra: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """Serialise ``wallet`` to key-file bytes, sealed under ``passphrase`` if one is given."""
+    """Serialise ``wallet`` to key-file bytes, sealed under ``passphrase`` if one is given;
+    ``extra`` header fields (JSON values) are kept beside the key's own."""
     header: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -121,6 +126,10 @@ def encode_key_file(
         "did": wallet.did,
         **wallet.key_file_header(),
     }
+    for name, value in (extra or {}).items():
+        if name in header or name in _OWN_FIELDS:
+            raise UsageError(f"key file field {name!r} is the format's own")
+        header[name] = value
     if passphrase is None:
         doc = {**header, "secret": _b64(wallet.private_bytes())}
     else:
@@ -298,11 +307,11 @@ def save_wallet(
     *,
     overwrite: bool = False,
     rng: Callable[[int], bytes] = os.urandom,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``wallet`` to a 0600 key file at ``path`` (refuses to overwrite unless asked)."""
-    write_private_file(
-        Path(path), encode_key_file(wallet, passphrase, rng=rng), overwrite=overwrite
-    )
+    data = encode_key_file(wallet, passphrase, rng=rng, extra=extra)
+    write_private_file(Path(path), data, overwrite=overwrite)
 
 
 def load_wallet(path: str | os.PathLike[str], passphrase: str | bytes | None = None) -> Wallet:

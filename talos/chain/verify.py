@@ -32,8 +32,12 @@ other index database (a rewrite under way, or the previous tree) is not read.
 
 Hybrid nodes (ADR 0005): the caller passes the node's ML-DSA-65 public key,
 taken from its wallet (or a pin), never from the store being audited; blocks
-from the height kept under ``meta`` ``chain:hybrid_since`` on (0 if the row is
-missing) must be version 2 blocks under that key, blocks below it version 1.
+from the first hybrid height on must be version 2 blocks under that key, blocks
+below it version 1. That height comes from the caller too when its key file
+keeps it (``hybrid_since``, docs/PROTOCOL.md "Block log"), and a store whose
+``meta`` ``chain:hybrid_since`` row says otherwise is a defect: a forger of
+Ed25519 rewriting hybrid blocks classically would move the row past them.
+Otherwise the row decides (0 if it is missing).
 """
 
 from __future__ import annotations
@@ -350,6 +354,7 @@ def verify_chain(
     workers: int | None = None,
     parallel_threshold: int = PARALLEL_THRESHOLD,
     mldsa65_public_key: bytes | None = None,
+    hybrid_since: int | None = None,
 ) -> VerifyReport:
     """Re-validate the whole log in ``store`` (a :class:`Store` or a home's store path).
 
@@ -357,15 +362,17 @@ def verify_chain(
     ``parallel_threshold`` records; ``workers=1`` forces one process.
     ``mldsa65_public_key``: the node's own ML-DSA-65 key when it is a hybrid node
     (``Wallet.mldsa_public_key``); without it, hybrid blocks are reported.
+    ``hybrid_since``: the first hybrid height as the node's key file keeps it.
     """
     if mldsa65_public_key is not None:  # a bad key is the caller's mistake: fail now
         HybridPublicKey(public_key_from_did(node_did), mldsa65_public_key)
+    auth = (mldsa65_public_key, hybrid_since)
     if isinstance(store, Store):
-        return _verify(store, node_did, workers, parallel_threshold, mldsa65_public_key)
+        return _verify(store, node_did, workers, parallel_threshold, auth)
     if not (Path(store) / "data.mdb").is_file():
         raise StorageError(f"no Talos store at {store} (expected {Path(store) / 'data.mdb'})")
     with Store(Path(store)) as opened:
-        return _verify(opened, node_did, workers, parallel_threshold, mldsa65_public_key)
+        return _verify(opened, node_did, workers, parallel_threshold, auth)
 
 
 def _verify(
@@ -373,13 +380,25 @@ def _verify(
     node_did: str,
     workers: int | None,
     parallel_threshold: int,
-    mldsa65_public_key: bytes | None,
+    hybrid: tuple[bytes | None, int | None],
 ) -> VerifyReport:
     defects = _Found()
     n = workers if workers is not None else (os.cpu_count() or 1)
+    mldsa65_public_key, kept = hybrid
     with store.read() as txn:
         since_raw = txn.get("meta", HYBRID_SINCE_KEY)
         since = int.from_bytes(since_raw, "big") if since_raw and len(since_raw) == 8 else 0
+        if kept is not None and since_raw is not None and since != kept:
+            defects.append(
+                Defect(
+                    "hybrid_since",
+                    None,
+                    None,
+                    f"the store says hybrid blocks begin at height {since}, the node's key"
+                    f" file at {kept}: blocks from {kept} on are held to the key file",
+                )
+            )
+        since = since if kept is None else kept
         auth: _Auth = None if mldsa65_public_key is None else (bytes(mldsa65_public_key), since)
         if txn.count("block_records") < parallel_threshold or txn.count("blocks") < 2:
             n = 1

@@ -241,6 +241,17 @@ def test_a_stopped_hybrid_home_takes_the_passphrase_file_to_read_its_log(tmp_pat
     assert res.returncode == 2 and "--passphrase-file" in res.stderr
     res = _run([*TALOSD, "chain", "verify", "--home", str(home), "--passphrase-file", secret])
     assert res.returncode == 0 and res.stdout.startswith("chain ok"), res.stderr
+    # Hybrid from its first block: said under the seal, where the store cannot move it,
+    # and kept through a change of passphrase.
+    key = home / "identity.key"
+    assert keys.hybrid_since(key) == 0
+    other = _secret(tmp_path, "another", "other")
+    change = ["passphrase", "--home", str(home), "--passphrase-file", secret]
+    assert talosd(*change, "--new-passphrase-file", other).returncode == 0
+    assert keys.hybrid_since(key) == 0 and unlock(key, passphrase_file=other).did
+    key.write_text(key.read_text().replace('"hybrid_since": 0', '"hybrid_since": 9'))
+    res = _run([*TALOSD, "chain", "verify", "--home", str(home), "--passphrase-file", other])
+    assert res.returncode == 2 and "header was modified" in res.stderr
 
 
 def test_proxy_seals_a_new_identity_and_unlocks_it(tmp_path: Path) -> None:

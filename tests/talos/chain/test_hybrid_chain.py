@@ -141,6 +141,31 @@ def test_upgrade_from_classical_keeps_old_blocks_valid(tmp_path: Path) -> None:
         assert next((d.code, d.height) for d in report.defects) == ("block_signature", 2)
 
 
+def test_a_downgrade_that_moves_the_stores_hybrid_height_is_caught_by_the_key_file(
+    hybrid_chain: tuple[Store, BlockLog],
+) -> None:
+    # A forger of Ed25519 (not of ML-DSA) rewrites every hybrid block classically and
+    # sets the store's chain:hybrid_since past the tip, so no block "must" be hybrid.
+    # The store alone cannot tell; the height the node's key file keeps (0 for a node
+    # made hybrid) can.
+    store, log = hybrid_chain
+    prev = bytes(32)
+    with store.write() as txn:
+        for block in list(log.iter_blocks()):
+            c = dataclasses.replace(block, key_id=None, prev_hash=prev, signature=b"")
+            c = dataclasses.replace(c, signature=NODE.sign(c.header_bytes()))
+            txn.put("blocks", block_key(block.height), c.to_bytes())
+            prev = c.hash()
+        txn.put("meta", HYBRID_SINCE_KEY, (3).to_bytes(8, "big"))
+    assert codes(store) == []  # what the store's row alone allows
+    report = verify_chain(store, HNODE.did, workers=1, mldsa65_public_key=KEY, hybrid_since=0)
+    assert [(d.code, d.height) for d in report.defects] == [
+        ("hybrid_since", None),
+        *(("block_signature", h) for h in range(3)),
+    ]
+    assert "key file at 0" in report.defects[0].message
+
+
 def test_parallel_audit_of_a_hybrid_chain(hybrid_chain: tuple[Store, BlockLog]) -> None:
     store, _ = hybrid_chain
     report = verify_chain(store, HNODE.did, workers=2, parallel_threshold=0, mldsa65_public_key=KEY)
