@@ -225,6 +225,7 @@ def _read_from_node(home: Path) -> list[AuditEntry]:
 def read_entries(home: Path) -> list[AuditEntry]:
     """Every audit record of the proxy home ``home``: sealed blocks first, then pending ones."""
     from talos.chain.block import Record
+    from talos.chain.pending import pending_record
     from talos.config import Home
     from talos.local.call import NoNodeError
     from talos.store import Store
@@ -244,7 +245,8 @@ def read_entries(home: Path) -> list[AuditEntry]:
                 for key, data in txn.items(db):
                     height = int.from_bytes(key[:8], "big") if db == "block_records" else None
                     try:
-                        record = Record.from_bytes(data)
+                        encoded = data if height is not None else pending_record(data)
+                        record = Record.from_bytes(encoded)
                     except MalformedFrameError as exc:
                         out.append(unreadable_entry(height, key.hex(), str(exc)))
                         continue

@@ -181,6 +181,9 @@ class _LogReader:
 
     sign_auth = sign
 
+    def private_bytes(self) -> bytes:
+        raise UsageError("a log opened to be read appends and seals nothing")
+
 
 @dataclass(frozen=True, slots=True)
 class LogOwner:

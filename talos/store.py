@@ -51,7 +51,7 @@ DEFAULT_DATABASES: tuple[str, ...] = (
     "block_records",  # height (u64 BE) || index (u32 BE) -> encoded Record
     "records",  # record id -> height (u64 BE) || index (u32 BE)
     "records_b",  # the same; a rewrite of the index builds the one not in use (ADR 0013)
-    "pending",  # sequence (u64 BE) -> encoded Record, not yet sealed
+    "pending",  # sequence (u64 BE) -> tagged encoded Record (chain/pending.py), not yet sealed
     "quarantine",  # record id -> reason || encoded Record (failed sealing checks)
     "sessions",
     "prekeys",

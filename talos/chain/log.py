@@ -47,6 +47,7 @@ from talos.chain.block import (
     head_statement,
     verify_inclusion_proof,
 )
+from talos.chain.pending import pending_key, pending_row, tagged_record
 from talos.chain.record_index import RecordIndex, Step, record_id_of
 from talos.store import Store, Txn
 from talos.writer import DirectWrites, Writes
@@ -86,6 +87,8 @@ class _Signer(Protocol):
 
     @property
     def hybrid_public_key(self) -> HybridPublicKey | None: ...
+
+    def private_bytes(self) -> bytes: ...
 
 
 class UnknownRecordError(UsageError, KeyError):
@@ -156,6 +159,7 @@ class BlockLog:
         # Pending seqs whose signature the appender checked (see append).
         self._verified: set[int] = set()
         self._head: Head | None = None
+        self._row_key: bytes | None = None  # pending_key, made at the first append or seal
         with store.read() as txn:
             last_pending = txn.last("pending")
             self._next_seq = _U64.unpack(last_pending[0])[0] + 1 if last_pending else 0
@@ -217,7 +221,13 @@ class BlockLog:
             self._pending += 1
             if self._oldest_ms is None:
                 self._oldest_ms = self._now_ms()
-        _put_last(txn, "pending", _U64.pack(seq), record.encoded)  # sequence numbers only grow
+        row = pending_row(self._pending_key(), seq, record.encoded)
+        _put_last(txn, "pending", _U64.pack(seq), row)  # sequence numbers only grow
+
+    def _pending_key(self) -> bytes:
+        if self._row_key is None:  # a log opened only to be read never asks
+            self._row_key = pending_key(self.wallet.private_bytes())
+        return self._row_key
 
     def write(self, fn: Callable[[Txn], None], *, durable: bool = False) -> None:
         """Run ``fn(txn)`` (e.g. several :meth:`append` calls) in one write transaction.
@@ -277,16 +287,18 @@ class BlockLog:
         good: list[tuple[bytes, Record]] = []
         refused: list[tuple[bytes, str, bytes]] = []
         seen: set[bytes] = set()
-        for key, data in batch:
+        row_key = self._pending_key()
+        for key, row in batch:
+            seq = _U64.unpack(key)[0]
             try:
+                # A row the node did not write is quarantined, record and all: its own
+                # records are unsigned, and sealing would sign them as the node's.
+                data = tagged_record(row_key, seq, row)
                 record = Record.from_bytes(data)
             except MalformedFrameError as exc:
-                refused.append((key, f"malformed: {exc}", data))
+                refused.append((key, f"malformed: {exc}", row))
                 continue
-            if _U64.unpack(key)[0] in verified:
-                why = None
-            else:
-                why = check_record_signature(record, self.node_did)
+            why = None if seq in verified else check_record_signature(record, self.node_did)
             if why is None and record.record_id in seen:
                 why = "duplicate record id in block"
             if why is not None:

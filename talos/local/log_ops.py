@@ -20,6 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from talos.chain.block import Record
+from talos.chain.pending import pending_record
 from talos_sdk.errors import MalformedFrameError, UsageError
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ async def op_log_records(host: LocalHost, args: dict[str, Any]) -> Any:
             scanned += 1
             height = None if phase == "p" else int.from_bytes(key[:8], "big")
             try:
-                record = Record.from_bytes(value)
+                record = Record.from_bytes(pending_record(value) if phase == "p" else value)
             except MalformedFrameError as exc:
                 unreadable.append({"height": height, "key": key.hex(), "error": str(exc)})
                 continue

@@ -18,9 +18,11 @@ from talos.chain.log import (
     run_sealer,
     verify_inclusion_proof,
 )
+from talos.chain.pending import pending_key, pending_row
 from talos.chain.record_index import index_db
 from talos.store import Store
 from talos_sdk.errors import UsageError
+from talos_sdk.wallet import Wallet
 from tests.talos.chain import ALICE, BOB, NODE, audit_record, make_record
 
 
@@ -371,10 +373,33 @@ def test_seal_over_stray_records_at_the_next_height_overwrites_them(tmp_path: Pa
     store.close()
 
 
+def test_a_pending_row_the_node_did_not_write_is_not_sealed_as_its_own(tmp_path: Path) -> None:
+    # The node's own records carry no signature: the block's vouches for them. A row
+    # written into the store by someone else (the disk, not the passphrase) would be
+    # signed as the node's at the next seal: untagged, tagged under another key or
+    # moved to another place, it is quarantined.
+    store, log = open_log(tmp_path)
+    forged = audit_record(1).encoded
+    other = Wallet.from_seed(b"\x09" * 32)
+    with store.write() as txn:
+        txn.put("pending", (7).to_bytes(8, "big"), forged)
+        txn.put("pending", (8).to_bytes(8, "big"), pending_row(pending_key(other.seed), 8, forged))
+        txn.put("pending", (9).to_bytes(8, "big"), pending_row(pending_key(NODE.seed), 3, forged))
+    log.append(make_record(0))
+    [block] = log.seal()
+    assert log.block_records(block.height) == [make_record(0)]
+    reasons = [q.reason for q in log.quarantined()]
+    assert reasons == ["malformed: pending row without the node's tag"] + 2 * [
+        "malformed: pending row not written by this node (its tag does not verify)"
+    ]
+    store.close()
+
+
 def test_append_below_a_higher_pending_key_still_queues_the_record(tmp_path: Path) -> None:
     store, log = open_log(tmp_path)
     with store.write() as txn:  # a pending key above the log's next sequence number
-        txn.put("pending", (10**9).to_bytes(8, "big"), make_record(7).encoded)
+        row = pending_row(pending_key(NODE.seed), 10**9, make_record(7).encoded)
+        txn.put("pending", (10**9).to_bytes(8, "big"), row)
     log.append(make_record(0))
     [block] = log.seal()
     assert sorted(r.record_id for r in log.block_records(block.height)) == sorted(

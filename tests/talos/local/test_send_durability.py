@@ -14,6 +14,7 @@ import pytest
 
 from talos import pipeline as pl
 from talos.chain.block import Record
+from talos.chain.pending import pending_record
 from talos.local.client import LocalClient
 from talos.store import Store, Txn
 from tests.talos.daemons import Daemon, fast_config, talosd
@@ -33,8 +34,9 @@ def _init(tmp_path: Path, name: str) -> tuple[Path, str]:
 
 def _logged_ids(txn: Txn) -> set[bytes]:
     """Record ids in the block log: sealed into blocks, or waiting to be (``pending``)."""
-    rows = [*txn.items("block_records"), *txn.items("pending")]
-    return {Record.from_bytes(bytes(v)).record_id for _, v in rows}
+    sealed = [bytes(v) for _, v in txn.items("block_records")]
+    pending = [pending_record(bytes(v)) for _, v in txn.items("pending")]
+    return {Record.from_bytes(v).record_id for v in sealed + pending}
 
 
 async def _send_all(home: Path, did_b: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
