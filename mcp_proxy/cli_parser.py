@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mcp_proxy.server import MAX_SESSIONS_PER_PEER
 from mcp_proxy.toolenv import DEFAULT_PASS
+from talos import __version__
 from talos.cli_completion import add_completion_command
 from talos.cli_help import HelpFormatter, command, count, epilog, seconds
 from talos.logging import add_arguments as add_log_arguments
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_log_arguments(parser)
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
 

@@ -109,7 +109,13 @@ def cmd_id(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
     info = _online(path, "id")
-    if info is _NOT_RUNNING:
+    if info is _NOT_RUNNING and not args.json:
+        # The DID is in the key file's clear header: no store to open, which another
+        # process (a talos-proxy serve on this home) may hold.
+        from talos.keys import key_file_did
+
+        info = {"did": key_file_did(_home(args).identity)}
+    elif info is _NOT_RUNNING:
         from talos.home import offline_identity
 
         info = offline_identity(_home(args))

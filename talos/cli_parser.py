@@ -12,6 +12,7 @@ import argparse
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from talos import __version__
 from talos.cli_completion import add_completion_command
 from talos.cli_help import HelpFormatter, command, count, epilog, position, seconds
 from talos.logging import add_arguments as add_log_arguments
@@ -62,6 +63,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         ),
         formatter_class=HelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
 
     def add(

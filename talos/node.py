@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -231,8 +232,13 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
             try:
                 self.listen_url = await self.links.listen(host, port)
             except OSError as exc:
+                hint = (
+                    " (another process listens there: give another port, or 0 for any free one)"
+                    if exc.errno == errno.EADDRINUSE
+                    else ""
+                )
                 raise UsageError(
-                    f"cannot listen on {self.config.listen}: {exc.strerror or exc}"
+                    f"cannot listen on {self.config.listen}: {exc.strerror or exc}{hint}"
                 ) from None
         if self.config.relays:
             from talos.relay.attach import NodeRelay

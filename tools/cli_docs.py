@@ -37,12 +37,13 @@ def _usage(parser: argparse.ArgumentParser) -> str:
 
 
 def _label(fmt: HelpFormatter, action: argparse.Action) -> str:
+    """The option's spellings, each its own code span (so each can be searched for)."""
     if not action.option_strings:
-        return fmt._metavar_formatter(action, action.dest)(1)[0]
+        return f"`{fmt._metavar_formatter(action, action.dest)(1)[0]}`"
     if action.nargs == 0:
-        return ", ".join(action.option_strings)
+        return ", ".join(f"`{o}`" for o in action.option_strings)
     metavar = fmt._format_args(action, action.dest.upper())
-    return ", ".join(f"{o} {metavar}" for o in action.option_strings)
+    return ", ".join(f"`{o} {metavar}`" for o in action.option_strings)
 
 
 def _cell(text: str) -> str:
@@ -89,7 +90,7 @@ def _command(path: tuple[str, ...], parser: argparse.ArgumentParser) -> Iterator
         yield "| argument | meaning |"
         yield "| --- | --- |"
         for action in actions:
-            yield f"| `{_label(fmt, action)}` | {_cell(fmt._expand_help(action))} |"
+            yield f"| {_label(fmt, action)} | {_cell(fmt._expand_help(action))} |"
         yield ""
     examples = _examples(parser)
     if examples:

@@ -57,7 +57,7 @@ MAX_PROBLEMS: Final = 256
 _BY_PEER: Final = {
     4000: "protocol error during the link handshake",
     4001: "this node's handshake did not authenticate",
-    4003: "this node is not on its allow list",
+    4003: "this node is not on its allow list (its operator allows it with --allow or peers add)",
     4004: "it is not the DID this node expected",
     4005: "no session suite in common",
     4006: "a duplicate link",

@@ -126,6 +126,9 @@ class LinkSupervisor:
         self._noted = noted
         self._clock = clock
         self._throttle = Throttle()
+        #: Peers whose address was said unreachable since they were last reached (the
+        #: address said): an offline peer is told once at INFO, then at DEBUG.
+        self._unreachable: dict[str, str] = {}
 
     # --- dialling ------------------------------------------------------------------------------
 
@@ -206,6 +209,7 @@ class LinkSupervisor:
                 addr = PeerAddr(urls[0], addr.did) if urls else addr
             if ready:
                 backoff.ready()
+                self._unreachable.pop(addr.did, None)
                 await asyncio.sleep(random.uniform(0, self._reconnect[0]))
             else:
                 # Authenticated but never ready (session setup failed): keep backing off.
@@ -225,6 +229,9 @@ class LinkSupervisor:
         else:
             if not isinstance(exc, ConnectionError | HandshakeError | OSError):
                 level = logging.ERROR
+            elif self._unreachable.get(addr.did) != addr.url and len(self._unreachable) < 4096:
+                self._unreachable[addr.did] = addr.url
+                level = logging.INFO  # said once: a log silent about it left users guessing
             problem = LinkProblem(UNREACHABLE, str(exc) or type(exc).__name__, now)
         event(
             _log,

@@ -81,6 +81,7 @@ def register_cli(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     sp.add_argument("did", nargs="*", metavar="DID", help="DIDs of nodes allowed on the relay")
     sp.add_argument(
         "--node-home",
+        "--home",  # what every other command calls a home
         action="append",
         default=[],
         metavar="DIR",

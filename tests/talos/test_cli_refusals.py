@@ -71,7 +71,10 @@ def test_a_refused_link_ends_send_wait_at_once_and_shows_in_status_and_outbox(
         refusal = row["last_refusal"]
         assert isinstance(refusal, dict)
         assert refusal["code"] == 4003 and refusal["kind"] == "refused_by_peer"
-        assert refusal["reason"] == "this node is not on its allow list"
+        assert (
+            refusal["reason"]
+            == "this node is not on its allow list (its operator allows it with --allow or peers add)"
+        )
         human = talosd("status", "--home", str(home_a)).stdout
         assert f"node      {did_a}" in human
         assert f"{did_b} refused the link: this node is not on its allow list" in human
@@ -141,6 +144,10 @@ def test_unreachable_peer_timeout_and_bad_input_have_their_exit_codes(tmp_path: 
             res = talosd("send", "--home", str(home_a), bad, "z")
             assert res.returncode == exit_codes.BAD_INPUT, (bad, res.stderr)
             assert res.stderr.startswith("talosd: error: ") and "Traceback" not in res.stderr
+        # The node's log says so once (it said nothing at its default level), not at
+        # every redial: the sends above took several.
+        said = [line for line in a.stderr if "dial_failed" in line and did_c in line]
+        assert len(said) == 1 and "kind=unreachable" in said[0], said
     finally:
         a.stop()
         silent.close()

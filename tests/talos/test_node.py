@@ -7,6 +7,7 @@ bounded by ``asyncio.timeout`` and polls with deadlines instead of sleeping.
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 import threading
 from collections.abc import AsyncIterator
@@ -521,3 +522,14 @@ async def test_a_caller_whose_report_raises_does_not_strand_the_other_waiters(
         assert [e.to_json()["id"] for e in b.inbox()][1:] == ids
         assert "send_report_failed" in caplog.text
         assert "frame_handling_failed" not in caplog.text  # the ack's frame was handled whole
+
+
+async def test_a_listen_port_in_use_is_a_usage_error_that_says_what_to_do(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        node = Node(*make_home(tmp_path, "a", listen=f"127.0.0.1:{port}"))
+        with pytest.raises(UsageError, match="another process listens there: give another port"):
+            await node.start()
+        await node.stop()
