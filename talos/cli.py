@@ -212,7 +212,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
     _require_identity(path)
     if args.peers_cmd == "add":
         check_peer_addr(args.addr, "ADDR")
-    elif args.peers_cmd == "name":
+    elif args.peers_cmd in ("name", "remove"):
         check_peer_ref(args.peer, "PEER")
     if args.peers_cmd == "add":
         res = _online(path, "peers.add", {"addr": args.addr, "name": args.name})
@@ -232,6 +232,15 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
             res = {"did": offline_set_name(path, args.peer, args.name)}
         print(f"{res['did']} is {args.name}")
+        return 0
+    if args.peers_cmd == "remove":
+        res = _online(path, "peers.remove", {"peer": args.peer})
+        if res is _NOT_RUNNING:
+            from talos.home import offline_remove_peer
+
+            res = offline_remove_peer(_home(args), args.peer)
+        queued = f"; {res['queued']} message(s) stay queued for it" if res["queued"] else ""
+        print(f"removed {res['did']}{queued}")
         return 0
     peers = _online(path, "peers.list")
     if peers is _NOT_RUNNING:

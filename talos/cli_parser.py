@@ -185,7 +185,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
 
     sp = add(
         "peers",
-        "add, name or list peers",
+        "add, name, remove or list peers",
         "Manage the peers this node dials and accepts. Works on the running node, or on the"
         " home directly when the node is stopped.",
         (
@@ -218,6 +218,18 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
     pn.add_argument("peer", metavar="PEER", help="DID (or current name) of the peer")
     pn.add_argument("name", metavar="NAME", help="the new local name")
     _home(pn, inherited=True)
+    pr = command(
+        psub,
+        "remove",
+        "forget a peer: no more dialling or accepting it",
+        "Forget a peer: its address, its name and its session. The node stops dialling it,"
+        " closes its link and no longer accepts it (unless the running node was started with"
+        " --allow naming it). Messages queued for it stay in the outbox and go if it is"
+        " added again; its pinned ML-DSA-65 key stays pinned.",
+        (f"talosd peers remove {DID_EXAMPLE}", "talosd peers remove alice"),
+    )
+    pr.add_argument("peer", metavar="PEER", help="DID (or name) of the peer")
+    _home(pr, inherited=True)
     pl = command(
         psub,
         "list",

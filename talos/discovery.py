@@ -166,6 +166,13 @@ class ChainResolver:
     def resolve(self, did: str) -> list[str]:
         return _unique([a for r in self.resolvers for a in r.resolve(did)])
 
+    def forget(self, did: str) -> None:
+        """Drop what each resolver that learns has learned about ``did``."""
+        for r in self.resolvers:
+            forget = getattr(r, "forget", None)
+            if forget is not None:
+                forget(did)
+
     def learn(self, did: str, addr: str, source: str) -> None:
         for r in self.resolvers:
             r.learn(did, addr, source)

@@ -27,8 +27,8 @@ from talos.keys import (
     key_file_suite,
     unlock,
 )
+from talos.peer_names import drop_name, resolve_peer
 from talos.peer_names import names as peer_names
-from talos.peer_names import resolve_peer
 from talos.sessions import SessionManager, load_secrets
 from talos.store import Store
 from talos.views import LinkView, block_json, outbox_listing, report_json
@@ -46,6 +46,7 @@ __all__ = [
     "offline_outbox",
     "offline_peers",
     "offline_proof",
+    "offline_remove_peer",
     "offline_send",
     "offline_verify",
 ]
@@ -113,6 +114,16 @@ def offline_add_peer(home: Home, addr: str) -> dict[str, str]:
     with _offline_store(home) as store, store.write() as txn:
         txn.put("peers", peer.did.encode(), str(peer).encode())
     return {"did": peer.did, "addr": str(peer)}
+
+
+def offline_remove_peer(home: Home, ref: str) -> dict[str, Any]:
+    """``talosd peers remove`` while stopped: as ``NodeLinks.remove_peer`` does it."""
+    with _offline_store(home) as store, store.write() as txn:
+        did = resolve_peer(txn, ref)
+        txn.delete("peers", did.encode())
+        drop_name(txn, did)
+        txn.delete("sessions", did.encode())
+        return {"did": did, "queued": sum(1 for _ in pl.iter_outbox(txn, did))}
 
 
 def offline_peers(home: Home) -> list[dict[str, Any]]:

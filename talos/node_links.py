@@ -31,7 +31,9 @@ from talos.link.refusals import DEFER_WHY, UNREACHABLE, LinkProblem
 from talos.logging import event
 from talos.node_apps import ConnectTimeoutError
 from talos.node_base import NodeBase, Peer
+from talos.peer_names import drop_name
 from talos.sessions import UnknownSessionError
+from talos.store import Txn
 from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
@@ -88,6 +90,34 @@ class NodeLinks(NodeBase):
             self._known[peer.did] = str(peer)
         self._keep_link(peer, changed=changed)
         return peer
+
+    async def remove_peer(self, did: str) -> int:
+        """Forget ``did``: its address, its name, its session and what was learned of it.
+
+        It may no longer link (unless ``--allow`` names it) and the link it holds
+        closes. Messages queued for it stay (``talosd outbox``) and go if it is
+        added again; returns how many.
+        """
+        public_key_from_did(did)
+
+        def forget(txn: Txn) -> int:
+            txn.delete("peers", did.encode())
+            drop_name(txn, did)
+            self.sessions.drop(did)
+            self.sessions.persist_establish(txn, did)  # the stored session goes too
+            return sum(1 for _ in pl.iter_outbox(txn, did))
+
+        queued = await self.writer.write(forget, kind="peers")
+        self._known.pop(did, None)
+        self._allow.discard(did)
+        forget_learned = getattr(self.resolver, "forget", None)
+        if forget_learned is not None:
+            forget_learned(did)
+        await self.links.forget(did)
+        peer = self._peers.get(did)
+        if peer is not None and not peer.ready.is_set():
+            del self._peers[did]  # listed no more; restored from the store if met again
+        return queued
 
     def _keep_link(self, addr: PeerAddr, *, changed: bool) -> None:
         self._peer(addr.did)  # listed in status() from the first dial on

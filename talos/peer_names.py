@@ -85,6 +85,13 @@ def set_name(txn: Txn, did: str, name: str) -> None:
     txn.put("meta", _key(name), did.encode())
 
 
+def drop_name(txn: Txn, did: str) -> None:
+    """Forget the name of ``did``, if it has one."""
+    for name, owner in list(_rows(txn)):
+        if owner == did:
+            txn.delete("meta", _key(name))
+
+
 # --- without a running node (the home lock proves none runs; talosd peers/send) -----------------
 
 

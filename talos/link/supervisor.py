@@ -30,12 +30,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection
+from websockets.exceptions import ConnectionClosed
 
 from talos.config import PeerAddr
 from talos.discovery import SOURCE_DIALLED, Resolver
 from talos.link.admission import Admission, Backoff, keep_new_link
 from talos.link.auth import CLOSE_DOWNGRADE
-from talos.link.handshake import CLOSE_DUPLICATE, CLOSE_SHUTDOWN, Refusal, Signer
+from talos.link.handshake import (
+    CLOSE_DUPLICATE,
+    CLOSE_SHUTDOWN,
+    CLOSE_UNAUTHORIZED,
+    Refusal,
+    Signer,
+)
 from talos.link.peer import (
     FrameStream,
     Link,
@@ -155,6 +162,21 @@ class LinkSupervisor:
         if urls:
             self._start_dialer(PeerAddr(urls[0], did))
         return bool(urls)
+
+    async def forget(self, did: str) -> None:
+        """Stop keeping a link to ``did`` (its dialler ends) and close the one it holds:
+        it is no longer allowed (``talosd peers remove``)."""
+        dialer = self._dialers.pop(did, None)
+        if dialer is not None:
+            dialer.cancel()
+        self._unreachable.pop(did, None)
+        current = self._current.get(did)
+        if current is not None:
+            with contextlib.suppress(ConnectionClosed):
+                await current.link.close(CLOSE_UNAUTHORIZED, "this node removed the peer")
+            with contextlib.suppress(TimeoutError):  # the node lets go of it (ends its tasks)
+                async with asyncio.timeout(5):
+                    await current.gone.wait()
 
     def dialling(self, did: str) -> bool:
         """True while a dialler keeps a link to ``did``."""

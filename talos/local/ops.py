@@ -186,6 +186,15 @@ async def op_peers_name(host: LocalHost, args: dict[str, Any]) -> Any:
     return {"did": did, "name": name, "connected": node.is_connected(did)}
 
 
+async def op_peers_remove(host: LocalHost, args: dict[str, Any]) -> Any:
+    """Forget a peer (talos/node_links.py remove_peer); its queued messages stay."""
+    node = host.node
+    did = resolve(node, _str(args, "peer"))
+    queued = await node.remove_peer(did)
+    host.names.clear()  # its name went with it
+    return {"did": did, "queued": queued}
+
+
 async def op_peers_allow(host: LocalHost, args: dict[str, Any]) -> Any:
     node = host.node
     did = resolve(node, _str(args, "peer"))
@@ -394,6 +403,7 @@ OPS: dict[str, Op] = {
     "peers.list": op_peers_list,
     "peers.add": op_peers_add,
     "peers.name": op_peers_name,
+    "peers.remove": op_peers_remove,
     "peers.allow": op_peers_allow,
     "peers.redial": op_peers_redial,
     "resolve": op_resolve,

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from talos import exit_codes
+from talos.link.refusals import peer_refusal_text
 from tests.talos.daemons import Daemon, fast_config, talosd, wait_for
 
 GENEROUS = 30.0  # far under the 60 s --timeout the refused sends are given
@@ -71,10 +72,8 @@ def test_a_refused_link_ends_send_wait_at_once_and_shows_in_status_and_outbox(
         refusal = row["last_refusal"]
         assert isinstance(refusal, dict)
         assert refusal["code"] == 4003 and refusal["kind"] == "refused_by_peer"
-        assert (
-            refusal["reason"]
-            == "this node is not on its allow list (its operator allows it with --allow or peers add)"
-        )
+        assert refusal["reason"] == peer_refusal_text(4003, "")  # says who can allow it
+        assert "--allow or peers add" in refusal["reason"]
         human = talosd("status", "--home", str(home_a)).stdout
         assert f"node      {did_a}" in human
         assert f"{did_b} refused the link: this node is not on its allow list" in human
