@@ -28,12 +28,13 @@ than the frame (docs/DESIGN.md performance targets).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -72,6 +73,9 @@ _U16 = struct.Struct(">H")
 #: whole chains' MAX_SKIP (messages lost on both, the worst honest case), refilled
 #: at 200 a second. Forged headers cost ~1 us of HMAC per key before failing: a
 #: peer sending them is held to ~0.2 ms of CPU a second, where it had 2.4 ms a frame.
+#: Each peer has two such budgets: its links' frames (the link proved who sent them)
+#: and mail that names it (a relay mailbox envelope does not: anyone on the relay can
+#: claim any sender, and must not spend what the peer's own frames need).
 SKIP_BURST = 2 * MAX_SKIP
 SKIP_RATE = 200.0
 #: Peers whose budgets are kept (a re-keyed session keeps its peer's): the oldest go.
@@ -186,7 +190,8 @@ class SessionManager:
         self._reserved: dict[str, int] = {}
         self._reserved_pq: dict[str, int] = {}
         self._signer = _KeepingSigner(wallet)
-        self._skip_budgets: dict[str, TokenBucket] = {}
+        self._skip_budgets: dict[str, tuple[TokenBucket, TokenBucket]] = {}  # link, mail
+        self._opening_mail = False
 
     # --- persistence ---------------------------------------------------------------------------
 
@@ -381,14 +386,28 @@ class SessionManager:
         session.check_policy()
 
     def _install(self, peer: str, sid: bytes, session: Session) -> None:
-        budget = self._skip_budgets.get(peer)
-        if budget is None:
+        budgets = self._skip_budgets.get(peer)
+        if budgets is None:
             if len(self._skip_budgets) >= _MAX_BUDGETS:
                 del self._skip_budgets[next(iter(self._skip_budgets))]
-            budget = self._skip_budgets[peer] = TokenBucket(SKIP_RATE, SKIP_BURST, self._clock)
-        session.skip_budget = budget.take
+            budgets = self._skip_budgets[peer] = (
+                TokenBucket(SKIP_RATE, SKIP_BURST, self._clock),
+                TokenBucket(SKIP_RATE, SKIP_BURST, self._clock),
+            )
+        link, mail = budgets
+        session.skip_budget = lambda n: (mail if self._opening_mail else link).take(n)
         self._entries[peer] = _Entry(sid, session)
         self._dirty.add(peer)
+
+    @contextlib.contextmanager
+    def opening_mail(self) -> Iterator[None]:
+        """Messages opened inside are mail whose sender nothing proved (a relay mailbox
+        envelope): their skipped keys come out of the peer's mail budget."""
+        self._opening_mail = True
+        try:
+            yield
+        finally:
+            self._opening_mail = False
 
     def drop(self, peer: str) -> None:
         self._entries.pop(peer, None)

@@ -356,7 +356,8 @@ class NodeRelay:
         if not node.authorizer(env.sender):
             return None
         peer = node._peer(env.sender)
-        node._on_msg(peer, frame)
+        with node.sessions.opening_mail():  # the envelope proves no sender: its own budget
+            node._on_msg(peer, frame)
         self._count("mailbox_in")
         return peer, frame.seq
 

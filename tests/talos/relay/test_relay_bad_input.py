@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import struct
 from typing import Any
 
 import nats.errors
@@ -17,11 +18,15 @@ import pytest
 from nats.js.errors import NoStreamResponseError
 
 from talos import pipeline as pl
+from talos.link import wire as link_wire
 from talos.link.handshake import LinkHandshake, Role
 from talos.node import Node
 from talos.relay import attach as relay_attach
 from talos.relay import wire
+from talos.relay.envelope import seal_envelope
 from talos.relay.names import RelayNames, nkey_seed
+from talos_sdk.bundle import x25519_keypair
+from talos_sdk.ratchet import MAX_SKIP
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import started, until
 from tests.talos.relay.conftest import RelayNet
@@ -523,4 +528,35 @@ async def test_mailbox_garbage_writes_a_bounded_number_of_warnings(
         assert 1 <= len(lines) <= 20, len(lines)
     finally:
         await nc.close()
+        await b.stop()
+
+
+async def test_mail_claiming_a_peer_does_not_spend_that_peers_link_budget(
+    relay_net: RelayNet,
+) -> None:
+    # Anyone on the relay may mail B envelopes claiming to come from A (the envelope
+    # proves no sender), with ratchet headers asking for MAX_SKIP skipped keys. Opened
+    # with A's session, they were paid from the budget A's own link frames need: an
+    # honest frame of A after 100 frames lost on the way was then refused.
+    a, b = await _pair(relay_net)
+    got: list[bytes] = []
+    b.register_app("t", lambda did, payload: got.append(payload))
+    nc = await _rogue(relay_net)
+    try:
+        await a.send_message(b.did, "hello", wait=True)
+        mailbox, js = RelayNames.for_did(b.did).mailbox, nc.jetstream()
+        sizes = [MAX_SKIP, MAX_SKIP] + [MAX_SKIP >> i for i in range(1, 11)]  # any level
+        for n in sizes:
+            _, fresh = x25519_keypair()
+            body = struct.pack(">B32sII", 1, fresh, 0, n) + os.urandom(40)
+            frame = link_wire.encode(link_wire.Msg(1, body))
+            await js.publish(mailbox, seal_envelope(b.did, a.did, frame, os.urandom(32)))
+        await until(lambda: b.metrics.counters.get("mailbox_rejected", 0) >= len(sizes), 20)
+        for _ in range(100):  # frames of A lost on the way
+            a.sessions.seal_app(b.did, "t", b"lost")
+        await a.send_app(b.did, "t", b"after the mail")
+        await until(lambda: got == [b"after the mail"], 20, "the honest frame opened")
+    finally:
+        await nc.close()
+        await a.stop()
         await b.stop()
