@@ -241,6 +241,18 @@ def cmd_peers(args: argparse.Namespace) -> int:
             res = offline_remove_peer(_home(args), args.peer)
         queued = f"; {res['queued']} message(s) stay queued for it" if res["queued"] else ""
         print(f"removed {res['did']}{queued}")
+        if res.get("configured"):
+            print(
+                "WARNING: the node's configuration (config.json peers/allow, or --peer/--allow)"
+                " names it: it is back at the next start unless removed there too",
+                file=sys.stderr,
+            )
+        if res.get("still_allowed"):
+            print(
+                "WARNING: it may still link while a local client claims a channel for it"
+                " (an attached talos-proxy connect)",
+                file=sys.stderr,
+            )
         return 0
     peers = _online(path, "peers.list")
     if peers is _NOT_RUNNING:

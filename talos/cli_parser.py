@@ -223,9 +223,11 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         "remove",
         "forget a peer: no more dialling or accepting it",
         "Forget a peer: its address, its name and its session. The node stops dialling it,"
-        " closes its link and no longer accepts it (unless the running node was started with"
-        " --allow naming it). Messages queued for it stay in the outbox and go if it is"
-        " added again; its pinned ML-DSA-65 key stays pinned.",
+        " closes its link and no longer accepts it. Said on stderr when something undoes"
+        " that: the node's configuration naming it (config.json, --peer, --allow: back at"
+        " the next start), or a local client's claim for it (an attached talos-proxy"
+        " connect: it may link while the claim lasts). Messages queued for it stay in the"
+        " outbox and go if it is added again; its pinned ML-DSA-65 key stays pinned.",
         (f"talosd peers remove {DID_EXAMPLE}", "talosd peers remove alice"),
     )
     pr.add_argument("peer", metavar="PEER", help="DID (or name) of the peer")

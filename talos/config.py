@@ -49,6 +49,7 @@ __all__ = [
     "NodeConfig",
     "PeerAddr",
     "TransferConfig",
+    "configured_peer",
     "default_home",
     "parse_listen",
     "parse_peer_addr",
@@ -344,3 +345,9 @@ def _note_once(name: str, path: Path, fix: str) -> None:
     if key not in _noted:
         _noted.add(key)
         event(log, name, logging.WARNING, file=str(path), fix=fix)
+
+
+def configured_peer(config: NodeConfig, did: str) -> bool:
+    """Whether ``config`` names ``did`` (``peers`` or ``allow``): a node started with it
+    dials or allows the peer again, whatever its store says."""
+    return did in config.allow or any(p.endswith("#" + did) for p in config.peers)

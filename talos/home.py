@@ -17,7 +17,7 @@ from typing import Any
 from talos import pipeline as pl
 from talos.chain.log import BlockLog, read_quarantine
 from talos.chain.verify import verify_chain
-from talos.config import Home, NodeConfig, parse_peer_addr
+from talos.config import Home, NodeConfig, configured_peer, parse_peer_addr
 from talos.keys import (
     HYBRID_SINCE_FIELD,
     PASSPHRASE_ENV,
@@ -123,7 +123,8 @@ def offline_remove_peer(home: Home, ref: str) -> dict[str, Any]:
         txn.delete("peers", did.encode())
         drop_name(txn, did)
         txn.delete("sessions", did.encode())
-        return {"did": did, "queued": sum(1 for _ in pl.iter_outbox(txn, did))}
+        queued = sum(1 for _ in pl.iter_outbox(txn, did))
+    return {"did": did, "queued": queued, "configured": configured_peer(home.load_config(), did)}
 
 
 def offline_peers(home: Home) -> list[dict[str, Any]]:

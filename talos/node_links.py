@@ -94,26 +94,29 @@ class NodeLinks(NodeBase):
     async def remove_peer(self, did: str) -> int:
         """Forget ``did``: its address, its name, its session and what was learned of it.
 
-        It may no longer link (unless ``--allow`` names it) and the link it holds
+        It may no longer link (until a start whose configuration names it again, or
+        while a local client's claim lends it the right) and the link it holds
         closes. Messages queued for it stay (``talosd outbox``) and go if it is
         added again; returns how many.
         """
         public_key_from_did(did)
-
-        def forget(txn: Txn) -> int:
-            txn.delete("peers", did.encode())
-            drop_name(txn, did)
-            self.sessions.drop(did)
-            self.sessions.persist_establish(txn, did)  # the stored session goes too
-            return sum(1 for _ in pl.iter_outbox(txn, did))
-
-        queued = await self.writer.write(forget, kind="peers")
         self._known.pop(did, None)
         self._allow.discard(did)
         forget_learned = getattr(self.resolver, "forget", None)
         if forget_learned is not None:
             forget_learned(did)
+        # The link goes before the session: a setup still running on it could otherwise
+        # install a session after the drop.
         await self.links.forget(did)
+        self.sessions.drop(did)
+
+        def forget(txn: Txn) -> int:
+            txn.delete("peers", did.encode())
+            drop_name(txn, did)
+            txn.delete("sessions", did.encode())
+            return sum(1 for _ in pl.iter_outbox(txn, did))
+
+        queued = await self.writer.write(forget, kind="peers")
         peer = self._peers.get(did)
         if peer is not None and not peer.ready.is_set():
             del self._peers[did]  # listed no more; restored from the store if met again

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from talos import peer_names
 from talos import pipeline as pl
 from talos.chain.log import UnknownRecordError
+from talos.config import configured_peer
 from talos.local.log_ops import op_log_append, op_log_records
 from talos.local.wire import MAX_LIMIT, MAX_SEND_WAIT, MAX_WAIT, SEND_WAIT
 from talos.node_send import until_done
@@ -187,12 +188,19 @@ async def op_peers_name(host: LocalHost, args: dict[str, Any]) -> Any:
 
 
 async def op_peers_remove(host: LocalHost, args: dict[str, Any]) -> Any:
-    """Forget a peer (talos/node_links.py remove_peer); its queued messages stay."""
+    """Forget a peer (talos/node_links.py remove_peer); its queued messages stay. Says
+    whether the node's configuration names it (it is back at the next start) and
+    whether it may still link (a local client's claim lends it the right)."""
     node = host.node
     did = resolve(node, _str(args, "peer"))
     queued = await node.remove_peer(did)
     host.names.clear()  # its name went with it
-    return {"did": did, "queued": queued}
+    return {
+        "did": did,
+        "queued": queued,
+        "configured": configured_peer(node.config, did),
+        "still_allowed": node.authorizer(did),
+    }
 
 
 async def op_peers_allow(host: LocalHost, args: dict[str, Any]) -> Any:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from talos.local.client import LocalClient
 from talos.peer_names import names
 from talos.store import Store
 from tests.talos.daemons import talosd
+from tests.talos.local.running import started as started_daemon
 from tests.talos.nodes import addr, link, make_home, started, until
 
 
@@ -71,3 +73,34 @@ def test_peers_remove_on_a_stopped_home_by_name(tmp_path: Path) -> None:
     assert unknown.returncode == 2 and "unknown peer name 'bob'" in unknown.stderr
     with Store(home / "store") as store, store.read() as txn:
         assert names(txn) == {}
+
+
+async def test_what_removal_cannot_undo_is_said(tmp_path: Path) -> None:
+    # Two things keep or bring back a removed peer: the node's configuration (an
+    # --allow or --peer of this run, config.json), which applies at every start; and a
+    # local client's claim naming it (an attached talos-proxy connect), which lends it
+    # the right to link while it lasts. The removal says both instead of claiming more.
+    x = await started_daemon(*make_home(tmp_path, "x"))
+    y = await started(*make_home(tmp_path, "y"))
+    client = None
+    try:
+        async with asyncio.timeout(60):
+            await y.add_peer(addr(x.node))
+            await x.node.add_peer(addr(y))
+            await until(lambda: x.is_connected(y.did), 20, "linked")
+            client = await LocalClient.connect(x.home.path)
+            await client.call("app.claim", channel="t", peer=y.did)
+            res = await client.call("peers.remove", peer=y.did)
+            assert (res["configured"], res["still_allowed"]) == (False, True)
+            await until(lambda: x.is_connected(y.did), 20, "linked again: the claim lends it")
+            await client.close()
+            client = None
+            await until(lambda: not x.node.authorizer(y.did), 10, "the claim gone, the right")
+    finally:
+        if client is not None:
+            await client.close()
+        await x.stop()
+        await y.stop()
+    home, _ = make_home(tmp_path, "z", allow=(y.did,))
+    res = talosd("peers", "remove", y.did, "--home", str(home))
+    assert res.returncode == 0 and "back at the next start" in res.stderr, res.stderr
