@@ -47,7 +47,7 @@ from talos.chain.block import (
     head_statement,
     verify_inclusion_proof,
 )
-from talos.chain.pending import pending_key, pending_row, tagged_record
+from talos.chain.pending import is_tagged, pending_key, pending_row, tagged_record
 from talos.chain.record_index import RecordIndex, Step, record_id_of
 from talos.store import Store, Txn
 from talos.writer import DirectWrites, Writes
@@ -71,6 +71,10 @@ __all__ = [
 
 _U64 = struct.Struct(">Q")
 _LOC = struct.Struct(">QI")
+_UNTAGGED = (
+    "an untagged record of this node (pending from a version before tagged rows, or"
+    " written by something else): nothing vouches that the node wrote it"
+)
 #: ``meta`` key: u64 height from which every block is hybrid-signed.
 HYBRID_SINCE_KEY = b"chain:hybrid_since"
 
@@ -290,15 +294,21 @@ class BlockLog:
         row_key = self._pending_key()
         for key, row in batch:
             seq = _U64.unpack(key)[0]
+            tagged = is_tagged(row)
             try:
                 # A row the node did not write is quarantined, record and all: its own
                 # records are unsigned, and sealing would sign them as the node's.
-                data = tagged_record(row_key, seq, row)
+                data = tagged_record(row_key, seq, row) if tagged else row
                 record = Record.from_bytes(data)
             except MalformedFrameError as exc:
                 refused.append((key, f"malformed: {exc}", row))
                 continue
-            why = None if seq in verified else check_record_signature(record, self.node_did)
+            if not tagged and (record.sender == self.node_did or not record.signature):
+                why: str | None = _UNTAGGED  # only a peer's signature vouches for such a row
+            elif seq in verified:
+                why = None
+            else:
+                why = check_record_signature(record, self.node_did)
             if why is None and record.record_id in seen:
                 why = "duplicate record id in block"
             if why is not None:

@@ -5,7 +5,9 @@ The sealer signs whatever it finds there as the node's, and a node's own records
 (audit records, app records) carry no signature of their own: the block signature
 vouches for them. So each row the node writes carries a tag only the node can make,
 and the sealer quarantines a row whose tag does not verify: whoever holds the disk
-but not the passphrase could otherwise write a record the node then signs::
+but not the passphrase could otherwise write a record the node then signs. A row
+without the mark was written by a version before the tags: only a peer's signature
+on its record can vouch for it::
 
     row = 0xA5 ‖ HMAC-SHA256(K, u64 seq ‖ record)[:16] ‖ record
     K   = HKDF-SHA256(seed, salt = "", info = "talos/log/pending/v1")
@@ -22,7 +24,7 @@ from typing import Final
 from talos_sdk.errors import MalformedFrameError
 from talos_sdk.kdf import hkdf
 
-__all__ = ["pending_key", "pending_record", "pending_row", "tagged_record"]
+__all__ = ["is_tagged", "pending_key", "pending_record", "pending_row", "tagged_record"]
 
 _MARK: Final = 0xA5  # never a record's first byte (its version, 1)
 _TAG: Final = 16
@@ -53,8 +55,16 @@ def tagged_record(key: bytes, seq: int, row: bytes) -> bytes:
     return record
 
 
+def is_tagged(row: bytes) -> bool:
+    """Whether ``row`` has the mark of a tagged row (else: an older version's, or junk)."""
+    return bool(row) and row[0] == _MARK
+
+
 def pending_record(row: bytes) -> bytes:
-    """The encoded record of a row, unchecked (readers without the node's key)."""
-    if len(row) <= 1 + _TAG or row[0] != _MARK:
-        raise MalformedFrameError("pending row without the node's tag")
+    """The encoded record of a row, unchecked (readers without the node's key); an
+    untagged row is returned whole (an older version wrote the bare record)."""
+    if not is_tagged(row):
+        return row
+    if len(row) <= 1 + _TAG:
+        raise MalformedFrameError("pending row truncated")
     return row[1 + _TAG :]

@@ -385,11 +385,14 @@ def test_a_pending_row_the_node_did_not_write_is_not_sealed_as_its_own(tmp_path:
         txn.put("pending", (7).to_bytes(8, "big"), forged)
         txn.put("pending", (8).to_bytes(8, "big"), pending_row(pending_key(other.seed), 8, forged))
         txn.put("pending", (9).to_bytes(8, "big"), pending_row(pending_key(NODE.seed), 3, forged))
+        # Untagged, as a version before the tags wrote it: a peer's signature vouches.
+        txn.put("pending", (10).to_bytes(8, "big"), make_record(5).encoded)
     log.append(make_record(0))
     [block] = log.seal()
-    assert log.block_records(block.height) == [make_record(0)]
+    assert log.block_records(block.height) == [make_record(0), make_record(5)]
     reasons = [q.reason for q in log.quarantined()]
-    assert reasons == ["malformed: pending row without the node's tag"] + 2 * [
+    assert reasons[0].startswith("an untagged record of this node")
+    assert reasons[1:] == 2 * [
         "malformed: pending row not written by this node (its tag does not verify)"
     ]
     store.close()
