@@ -27,7 +27,7 @@ from talos.keys import (
     key_file_suite,
     unlock,
 )
-from talos.peer_names import drop_name, resolve_peer
+from talos.peer_names import forget_peer, resolve_peer
 from talos.peer_names import names as peer_names
 from talos.sessions import SessionManager, load_secrets
 from talos.store import Store
@@ -120,10 +120,7 @@ def offline_remove_peer(home: Home, ref: str) -> dict[str, Any]:
     """``talosd peers remove`` while stopped: as ``NodeLinks.remove_peer`` does it."""
     with _offline_store(home) as store, store.write() as txn:
         did = resolve_peer(txn, ref)
-        txn.delete("peers", did.encode())
-        drop_name(txn, did)
-        txn.delete("sessions", did.encode())
-        queued = sum(1 for _ in pl.iter_outbox(txn, did))
+        queued = forget_peer(txn, did)
     return {"did": did, "queued": queued, "configured": configured_peer(home.load_config(), did)}
 
 
@@ -179,11 +176,10 @@ def offline_inbox(home: Home, after: int = 0) -> list[dict[str, object]]:
 class _LogReader:
     """Who a stopped node's log belongs to, for reading it: a classical home's DID
     from the key file's clear header, so a sealed key needs no passphrase. Signs
-    nothing (the offline chain commands only read). Nothing vouches for that DID
-    (``checked`` False): the AEAD that binds the header is opened with the key."""
+    nothing (the offline chain commands only read). Nothing vouches for that DID:
+    the AEAD that binds the header is opened with the key."""
 
     hybrid_public_key = None
-    checked = False
 
     def __init__(self, did: str) -> None:
         self.did = did

@@ -31,9 +31,8 @@ from talos.link.refusals import DEFER_WHY, UNREACHABLE, LinkProblem
 from talos.logging import event
 from talos.node_apps import ConnectTimeoutError
 from talos.node_base import NodeBase, Peer
-from talos.peer_names import drop_name
+from talos.peer_names import forget_peer
 from talos.sessions import UnknownSessionError
-from talos.store import Txn
 from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
@@ -110,13 +109,7 @@ class NodeLinks(NodeBase):
         await self.links.forget(did)
         self.sessions.drop(did)
 
-        def forget(txn: Txn) -> int:
-            txn.delete("peers", did.encode())
-            drop_name(txn, did)
-            txn.delete("sessions", did.encode())
-            return sum(1 for _ in pl.iter_outbox(txn, did))
-
-        queued = await self.writer.write(forget, kind="peers")
+        queued = await self.writer.write(functools.partial(forget_peer, did=did), kind="peers")
         peer = self._peers.get(did)
         if peer is not None and not peer.ready.is_set():
             del self._peers[did]  # listed no more; restored from the store if met again

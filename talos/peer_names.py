@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from talos import pipeline as pl
 from talos.peer_refs import is_did, validate_name
 from talos.store import Store, Txn
 from talos_sdk.did import public_key_from_did
@@ -85,11 +86,15 @@ def set_name(txn: Txn, did: str, name: str) -> None:
     txn.put("meta", _key(name), did.encode())
 
 
-def drop_name(txn: Txn, did: str) -> None:
-    """Forget the name of ``did``, if it has one."""
+def forget_peer(txn: Txn, did: str) -> int:
+    """Delete what the store keeps of peer ``did`` (``talosd peers remove``): its address,
+    its name and its session; returns how many messages stay queued for it."""
+    txn.delete("peers", did.encode())
     for name, owner in list(_rows(txn)):
         if owner == did:
             txn.delete("meta", _key(name))
+    txn.delete("sessions", did.encode())
+    return sum(1 for _ in pl.iter_outbox(txn, did))
 
 
 # --- without a running node (the home lock proves none runs; talosd peers/send) -----------------

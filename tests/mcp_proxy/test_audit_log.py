@@ -46,13 +46,19 @@ def record(i: int, **kw: object) -> AuditRecord:
     return AuditRecord(**base)  # type: ignore[arg-type]
 
 
-async def test_sealed_and_pending_records_are_read_and_filtered(tmp_path: Path) -> None:
-    ensure_home(tmp_path)
-    home = Home(tmp_path)
+async def _audited(home_path: Path) -> tuple[Store, BlockLog, Auditor]:
+    """A proxy home's block log with a started auditor writing to it."""
+    ensure_home(home_path)
+    home = Home(home_path)
     store = Store(home.store_dir)
     log = BlockLog(store, load_wallet(home.identity))
     auditor = Auditor(BlockLogSink(log, log.node_did))
     await auditor.start()
+    return store, log, auditor
+
+
+async def test_sealed_and_pending_records_are_read_and_filtered(tmp_path: Path) -> None:
+    store, log, auditor = await _audited(tmp_path)
     for i in range(6):
         auditor.submit(record(i))
     auditor.submit(
@@ -83,12 +89,7 @@ async def test_sealed_and_pending_records_are_read_and_filtered(tmp_path: Path) 
 async def test_a_record_that_does_not_decode_is_listed_as_unreadable(tmp_path: Path) -> None:
     # One damaged record ended the whole listing ("record truncated"), hiding every
     # audit entry: it is now an entry of its own, where it is stored.
-    ensure_home(tmp_path)
-    home = Home(tmp_path)
-    store = Store(home.store_dir)
-    log = BlockLog(store, load_wallet(home.identity))
-    auditor = Auditor(BlockLogSink(log, log.node_did))
-    await auditor.start()
+    store, log, auditor = await _audited(tmp_path)
     for i in range(3):
         auditor.submit(record(i))
         await auditor.stop()  # one record each

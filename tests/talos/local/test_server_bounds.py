@@ -63,33 +63,13 @@ async def test_a_watcher_that_reads_nothing_keeps_the_latest_event_per_link(
         await a.stop()
 
 
-async def test_a_client_that_reads_no_replies_is_timed_on_its_unfinished_frame(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("stall", ["replies unread", "trickled"])
+async def test_a_half_sent_frame_is_cut_whatever_its_client_does_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stall: str
 ) -> None:
-    # Only the node's own holds stop the partial-frame timer: a client could otherwise
-    # keep a frame half sent for ever by leaving its replies unread.
-    monkeypatch.setattr(local_conn, "PARTIAL_FRAME_TIMEOUT", 0.5)
-    a = await started(*make_home(tmp_path, "a"))
-    try:
-        local = a.daemon.local
-        assert local is not None
-        frame = wire.encode_json(wire.Kind.CALL, {"id": 7, "op": "id", "args": {}})
-        async with asyncio.timeout(LIMIT):
-            _, writer, conn = await raw_client(a, frame[:5])
-            await until(lambda: conn._partial is not None, 10, "the frame timed")
-            conn._hold("replies")  # what the transport does once its replies pile up
-            await until(lambda: conn not in local.conns, 10, "the connection cut")
-        writer.close()
-        await writer.wait_closed()
-    finally:
-        await a.stop()
-
-
-async def test_a_frame_trickled_a_byte_at_a_time_is_timed_from_its_first_byte(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The timer measures from the frame's first byte, not from its latest: a client
-    # sending one byte now and then used to keep a frame (up to MAX_FRAME) open for ever.
+    # Only the node's own holds stop the partial-frame timer, and it runs from the
+    # frame's first byte: a client could otherwise keep a frame (up to MAX_FRAME) half
+    # sent for ever by leaving its replies unread, or by sending a byte now and then.
     monkeypatch.setattr(local_conn, "PARTIAL_FRAME_TIMEOUT", 0.5)
     a = await started(*make_home(tmp_path, "a"))
     try:
@@ -98,13 +78,18 @@ async def test_a_frame_trickled_a_byte_at_a_time_is_timed_from_its_first_byte(
         frame = wire.encode_json(wire.Kind.CALL, {"id": 7, "op": "id", "args": {"pad": "x" * 64}})
         async with asyncio.timeout(LIMIT):
             _, writer, conn = await raw_client(a, frame[:5])
-            for i in range(5, 45):  # 40 bytes, one each 0.1 s: 8 timeouts' worth
-                if conn not in local.conns:
-                    break
-                writer.write(frame[i : i + 1])
-                await asyncio.sleep(0.1)
-            assert conn not in local.conns, "a trickled frame kept its connection"
+            if stall == "replies unread":
+                await until(lambda: conn._partial is not None, 10, "the frame timed")
+                conn._hold("replies")  # what the transport does once its replies pile up
+            else:
+                for i in range(5, 45):  # 40 bytes, one each 0.1 s: 8 timeouts' worth
+                    if conn not in local.conns:
+                        break
+                    writer.write(frame[i : i + 1])
+                    await asyncio.sleep(0.1)
+            await until(lambda: conn not in local.conns, 10, "the connection cut")
         writer.close()
+        await writer.wait_closed()
     finally:
         await a.stop()
 
