@@ -399,10 +399,9 @@ def cmd_chain(args: argparse.Namespace) -> int:
         if args.json:
             _out(report)
         for d in report["defects"]:
-            where = f"block {d['height']}" + (
-                f" record {d['index']}" if d["index"] is not None else ""
-            )
-            print(f"DEFECT {d['code']} at {where}: {d['message']}", file=sys.stderr)
+            where = "" if d["height"] is None else f" at block {d['height']}"
+            where += "" if d["index"] is None else f" record {d['index']}"
+            print(f"DEFECT {d['code']}{where}: {d['message']}", file=sys.stderr)
         # Quarantined records were never sealed, so the chain itself is intact: a
         # warning, not a failure (exit code 0 unless there are defects).
         quarantined = report.get("quarantined", [])
@@ -414,7 +413,8 @@ def cmd_chain(args: argparse.Namespace) -> int:
         if quarantined:
             print(
                 f"WARNING: {len(quarantined)} quarantined record(s) refused at sealing"
-                " (forged or bad signature); they are not in the chain",
+                " (forged, badly signed, or not shown to be this node's); they are not in the"
+                " chain",
                 file=sys.stderr,
             )
         omitted = report.get("defects_omitted", 0)
@@ -422,7 +422,10 @@ def cmd_chain(args: argparse.Namespace) -> int:
             print(f"... and {omitted} more defect(s), not listed", file=sys.stderr)
         if not report["ok"]:
             found = len(report["defects"]) + omitted
-            print(f"chain verify FAILED: {found} defect(s)", file=sys.stderr)
+            print(
+                f"chain verify FAILED: {found} defect(s), node {report.get('node')}",
+                file=sys.stderr,
+            )
             return 1
         if not args.json:
             print(f"chain ok: {report['blocks']} blocks, {report['records']} records")

@@ -316,8 +316,8 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         "verify",
         "check every block; quarantined records are warnings (exit 0), defects exit 1",
         "Verify every block: hashes, links, signatures, Merkle roots. Defects are printed on"
-        " stderr and exit 1; records quarantined at sealing (forged or badly signed) are"
-        " warnings only, since they never entered the chain.",
+        " stderr and exit 1; records quarantined at sealing (forged, badly signed, or not"
+        " shown to be the node's) are warnings only, since they never entered the chain.",
         ("talosd chain verify", "talosd chain verify --heads peer-heads.json --json"),
     )
     _json(cv, "the verification report")

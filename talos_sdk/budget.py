@@ -1,7 +1,8 @@
 """A token bucket: work a party may make us do over time, paid before it is done.
 
-Pure (the clock is handed in). The node gives each peer's ratchet sessions one
-(:attr:`talos_sdk.ratchet.Session.skip_budget`): a message header may ask for up
+Pure (the clock is handed in). The node gives each peer's ratchet sessions two,
+one for its links' frames and one for relay mail naming it
+(:attr:`talos_sdk.ratchet.Session.skip_budget` picks): a message header may ask for up
 to MAX_SKIP skipped-key derivations per chain before its AEAD tag can be checked,
 so a peer sending forged headers would otherwise cost ~2.4 ms of CPU per 82-byte
 frame, ~110 times a real one, for as long as it pleased.

@@ -1,8 +1,9 @@
 """The node's append-only block log over :class:`~talos.store.Store` (docs/DESIGN.md "Block log").
 
-Appending is O(1) and does no cryptography: the encoded record goes into the
-``pending`` database, inside the caller's write transaction when one is given,
-so an inbox row and its log record commit (or roll back) together. Sealing is
+Appending is O(1) and does no signing: the encoded record, tagged under the
+node's pending key (talos/chain/pending.py), goes into the ``pending`` database,
+inside the caller's write transaction when one is given, so an inbox row and
+its log record commit (or roll back) together. Sealing is
 where the work happens, off the hot path: the pending records are read back
 from LMDB, their sender signatures verified as one batch (unless the appender
 vouched it checked them, see :meth:`BlockLog.append`), the Merkle root
@@ -24,7 +25,8 @@ after: a block a peer has seen must never be lost and re-sealed differently.
 A hybrid wallet (suite ``ed25519-mldsa65``, ADR 0005) signs blocks and heads
 with ``sign_auth``: version 2 blocks carrying the key id, ~0.9 ms per *block*
 (not per record). The height of the first hybrid block is kept in ``meta``
-(:data:`HYBRID_SINCE_KEY`) so the audit knows which blocks must be hybrid.
+(:data:`HYBRID_SINCE_KEY`) and, for a hybrid identity made by ``talosd init``,
+in its key file, which the audit holds the blocks to over the row.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ __all__ = [
 _U64 = struct.Struct(">Q")
 _LOC = struct.Struct(">QI")
 _UNTAGGED = (
-    "an untagged record of this node (pending from a version before tagged rows, or"
+    "an untagged unsigned record (pending from a version before tagged rows, or"
     " written by something else): nothing vouches that the node wrote it"
 )
 #: ``meta`` key: u64 height from which every block is hybrid-signed.
@@ -303,8 +305,8 @@ class BlockLog:
             except MalformedFrameError as exc:
                 refused.append((key, f"malformed: {exc}", row))
                 continue
-            if not tagged and (record.sender == self.node_did or not record.signature):
-                why: str | None = _UNTAGGED  # only a peer's signature vouches for such a row
+            if not tagged and not record.signature:
+                why: str | None = _UNTAGGED  # only a signature can vouch for such a row
             elif seq in verified:
                 why = None
             else:

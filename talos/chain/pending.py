@@ -6,8 +6,8 @@ The sealer signs whatever it finds there as the node's, and a node's own records
 vouches for them. So each row the node writes carries a tag only the node can make,
 and the sealer quarantines a row whose tag does not verify: whoever holds the disk
 but not the passphrase could otherwise write a record the node then signs. A row
-without the mark was written by a version before the tags: only a peer's signature
-on its record can vouch for it::
+without the mark was written by a version before the tags: only a signature on its
+record (a peer's, or the node's own on a message it sent) can vouch for it::
 
     row = 0xA5 ‖ HMAC-SHA256(K, u64 seq ‖ record)[:16] ‖ record
     K   = HKDF-SHA256(seed, salt = "", info = "talos/log/pending/v1")

@@ -1,4 +1,5 @@
-"""Re-validate a whole block log and report every defect with its place (``talosd chain verify``).
+"""Re-validate a whole block log and report its defects with their places (``talosd chain verify``;
+at most MAX_DEFECTS are listed, the rest counted).
 
 Checks (docs/PROTOCOL.md "Block log"): heights are 0..n-1 with no gap and
 match their keys; every block links to the stored bytes of the one before;
