@@ -330,7 +330,10 @@ class Auditor:
         sync = bool(durable or barriers) and (self._dirty or bool(queued))
         sink = self.sink
         try:
-            batch = self._build(queued) if queued else []
+            # Digests off the loop: a params or result of floats takes the pure-Python
+            # RFC 8785 encoder, ~2.5 s for 8 MB, and on the loop that stalled every
+            # session of every peer (a thread shares the GIL, but the loop gets its turns).
+            batch = await asyncio.to_thread(self._build, queued) if queued else []
             if (batch or sync) and _commits_from_loop(sink):
                 await cast(AsyncAuditSink, sink).commit(batch, sync)
                 self._wrote(len(batch), sync)

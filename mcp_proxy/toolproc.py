@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Mapping
 from typing import Final, cast
 
@@ -23,7 +24,7 @@ from mcp_proxy.jsonrpc import INTERNAL_ERROR, RequestId, error_reply
 from mcp_proxy.lines import LineSplitter
 from mcp_proxy.policy import ServerSpec
 from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES
-from talos.logging import event
+from talos.logging import Throttle, event
 
 __all__ = ["EXIT_SPAWN_FAILED", "ToolProcess"]
 
@@ -35,6 +36,8 @@ EXIT_SPAWN_FAILED: Final = 127
 LINE_LIMIT: Final = MAX_MESSAGE_BYTES
 # How long a tool gets to exit after its stdin closes before SIGTERM.
 STDIN_CLOSE_WAIT: Final = 0.5
+#: Lines of a tool's stderr logged per minute; the next logged one says how many were not.
+STDERR_LINES: Final = 600
 
 LineCallback = Callable[[bytes], None]
 ExitCallback = Callable[[int], None]
@@ -104,6 +107,7 @@ class ToolProcess:
         self.log_fields = dict(log_fields) if log_fields is not None else {"tool": label}
         self._on_line = on_line
         self._on_exit = on_exit
+        self._stderr_throttle = Throttle(burst=STDERR_LINES, period=60.0, keys=1)
         # After the lines of one stdout read were handed on: lets the owner send them together.
         self._on_batch = on_batch
         self._grace = grace
@@ -288,7 +292,13 @@ class ToolProcess:
         self._on_line(line)
 
     def _on_stderr(self, line: bytes) -> None:
-        event(log, "tool_stderr", **self.log_fields, line=line.decode("utf-8", "replace"))
+        # A tool writing stderr without end wrote 72k log lines a second, serve at 100%
+        # CPU and other peers' calls 47 times slower: at most STDERR_LINES a minute.
+        dropped = self._stderr_throttle.admit("", time.monotonic())
+        if dropped is not None:
+            fields = {"suppressed": dropped} if dropped else {}
+            text = line.decode("utf-8", "replace")
+            event(log, "tool_stderr", **self.log_fields, **fields, line=text)
 
     def _on_overflow(self) -> None:
         event(log, "tool_line_oversize", logging.WARNING, **self.log_fields, limit=LINE_LIMIT)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -303,3 +305,26 @@ async def test_unsynced_writes_are_synced_within_the_interval() -> None:
         await asyncio.sleep(0.2)  # clean: no more writes or syncs while nothing happens
         assert (len(sink.writes), sink.syncs) == (writes, syncs)
         await auditor.stop()
+
+
+async def test_digests_are_built_off_the_event_loop() -> None:
+    # A params or result of floats takes the pure-Python RFC 8785 encoder (~2.5 s for
+    # 8 MB): built on the loop, it stalled every session of every peer of a serve.
+    sink = CountingSink()
+    auditor = Auditor(sink, key=KEY, commit_interval=0.01, sync_interval=60)
+    loop_thread = threading.current_thread()
+    built_in: list[threading.Thread] = []
+    real_build = auditor._build
+
+    def recording(queued: list[Any]) -> list[AuditRecord]:
+        built_in.append(threading.current_thread())
+        return real_build(queued)
+
+    auditor._build = recording  # type: ignore[method-assign]
+    async with asyncio.timeout(10):
+        await auditor.start()
+        auditor.note(facts(1, {"x": [0.1] * 1000}, {"y": 0.5}))
+        await auditor.record_barrier()
+        await auditor.stop()
+    assert built_in and loop_thread not in built_in
+    assert sink.writes[0][0].params_hmac == digest({"x": [0.1] * 1000})

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
 
 import orjson
+import pytest
 
+from mcp_proxy import toolproc
 from mcp_proxy.jsonrpc import INTERNAL_ERROR
 from mcp_proxy.policy import ServerSpec
 from mcp_proxy.toolproc import EXIT_SPAWN_FAILED, ToolProcess
@@ -172,3 +175,22 @@ async def test_terminate_while_the_spawn_is_under_way_stops_the_process() -> Non
     else:
         os.kill(pid, signal.SIGKILL)
         raise AssertionError(f"the tool process {pid} outlived terminate()")
+
+
+async def test_a_tool_writing_stderr_without_end_is_logged_a_bounded_number_of_lines(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each stderr line was one log event: 72k a second from one tool, serve at 100%
+    # CPU and other peers' calls 47 times slower.
+    monkeypatch.setattr(toolproc, "STDERR_LINES", 20)
+    rec = Recorder()
+    flood = "import sys\nfor i in range(3000): sys.stderr.write(f'noise {i}\\n')\n"
+    spec = ServerSpec(command=sys.executable, args=("-c", flood))
+    proc = ToolProcess(spec, rec.on_line, rec.on_exit)
+    with caplog.at_level(logging.INFO, logger="mcp_proxy"):
+        async with asyncio.timeout(20):
+            await proc.start()
+            while proc.alive:
+                await asyncio.sleep(0.05)
+    lines = [r for r in caplog.records if r.getMessage() == "tool_stderr"]
+    assert 1 <= len(lines) <= 20, len(lines)
