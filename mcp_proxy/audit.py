@@ -5,7 +5,8 @@ of a serve side becomes an :class:`AuditRecord`:
 
 * ``call``: a caller's request and how it ended (``ok``, ``error``,
   ``tool-error``, ``denied``, ``cancelled``, ``malformed``, ``tool-exited``,
-  ``closed`` (the session ended first, a lost link included), ``refused-notification``);
+  ``closed`` (the session ended first, a lost link included), ``refused-notification``,
+  ``too-many`` (past the session's requests in flight);
 * ``request``: a request the tool sent to the caller (sampling, elicitation,
   roots) and the caller's answer;
 * ``session``: ``open`` (or its refusal), ``close`` and the tool process's

@@ -34,6 +34,7 @@ __all__ = [
     "LINK_REFUSED",
     "PARSE_ERROR",
     "TOOL_DENIED",
+    "TOO_MANY_IN_FLIGHT",
     "JsonRpcError",
     "Kind",
     "Sniffed",
@@ -53,6 +54,8 @@ TOOL_DENIED = -32001
 LINK_DOWN = -32002
 #: The link to the serving peer was refused (its allow list, pins, PQ policy): no outage.
 LINK_REFUSED = -32004
+#: A session holds as many requests in flight one way as the serve side keeps.
+TOO_MANY_IN_FLIGHT = -32005
 
 RequestId = int | str
 

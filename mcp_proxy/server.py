@@ -10,12 +10,10 @@ parses exactly what the policy judged, the caller exactly what was audited
 here (-32001) and never reaches the tool; a ``tools/call`` without an id (a
 notification) is refused and audited, whatever the tool.
 
-One request, one response: a reply of the tool for an id that is not pending
-is dropped, and when a tool dies its session is reported failed once, with the
-real reason (the exit code, or why the proxy stopped it), which the client
-turns into one error per pending request. Every event is audited
-(:mod:`mcp_proxy.audit`): calls, the tool's own requests, session open and
-close, tool exit, refusals.
+One request, one response: a reply of the tool for an id that is not pending is
+dropped; a dead tool's session is reported failed once, with the real reason,
+which the client turns into one error per pending request. Every event is
+audited (:mod:`mcp_proxy.audit`).
 """
 
 from __future__ import annotations
@@ -34,17 +32,17 @@ from mcp_proxy.audit import AuditMode, Auditor, Event
 from mcp_proxy.http_upstream import HttpUpstream
 from mcp_proxy.jsonrpc import (
     INTERNAL_ERROR,
+    TOO_MANY_IN_FLIGHT,
     TOOL_DENIED,
     JsonRpcError,
     Kind,
-    RequestId,
     encode,
     error_reply,
     sniff,
 )
 from mcp_proxy.peer_pause import PeerPause
 from mcp_proxy.policy import Policy, PolicyDenied
-from mcp_proxy.session_audit import Call, SessionAudit, refused_outside_a_session
+from mcp_proxy.session_audit import InFlight, SessionAudit, refused_outside_a_session
 from mcp_proxy.toolenv import tool_environment
 from mcp_proxy.toolproc import ToolProcess
 from mcp_proxy.transport import FrameSender, TunnelTransport
@@ -82,6 +80,9 @@ INBOX_FRAMES = 8
 MAX_TOOL_BACKLOG = 3 * MAX_MESSAGE_BYTES
 #: The same bound over all sessions of one peer (so 16 sessions cannot hold 16 times it).
 MAX_PEER_BACKLOG = 2 * MAX_TOOL_BACKLOG
+#: Requests a session keeps in flight each way (their params wait for their records):
+#: past either bound the next one is answered TOO_MANY_IN_FLIGHT instead of kept.
+MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES = 1024, 2 * MAX_MESSAGE_BYTES
 
 
 class _Session:
@@ -96,8 +97,8 @@ class _Session:
         self.name = name
         self.label = proc_label
         self.log_fields: dict[str, object] = {"peer": peer, "session": sid, "server": name}
-        self.calls: dict[RequestId, Call] = {}
-        self.asks: dict[RequestId, Call] = {}  # the tool's requests to the caller
+        self.calls = InFlight(MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES)
+        self.asks = InFlight(MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES)  # the tool's, to the caller
         self.proc: ToolProcess | HttpUpstream | None = None
         self.audit = SessionAudit(server.auditor, peer, name, sid, self._pid)
         self.closing = False
@@ -182,11 +183,15 @@ class _Session:
                 self._answer(error_reply(msg.id, -32600, "Invalid Request: id already in use"))
                 self.audit.refusal(msg.id, "invalid", "request id already in use")
                 return
-            self.calls[msg.id] = call
+            if not self.calls.room(len(wire)):
+                self._answer(error_reply(msg.id, TOO_MANY_IN_FLIGHT, "too many requests in flight"))
+                self.audit.call(msg.id, call, "too-many")
+                return
+            self.calls.add(msg.id, call)
             proc.send(wire, msg.id)
             return
         if kind is Kind.RESPONSE or kind is Kind.ERROR:
-            ask = self.asks.pop(msg.id, None) if msg.id is not None else None
+            ask = self.asks.pop(msg.id)
             if ask is None:
                 event(log, "unmatched_response_dropped", WARN, **self.log_fields, source="caller")
                 self.audit.refusal(msg.id, "unmatched-response", "answers no pending tool request")
@@ -204,11 +209,10 @@ class _Session:
         if msg.method == "notifications/cancelled":
             params = msg.params if isinstance(msg.params, dict) else {}
             cancelled = params.get("requestId")
-            if isinstance(cancelled, int | str) and cancelled in self.calls:
+            if isinstance(cancelled, int | str) and (gone := self.calls.pop(cancelled)):
                 # The tool may rightly never answer a cancelled request (MCP "Cancellation").
-                call = self.calls.pop(cancelled)
                 proc.settle(cancelled)
-                self.audit.call(cancelled, call, "cancelled")
+                self.audit.call(cancelled, gone, "cancelled")
         proc.send(wire)
 
     # --- tool -> client -----------------------------------------------------------------------
@@ -223,7 +227,7 @@ class _Session:
             wire = encode(msg)
         except JsonRpcError as exc:
             event(log, "tool_output_malformed", WARN, **self.log_fields, error=str(exc))
-            call = self.calls.pop(exc.request_id, None) if exc.request_id is not None else None
+            call = self.calls.pop(exc.request_id)
             if call is not None and exc.request_id is not None:
                 assert self.proc is not None
                 self.proc.settle(exc.request_id)
@@ -235,7 +239,7 @@ class _Session:
             return
         kind = msg.kind
         if kind is Kind.RESPONSE or kind is Kind.ERROR:
-            call = self.calls.pop(msg.id, None) if msg.id is not None else None
+            call = self.calls.pop(msg.id)
             if call is None:
                 # Unasked, a duplicate, or answering a cancelled call: one request, one response.
                 event(log, "unmatched_response_dropped", WARN, **self.log_fields, source="tool")
@@ -252,7 +256,13 @@ class _Session:
             self.audit.call(msg.id, call, outcome, msg.result, wire)
         elif kind is Kind.REQUEST and msg.id is not None:
             # Sampling, elicitation, roots: audited when the caller answers.
-            self.asks[msg.id] = self.audit.new_call(msg, wire)
+            ask = self.audit.new_call(msg, wire)
+            if not self.asks.room(len(wire)):  # the caller leaves them unanswered
+                assert self.proc is not None
+                self.proc.send(error_reply(msg.id, TOO_MANY_IN_FLIGHT, "too many unanswered"))
+                self.audit.call(msg.id, ask, "too-many", event=Event.REQUEST)
+                return
+            self.asks.add(msg.id, ask)
         self._emit(wire)
 
     def _answer(self, line: bytes) -> None:
@@ -298,7 +308,7 @@ class _Session:
             return
         # One report with the real reason; the client answers each pending request from it,
         # so the process's own per-request errors are not sent as well.
-        calls, self.calls, asks, self.asks = self.calls, {}, self.asks, {}
+        calls, asks = self.calls.drain(), self.asks.drain()
         self.audit.ended(calls, asks, "tool-exited", reason)
         if proc is not None:
             proc.pending.clear()
@@ -308,7 +318,7 @@ class _Session:
         """End the session (caller closed, link lost, proxy stopping) and stop its tool."""
         if not self.closing:
             self.closing = True
-            calls, self.calls, asks, self.asks = self.calls, {}, self.asks, {}
+            calls, asks = self.calls.drain(), self.asks.drain()
             self.audit.ended(calls, asks, "closed", reason)
             self.audit.event(Event.SESSION, "close", "ok", reason)
         if self.proc is not None:

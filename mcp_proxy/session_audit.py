@@ -19,7 +19,7 @@ from typing import Any
 from mcp_proxy.audit import Auditor, Event
 from mcp_proxy.jsonrpc import RequestId, Sniffed
 
-__all__ = ["Call", "SessionAudit", "refused_outside_a_session"]
+__all__ = ["Call", "InFlight", "SessionAudit", "refused_outside_a_session"]
 
 
 @dataclass(slots=True)
@@ -31,6 +31,46 @@ class Call:
     params: Any  # as parsed; digested with its record's batch
     started: float
     plaintext: bytes
+    size: int = 0  # bytes of the request as forwarded: what keeping it costs
+
+
+class InFlight:
+    """The requests in flight one way of a session, by id, bounded in count and bytes:
+    each keeps its params for its record until it is answered, and a side that never
+    answers (a caller ignoring the tool's sampling requests, a tool sitting on calls it
+    reads) would otherwise grow the serve side's memory without end."""
+
+    __slots__ = ("bytes", "items", "max_bytes", "max_count")
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self.items: dict[RequestId, Call] = {}
+        self.bytes = 0
+        self.max_count, self.max_bytes = max_count, max_bytes
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def room(self, size: int) -> bool:
+        """Whether one more request of ``size`` bytes may be kept."""
+        return len(self.items) < self.max_count and self.bytes + size <= self.max_bytes
+
+    def add(self, request_id: RequestId, call: Call) -> None:
+        self.items[request_id] = call
+        self.bytes += call.size
+
+    def pop(self, request_id: RequestId | None) -> Call | None:
+        call = self.items.pop(request_id, None) if request_id is not None else None
+        if call is not None:
+            self.bytes -= call.size
+        return call
+
+    def drain(self) -> dict[RequestId, Call]:
+        """Every request still in flight, forgotten here."""
+        items, self.items, self.bytes = self.items, {}, 0
+        return items
 
 
 def _record(
@@ -90,7 +130,9 @@ class SessionAudit:
         """Remember a request for its record: method, tool, params (digested in the batch)."""
         auditor = self.auditor
         plaintext = wire if auditor is not None and auditor.plaintext else b""
-        return Call(msg.method or "", msg.tool, msg.params, time.perf_counter(), plaintext)
+        return Call(
+            msg.method or "", msg.tool, msg.params, time.perf_counter(), plaintext, len(wire)
+        )
 
     def event(self, event: Event, method: str, outcome: str, detail: str = "") -> None:
         if self.auditor is not None:

@@ -13,7 +13,14 @@ import pytest
 
 from mcp_proxy import server as server_module
 from mcp_proxy.audit import Auditor
-from mcp_proxy.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, LINK_DOWN, PARSE_ERROR, TOOL_DENIED
+from mcp_proxy.jsonrpc import (
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    LINK_DOWN,
+    PARSE_ERROR,
+    TOO_MANY_IN_FLIGHT,
+    TOOL_DENIED,
+)
 from mcp_proxy.policy import Policy
 from mcp_proxy.transport import OWN_REPLIES_MAX
 from talos_sdk.did import did_from_public_key
@@ -446,3 +453,36 @@ async def test_a_caller_that_reads_nothing_cannot_queue_denials_without_bound() 
         pair.server_end.send_nowait, pair.server_end.send = deliver_nowait, deliver  # type: ignore[method-assign]
         gate.set_result(None)
         assert text_of(await agent.call("echo", text="after")) == "after"
+
+
+async def test_requests_kept_in_flight_are_bounded_each_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each request in flight keeps its params for its record until it is answered: a
+    # tool sitting on calls it reads, or a caller leaving the tool's sampling requests
+    # unanswered, grew serve's memory without end (1.7 GB in 12 s). Past the bound the
+    # next one is answered TOO_MANY_IN_FLIGHT, to whichever side sent it, and audited.
+    monkeypatch.setattr(server_module, "MAX_IN_FLIGHT", 3)
+    sink = MemorySink()
+    auditor = Auditor(sink)
+    await auditor.start()
+    deaf = Pair(Policy.build(allow=[CLIENT_DID], command=bad_tool("deaf")), auditor=auditor)
+    asker = Pair(Policy.build(allow=[CLIENT_DID], command=bad_tool("ask-flood")))
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
+        stack.push_async_callback(auditor.stop)
+        stack.push_async_callback(deaf.close)
+        stack.push_async_callback(asker.close)
+        agent = Agent(deaf.client)
+        waits = [agent.start_request("ping")[1] for _ in range(5)]
+        for rid in range(101, 106):
+            await agent.send_raw(orjson.dumps({"jsonrpc": "2.0", "id": rid, "method": "ping"}))
+        refused = [await w for w in waits[3:]]  # the tool answers nothing at all
+        assert {r["error"]["code"] for r in refused} == {TOO_MANY_IN_FLIGHT}
+        assert not any(w.done() for w in waits[:3])
+        await until(lambda: [r.outcome for r in sink.records].count("too-many") == 2)
+        agent = Agent(asker.client)
+        assert "result" in await agent.request("ping")
+        await until(lambda: len(agent.other) == 3, what="three of the tool's asks")
+        (session,) = asker.server.sessions.values()
+        await asyncio.sleep(0.3)  # the other seven were answered to the tool, not kept
+        assert len(agent.other) == 3 and len(session.asks) == 3

@@ -76,7 +76,24 @@ def nap() -> None:
             time.sleep(message["params"]["seconds"])
 
 
+def ask_flood() -> None:
+    """Answer a ping, then ask the caller to sample ten times (it answers none)."""
+    for line in sys.stdin.buffer:
+        message = json.loads(line)
+        if message.get("method") != "ping":
+            continue
+        sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {}}) + "\n")
+        for i in range(10):
+            params = {"messages": [], "maxTokens": 1}
+            ask = {"jsonrpc": "2.0", "id": f"s{i}", "method": "sampling/createMessage"}
+            sys.stdout.write(json.dumps({**ask, "params": params}) + "\n")
+        sys.stdout.flush()
+
+
 def main(mode: str) -> None:
+    if mode == "ask-flood":
+        ask_flood()
+        return
     if mode == "flood":
         flood(sys.argv[2])
         return
