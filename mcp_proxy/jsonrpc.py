@@ -20,6 +20,7 @@ invalid.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,18 @@ class Kind(enum.Enum):
     NOTIFICATION = "notification"
     RESPONSE = "response"
     ERROR = "error"
+
+
+def _salvaged_id(line: bytes) -> RequestId | None:
+    """The id of a line orjson refused, when a lenient read finds one (bytes that are not
+    UTF-8 inside a string): a reply to a pending request is then still answered, where
+    its caller waited for ever. The error path only."""
+    try:
+        obj = json.loads(line.decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    rid = obj.get("id") if type(obj) is dict else None
+    return rid if type(rid) is int or type(rid) is str else None
 
 
 class JsonRpcError(ProtocolError):
@@ -118,7 +131,7 @@ def sniff(line: bytes) -> Sniffed:
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError:
-        raise JsonRpcError(PARSE_ERROR, "Parse error") from None
+        raise JsonRpcError(PARSE_ERROR, "Parse error", _salvaged_id(line)) from None
     if type(obj) is not dict:
         raise _invalid("not a JSON object")
     get = obj.get

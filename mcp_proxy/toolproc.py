@@ -38,6 +38,9 @@ LINE_LIMIT: Final = MAX_MESSAGE_BYTES
 STDIN_CLOSE_WAIT: Final = 0.5
 #: Lines of a tool's stderr logged per minute; the next logged one says how many were not.
 STDERR_LINES: Final = 600
+#: Seconds a tool that closed its stdout has to exit before it is killed: it can answer
+#: nothing any more, and a caller waiting for it would wait for ever.
+STDOUT_CLOSED_WAIT: Final = 1.0
 
 LineCallback = Callable[[bytes], None]
 ExitCallback = Callable[[int], None]
@@ -66,6 +69,7 @@ class _Pipes(asyncio.SubprocessProtocol):
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
         if fd == 1:
             self.stdout.eof()
+            self.owner._on_stdout_closed()
         elif fd == 2:
             self.stderr.eof()
 
@@ -120,6 +124,7 @@ class ToolProcess:
         self.exit_code: int | None = None
         self._exited = asyncio.Event()
         self._why = ""  # set when the proxy itself stopped the tool
+        self._stopping = False  # terminate() under way
         # Lines written between hold() and release(): one pipe write for a whole tunnel
         # frame instead of one per line (write syscalls were 14 % of serve's GIL time
         # at 64 in flight, one per message).
@@ -254,6 +259,7 @@ class ToolProcess:
 
     async def terminate(self) -> int:
         """Stop the process: close stdin, SIGTERM, then SIGKILL after the grace period."""
+        self._stopping = True
         if self._spawning is not None:
             await self._spawning.wait()
         if self._transport is not None and not self._process_done.is_set():
@@ -299,6 +305,17 @@ class ToolProcess:
             fields = {"suppressed": dropped} if dropped else {}
             text = line.decode("utf-8", "replace")
             event(log, "tool_stderr", **self.log_fields, **fields, line=text)
+
+    def _on_stdout_closed(self) -> None:
+        if not self._process_done.is_set():
+            asyncio.get_running_loop().call_later(STDOUT_CLOSED_WAIT, self._stdout_gone)
+
+    def _stdout_gone(self) -> None:
+        if self._process_done.is_set() or self._stopping or self._why:
+            return  # it exited as it closed, or something else is ending it
+        event(log, "tool_output_closed", logging.WARNING, **self.log_fields)
+        self._why = "the tool closed its output and kept running"
+        self._signal(signal.SIGKILL)
 
     def _on_overflow(self) -> None:
         event(log, "tool_line_oversize", logging.WARNING, **self.log_fields, limit=LINE_LIMIT)

@@ -486,3 +486,19 @@ async def test_requests_kept_in_flight_are_bounded_each_way(
         (session,) = asker.server.sessions.values()
         await asyncio.sleep(0.3)  # the other seven were answered to the tool, not kept
         assert len(agent.other) == 3 and len(session.asks) == 3
+
+
+@pytest.mark.parametrize("mode", ["bad-utf8", "close-stdout"])
+async def test_a_tool_whose_answer_cannot_come_fails_the_call(mode: str) -> None:
+    # A reply with bytes that are not UTF-8 had no id anyone could read, and a tool that
+    # closed its stdout and ran on could answer nothing: either way the call waited for
+    # ever. Now the reply's id is read leniently and the call answered "malformed", and
+    # a tool whose output closed is killed after STDOUT_CLOSED_WAIT, its calls answered.
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=bad_tool(mode)))
+    agent = Agent(pair.client)
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
+        stack.push_async_callback(pair.close)
+        reply = await agent.request("ping")
+        assert reply["error"]["code"] == INTERNAL_ERROR
+        why = "malformed" if mode == "bad-utf8" else "closed its output and kept running"
+        assert why in reply["error"]["message"], reply

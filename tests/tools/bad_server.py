@@ -90,7 +90,27 @@ def ask_flood() -> None:
         sys.stdout.flush()
 
 
+def broken_output(mode: str) -> None:
+    """Answer each request with bytes that are not UTF-8 in a string ("bad-utf8"), or
+    close stdout at the first request and run on ("close-stdout")."""
+    for line in sys.stdin.buffer:
+        message = json.loads(line)
+        if "id" not in message or "method" not in message:
+            continue
+        if mode == "close-stdout":
+            sys.stdout.flush()
+            os.close(1)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(600)
+        rid = json.dumps(message["id"]).encode()
+        sys.stdout.buffer.write(b'{"jsonrpc":"2.0","id":' + rid + b',"result":{"t":"\xff"}}\n')
+        sys.stdout.buffer.flush()
+
+
 def main(mode: str) -> None:
+    if mode in ("bad-utf8", "close-stdout"):
+        broken_output(mode)
+        return
     if mode == "ask-flood":
         ask_flood()
         return
