@@ -178,7 +178,7 @@ class _Session:
                 self.audit.call(msg.id, call, "denied")
                 self._answer(reply)
                 return
-            if msg.id in self.calls:
+            if self.calls.taken(msg.id):
                 # Its answer could not be told from the first one's: refused, not forwarded.
                 self._answer(error_reply(msg.id, -32600, "Invalid Request: id already in use"))
                 self.audit.refusal(msg.id, "invalid", "request id already in use")
@@ -209,7 +209,7 @@ class _Session:
         if msg.method == "notifications/cancelled":
             params = msg.params if isinstance(msg.params, dict) else {}
             cancelled = params.get("requestId")
-            if isinstance(cancelled, int | str) and (gone := self.calls.pop(cancelled)):
+            if isinstance(cancelled, int | str) and (gone := self.calls.retire(cancelled)):
                 # The tool may rightly never answer a cancelled request (MCP "Cancellation").
                 proc.settle(cancelled)
                 self.audit.call(cancelled, gone, "cancelled")

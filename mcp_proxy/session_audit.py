@@ -40,12 +40,28 @@ class InFlight:
     answers (a caller ignoring the tool's sampling requests, a tool sitting on calls it
     reads) would otherwise grow the serve side's memory without end."""
 
-    __slots__ = ("bytes", "items", "max_bytes", "max_count")
+    __slots__ = ("bytes", "items", "max_bytes", "max_count", "retired")
 
     def __init__(self, max_count: int, max_bytes: int) -> None:
         self.items: dict[RequestId, Call] = {}
         self.bytes = 0
         self.max_count, self.max_bytes = max_count, max_bytes
+        #: Ids of cancelled requests (the latest max_count): the tool may still answer one,
+        #: so a new request under the same id would be paired with the old one's result.
+        self.retired: dict[RequestId, None] = {}
+
+    def taken(self, request_id: RequestId) -> bool:
+        """Whether a new request may not use ``request_id``: in flight, or cancelled."""
+        return request_id in self.items or request_id in self.retired
+
+    def retire(self, request_id: RequestId) -> Call | None:
+        """:meth:`pop` a cancelled request, its id kept from reuse."""
+        call = self.pop(request_id)
+        if call is not None:
+            self.retired[request_id] = None
+            if len(self.retired) > self.max_count:
+                del self.retired[next(iter(self.retired))]
+        return call
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self.items

@@ -502,3 +502,24 @@ async def test_a_tool_whose_answer_cannot_come_fails_the_call(mode: str) -> None
         assert reply["error"]["code"] == INTERNAL_ERROR
         why = "malformed" if mode == "bad-utf8" else "closed its output and kept running"
         assert why in reply["error"]["message"], reply
+
+
+async def test_the_id_of_a_cancelled_request_is_not_reused_while_the_tool_may_answer() -> None:
+    # Cancel id 8, then send a new request as 8: the tool may still answer the first
+    # (MCP lets it), and that answer went to the second request, in its audit record too.
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=bad_tool("nap")))
+    agent = Agent(pair.client)
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
+        stack.push_async_callback(pair.close)
+        assert (await agent.request("nap", {"seconds": 1}))["result"] == {"read": 1}
+        ping = orjson.dumps({"jsonrpc": "2.0", "id": 8, "method": "ping"})
+        _, again = agent.start_request("ping")  # id 101, not sent: only its future
+        agent.waiters[8] = again
+        await agent.send_raw(ping)  # waits in the tool's input while it naps
+        await agent.notify("notifications/cancelled", {"requestId": 8})
+        await agent.send_raw(ping)
+        reply = await again
+        assert reply["error"]["code"] == INVALID_REQUEST, reply
+        assert "already in use" in reply["error"]["message"]
+        await asyncio.sleep(1.5)  # the tool wakes and answers the first 8: dropped
+        assert all(m.get("id") != 8 for m in agent.other), agent.other
