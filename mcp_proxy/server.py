@@ -23,7 +23,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -72,16 +72,13 @@ MAX_SESSIONS_PER_PEER = 16
 _UNKNOWN_SESSION = b"unknown session"
 # Frames of a peer waiting for its worker; beyond it the link stops reading (backpressure).
 INBOX_FRAMES = 8
-#: Bytes a session's tool may leave unread before the session fails. A tool slower than
-#: its caller pauses the caller (PAUSE) as soon as its input passes the pipe's high water;
-#: what can still arrive then is what was on the way (the caller's sender budget, a
-#: message it was sending, one it had read whole), so only a caller that ignores PAUSE
-#: gets this far.
+#: Bytes a session's tool may leave unread before the session fails. A slower tool
+#: pauses its caller (PAUSE) past the pipe's high water; what still arrives then was on
+#: the way, so only a caller that ignores PAUSE gets this far.
 MAX_TOOL_BACKLOG = 3 * MAX_MESSAGE_BYTES
 #: The same bound over all sessions of one peer (so 16 sessions cannot hold 16 times it).
 MAX_PEER_BACKLOG = 2 * MAX_TOOL_BACKLOG
-#: Requests a session keeps in flight each way (their params wait for their records):
-#: past either bound the next one is answered TOO_MANY_IN_FLIGHT instead of kept.
+#: Requests (and bytes) a session keeps in flight each way; past it: TOO_MANY_IN_FLIGHT.
 MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES = 1024, 2 * MAX_MESSAGE_BYTES
 
 
@@ -91,10 +88,7 @@ class _Session:
     def __init__(
         self, server: TunnelServer, peer: str, sid: int, name: str, proc_label: str
     ) -> None:
-        self.server = server
-        self.peer = peer
-        self.sid = sid
-        self.name = name
+        self.server, self.peer, self.sid, self.name = server, peer, sid, name
         self.label = proc_label
         self.log_fields: dict[str, object] = {"peer": peer, "session": sid, "server": name}
         self.calls = InFlight(MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES)
@@ -361,6 +355,7 @@ class TunnelServer:
         self.started_processes = 0
         self.own_replies_dropped = 0  # replies of its own dropped for peers that read nothing
         self._closing: set[asyncio.Task[Any]] = set()
+        self._stopping_of: Counter[str] = Counter()  # per peer: sessions stopping a tool
         transport.set_receiver(self._on_payload)
         transport.add_link_listener(self._on_link)
 
@@ -460,7 +455,7 @@ class TunnelServer:
         if frame.kind is FrameKind.OPEN:
             old = self.sessions.pop(key, None)
             if old is not None:
-                self._close_later(old.close("reopened by the caller"))
+                self._close_later(old.close("reopened by the caller"), peer)
             name = frame.messages[0].decode("utf-8", "replace") if frame.messages else ""
             await self._open(peer, frame.session, name)
         elif frame.kind is FrameKind.MESSAGES or frame.kind is FrameKind.PART:
@@ -484,7 +479,7 @@ class TunnelServer:
                 reason = "closed by the caller"
                 if frame.kind is FrameKind.ERROR and frame.messages:
                     reason = "failed at the caller: " + frame.messages[0].decode("utf-8", "replace")
-                self._close_later(session.close(reason))
+                self._close_later(session.close(reason), peer)
 
     def _refuse(
         self, peer: str, sid: int, outcome: str, detail: str, event: Event = Event.REFUSAL
@@ -523,7 +518,8 @@ class TunnelServer:
                 sender.control(FrameKind.ERROR, sid, said)
             self._refuse(peer, sid, "refused", str(exc), Event.SESSION)
             return
-        held = sum(1 for p, _ in self.sessions if p == peer)
+        # Sessions still stopping their tools count: an OPEN or CLOSE storm kept 116 alive.
+        held = sum(p == peer for p, _ in self.sessions) + self._stopping_of.get(peer, 0)
         if held >= self.max_sessions:
             reason = f"too many sessions: {peer} holds {held} (limit {self.max_sessions})"
             event(log, "session_refused", WARN, peer=peer, session=sid, reason=reason)
@@ -572,7 +568,7 @@ class TunnelServer:
         if self.sessions.get(key) is session:
             del self.sessions[key]
         self.sender_for(session.peer).control(FrameKind.ERROR, session.sid, reason.encode())
-        self._close_later(session.close(reason))
+        self._close_later(session.close(reason), session.peer)
 
     def _on_link(self, peer: str, up: bool) -> None:
         if up:
@@ -593,8 +589,12 @@ class TunnelServer:
         if sender is not None:
             self._close_later(sender.close())
 
-    def _close_later(self, closer: Coroutine[Any, Any, Any]) -> None:
-        """Run a close in its own task (``stop`` waits for it): a worker may be cancelled."""
+    def _close_later(self, closer: Coroutine[Any, Any, Any], peer: str = "") -> None:
+        """Run a close in its own task (``stop`` waits for it); a session of ``peer`` counts
+        against its limit until its tool has stopped."""
         task = asyncio.get_running_loop().create_task(closer)
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+        if peer:
+            self._stopping_of[peer] += 1
+            task.add_done_callback(lambda _: self._stopping_of.subtract((peer,)))

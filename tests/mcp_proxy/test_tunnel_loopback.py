@@ -23,8 +23,17 @@ from mcp_proxy.jsonrpc import (
 )
 from mcp_proxy.policy import Policy
 from mcp_proxy.transport import OWN_REPLIES_MAX
+from mcp_proxy.tunnel_wire import FrameKind, encode_frame
 from talos_sdk.did import did_from_public_key
-from tests.mcp_proxy.loopback import CLIENT_DID, EVERYTHING, Agent, MemorySink, Pair, bad_tool
+from tests.mcp_proxy.loopback import (
+    CLIENT_DID,
+    EVERYTHING,
+    SERVER_DID,
+    Agent,
+    MemorySink,
+    Pair,
+    bad_tool,
+)
 from tests.talos.nodes import until
 
 TIMEOUT = 30
@@ -407,10 +416,26 @@ async def test_sessions_per_peer_are_capped() -> None:
         assert refused["error"]["code"] == INTERNAL_ERROR
         assert refused["error"]["message"] == (f"too many sessions: {CLIENT_DID} holds 2 (limit 2)")
         assert pair.server.started_processes == 2
-        # A closed session frees its place.
+        # A closed session frees its place, once its tool has stopped.
         agents[0].session.close()
         await until(lambda: len(pair.server.sessions) == 1, what="the session to close")
+        await until(lambda: not pair.server._stopping_of[CLIENT_DID], what="its tool to stop")
         assert "result" in await agents[2].initialize()
+
+
+async def test_sessions_still_stopping_their_tools_count_against_the_limit() -> None:
+    # An OPEN for an id in use replaces its session, whose tool stops in the background:
+    # it no longer counted, so a storm of OPENs kept 116 tools that ignore SIGTERM alive
+    # under a limit of 16 (a helper's attack run).
+    pair = Pair(Policy.build(allow=[CLIENT_DID], command=bad_tool("hang")))
+    pair.server.max_sessions = 2
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(TIMEOUT):
+        stack.push_async_callback(pair.close)
+        for _ in range(10):
+            await pair.client_end.send(SERVER_DID, encode_frame(FrameKind.OPEN, 5, [b""]))
+        await until(lambda: pair.server.started_processes == 2, what="two tools started")
+        await asyncio.sleep(0.5)  # the others were refused, not started
+        assert pair.server.started_processes == 2
 
 
 async def test_a_caller_that_reads_nothing_cannot_queue_denials_without_bound() -> None:
