@@ -32,6 +32,7 @@ from talos_sdk.errors import EncodingError, UsageError
 __all__ = [
     "AUDIT_KEY_FILE",
     "BATCH_VERSION",
+    "INLINE_SLOW_LIMIT",
     "MAX_COMMITMENT",
     "MAX_EXTRA",
     "RECORD_KIND",
@@ -40,6 +41,7 @@ __all__ = [
     "AuditRecord",
     "Event",
     "Facts",
+    "HeavyDigestError",
     "Hmac256",
     "Packed",
     "pack",
@@ -76,9 +78,16 @@ _EVENT_TEXT: Final = {e: e.value for e in Event}
 #: ("v1.2"), which only sends those values down the general path.
 _FLOATISH: Final = re.compile(rb"[0-9][.eE]")
 _FAST: Final = orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER
+#: JSON above this size that needs the general (pure-Python) encoder is not digested on
+#: the event loop: 8 MB of floats took it 2.5 s (:class:`HeavyDigestError`).
+INLINE_SLOW_LIMIT: Final = 16 * 1024
 
 
-def _stable_json(value: Any) -> bytes:
+class HeavyDigestError(UsageError):
+    """A value whose canonical form is long to compute, asked for with ``inline=True``."""
+
+
+def _stable_json(value: Any, inline: bool = False) -> bytes:
     """RFC 8785 bytes (docs/DESIGN.md "Canonical encoding") so any JCS library recomputes them.
 
     First orjson with sorted keys, accepted when its output is provably JCS's
@@ -97,6 +106,8 @@ def _stable_json(value: Any) -> bytes:
     else:
         if data.isascii() and _FLOATISH.search(data) is None:
             return data
+        if inline and len(data) > INLINE_SLOW_LIMIT:
+            raise HeavyDigestError
     try:
         return canonical_json_bytes(value)
     except EncodingError:
@@ -170,11 +181,12 @@ class AuditKey:
         except ValueError:
             raise UsageError(f"{path} does not hold a 64-hex-digit audit key") from None
 
-    def digest(self, value: Any) -> bytes:
-        """HMAC-SHA256 of a JSON value's canonical form; empty for an absent value."""
+    def digest(self, value: Any, inline: bool = False) -> bytes:
+        """HMAC-SHA256 of a JSON value's canonical form; empty for an absent value.
+        ``inline``: raise HeavyDigestError rather than take long (the event loop asks)."""
         if value is None:
             return b""
-        return self._mac.mac(_stable_json(value))
+        return self._mac.mac(_stable_json(value, inline))
 
 
 def _cut(text: str | None, keep: int = MAX_TEXT) -> str | None:

@@ -15,6 +15,7 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     │   ├── PassphraseNeededError  no terminal to ask for a key file's passphrase (talos/keys.py)
     │   ├── UnknownPeerNameError   a peer name this node does not know (talos/peer_names.py)
     │   ├── PolicyError            a policy file that cannot be used (mcp_proxy/policy.py)
+    │   ├── HeavyDigestError       too long to digest on the event loop (mcp_proxy/audit_record.py)
     │   └── PolicyDenied           the policy refuses this caller / tool (mcp_proxy/policy.py)
     ├── KeyFileError               a key file cannot be read or written
     │   └── WrongPassphraseError   passphrase does not open the key file
