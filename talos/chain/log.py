@@ -49,7 +49,7 @@ from talos.chain.block import (
     head_statement,
     verify_inclusion_proof,
 )
-from talos.chain.pending import is_tagged, pending_key, pending_row, tagged_record
+from talos.chain.pending import bare_record, is_tagged, pending_key, pending_row, tagged_record
 from talos.chain.record_index import RecordIndex, Step, record_id_of
 from talos.store import Store, Txn
 from talos.writer import DirectWrites, Writes
@@ -303,7 +303,7 @@ class BlockLog:
                 data = tagged_record(row_key, seq, row) if tagged else row
                 record = Record.from_bytes(data)
             except MalformedFrameError as exc:
-                refused.append((key, f"malformed: {exc}", row))
+                refused.append((key, f"malformed: {exc}", bare_record(row)))
                 continue
             if not tagged and not record.signature:
                 why: str | None = _UNTAGGED  # only a signature can vouch for such a row

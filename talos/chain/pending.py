@@ -24,7 +24,14 @@ from typing import Final
 from talos_sdk.errors import MalformedFrameError
 from talos_sdk.kdf import hkdf
 
-__all__ = ["is_tagged", "pending_key", "pending_record", "pending_row", "tagged_record"]
+__all__ = [
+    "bare_record",
+    "is_tagged",
+    "pending_key",
+    "pending_record",
+    "pending_row",
+    "tagged_record",
+]
 
 _MARK: Final = 0xA5  # never a record's first byte (its version, 1)
 _TAG: Final = 16
@@ -53,6 +60,12 @@ def tagged_record(key: bytes, seq: int, row: bytes) -> bytes:
     if not hmac.compare_digest(row[1 : 1 + _TAG], _tag(key, seq, record)):
         raise MalformedFrameError("pending row not written by this node (its tag does not verify)")
     return record
+
+
+def bare_record(row: bytes) -> bytes:
+    """The record bytes of a row, whatever its tag says, else the row as it is (what the
+    quarantine keeps of a refused row, so that its listing can name the record)."""
+    return row[1 + _TAG :] if is_tagged(row) and len(row) > 1 + _TAG else row
 
 
 def is_tagged(row: bytes) -> bool:

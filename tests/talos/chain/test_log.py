@@ -390,7 +390,9 @@ def test_a_pending_row_the_node_did_not_write_is_not_sealed_as_its_own(tmp_path:
     log.append(make_record(0))
     [block] = log.seal()
     assert log.block_records(block.height) == [make_record(0), make_record(5)]
-    reasons = [q.reason for q in log.quarantined()]
+    quarantined = log.quarantined()
+    reasons = [q.reason for q in quarantined]
+    assert [q.record for q in quarantined] == 3 * [audit_record(1)]  # each names its record
     assert reasons[0].startswith("an untagged unsigned record")
     assert reasons[1:] == 2 * [
         "malformed: pending row not written by this node (its tag does not verify)"
