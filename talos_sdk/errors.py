@@ -38,6 +38,7 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     │   │   └── BadMessageSignatureError
     │   ├── ForgedHeadError        a head not signed by the link peer (talos/chain/heads.py)
     │   ├── StreamBroken           a relay stream out of order / oversize (talos/relay/wire.py)
+    │   ├── WebSocketError         a WebSocket frame RFC 6455 forbids (talos/link/wsframe.py)
     │   ├── JsonRpcError           a JSON-RPC message we must refuse (mcp_proxy/jsonrpc.py)
     │   └── TransferProtocolError  file transfer (talos/transfer/protocol.py)
     │       ├── CreditExceededError    chunk beyond the granted credit (transfer/incoming.py)

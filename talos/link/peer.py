@@ -2,19 +2,14 @@
 
 The asyncio side of :mod:`talos.link.handshake` and :mod:`talos.link.channel`:
 it only moves bytes and enforces time limits; the order of handshake messages
-and every check live in the pure handshake object. WebSocket settings:
-compression off (frames are ciphertext, and compressing before encrypting
-leaks), ``max_size`` bounded to the largest sealed frame, keepalive pings.
-After the handshake every frame is sealed here, so callers send and receive
-plaintext link frames; a frame that fails to open closes the link (4010).
-
-Only documented websockets API is used (its "Both sides" and server
-references: ``send``, ``recv``, ``close``, ``state``, ``close_code``,
-``broadcast``, and the ``create_connection`` factory of ``connect`` / ``serve``
-for a connection subclass). That subclass keeps the asyncio transport it is
-given and notes asyncio's flow-control callbacks (``pause_writing`` /
-``resume_writing``, asyncio "Transports and Protocols"), which is how
-:meth:`Link.send_nowait` knows a send would not wait.
+and every check live in the pure handshake object. A link runs on a
+:class:`FrameStream`: a direct link on :class:`~talos.link.wsconn.WsStream`
+(our own WebSocket data phase, docs/adr/0016-own-websocket-data-phase.md), a
+relayed one on talos/relay/stream.py. WebSocket settings: no extension (so no
+compression: frames are ciphertext, and compressing before encrypting leaks),
+a message bound of the largest sealed frame, keepalive pings. After the
+handshake every frame is sealed here, so callers send and receive plaintext
+link frames; a frame that fails to open closes the link (4010).
 """
 
 from __future__ import annotations
@@ -22,18 +17,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, cast
+from typing import Final, Protocol
 
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.asyncio.connection import Connection
-from websockets.asyncio.server import Server, ServerConnection, broadcast, serve
 from websockets.exceptions import (
     ConnectionClosed,
     ConnectionClosedError,
     InvalidHandshake,
     InvalidURI,
 )
-from websockets.protocol import State
 
 from talos.link import wire
 from talos.link.auth import AuthPolicy
@@ -48,6 +39,7 @@ from talos.link.handshake import (
     Role,
     Signer,
 )
+from talos.link.wsconn import WsOptions, WsServer, WsStream, ws_connect, ws_serve
 from talos_sdk.errors import DecryptionError, HandshakeError
 
 __all__ = [
@@ -63,10 +55,8 @@ __all__ = [
     "listen_links",
 ]
 
-#: Below the asyncio default low-water mark: a send this far under it never blocks.
-_SEND_NOW_LIMIT = 16 * 1024
-#: Frames websockets buffers per connection before it stops reading the socket:
-#: 16 x max_frame (16 MiB at the default), not 256 MiB, per link.
+#: Messages a link's WebSocket buffers unread before it stops reading the socket:
+#: 16 x max_frame (16 MiB at the default) per link.
 MAX_QUEUE = 16
 #: Close code when a sealed frame fails to open (tampered, replayed, reordered, injected).
 CLOSE_UNAUTHENTIC: Final = 4010
@@ -96,47 +86,17 @@ class LinkSettings:
         return self.max_frame + 64 + TAGLEN
 
 
-class _LinkConnection(Connection):
-    """A websockets connection a link runs on; made through ``create_connection``.
-
-    Keeps the transport (asyncio ``connection_made``) and whether the transport
-    asked us to stop writing (``pause_writing`` until ``resume_writing``: its
-    buffer passed the high-water mark set by ``write_limit``).
-    """
-
-    link_transport: asyncio.Transport | None = None
-    write_paused = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A TCP transport (uvloop's too, which does not subclass asyncio.Transport).
-        self.link_transport = cast(asyncio.Transport, transport)
-        super().connection_made(transport)
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-        super().pause_writing()
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        super().resume_writing()
-
-
-class _LinkClientConnection(_LinkConnection, ClientConnection):
-    """The dialling side's connection (``connect(create_connection=...)``)."""
-
-
-class _LinkServerConnection(_LinkConnection, ServerConnection):
-    """The accepting side's connection (``serve(create_connection=...)``)."""
-
-
 class FrameStream(Protocol):
-    """A byte pipe other than a WebSocket that a link can run on (talos/relay/stream.py).
+    """The byte pipe a link runs on: a WebSocket (talos/link/wsconn.py) or a relay
+    stream (talos/relay/stream.py).
 
-    The subset of a websockets connection the link layer uses: one link frame
-    per ``send`` / ``recv``, ``close(code, reason)``, and ``ConnectionClosed``
-    once closed. ``via`` names it in status ("relay"); ``source`` is who sent it
-    as far as the carrier vouches, what handshake admission counts by, as it
-    counts a WebSocket by its address.
+    One link frame per ``send`` / ``recv`` (``recv`` may return text, which the
+    link refuses), ``close(code, reason)``, and websockets' ``ConnectionClosed``
+    once closed. ``via`` names it in status ("direct", "relay"); ``source`` is
+    who sent it as far as the carrier vouches, what handshake admission counts
+    by (a WebSocket's remote address); ``remote_host`` is the address a bulk
+    port may be dialled at (None over a relay). ``send_nowait`` writes only
+    when ``writable``; ``can_send_now``: ``send`` would not wait.
     """
 
     @property
@@ -146,11 +106,14 @@ class FrameStream(Protocol):
     def source(self) -> str: ...
 
     @property
+    def remote_host(self) -> str | None: ...
+
+    @property
     def close_code(self) -> int | None: ...
 
     async def send(self, data: bytes) -> None: ...
 
-    async def recv(self) -> bytes: ...
+    async def recv(self) -> bytes | str: ...
 
     async def close(self, code: int = 1000, reason: str = "") -> None: ...
 
@@ -167,11 +130,11 @@ class Link:
     """An authenticated link: plaintext link-frame bytes in and out, sealed on the wire."""
 
     def __init__(
-        self, ws: Connection | FrameStream, auth: Authenticated, role: Role, channel: LinkChannel
+        self, ws: FrameStream, auth: Authenticated, role: Role, channel: LinkChannel
     ) -> None:
         self.ws = ws
         #: "direct" (a WebSocket) or what carries it otherwise ("relay").
-        self.via: str = ws.via if not isinstance(ws, Connection) else "direct"
+        self.via: str = ws.via
         self.peer_did = auth.peer_did
         self.suites = auth.suites
         self.auth_suite = auth.auth_suite
@@ -182,9 +145,6 @@ class Link:
         self.transcript_hash = auth.transcript_hash
         self.role = role
         self._channel = channel
-        # Only our own connections can write without waiting (see _LinkConnection).
-        self._conn = ws if isinstance(ws, _LinkConnection) else None
-        self._transport = self._conn.link_transport if self._conn is not None else None
         #: Set when a received frame failed to open and the link was closed for it.
         self.unauthentic = False
         # Frames sealed as of the last idle_for() call, and since when that count held.
@@ -200,68 +160,36 @@ class Link:
 
     async def send(self, data: bytes) -> None:
         """Seal and send one encoded link frame (order of calls is order on the wire)."""
-        # websockets writes an unfragmented message before its first suspension
-        # (a relay stream numbers its packets at the call), so sealing right here
-        # keeps the counter order equal to the wire order.
+        # Both streams write a message before their first suspension (a relay stream
+        # numbers its packets at the call), so sealing right here keeps the counter
+        # order equal to the wire order.
         await self.ws.send(self._channel.seal(data))
 
     def send_nowait(self, data: bytes) -> bool:
         """Write one link frame now if that needs no waiting; False (nothing sent) otherwise.
 
         The synchronous twin of :meth:`send` for callbacks: it writes only when
-        :meth:`send` would not have suspended (link open, no fragmented send in
-        progress, socket not paused by flow control), so order on the wire is
-        the order of calls across both methods. Raises ``ConnectionClosed`` if
-        the write itself fails (the link is then aborted).
+        the stream can take it at once, so order on the wire is the order of
+        calls across both methods. Raises ``ConnectionClosed`` if the stream
+        took a sealed frame and then failed (the link is done: its counters
+        are out of step).
         """
         ws = self.ws
-        if not isinstance(ws, Connection):
-            if not ws.writable:
-                return False
-            if not ws.send_nowait(self._channel.seal(data)):
-                # Sealed but not sent: the counters are out of step, the link is done.
-                raise ConnectionClosedError(None, None)
-            return True
-        conn = self._conn
-        if conn is None or not self._writable(conn):
+        if not ws.writable:
             return False
-        try:
-            # broadcast() writes at once, as send() does before its first suspension;
-            # links never send fragmented messages, so it skips nothing here.
-            broadcast((conn,), self._channel.seal(data), raise_exceptions=True)
-        except ExceptionGroup as exc:
-            # Sealed but not written: the counters are out of step, the link is done.
-            if self._transport is not None:
-                self._transport.abort()
-            raise ConnectionClosedError(None, None) from exc
+        if not ws.send_nowait(self._channel.seal(data)):
+            raise ConnectionClosedError(None, None)
         return True
 
     @property
     def writable(self) -> bool:
         """True when :meth:`send_nowait` would write (check before sealing a frame)."""
-        ws = self.ws
-        if not isinstance(ws, Connection):
-            return ws.writable
-        conn = self._conn
-        return conn is not None and self._writable(conn)
-
-    def _writable(self, conn: _LinkConnection) -> bool:
-        transport = self._transport
-        return (
-            not conn.write_paused
-            and transport is not None
-            and conn.state is State.OPEN
-            and not transport.is_closing()
-        )
+        return self.ws.writable
 
     @property
     def can_send_now(self) -> bool:
         """True when :meth:`send` would write without waiting for flow control."""
-        ws = self.ws
-        if not isinstance(ws, Connection):
-            return ws.can_send_now
-        transport = self._transport
-        return transport is not None and transport.get_write_buffer_size() < _SEND_NOW_LIMIT
+        return self.ws.can_send_now
 
     async def recv(self) -> bytes:
         """Next plaintext frame; raises ConnectionClosed when the link ends.
@@ -289,10 +217,7 @@ class Link:
     @property
     def remote_host(self) -> str | None:
         """The peer's IP address on a direct link; None over a relay."""
-        if not isinstance(self.ws, Connection):
-            return None
-        remote = self.ws.remote_address
-        return str(remote[0]) if remote else None
+        return self.ws.remote_host
 
     @property
     def frames_sealed(self) -> int:
@@ -300,7 +225,7 @@ class Link:
         return self._channel.frames_sent
 
 
-async def _refuse(ws: Connection | FrameStream, refusal: Refusal) -> None:
+async def _refuse(ws: FrameStream, refusal: Refusal) -> None:
     try:
         if refusal.farewell is not None:
             await ws.send(refusal.farewell)
@@ -310,7 +235,7 @@ async def _refuse(ws: Connection | FrameStream, refusal: Refusal) -> None:
 
 
 async def _run_handshake(
-    ws: Connection | FrameStream, hs: LinkHandshake, settings: LinkSettings
+    ws: FrameStream, hs: LinkHandshake, settings: LinkSettings
 ) -> tuple[Authenticated, LinkChannel]:
     async def steps() -> tuple[Authenticated, LinkChannel]:
         first = hs.start()
@@ -356,7 +281,7 @@ def _step(hs: LinkHandshake, data: str | bytes) -> bytes | None:
 
 
 async def accept_link(
-    ws: Connection | FrameStream,
+    ws: FrameStream,
     signer: Signer,
     authorizer: Callable[[str], bool],
     settings: LinkSettings,
@@ -374,27 +299,25 @@ async def accept_link(
 
 
 async def listen_links(
-    handler: Callable[[ServerConnection], Awaitable[None]],
+    handler: Callable[[WsStream], Awaitable[None]],
     host: str,
     port: int,
     settings: LinkSettings,
-) -> Server:
+) -> WsServer:
     """A WebSocket server for links on ``host:port``; ``handler`` runs :func:`accept_link`."""
-    return await serve(
-        handler, host, port, create_connection=_LinkServerConnection, **_ws_options(settings)
-    )
+    return await ws_serve(handler, host, port, _ws_options(settings))
 
 
-def _ws_options(settings: LinkSettings) -> dict[str, Any]:
+def _ws_options(settings: LinkSettings) -> WsOptions:
     """What both ends of a link's WebSocket are opened with (see the module docstring)."""
-    return {
-        "compression": None,
-        "max_size": settings.ws_max_size,
-        "ping_interval": settings.ping_interval,
-        "ping_timeout": settings.ping_interval,
-        "close_timeout": 2,
-        "max_queue": MAX_QUEUE,
-    }
+    return WsOptions(
+        max_size=settings.ws_max_size,
+        max_queue=MAX_QUEUE,
+        ping_interval=settings.ping_interval,
+        ping_timeout=settings.ping_interval,
+        open_timeout=settings.handshake_timeout,
+        close_timeout=2,
+    )
 
 
 async def dial_link(
@@ -406,24 +329,17 @@ async def dial_link(
 ) -> Link:
     """Client side: open ``url`` and prove both identities; the peer must be ``expected_did``."""
     try:
-        async with asyncio.timeout(settings.handshake_timeout):
-            ws: ClientConnection = await connect(
-                url,
-                create_connection=_LinkClientConnection,
-                open_timeout=settings.handshake_timeout,
-                # Straight to the peer, never through an HTTP proxy named in the
-                # environment: the link's address is where a bulk port is dialled
-                # (Link.remote_host), and a relay is the way through closed networks.
-                proxy=None,
-                **_ws_options(settings),
-            )
+        # Straight to the peer, never through an HTTP proxy named in the environment:
+        # the link's address is where a bulk port is dialled (Link.remote_host), and a
+        # relay is the way through closed networks.
+        ws = await ws_connect(url, _ws_options(settings))
     except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:
         raise ConnectionError(f"cannot reach {url}: {exc or type(exc).__name__}") from None
     return await initiate_link(ws, expected_did, signer, authorizer, settings)
 
 
 async def initiate_link(
-    ws: Connection | FrameStream,
+    ws: FrameStream,
     expected_did: str,
     signer: Signer,
     authorizer: Callable[[str], bool],

@@ -29,7 +29,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from websockets.asyncio.server import Server, ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from talos.config import PeerAddr
@@ -61,6 +60,7 @@ from talos.link.refusals import (
     our_refusal_text,
     peer_refusal_text,
 )
+from talos.link.wsconn import WsServer
 from talos.logging import Throttle, event
 from talos.metrics import Metrics
 from talos_sdk.errors import HandshakeError, TalosError
@@ -119,7 +119,7 @@ class LinkSupervisor:
         self.admission = Admission(settings.max_handshakes, settings.max_handshakes_per_address)
         #: talos.relay.attach.NodeRelay when the node runs with a relay (dials its address).
         self.relay: Any = None
-        self.server: Server | None = None
+        self.server: WsServer | None = None
         self.stopping = False
         self._authorize = authorize
         self._pin = pin
@@ -299,18 +299,14 @@ class LinkSupervisor:
         real_host, real_port = sock.getsockname()[:2]
         return f"ws://{real_host}:{real_port}"
 
-    async def accept(self, ws: ServerConnection | FrameStream) -> None:
+    async def accept(self, ws: FrameStream) -> None:
         """Run the responder handshake on an inbound pipe, within the admission bounds."""
         if self.stopping:
             await ws.close(CLOSE_SHUTDOWN, "node shutting down")
             return
         # A relayed handshake counts against its opener's relay account where the relay
         # names it (talos/relay/client.py), else against the relay as a whole.
-        if isinstance(ws, ServerConnection):
-            remote = ws.remote_address
-            address = str(remote[0]) if remote else ""
-        else:
-            address = ws.source
+        address = ws.source
         if not self.admission.enter(address):
             # Each one may buffer frames before it proves anything: bound them all.
             self.metrics.inc("handshakes_refused")

@@ -59,6 +59,11 @@ class RelayStream:
         """Who opened it as far as the relay vouches: its account, or just "relay"."""
         return self._source
 
+    @property
+    def remote_host(self) -> None:
+        """No address to dial: the peer is reachable through the relay only."""
+        return None
+
     def __init__(
         self,
         publish: Publish,

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import pytest
-from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from talos.link import handshake as hs
@@ -19,7 +18,9 @@ from talos.link.peer import (
     PeerRefused,
     accept_link,
     dial_link,
+    listen_links,
 )
+from talos.link.wsconn import WsServer, WsStream
 from talos_sdk.errors import HandshakeError
 from talos_sdk.wallet import Wallet
 
@@ -43,9 +44,9 @@ class Listener:
     authorizer: Callable[[str], bool]
     links: asyncio.Queue[Link] = field(default_factory=asyncio.Queue)
     errors: asyncio.Queue[Exception] = field(default_factory=asyncio.Queue)
-    server: Server | None = None
+    server: WsServer | None = None
 
-    async def handler(self, ws: ServerConnection) -> None:
+    async def handler(self, ws: WsStream) -> None:
         try:
             link = await accept_link(ws, self.wallet, self.authorizer, SETTINGS)
         except HandshakeError as exc:
@@ -64,11 +65,12 @@ class Listener:
 @pytest.fixture
 async def listener() -> AsyncIterator[Listener]:
     lst = Listener(Wallet.generate(), lambda did: True)
-    async with serve(
-        lst.handler, "127.0.0.1", 0, compression=None, max_size=SETTINGS.ws_max_size
-    ) as server:
-        lst.server = server
+    lst.server = await listen_links(lst.handler, "127.0.0.1", 0, SETTINGS)
+    try:
         yield lst
+    finally:
+        lst.server.close()
+        await lst.server.wait_closed()
 
 
 async def test_link_authenticates_and_carries_frames(listener: Listener) -> None:
@@ -138,22 +140,24 @@ async def test_silent_connection_is_dropped_at_the_first_message_deadline() -> N
     lst = Listener(Wallet.generate(), lambda did: True)
     settings = LinkSettings(first_message_timeout=0.2, handshake_timeout=30)
 
-    async def handler(ws: ServerConnection) -> None:
+    async def handler(ws: WsStream) -> None:
         try:
             await accept_link(ws, lst.wallet, lambda d: True, settings)
         except HandshakeError as exc:
             await lst.errors.put(exc)
 
-    async with (
-        asyncio.timeout(20),
-        serve(handler, "127.0.0.1", 0, compression=None) as server,
-    ):
-        port = server.sockets[0].getsockname()[1]
-        async with connect(f"ws://127.0.0.1:{port}") as ws:
-            with pytest.raises(ConnectionClosed):
-                await ws.recv()  # we never send message 1
-            assert ws.close_code == hs.CLOSE_PROTOCOL
-        assert "timed out" in str(await lst.errors.get())
+    server = await listen_links(handler, "127.0.0.1", 0, settings)
+    try:
+        async with asyncio.timeout(20):
+            port = server.sockets[0].getsockname()[1]
+            async with connect(f"ws://127.0.0.1:{port}") as ws:
+                with pytest.raises(ConnectionClosed):
+                    await ws.recv()  # we never send message 1
+                assert ws.close_code == hs.CLOSE_PROTOCOL
+            assert "timed out" in str(await lst.errors.get())
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_tampered_sealed_frame_closes_the_link(listener: Listener) -> None:
@@ -230,7 +234,7 @@ def test_send_nowait_both_ways_on_the_loop_talosd_runs() -> None:
         a, b = Wallet.generate(), Wallet.generate()
         accepted: asyncio.Queue[Link] = asyncio.Queue()
 
-        async def on_link(ws: ServerConnection) -> None:
+        async def on_link(ws: WsStream) -> None:
             await accepted.put(await accept_link(ws, b, lambda did: True, SETTINGS))
             await ws.wait_closed()
 
