@@ -216,9 +216,12 @@ class WsStream(asyncio.Protocol):
         except WebSocketError:
             self._fail(frames)
             return
-        out = frames.data_to_send()
-        if out:
-            self._write(out)
+        # While the peer does not take what we write, a pong waits (the framer keeps the
+        # latest only); a close frame leaves at once.
+        if not self.write_paused or not frames.open:
+            out = frames.data_to_send()
+            if out:
+                self._write(out)
         if not events:
             return
         queue = self._queue
@@ -262,6 +265,10 @@ class WsStream(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.frames is not None:
+            out = self.frames.data_to_send()
+            if out:
+                self._write(out)
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 

@@ -126,11 +126,14 @@ class WsFrames:
         self._chunks: list[bytes] = []
         self._size = 0
         self._need = 0
-        # A fragmented message being reassembled: its opcode and parts.
+        # A fragmented message being reassembled: its opcode and bytes so far (one
+        # buffer, not a list of parts: empty fragments must not add up in memory).
         self._frag_op: int | None = None
-        self._frag: list[bytes] = []
-        self._frag_size = 0
-        self._out: list[bytes] = []
+        self._frag = bytearray()
+        self._out: list[bytes] = []  # close frames owed
+        # The pong owed for the latest ping only (RFC 6455 section 5.5.3 allows it): a
+        # peer that pings without reading our pongs cannot make them pile up.
+        self._pong = b""
         self._masks = b""
         self._mask_at = 0
         #: The code and reason of the peer's close frame, once received.
@@ -178,9 +181,10 @@ class WsFrames:
         return self._frame(_OP_CLOSE, payload)
 
     def data_to_send(self) -> bytes:
-        """Frames this end owes the peer (pongs, the reply to a close); b"" if none."""
+        """Frames this end owes the peer (a pong, the reply to a close); b"" if none."""
         out, self._out = self._out, []
-        return b"".join(out)
+        pong, self._pong = self._pong, b""
+        return pong + b"".join(out)
 
     def _frame(self, opcode: int, payload: bytes) -> bytes:
         n = len(payload)
@@ -259,7 +263,7 @@ class WsFrames:
             if opcode >= _OP_CLOSE:
                 if not b0 & _FIN or length > _MAX_CONTROL:
                     raise WebSocketError(CLOSE_PROTOCOL_ERROR, "fragmented or long control frame")
-            elif length + self._frag_size > self.max_size:
+            elif length + len(self._frag) > self.max_size:
                 # Refused on its header: a peer cannot make us buffer past the bound.
                 raise WebSocketError(CLOSE_MESSAGE_TOO_BIG, f"message above {self.max_size} bytes")
             if self._expect_mask:
@@ -282,19 +286,18 @@ class WsFrames:
             if fin:
                 self._message(opcode, payload, events)
             else:
-                self._frag_op, self._frag, self._frag_size = opcode, [payload], len(payload)
+                self._frag_op, self._frag = opcode, bytearray(payload)
         elif opcode == _OP_CONT:
             if self._frag_op is None:
                 raise WebSocketError(CLOSE_PROTOCOL_ERROR, "continuation without a message")
-            self._frag.append(payload)
-            self._frag_size += len(payload)
+            self._frag += payload
             if fin:
-                op, parts = self._frag_op, self._frag
-                self._frag_op, self._frag, self._frag_size = None, [], 0
-                self._message(op, b"".join(parts), events)
+                op, whole = self._frag_op, bytes(self._frag)
+                self._frag_op, self._frag = None, bytearray()
+                self._message(op, whole, events)
         elif opcode == _OP_PING:
             if self._state is _State.OPEN:
-                self._out.append(self._frame(_OP_PONG, payload))
+                self._pong = self._frame(_OP_PONG, payload)
         elif opcode == _OP_PONG:
             events.append(Pong(payload))
         elif opcode == _OP_CLOSE:
@@ -326,6 +329,7 @@ class WsFrames:
             self._out.append(self.send_close(exc.code, exc.reason))
         self._state = _State.CLOSED
         self._chunks, self._size, self._need = [], 0, 0
+        self._pong = b""
 
 
 def _parse_close(payload: bytes) -> Closed:

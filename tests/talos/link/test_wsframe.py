@@ -241,3 +241,20 @@ def test_masks_are_fresh_per_frame() -> None:
     client = WsFrames(client=True, max_size=MAX)
     masks = {client.send_binary(b"x")[2:6] for _ in range(3000)}  # crosses a pool refill
     assert len(masks) > 2990
+
+
+def test_a_ping_flood_owes_one_pong_the_latest() -> None:
+    client = WsFrames(client=True, max_size=MAX)
+    pings = b"".join(_frame(0x89, str(i).encode()) for i in range(10_000))
+    assert client.receive_data(pings) == []
+    server = WsFrames(client=False, max_size=MAX)
+    assert server.receive_data(client.data_to_send()) == [Pong(b"9999")]
+    assert client.data_to_send() == b""
+
+
+def test_empty_fragments_do_not_pile_up() -> None:
+    client = WsFrames(client=True, max_size=MAX)
+    frames = _frame(0x02, b"a") + _frame(0x00, b"") * 50_000 + _frame(0x80, b"b")
+    assert client.receive_data(frames[:-3]) == []
+    assert bytes(client._frag) == b"a"  # one buffer of the bytes so far, no list of parts
+    assert client.receive_data(frames[-3:]) == [b"ab"]
