@@ -443,7 +443,8 @@ class WsServer:
         self.handler = handler
         self.options = options
         self.server: asyncio.Server | None = None
-        self._streams: set[WsStream] = set()
+        self._streams: set[WsStream] = set()  # open: their handler runs
+        self._opening: set[WsStream] = set()  # still in the HTTP upgrade
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -458,7 +459,12 @@ class WsServer:
         return stream
 
     async def _serve(self, stream: WsStream) -> None:
-        if not await self._accept(stream):
+        self._opening.add(stream)
+        try:
+            opened = await self._accept(stream)
+        finally:
+            self._opening.discard(stream)
+        if not opened:
             return
         self._streams.add(stream)
         try:
@@ -494,9 +500,12 @@ class WsServer:
         return True
 
     def close(self, close_connections: bool = True) -> None:
-        """Stop accepting; with ``close_connections``, close each open stream (1001)."""
+        """Stop accepting (connections still in their upgrade are cut); with
+        ``close_connections``, close each open stream (1001)."""
         if self.server is not None:
             self.server.close()
+        for stream in list(self._opening):
+            stream._abort()
         if close_connections:
             for stream in list(self._streams):
                 task = asyncio.get_running_loop().create_task(

@@ -208,3 +208,19 @@ async def test_server_close_ends_open_streams_going_away(echo_server: WsServer) 
         with pytest.raises(ConnectionClosed) as caught:
             await stream.recv()
         assert caught.value.rcvd is not None and caught.value.rcvd.code == 1001
+
+
+async def test_closing_the_server_cuts_connections_still_in_their_upgrade() -> None:
+    async def handler(stream: WsStream) -> None:
+        raise AssertionError("never opened")
+
+    server = await ws_serve(handler, "127.0.0.1", 0, WsOptions(max_size=1024, open_timeout=60))
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\n")  # and no more
+    await asyncio.sleep(0.1)
+    async with asyncio.timeout(10):  # not the 60 s of its open_timeout
+        server.close()
+        await server.wait_closed()
+        assert await reader.read() == b""
+    writer.close()
