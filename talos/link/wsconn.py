@@ -58,7 +58,7 @@ _HEAD_END = b"\r\n\r\n"
 #: Close code when a keepalive pong is late (RFC 6455 section 7.4.1: internal error).
 CLOSE_PING_TIMEOUT = 1011
 CLOSE_GOING_AWAY = 1001
-_OK_CODES = (1000, 1001)
+_OK_CODES = (1000, 1001, 1005)  # 1005: a close frame without a code
 #: The transport's high-water mark: above it, sends wait (websockets' default limit).
 WRITE_LIMIT = 32 * 1024
 #: Below the low-water mark (WRITE_LIMIT / 4 by asyncio's rule), or close to it: a send
@@ -277,14 +277,18 @@ class WsStream(asyncio.Protocol):
     def _opening_data(self, data: bytes) -> None:
         self._head += data
         if self._head_done.done():
+            return  # complete: what follows is the data phase's (start() takes it)
+        end = self._head.find(_HEAD_END)
+        if end < 0 and len(self._head) <= MAX_HEAD:
             return
-        if _HEAD_END in self._head:
+        if 0 <= end <= MAX_HEAD - len(_HEAD_END):
             self._head_done.set_result(None)
-        elif len(self._head) > MAX_HEAD:
-            self._head_done.set_exception(ConnectionError("HTTP head too long"))
-            self._head_done.exception()
-            assert self.transport is not None
-            self.transport.abort()
+            return
+        # A head over MAX_HEAD, whether or not its blank line came in the same read.
+        self._head_done.set_exception(ConnectionError("HTTP head too long"))
+        self._head_done.exception()
+        assert self.transport is not None
+        self.transport.abort()
 
     async def read_head(self) -> bytes:
         """The HTTP head of the opening handshake, through its blank line."""

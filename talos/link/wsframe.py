@@ -56,6 +56,7 @@ CLOSE_MESSAGE_TOO_BIG: Final = 1009
 
 _OP_CONT, _OP_TEXT, _OP_BINARY = 0x0, 0x1, 0x2
 _OP_CLOSE, _OP_PING, _OP_PONG = 0x8, 0x9, 0xA
+_OPCODES = frozenset((_OP_CONT, _OP_TEXT, _OP_BINARY, _OP_CLOSE, _OP_PING, _OP_PONG))
 _FIN = 0x80
 _MASK_BIT = 0x80
 _U16 = struct.Struct("!H")
@@ -176,6 +177,7 @@ class WsFrames:
         # A reason cut inside a UTF-8 sequence would be invalid text (the peer's 1007).
         body = body.decode(errors="ignore").encode()
         self.close_sent = Closed(code, body.decode())
+        self._pong = b""  # nothing after our close frame, a held pong included
         self._state = _State.CLOSED if self.close_rcvd is not None else _State.CLOSING
         payload = b"" if code == CLOSE_NO_STATUS else _U16.pack(code) + body
         return self._frame(_OP_CLOSE, payload)
@@ -260,6 +262,8 @@ class WsFrames:
                 length, head = _U64.unpack_from(buf, pos + 2)[0], 10
                 if length >> 63:
                     raise WebSocketError(CLOSE_PROTOCOL_ERROR, "frame length above 2^63")
+            if opcode not in _OPCODES:
+                raise WebSocketError(CLOSE_PROTOCOL_ERROR, f"unknown opcode {opcode:#x}")
             if opcode >= _OP_CLOSE:
                 if not b0 & _FIN or length > _MAX_CONTROL:
                     raise WebSocketError(CLOSE_PROTOCOL_ERROR, "fragmented or long control frame")
@@ -309,8 +313,6 @@ class WsFrames:
                 self._out.append(self.send_close(closed.code))
             self._state = _State.CLOSED
             events.append(closed)
-        else:
-            raise WebSocketError(CLOSE_PROTOCOL_ERROR, f"unknown opcode {opcode:#x}")
 
     def _message(self, opcode: int, payload: bytes, events: list[Event]) -> None:
         # Delivered in CLOSING too (we sent our close frame, the peer's is still due):

@@ -124,7 +124,7 @@ async def test_an_upgrade_refused_by_the_server_is_an_invalid_handshake() -> Non
         await server.wait_closed()
 
 
-@pytest.mark.parametrize("what", ["silent", "endless head"])
+@pytest.mark.parametrize("what", ["silent", "endless head", "long head in one write"])
 async def test_a_connection_that_never_completes_its_upgrade_is_cut(what: str) -> None:
     handled: list[WsStream] = []
 
@@ -138,6 +138,10 @@ async def test_a_connection_that_never_completes_its_upgrade_is_cut(what: str) -
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             if what == "endless head":
                 writer.write(b"GET / HTTP/1.1\r\nX: " + b"a" * (MAX_HEAD + 10))
+            elif what == "long head in one write":  # its blank line in the same read
+                head = b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                head += b"X-Pad: " + b"a" * MAX_HEAD + b"\r\n\r\n"
+                writer.write(head)
             assert await reader.read() == b""  # cut, nothing said
             writer.close()
     finally:

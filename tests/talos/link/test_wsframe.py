@@ -258,3 +258,19 @@ def test_empty_fragments_do_not_pile_up() -> None:
     assert client.receive_data(frames[:-3]) == []
     assert bytes(client._frag) == b"a"  # one buffer of the bytes so far, no list of parts
     assert client.receive_data(frames[-3:]) == [b"ab"]
+
+
+def test_nothing_follows_our_close_frame_not_even_a_held_pong() -> None:
+    client = WsFrames(client=True, max_size=MAX)
+    client.receive_data(_frame(0x89, b"ping"))  # its pong is owed, not yet taken
+    close = client.send_close(4006, "replaced")
+    assert client.data_to_send() == b""
+    server = WsFrames(client=False, max_size=MAX)
+    assert server.receive_data(close) == [Closed(4006, "replaced")]
+
+
+def test_an_unknown_opcode_is_a_protocol_error_whatever_length_it_announces() -> None:
+    server = WsFrames(client=False, max_size=1000)
+    with pytest.raises(WebSocketError) as caught:
+        server.receive_data(bytes((0x83, 0xFF)) + struct.pack("!Q", 1 << 40) + b"abcd")
+    assert caught.value.code == CLOSE_PROTOCOL_ERROR
