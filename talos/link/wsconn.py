@@ -61,8 +61,8 @@ CLOSE_GOING_AWAY = 1001
 _OK_CODES = (1000, 1001, 1005)  # 1005: a close frame without a code
 #: The transport's high-water mark: above it, sends wait (websockets' default limit).
 WRITE_LIMIT = 32 * 1024
-#: Below the low-water mark (WRITE_LIMIT / 4 by asyncio's rule), or close to it: a send
-#: this far under it never waits.
+#: ``can_send_now`` while the transport holds less than this (half the high-water mark):
+#: what is sent now leaves without queueing behind much.
 _SEND_NOW_LIMIT = 16 * 1024
 
 
@@ -165,7 +165,10 @@ class WsStream(asyncio.Protocol):
         )
 
     async def recv(self) -> bytes | str:
-        """The next message; raises ``ConnectionClosed`` once closed and drained."""
+        """The next message; raises ``ConnectionClosed`` once closed and drained.
+
+        One reader at a time (a link's read loop).
+        """
         queue = self._queue
         while not queue:
             if self._lost.done() or (self.frames is not None and self.frames.closed):

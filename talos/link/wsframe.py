@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from talos_sdk.errors import ProtocolError
+from talos_sdk.errors import ProtocolError, UsageError
 
 _c_apply_mask: Callable[[bytes, bytes], bytes] | None
 try:  # websockets' C helper: ~11 GB/s against ~180 MB/s for the big-integer XOR below
@@ -161,12 +161,12 @@ class WsFrames:
     def send_binary(self, payload: bytes) -> bytes:
         """The frame bytes of one binary message (the caller writes them now)."""
         if self._state is not _State.OPEN:
-            raise ProtocolError("the WebSocket is closing: no more messages")
+            raise UsageError("the WebSocket is closing: no more messages")
         return self._frame(_OP_BINARY, payload)
 
     def send_ping(self, payload: bytes) -> bytes:
         if self._state is not _State.OPEN:
-            raise ProtocolError("the WebSocket is closing: no more pings")
+            raise UsageError("the WebSocket is closing: no more pings")
         return self._frame(_OP_PING, payload[:_MAX_CONTROL])
 
     def send_close(self, code: int = CLOSE_NORMAL, reason: str = "") -> bytes:

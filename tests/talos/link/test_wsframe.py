@@ -25,6 +25,7 @@ from talos.link.wsframe import (
     WsFrames,
     apply_mask,
 )
+from talos_sdk.errors import UsageError
 
 VECTORS = Path(__file__).parents[2] / "vectors" / "websocket" / "rfc6455_examples.json"
 MAX = 1 << 20
@@ -116,7 +117,7 @@ def test_the_closing_handshake_carries_the_code_both_ways() -> None:
     assert client.receive_data(server.data_to_send()) == [Closed(4003, "")]
     assert client.closed and client.rcvd_then_sent is False
     assert client.send_close() == b""  # once only
-    with pytest.raises(Exception, match="closing"):
+    with pytest.raises(UsageError, match="closing"):  # our misuse, not the peer's fault
         client.send_binary(b"late")
 
 
