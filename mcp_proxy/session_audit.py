@@ -63,9 +63,6 @@ class InFlight:
                 del self.retired[next(iter(self.retired))]
         return call
 
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self.items
-
     def __len__(self) -> int:
         return len(self.items)
 

@@ -110,7 +110,7 @@ class WsStream(asyncio.Protocol):
     @property
     def source(self) -> str:
         """The peer's IP address, what handshake admission counts by."""
-        return self.remote_address[0] if self.remote_address else ""
+        return self.remote_host or ""
 
     @property
     def remote_host(self) -> str | None:
@@ -127,7 +127,8 @@ class WsStream(asyncio.Protocol):
             if self._drain is None or self._drain.done():
                 self._drain = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._drain)
-            self._raise_if_lost()
+            if self._lost.done():
+                raise self._closed_error()
 
     def send_nowait(self, data: bytes) -> bool:
         """Write one binary message now if that needs no waiting; False (nothing sent) if not."""
@@ -375,10 +376,6 @@ class WsStream(asyncio.Protocol):
                 self._abort()
                 return
 
-    def _raise_if_lost(self) -> None:
-        if self._lost.done():
-            raise self._closed_error()
-
     def _closed_error(self) -> ConnectionClosed:
         frames = self.frames
         rcvd = sent = None
@@ -401,10 +398,6 @@ def _address(name: object) -> tuple[str, int] | None:
     return None
 
 
-def _options_ssl(secure: bool) -> ssl.SSLContext | None:
-    return ssl.create_default_context() if secure else None
-
-
 async def ws_connect(url: str, options: WsOptions) -> WsStream:
     """Open ``url`` (``ws://`` or ``wss://``) and run the client's opening handshake.
 
@@ -418,7 +411,7 @@ async def ws_connect(url: str, options: WsOptions) -> WsStream:
             lambda: WsStream(options, client=True),
             uri.host,
             uri.port,
-            ssl=_options_ssl(uri.secure),
+            ssl=ssl.create_default_context() if uri.secure else None,
             server_hostname=uri.host if uri.secure else None,
         )
         try:
