@@ -36,7 +36,7 @@ from talos.cli_help import parse
 from talos.local.call import NodeGoneError
 from talos.logging import configure, event
 from talos.peer_refs import check_did, check_peer_addr, check_peer_ref
-from talos.runtime import run
+from talos.runtime import run, settle_heap
 from talos_sdk.errors import TalosError, UsageError
 
 __all__ = ["build_parser", "main"]
@@ -115,6 +115,7 @@ async def _serve(args: argparse.Namespace) -> None:
     )
     await auditor.start()
     server.auditor = auditor
+    settle_heap()
     print(f"talos-proxy: did {node.did}", file=sys.stderr)
     where = f"{node.listen_url}#{node.did}" if node.listen_url else f"relay {node.did}"
     print(f"talos-proxy: serving on {where}", file=sys.stderr, flush=True)
@@ -168,6 +169,7 @@ async def _serve_attached(args: argparse.Namespace, policy: Policy, attached: An
         did, listen = attached.did, attached.client.hello.get("listen")
         print(f"talos-proxy: did {did} (attached to the running node of {home})", file=sys.stderr)
         where = f"{listen}#{did}" if listen else f"the node's relays as {did}"
+        settle_heap()
         print(f"talos-proxy: serving on {where}", file=sys.stderr, flush=True)
         signalled = asyncio.ensure_future(_until_signalled())
         await asyncio.wait({signalled, attached.gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -229,6 +231,7 @@ async def _connect(args: argparse.Namespace) -> None:
             node.reach(peer_did)  # through the relay: the DID has no direct address
         else:
             await node.connect(args.peer)
+    settle_heap()
     gone: asyncio.Future[str] = (
         attached.gone if attached is not None else asyncio.get_running_loop().create_future()
     )

@@ -158,6 +158,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await daemon.start()
+        runtime.settle_heap()
         try:
             if node.listen_url:
                 print(f"listening on {node.listen_url} did={node.did}", flush=True)

@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field
 
 from talos.agent_mcp.backend import Backend, open_backend
 from talos.local.wire import MAX_LIMIT, MAX_SEND_WAIT, MAX_WAIT, SEND_WAIT
+from talos.runtime import settle_heap
 from talos_sdk.errors import TalosError
 
 __all__ = ["INBOX_URI", "build_server", "serve"]
@@ -412,6 +413,7 @@ async def serve(home: Path, *, passphrase_file: str | None = None) -> None:
     server = build_server(backend)
     watcher = InboxWatcher(backend, server.talos_notify)
     watcher.start()
+    settle_heap()
     low = server._lowlevel_server
 
     async def on_stdio() -> None:
