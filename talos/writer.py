@@ -4,8 +4,9 @@ Every write transaction of a running node — message commits, acks, outbox
 rows, session state, heads, pins, transfer rows, block sealing, audit records —
 runs on ONE thread, in submission order. LMDB allows one writer per
 environment anyway; doing it on one thread means a durable commit (fsync)
-never blocks the event loop, frames keep arriving while it runs, and the
-next batch forms meanwhile.
+does not block the event loop, frames keep arriving while it runs, and the
+next batch forms meanwhile. The one exception is asked for by name:
+``submit(here=True)`` on an idle writer (below).
 
 Group commit, as databases do it: every job queued while the thread was busy
 forms the next *group*, run in ONE write transaction (each job in a nested
@@ -22,7 +23,12 @@ Three ways in:
 
 * :meth:`StoreWriter.submit` from the event loop: returns an asyncio future,
   and ``then`` runs in the very loop pass that settles it (the ack after a
-  receive commit is on every message's critical path);
+  receive commit is on every message's critical path). With ``here=True``
+  and the writer idle (nothing queued or running, no hook on the kind, no
+  slow commit here in the last :data:`HERE_BACKOFF` s), the job runs on the
+  calling thread instead, before ``submit`` returns: the loop is held for
+  one commit and its fsync, and two thread wake-ups are saved
+  (docs/adr/0017-lone-commit-on-the-loop.md);
 * :meth:`StoreWriter.write`, the awaitable form;
 * :meth:`StoreWriter.run` from any *other* thread (sealer, audit, transfer
   workers): blocks that thread until the job is done. Neither the loop (it
@@ -40,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -55,6 +62,13 @@ _T = TypeVar("_T")
 
 #: ``hook(kind, size)``: runs on the writer thread before a job of that kind.
 WriteHook = Callable[[str, int], None]
+
+#: When jobs run with ``here=True`` hold the loop longer than this on average
+#: (seconds; a moving average over the last ~8, so one slow fsync does not
+#: count), the next ones go to the thread for HERE_BACKOFF seconds: a slow or
+#: busy disk must not keep stalling the loop.
+HERE_SLOW = 0.002
+HERE_BACKOFF = 1.0
 
 
 class Writes(Protocol):
@@ -105,6 +119,10 @@ class StoreWriter:
         self._wake.acquire()
         self._stop = False
         self._held = 0  # together() blocks open: wake the thread when the last one ends
+        self._here_after = 0.0  # time.monotonic() before which here=True is not honoured
+        self._here_avg = 0.0  # moving average of here=True run times, seconds
+        #: Jobs that ran on the caller's thread (``submit(here=True)``).
+        self.here_runs = 0
 
     # --- jobs ----------------------------------------------------------------------------------
 
@@ -227,14 +245,22 @@ class StoreWriter:
         then: Callable[[asyncio.Future[_T]], None] | None = None,
         kind: str = "write",
         size: int = 1,
+        here: bool = False,
     ) -> asyncio.Future[_T]:
         """Queue ``fn`` now (no loop pass first); call from the event loop thread.
 
         ``then(future)`` runs in the loop pass that settles the future:
         ``run_in_executor`` plus ``add_done_callback`` would cost two passes.
+        ``here``: run it on this thread now if the writer is idle (module
+        docstring); the future is then settled, and ``then`` called, on return.
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_T] = loop.create_future()
+        if here and self._claim_idle(kind):
+            self._run_here(fn, durable, fut)
+            if then is not None:
+                then(fut)
+            return fut
 
         def settle(result: _T | None, exc: BaseException | None) -> None:
             if not fut.done():
@@ -247,6 +273,40 @@ class StoreWriter:
 
         self._enqueue(_Job(fn, durable, kind, size, settle, loop))
         return fut
+
+    def _claim_idle(self, kind: str) -> bool:
+        """Take the writer for a job on the caller's thread, if nothing else has it."""
+        if self._hooks.get(kind) or time.monotonic() < self._here_after:
+            return False
+        with self._lock:
+            if self._serving or self._queue or self._held or self._closed:
+                return False
+            self._serving = True  # jobs queued meanwhile wait, as behind a running group
+            return True
+
+    def _run_here(self, fn: Callable[[Txn], _T], durable: bool, fut: asyncio.Future[_T]) -> None:
+        """Run a claimed job on this thread, settle ``fut``, then give the writer back."""
+        start = time.monotonic()
+        try:
+            with self.store.write(durable=durable) as txn:
+                result = fn(txn)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            fut.set_result(result)
+        finally:
+            now = time.monotonic()
+            self._here_avg += (now - start - self._here_avg) / 8
+            if self._here_avg > HERE_SLOW:
+                self._here_after, self._here_avg = now + HERE_BACKOFF, 0.0
+            self.here_runs += 1
+            with self._lock:
+                if self._queue and not self._held:
+                    self._wake_thread()  # what was queued meanwhile: the thread takes it
+                else:
+                    self._serving = False
 
     async def write(
         self, fn: Callable[[Txn], _T], *, durable: bool = True, kind: str = "write"

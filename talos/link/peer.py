@@ -96,7 +96,8 @@ class FrameStream(Protocol):
     who sent it as far as the carrier vouches, what handshake admission counts
     by (a WebSocket's remote address); ``remote_host`` is the address a bulk
     port may be dialled at (None over a relay). ``send_nowait`` writes only
-    when ``writable``; ``can_send_now``: ``send`` would not wait.
+    when ``writable``; ``can_send_now``: ``send`` would not wait. ``queued``:
+    frames already received that ``recv`` returns without waiting.
     """
 
     @property
@@ -124,6 +125,9 @@ class FrameStream(Protocol):
 
     @property
     def can_send_now(self) -> bool: ...
+
+    @property
+    def queued(self) -> int: ...
 
 
 class Link:
@@ -190,6 +194,11 @@ class Link:
     def can_send_now(self) -> bool:
         """True when :meth:`send` would write without waiting for flow control."""
         return self.ws.can_send_now
+
+    @property
+    def queued(self) -> int:
+        """Frames received and not yet read: :meth:`recv` returns the next one at once."""
+        return self.ws.queued
 
     async def recv(self) -> bytes:
         """Next plaintext frame; raises ConnectionClosed when the link ends.

@@ -165,6 +165,11 @@ class WsStream(asyncio.Protocol):
             and transport.get_write_buffer_size() < _SEND_NOW_LIMIT
         )
 
+    @property
+    def queued(self) -> int:
+        """Messages received and not yet taken by :meth:`recv`."""
+        return len(self._queue)
+
     async def recv(self) -> bytes | str:
         """The next message; raises ``ConnectionClosed`` once closed and drained.
 

@@ -123,6 +123,11 @@ class RelayStream:
         """True while the relay client's outgoing buffer is small."""
         return self.close_code is None and self._pending() < 64 * 1024
 
+    @property
+    def queued(self) -> int:
+        """Whole link frames received and not yet taken by :meth:`recv`."""
+        return len(self._frames)
+
     async def recv(self) -> bytes:
         """The next whole link frame; raises ConnectionClosed once closed and drained."""
         while not self._frames:

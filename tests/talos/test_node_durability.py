@@ -381,3 +381,31 @@ async def test_a_receiver_that_cannot_store_tells_its_sender_which_says_why(
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_lone_message_commits_on_the_loop_and_a_burst_still_groups(
+    tmp_path: Path,
+) -> None:
+    """ADR 0017: one message at a time, B's receive commit runs on its loop (no thread
+    hand-offs); many in flight, the writer thread still commits them in groups."""
+    a_home, a_cfg = make_home(tmp_path, "a")
+    b_home, b_cfg = make_home(tmp_path, "b")
+    a, b = await started(a_home, a_cfg), await started(b_home, b_cfg)
+    try:
+        await link(a, b)
+        here0 = b.writer.here_runs
+        for i in range(5):
+            await a.send_message(b.did, f"one {i}", wait=True)
+        assert b.writer.here_runs > here0  # some, not necessarily all: seals share the writer
+        assert b.metrics.counters.get("commits_on_loop", 0) == b.writer.here_runs - here0
+        commits0, here1 = b.metrics.counters.get("commits", 0), b.writer.here_runs
+        await asyncio.gather(*(a.send_message(b.did, f"many {i}", wait=True) for i in range(200)))
+        commits = b.metrics.counters.get("commits", 0) - commits0
+        # Each frame of the burst found more of its link's frames queued behind it:
+        # the thread committed them, in groups, and the loop never waited on a disk.
+        assert commits < 200 and b.writer.here_runs - here1 <= 1
+        texts = [m.text for m in b.inbox(limit=300)]
+        assert texts == [f"one {i}" for i in range(5)] + [f"many {i}" for i in range(200)]
+    finally:
+        await a.stop()
+        await b.stop()

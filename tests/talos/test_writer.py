@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -325,3 +326,87 @@ async def test_a_failing_then_does_not_keep_its_group_unsettled(writer: StoreWri
     await asyncio.wait_for(b, 20)  # settled although the callback before it raised
     assert a.done() and [str(e) for e in errors] == ["then failed"]
     loop.set_exception_handler(None)
+
+
+# --- submit(here=True): a job on the caller's thread when the writer is idle (ADR 0017) ----------
+
+
+def _where(txn: Txn, key: bytes) -> int:
+    txn.put("meta", key, b"")
+    return threading.get_ident()
+
+
+async def test_here_runs_on_the_loop_thread_and_settles_before_returning(
+    writer: StoreWriter,
+) -> None:
+    seen: list[int] = []
+    fut = writer.submit(
+        functools.partial(_where, key=b"here"), here=True, then=lambda f: seen.append(f.result())
+    )
+    assert fut.done() and fut.result() == threading.get_ident() and seen == [fut.result()]
+    assert writer.here_runs == 1 and _rows(writer) == [b"here"]
+    # The writer is free again: the next job goes to its thread as usual.
+    assert await writer.submit(functools.partial(_where, key=b"next")) != threading.get_ident()
+
+
+async def test_here_queues_behind_a_busy_writer(writer: StoreWriter) -> None:
+    first, gate = await _held(writer)
+    await asyncio.sleep(0.05)  # the writer thread is inside the held job
+    fut = writer.submit(functools.partial(_where, key=b"queued"), here=True)
+    assert not fut.done()  # not on the loop: it would have overtaken the held job
+    gate.set()
+    await first
+    assert await fut != threading.get_ident() and writer.here_runs == 0
+    assert _rows(writer) == [b"held", b"queued"]
+
+
+async def test_a_job_queued_during_a_here_job_runs_after_it_on_the_thread(
+    writer: StoreWriter,
+) -> None:
+    ran_on: list[int] = []
+
+    def from_worker() -> None:  # a worker thread's write (as the sealer's) while the loop holds it
+        ran_on.append(writer.run(functools.partial(_where, key=b"b-after")))
+
+    worker = threading.Thread(target=from_worker)
+
+    def here(txn: Txn) -> None:
+        txn.put("meta", b"a-here", b"")
+        worker.start()
+        time.sleep(0.05)  # its job is queued behind this one by now (or soon after: same order)
+
+    writer.submit(here, here=True)
+    assert writer.here_runs == 1
+    await asyncio.to_thread(worker.join, 20)
+    assert ran_on and ran_on[0] not in (threading.get_ident(), worker.ident)
+    assert _rows(writer) == [b"a-here", b"b-after"]
+
+
+async def test_here_failure_settles_the_future_and_frees_the_writer(writer: StoreWriter) -> None:
+    def boom(txn: Txn) -> None:
+        txn.put("meta", b"never", b"")
+        raise ValueError("no")
+
+    seen: list[BaseException | None] = []
+    fut = writer.submit(boom, here=True, then=lambda f: seen.append(f.exception()))
+    assert isinstance(fut.exception(), ValueError) and seen == [fut.exception()]
+    assert await writer.write(lambda txn: txn.put("meta", b"ok", b"") or 1) == 1
+    assert _rows(writer) == [b"ok"]  # the failed job's write was rolled back
+
+
+async def test_here_is_not_honoured_for_a_hooked_kind_or_on_a_slow_disk(
+    writer: StoreWriter,
+) -> None:
+    remove = writer.before("receive", lambda kind, size: None)
+    hooked = writer.submit(functools.partial(_where, key=b"hooked"), kind="receive", here=True)
+    assert await hooked != threading.get_ident()  # hooks run on the writer thread
+    remove()
+
+    def slow(txn: Txn) -> None:
+        time.sleep(0.03)  # 8 x HERE_SLOW: even one such run lifts the average above it
+        txn.put("meta", b"slow", b"")
+
+    writer.submit(slow, here=True)
+    assert writer.here_runs == 1
+    later = writer.submit(functools.partial(_where, key=b"later"), here=True)
+    assert await later != threading.get_ident() and writer.here_runs == 1
