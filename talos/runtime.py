@@ -47,8 +47,8 @@ def settle_heap() -> None:
     process keeps for its life (modules, classes, functions, configuration),
     and every full collection walked them all, holding the event loop: in
     ``talos-proxy serve`` with 256 ``tools/call`` in flight, 5 full collections
-    in 12 s took 25-38 ms each, and every call in flight waited; with them
-    frozen the same collections take 0.2-0.3 ms. Frozen objects are still
+    in 12 s took 17-38 ms each, and every call in flight waited; with them
+    frozen the same collections take 0.3-1.2 ms. Frozen objects are still
     freed by reference counting; the ``collect`` first clears the cycles that
     start-up itself left behind.
     """

@@ -24,8 +24,8 @@ Three ways in:
 * :meth:`StoreWriter.submit` from the event loop: returns an asyncio future,
   and ``then`` runs in the very loop pass that settles it (the ack after a
   receive commit is on every message's critical path). With ``here=True``
-  and the writer idle (nothing queued or running, no hook on the kind, no
-  slow commit here in the last :data:`HERE_BACKOFF` s), the job runs on the
+  and the writer idle (nothing queued or running, no hook on the kind, such
+  runs not slower than :data:`HERE_SLOW` on average), the job runs on the
   calling thread instead, before ``submit`` returns: the loop is held for
   one commit and its fsync, and two thread wake-ups are saved
   (docs/adr/0017-lone-commit-on-the-loop.md);
