@@ -395,15 +395,19 @@ async def test_a_lone_message_commits_on_the_loop_and_a_burst_still_groups(
         await link(a, b)
         here0 = b.writer.here_runs
         for i in range(5):
+            # A quiet spell before each (longer than any commit here), as between an
+            # agent's messages; the writer may still be sealing or flushing at times.
+            await asyncio.sleep(0.2)
             await a.send_message(b.did, f"one {i}", wait=True)
-        assert b.writer.here_runs > here0  # some, not necessarily all: seals share the writer
+        assert b.writer.here_runs > here0
         assert b.metrics.counters.get("commits_on_loop", 0) == b.writer.here_runs - here0
         commits0, here1 = b.metrics.counters.get("commits", 0), b.writer.here_runs
         await asyncio.gather(*(a.send_message(b.did, f"many {i}", wait=True) for i in range(200)))
         commits = b.metrics.counters.get("commits", 0) - commits0
-        # Each frame of the burst found more of its link's frames queued behind it:
-        # the thread committed them, in groups, and the loop never waited on a disk.
-        assert commits < 200 and b.writer.here_runs - here1 <= 1
+        # The burst's frames found more of their link's frames queued behind them, or
+        # a commit running: the thread committed them in groups (a straggler at the
+        # end may still find the node quiet).
+        assert commits < 200 and b.writer.here_runs - here1 <= 2
         texts = [m.text for m in b.inbox(limit=300)]
         assert texts == [f"one {i}" for i in range(5)] + [f"many {i}" for i in range(200)]
     finally:
