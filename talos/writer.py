@@ -274,6 +274,12 @@ class StoreWriter:
         self._enqueue(_Job(fn, durable, kind, size, settle, loop))
         return fut
 
+    @property
+    def busy(self) -> bool:
+        """Whether a job is queued or running (on the thread, or one run ``here``)."""
+        with self._lock:
+            return self._serving or bool(self._queue)
+
     def _claim_idle(self, kind: str) -> bool:
         """Take the writer for a job on the caller's thread, if nothing else has it."""
         if self._hooks.get(kind) or time.monotonic() < self._here_after:
@@ -303,8 +309,9 @@ class StoreWriter:
                 self._here_after, self._here_avg = now + HERE_BACKOFF, 0.0
             self.here_runs += 1
             with self._lock:
-                if self._queue and not self._held:
-                    self._wake_thread()  # what was queued meanwhile: the thread takes it
+                if (self._queue or self._stop) and not self._held:
+                    # What was queued meanwhile, or a close() waiting for the thread to end.
+                    self._wake_thread()
                 else:
                     self._serving = False
 

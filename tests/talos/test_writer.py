@@ -18,6 +18,7 @@ import pytest
 from talos.store import Store, Txn
 from talos.writer import StoreWriter
 from talos_sdk.errors import StorageFullError, UsageError
+from tests.talos.nodes import until
 
 
 @pytest.fixture
@@ -394,14 +395,13 @@ async def test_here_failure_settles_the_future_and_frees_the_writer(writer: Stor
     assert _rows(writer) == [b"ok"]  # the failed job's write was rolled back
 
 
-async def test_here_is_not_honoured_for_a_hooked_kind_or_on_a_slow_disk(
-    writer: StoreWriter,
-) -> None:
-    remove = writer.before("receive", lambda kind, size: None)
+async def test_here_is_not_honoured_for_a_hooked_kind(writer: StoreWriter) -> None:
+    writer.before("receive", lambda kind, size: None)
     hooked = writer.submit(functools.partial(_where, key=b"hooked"), kind="receive", here=True)
-    assert await hooked != threading.get_ident()  # hooks run on the writer thread
-    remove()
+    assert await hooked != threading.get_ident() and writer.here_runs == 0  # hooks: the thread
 
+
+async def test_here_is_not_honoured_on_a_slow_disk(writer: StoreWriter) -> None:
     def slow(txn: Txn) -> None:
         time.sleep(0.03)  # 8 x HERE_SLOW: even one such run lifts the average above it
         txn.put("meta", b"slow", b"")
@@ -410,3 +410,25 @@ async def test_here_is_not_honoured_for_a_hooked_kind_or_on_a_slow_disk(
     assert writer.here_runs == 1
     later = writer.submit(functools.partial(_where, key=b"later"), here=True)
     assert await later != threading.get_ident() and writer.here_runs == 1
+
+
+async def test_close_during_a_here_job_ends_the_thread(tmp_path: Path) -> None:
+    """close() from a worker while the loop holds the writer: it returns once the job is done."""
+    store = Store(tmp_path / "s", map_size=1 << 22)
+    w = StoreWriter(store)
+    try:
+        await w.write(functools.partial(_where, key=b"thread"))  # the thread exists
+        await until(lambda: not w.busy, what="the writer thread idle")
+        closer = threading.Thread(target=w.close)
+
+        def here(txn: Txn) -> None:
+            txn.put("meta", b"here", b"")
+            closer.start()
+            time.sleep(0.05)  # close() is waiting for the thread by now
+
+        w.submit(here, here=True)
+        await asyncio.to_thread(closer.join, 20)
+        assert not closer.is_alive() and w.here_runs == 1
+        assert _rows(w) == [b"here", b"thread"]
+    finally:
+        store.close()
