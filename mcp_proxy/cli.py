@@ -48,12 +48,18 @@ def _keys(args: argparse.Namespace) -> dict[str, Any]:
     return {"passphrase_file": args.passphrase_file, "no_passphrase": args.no_passphrase}
 
 
-async def _until_signalled() -> None:
+def _stop_on_signals() -> asyncio.Event:
+    """An event SIGINT and SIGTERM set from now on.
+
+    Installed before the start-up work: a signal that comes while the node
+    starts (a container stopped as soon as its port answered) then stops it
+    cleanly once started, instead of killing the process half-way.
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
 def _headers(items: list[str]) -> dict[str, str]:
@@ -102,6 +108,7 @@ async def _serve(args: argparse.Namespace) -> None:
         return
     if not args.listen and not args.relay:
         raise UsageError("serve needs --listen HOST:PORT, --relay nats://HOST:PORT, or both")
+    stop = _stop_on_signals()
     node = make_node(args.home, listen=args.listen, relays=args.relay, **_keys(args))
     # Default deny at the link: a DID the policy does not name never gets a session.
     node.authorizer = policy.is_peer_allowed
@@ -120,7 +127,7 @@ async def _serve(args: argparse.Namespace) -> None:
     where = f"{node.listen_url}#{node.did}" if node.listen_url else f"relay {node.did}"
     print(f"talos-proxy: serving on {where}", file=sys.stderr, flush=True)
     try:
-        await _until_signalled()
+        await stop.wait()
     finally:
         await server.stop()
         await auditor.stop()
@@ -149,6 +156,7 @@ async def _serve_attached(args: argparse.Namespace, policy: Policy, attached: An
             "address; --listen/--relay are not used",
             file=sys.stderr,
         )
+    stop = _stop_on_signals()
     server = _tunnel_server(args, attached, policy)
     auditor = Auditor(
         NodeAuditSink(attached.client),
@@ -171,7 +179,7 @@ async def _serve_attached(args: argparse.Namespace, policy: Policy, attached: An
         where = f"{listen}#{did}" if listen else f"the node's relays as {did}"
         settle_heap()
         print(f"talos-proxy: serving on {where}", file=sys.stderr, flush=True)
-        signalled = asyncio.ensure_future(_until_signalled())
+        signalled = asyncio.ensure_future(stop.wait())
         await asyncio.wait({signalled, attached.gone}, return_when=asyncio.FIRST_COMPLETED)
         signalled.cancel()
     finally:
@@ -196,6 +204,7 @@ async def _connect(args: argparse.Namespace) -> None:
     else:  # a DID through the relay, or a DID or peer name the running node knows
         check_peer_ref(args.peer, "--peer")
     relayed = args.relay and args.peer.startswith("did:")
+    stop = _stop_on_signals()
     # A talosd already running on the home: share its identity and links (ADR 0012).
     attached = None if args.relay else await attach(args.home)
     node: Any = None
@@ -253,7 +262,7 @@ async def _connect(args: argparse.Namespace) -> None:
             await front.start()
             print(f"talos-proxy: Streamable HTTP on {front.url}", file=sys.stderr, flush=True)
             try:
-                signalled = asyncio.ensure_future(_until_signalled())
+                signalled = asyncio.ensure_future(stop.wait())
                 waits: set[asyncio.Future[Any]] = {signalled, gone}
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 signalled.cancel()
@@ -261,7 +270,7 @@ async def _connect(args: argparse.Namespace) -> None:
                 await front.stop()
         else:
             stdio = asyncio.create_task(serve_stdio(client))
-            signalled = asyncio.create_task(_until_signalled())
+            signalled = asyncio.create_task(stop.wait())
             ends: set[asyncio.Future[Any]] = {stdio, signalled, gone}
             await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
             for task in (stdio, signalled):

@@ -413,7 +413,6 @@ async def serve(home: Path, *, passphrase_file: str | None = None) -> None:
     server = build_server(backend)
     watcher = InboxWatcher(backend, server.talos_notify)
     watcher.start()
-    settle_heap()
     low = server._lowlevel_server
 
     async def on_stdio() -> None:
@@ -424,6 +423,7 @@ async def serve(home: Path, *, passphrase_file: str | None = None) -> None:
     stopped = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, _on_signal, signum, signalled, stopped)
+    settle_heap()  # after the handlers: a signal meanwhile is still answered as documented
     stdio = asyncio.ensure_future(on_stdio())
     stopping = asyncio.ensure_future(stopped.wait())
     try:
