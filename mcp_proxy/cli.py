@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -36,7 +35,7 @@ from talos.cli_help import parse
 from talos.local.call import NodeGoneError
 from talos.logging import configure, event
 from talos.peer_refs import check_did, check_peer_addr, check_peer_ref
-from talos.runtime import run, settle_heap
+from talos.runtime import run, settle_heap, stop_on_signals
 from talos_sdk.errors import TalosError, UsageError
 
 __all__ = ["build_parser", "main"]
@@ -46,20 +45,6 @@ log = logging.getLogger("mcp_proxy")
 
 def _keys(args: argparse.Namespace) -> dict[str, Any]:
     return {"passphrase_file": args.passphrase_file, "no_passphrase": args.no_passphrase}
-
-
-def _stop_on_signals() -> asyncio.Event:
-    """An event SIGINT and SIGTERM set from now on.
-
-    Installed before the start-up work: a signal that comes while the node
-    starts (a container stopped as soon as its port answered) then stops it
-    cleanly once started, instead of killing the process half-way.
-    """
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 def _headers(items: list[str]) -> dict[str, str]:
@@ -108,7 +93,7 @@ async def _serve(args: argparse.Namespace) -> None:
         return
     if not args.listen and not args.relay:
         raise UsageError("serve needs --listen HOST:PORT, --relay nats://HOST:PORT, or both")
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     node = make_node(args.home, listen=args.listen, relays=args.relay, **_keys(args))
     # Default deny at the link: a DID the policy does not name never gets a session.
     node.authorizer = policy.is_peer_allowed
@@ -156,7 +141,7 @@ async def _serve_attached(args: argparse.Namespace, policy: Policy, attached: An
             "address; --listen/--relay are not used",
             file=sys.stderr,
         )
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     server = _tunnel_server(args, attached, policy)
     auditor = Auditor(
         NodeAuditSink(attached.client),
@@ -204,7 +189,7 @@ async def _connect(args: argparse.Namespace) -> None:
     else:  # a DID through the relay, or a DID or peer name the running node knows
         check_peer_ref(args.peer, "--peer")
     relayed = args.relay and args.peer.startswith("did:")
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     # A talosd already running on the home: share its identity and links (ADR 0012).
     attached = None if args.relay else await attach(args.home)
     node: Any = None

@@ -98,8 +98,6 @@ def cmd_id(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import asyncio
-    import signal
 
     from pydantic import ValidationError
 
@@ -153,10 +151,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def run() -> None:
         daemon = Daemon(home.path, config, files_dir=args.files_dir, wallet=wallet)
         node = daemon.node
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = runtime.stop_on_signals()
         await daemon.start()
         runtime.settle_heap()
         try:

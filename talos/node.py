@@ -125,7 +125,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         self._acks: dict[str, tuple[int, list[Record]]] = {}  # ack writes not queued yet
         self._write_timer: asyncio.TimerHandle | None = None
         self._committing = False
-        self._commit_began = self._commit_ended = self._commit_took = 0.0
+        self._commit_began = self._quiet_after = 0.0
         self.storage_error: str | None = None
         self._inbox_event = asyncio.Event()
         self._quiescing = False

@@ -93,10 +93,10 @@ class NodeBase:
     _acks: dict[str, tuple[int, list[Record]]]  # per peer: highest ack, records to log
     _write_timer: asyncio.TimerHandle | None  # deferred ack writes and wait-send rows
     _committing: bool
-    #: The last receive commit's start, end and length (time.monotonic(); ADR 0017).
+    #: When the last receive commit started, and the time before which the node counts
+    #: as receiving back to back: its end plus its length (time.monotonic(); ADR 0017).
     _commit_began: float
-    _commit_ended: float
-    _commit_took: float
+    _quiet_after: float
     #: Why the last receive commit failed (cleared by the next one that succeeds).
     storage_error: str | None
     _inbox_event: asyncio.Event

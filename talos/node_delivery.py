@@ -194,7 +194,7 @@ class NodeDelivery(NodeBase):
         one took (the node is not receiving back to back, from any link), and no
         further frame of this link has arrived. One message at a time, the writer
         thread's two hand-offs were about a sixth of the round trip."""
-        if self._commit_began - self._commit_ended < self._commit_took:
+        if self._commit_began < self._quiet_after:
             return False
         peer = self._peers.get(did)
         link = peer.link if peer is not None else None
@@ -202,8 +202,8 @@ class NodeDelivery(NodeBase):
 
     def _committed(self, batch: list[Incoming], peers: set[str], fut: asyncio.Future[None]) -> None:
         self._committing = False
-        self._commit_ended = time.monotonic()
-        self._commit_took = self._commit_ended - self._commit_began
+        ended = time.monotonic()
+        self._quiet_after = ended + (ended - self._commit_began)
         if fut.cancelled():
             return
         exc = fut.exception()

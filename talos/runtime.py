@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["NO_UVLOOP_ENV", "loop_factory", "run", "settle_heap"]
+__all__ = ["NO_UVLOOP_ENV", "loop_factory", "run", "settle_heap", "stop_on_signals"]
 
 _T = TypeVar("_T")
 
@@ -37,6 +38,20 @@ def run(main: Coroutine[Any, Any, _T], *, debug: bool | None = None) -> _T:
     """``asyncio.run(main)`` on the loop :func:`loop_factory` picks."""
     with asyncio.Runner(debug=debug, loop_factory=loop_factory()) as runner:
         return runner.run(main)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event SIGINT and SIGTERM set from now on (a daemon's stop request).
+
+    Install it before the start-up work: a signal that comes while the node
+    starts (a container stopped as soon as its port answered) then stops it
+    cleanly once started, instead of killing the process half-way.
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def settle_heap() -> None:

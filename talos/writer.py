@@ -256,11 +256,6 @@ class StoreWriter:
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_T] = loop.create_future()
-        if here and self._claim_idle(kind):
-            self._run_here(fn, durable, fut)
-            if then is not None:
-                then(fut)
-            return fut
 
         def settle(result: _T | None, exc: BaseException | None) -> None:
             if not fut.done():
@@ -271,7 +266,10 @@ class StoreWriter:
             if then is not None:
                 then(fut)
 
-        self._enqueue(_Job(fn, durable, kind, size, settle, loop))
+        if here and self._claim_idle(kind):
+            settle(*self._run_here(fn, durable))
+        else:
+            self._enqueue(_Job(fn, durable, kind, size, settle, loop))
         return fut
 
     @property
@@ -290,18 +288,16 @@ class StoreWriter:
             self._serving = True  # jobs queued meanwhile wait, as behind a running group
             return True
 
-    def _run_here(self, fn: Callable[[Txn], _T], durable: bool, fut: asyncio.Future[_T]) -> None:
-        """Run a claimed job on this thread, settle ``fut``, then give the writer back."""
+    def _run_here(
+        self, fn: Callable[[Txn], _T], durable: bool
+    ) -> tuple[_T | None, Exception | None]:
+        """Run a claimed job on this thread and give the writer back: (result, error)."""
         start = time.monotonic()
         try:
             with self.store.write(durable=durable) as txn:
-                result = fn(txn)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            fut.set_result(result)
+                return fn(txn), None
+        except Exception as exc:
+            return None, exc
         finally:
             now = time.monotonic()
             self._here_avg += (now - start - self._here_avg) / 8
