@@ -140,10 +140,15 @@ class NodeDelivery(NodeBase):
     def _write_deferred(self) -> None:
         """The write timer: deferred outbox rows and ack writes, in one group."""
         self._write_timer = None
-        if self._outgoing and not self._outbox_busy:
-            self._flush_outbox()  # submits the acks' writes with it
-        else:
-            self._submit_acks()
+        # Written on the loop when the writer is idle and no row needs an fsync
+        # (ADR 0017): a few page writes, where the thread's hand-offs were most of
+        # a small group's cost (a group per message or two when a peer's acks come slowly).
+        here = not any(durable for _, _, durable in self._outgoing)
+        with self.writer.together(here=here):
+            if self._outgoing and not self._outbox_busy:
+                self._flush_outbox()  # submits the acks' writes with it
+            else:
+                self._submit_acks()
 
     def flush_outbox_now(self) -> None:
         """Queue the deferred outbox rows at once (a waiting send failed before its commit)."""

@@ -28,7 +28,8 @@ Three ways in:
   runs not slower than :data:`HERE_SLOW` on average), the job runs on the
   calling thread instead, before ``submit`` returns: the loop is held for
   one commit and its fsync, and two thread wake-ups are saved
-  (docs/adr/0017-lone-commit-on-the-loop.md);
+  (docs/adr/0017-lone-commit-on-the-loop.md); ``together(here=True)`` does
+  the same for the group its block submits;
 * :meth:`StoreWriter.write`, the awaitable form;
 * :meth:`StoreWriter.run` from any *other* thread (sealer, audit, transfer
   workers): blocks that thread until the job is done. Neither the loop (it
@@ -48,7 +49,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
@@ -144,22 +145,33 @@ class StoreWriter:
         self._wake.release()
 
     @contextlib.contextmanager
-    def together(self) -> Iterator[None]:
+    def together(self, *, here: bool = False) -> Iterator[None]:
         """Jobs submitted inside form one group: the thread is woken once, on exit.
 
         Without it a job submitted right after another could miss the group the
         first one woke the thread for, and cost a second transaction, thread
         wake-up and loop wake-up (an ack write and the outbox commit after it).
+        ``here``: if the writer is idle when the block ends, the group runs on
+        this thread instead and is settled before the block is left, as
+        ``submit(here=True)`` does for one job (ADR 0017).
         """
         with self._lock:
             self._held += 1
+        group: list[_Job] = []
         try:
             yield
         finally:
             with self._lock:
                 self._held -= 1
                 if not self._held and not self._serving and self._queue:
-                    self._wake_thread()
+                    if here and self._may_run_here(self._queue):
+                        group = list(self._queue)
+                        self._queue.clear()
+                        self._serving = True
+                    else:
+                        self._wake_thread()
+        if group:
+            self._run_here(group)
 
     def _loop(self) -> None:
         """Writer thread: sleep until woken, then serve the queue until it is empty."""
@@ -186,16 +198,16 @@ class StoreWriter:
             for job in jobs:
                 if self._hooks.get(job.kind):
                     if group:
-                        self._run_group(group)
+                        self._settle(group, self._run_group(group))
                         group = []
-                    self._run_group([job])
+                    self._settle([job], self._run_group([job]))
                 else:
                     group.append(job)
             if group:
-                self._run_group(group)
+                self._settle(group, self._run_group(group))
 
-    def _run_group(self, group: list[_Job]) -> None:
-        """One transaction and at most one fsync for ``group``; then settle each job."""
+    def _run_group(self, group: list[_Job]) -> list[tuple[Any, BaseException | None]]:
+        """One transaction and at most one fsync for ``group``: each job's outcome."""
         outcomes: list[tuple[Any, BaseException | None]] = [(None, None)] * len(group)
         live = [i for i, job in enumerate(group) if job.fn is not None]
         try:
@@ -222,7 +234,7 @@ class StoreWriter:
             # The commit or its fsync failed (or the lone job raised): none of the
             # group is known durable, so every job fails with it.
             outcomes = [(None, exc if e is None else e) for _, e in outcomes]
-        self._settle(group, outcomes)
+        return outcomes
 
     @staticmethod
     def _settle(group: list[_Job], outcomes: list[tuple[Any, BaseException | None]]) -> None:
@@ -266,10 +278,11 @@ class StoreWriter:
             if then is not None:
                 then(fut)
 
-        if here and self._claim_idle(kind):
-            settle(*self._run_here(fn, durable))
+        job = _Job(fn, durable, kind, size, settle, loop)
+        if here and self._claim_idle(job):
+            self._run_here([job])
         else:
-            self._enqueue(_Job(fn, durable, kind, size, settle, loop))
+            self._enqueue(job)
         return fut
 
     @property
@@ -278,9 +291,15 @@ class StoreWriter:
         with self._lock:
             return self._serving or bool(self._queue)
 
-    def _claim_idle(self, kind: str) -> bool:
-        """Take the writer for a job on the caller's thread, if nothing else has it."""
-        if self._hooks.get(kind) or time.monotonic() < self._here_after:
+    def _may_run_here(self, jobs: Iterable[_Job]) -> bool:
+        """No hook on their kinds and no back-off (``here``'s conditions besides idleness)."""
+        if time.monotonic() < self._here_after:
+            return False
+        return not any(self._hooks.get(job.kind) for job in jobs)
+
+    def _claim_idle(self, job: _Job) -> bool:
+        """Take the writer for ``job`` on the caller's thread, if nothing else has it."""
+        if not self._may_run_here((job,)):
             return False
         with self._lock:
             if self._serving or self._queue or self._held or self._closed:
@@ -288,16 +307,11 @@ class StoreWriter:
             self._serving = True  # jobs queued meanwhile wait, as behind a running group
             return True
 
-    def _run_here(
-        self, fn: Callable[[Txn], _T], durable: bool
-    ) -> tuple[_T | None, Exception | None]:
-        """Run a claimed job on this thread and give the writer back: (result, error)."""
+    def _run_here(self, group: list[_Job]) -> None:
+        """Run a claimed group on this thread, give the writer back, then settle it here."""
         start = time.monotonic()
         try:
-            with self.store.write(durable=durable) as txn:
-                return fn(txn), None
-        except Exception as exc:
-            return None, exc
+            outcomes = self._run_group(group)
         finally:
             now = time.monotonic()
             self._here_avg += (now - start - self._here_avg) / 8
@@ -310,6 +324,7 @@ class StoreWriter:
                     self._wake_thread()
                 else:
                     self._serving = False
+        _settle_in_loop([(job, *outcome) for job, outcome in zip(group, outcomes, strict=True)])
 
     async def write(
         self, fn: Callable[[Txn], _T], *, durable: bool = True, kind: str = "write"

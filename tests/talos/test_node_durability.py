@@ -386,14 +386,15 @@ async def test_a_receiver_that_cannot_store_tells_its_sender_which_says_why(
 async def test_a_lone_message_commits_on_the_loop_and_a_burst_still_groups(
     tmp_path: Path,
 ) -> None:
-    """ADR 0017: one message at a time, B's receive commit runs on its loop (no thread
-    hand-offs); many in flight, the writer thread still commits them in groups."""
+    """ADR 0017: one message at a time, B's receive commit and A's deferred writes run
+    on their loops (no thread hand-offs); many in flight, the writer thread still
+    commits them in groups."""
     a_home, a_cfg = make_home(tmp_path, "a")
     b_home, b_cfg = make_home(tmp_path, "b")
     a, b = await started(a_home, a_cfg), await started(b_home, b_cfg)
     try:
         await link(a, b)
-        here0 = b.writer.here_runs
+        here0, sender0 = b.writer.here_runs, a.writer.here_runs
         for i in range(5):
             # A quiet spell before each (longer than any commit here), as between an
             # agent's messages; the writer may still be sealing or flushing at times.
@@ -401,6 +402,9 @@ async def test_a_lone_message_commits_on_the_loop_and_a_burst_still_groups(
             await a.send_message(b.did, f"one {i}", wait=True)
         assert b.writer.here_runs > here0
         assert b.metrics.counters.get("commits_on_loop", 0) == b.writer.here_runs - here0
+        # A's deferred writes (the waiting sends' rows and their acks) went on its loop too.
+        await until(lambda: a.writer.here_runs > sender0, what="A's deferred writes on its loop")
+        assert outbox(a) == 0
         commits0, here1 = b.metrics.counters.get("commits", 0), b.writer.here_runs
         await asyncio.gather(*(a.send_message(b.did, f"many {i}", wait=True) for i in range(200)))
         commits = b.metrics.counters.get("commits", 0) - commits0

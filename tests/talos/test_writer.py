@@ -432,3 +432,45 @@ async def test_close_during_a_here_job_ends_the_thread(tmp_path: Path) -> None:
         assert _rows(w) == [b"here", b"thread"]
     finally:
         store.close()
+
+
+# --- together(here=True): a group on the caller's thread when the writer is idle (ADR 0017) -----
+
+
+async def test_together_here_runs_the_group_on_the_loop_in_one_transaction(
+    writer: StoreWriter,
+) -> None:
+    def boom(txn: Txn) -> None:
+        txn.put("meta", b"never", b"")
+        raise ValueError("no")
+
+    before, seen = _last_txnid(writer), []
+    with writer.together(here=True):
+        with writer.together():  # an inner block ends: nothing runs yet
+            a = writer.submit(functools.partial(_where, key=b"a"), kind="ack")
+        bad = writer.submit(boom, kind="outbox", then=lambda f: seen.append(f.exception()))
+        b = writer.submit(functools.partial(_where, key=b"b"), kind="outbox", durable=False)
+        assert not a.done() and writer.here_runs == 0
+    # Settled before the block was left, on this thread, in one transaction; the job
+    # that raised dropped only its own write.
+    assert a.result() == b.result() == threading.get_ident() and writer.here_runs == 1
+    assert isinstance(bad.exception(), ValueError) and seen == [bad.exception()]
+    assert _last_txnid(writer) == before + 1 and _rows(writer) == [b"a", b"b"]
+
+
+async def test_together_here_goes_to_the_thread_when_busy_or_hooked(writer: StoreWriter) -> None:
+    first, gate = await _held(writer)
+    await asyncio.sleep(0.05)  # the writer thread is inside the held job
+    with writer.together(here=True):
+        queued = writer.submit(functools.partial(_where, key=b"queued"))
+    assert not queued.done()  # behind the held job, not overtaking it on the loop
+    gate.set()
+    await first
+    assert await queued != threading.get_ident()
+    await until(lambda: not writer.busy, what="the writer thread idle")
+    writer.before("outbox", lambda kind, size: None)
+    with writer.together(here=True):
+        ack = writer.submit(functools.partial(_where, key=b"ack"), kind="ack")
+        hooked = writer.submit(functools.partial(_where, key=b"hooked"), kind="outbox")
+    assert await ack != threading.get_ident() and await hooked != threading.get_ident()
+    assert writer.here_runs == 0
