@@ -9,7 +9,10 @@ selects by peer, tool, outcome, event and time. While a node runs on the home
 (``talosd run``, with or without an attached serve) the records come from it
 over its local socket (``log.records``, docs/adr/0012-local-clients.md);
 otherwise the store is opened read-only in spirit (nothing is written), which
-an embedded ``talos-proxy serve`` still running on the home prevents.
+an embedded ``talos-proxy serve`` still running on the home prevents. Where an
+entry is stored is not proof that it is intact: :func:`check_chain` verifies
+the signed chain (``--verify``) and :class:`ChainCheck` says what that vouches
+for, entry by entry.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from talos_sdk.errors import MalformedFrameError, UsageError
 __all__ = [
     "AuditEntry",
     "AuditFilter",
+    "ChainCheck",
+    "check_chain",
     "entries_of",
     "format_entry",
     "parse_since",
@@ -256,12 +261,77 @@ def read_entries(home: Path) -> list[AuditEntry]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class ChainCheck:
+    """What the block log's verification (``talosd chain verify``) says of audit entries.
+
+    An entry is vouched for by its block: ``verified`` when the chain verified up
+    to a head at or past its height with no defect in that block, ``DEFECT`` when
+    a defect is in its block, and ``unverified`` when sealed after the check or
+    when the log has a defect that no one block holds (or defects left unlisted).
+    A pending entry (not sealed yet) has nothing to check: no verdict.
+    """
+
+    ok: bool
+    head_height: int | None
+    bad_heights: frozenset[int]
+    unplaced: bool
+    defects: int
+    node: str
+    node_checked: bool
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any]) -> ChainCheck:
+        """From the JSON report of ``chain.verify`` (talos/views.py ``report_json``)."""
+        defects = report["defects"]
+        omitted = int(report.get("defects_omitted", 0))
+        return cls(
+            ok=bool(report["ok"]),
+            head_height=report.get("head_height"),
+            bad_heights=frozenset(d["height"] for d in defects if d["height"] is not None),
+            unplaced=omitted > 0 or any(d["height"] is None for d in defects),
+            defects=len(defects) + omitted,
+            node=str(report.get("node")),
+            node_checked=bool(report.get("node_checked", True)),
+        )
+
+    def verdict(self, entry: AuditEntry) -> str | None:
+        height = entry.height
+        if height is None:
+            return None
+        if height in self.bad_heights:
+            return "DEFECT"
+        if self.unplaced or self.head_height is None or height > self.head_height:
+            return "unverified"
+        return "verified"
+
+
+def check_chain(home: Path, passphrase_file: str | None = None) -> ChainCheck:
+    """Verify the block log of ``home``: by its running node, or from the store.
+
+    Offline, ``passphrase_file`` (or the environment) unlocks the identity key, so
+    the log is checked against its owner's DID from the key rather than from the
+    key file's clear header (talos/home.py ``log_owner``).
+    """
+    from talos.cli_home import NOT_RUNNING, online
+
+    report = online(home, "chain.verify", timeout=600)
+    if report is NOT_RUNNING:
+        from talos.config import Home
+        from talos.home import log_owner, offline_verify
+
+        talos_home = Home(home)
+        report = offline_verify(talos_home, log_owner(talos_home, passphrase_file))
+    return ChainCheck.from_report(report)
+
+
 def _when(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
 
 
-def format_entry(entry: AuditEntry) -> str:
-    """One line for a person: time, event, outcome, who, what; never arguments.
+def format_entry(entry: AuditEntry, verdict: str | None = None) -> str:
+    """One line for a person: time, event, outcome, who, what; never arguments; where it
+    is stored, with what :meth:`ChainCheck.verdict` said of it when given.
 
     Method and tool names are the caller's words: their control characters are
     shown as escapes, so a name cannot drive the terminal or forge a line.
@@ -280,6 +350,8 @@ def format_entry(entry: AuditEntry) -> str:
     )
     detail = f" ({b['detail']})" if b.get("detail") else ""
     sealed = "pending" if entry.height is None else f"block {entry.height}"
+    if verdict is not None:
+        sealed += f" {verdict}"
     return escape(
         f"{_when(entry.timestamp_ms)} {b.get('event', 'call'):<8} {b.get('outcome', '?'):<12} "
         f"{b.get('caller', '?')} {b.get('server', '')}#{b.get('session', '')} {what}{detail}"

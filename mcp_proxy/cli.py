@@ -16,7 +16,8 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -37,6 +38,9 @@ from talos.logging import configure, event
 from talos.peer_refs import check_did, check_peer_addr, check_peer_ref
 from talos.runtime import run, settle_heap, stop_on_signals
 from talos_sdk.errors import TalosError, UsageError
+
+if TYPE_CHECKING:
+    from mcp_proxy.audit_log import ChainCheck
 
 __all__ = ["build_parser", "main"]
 
@@ -273,8 +277,15 @@ async def _connect(args: argparse.Namespace) -> None:
         raise NodeGoneError(f"{gone.result()}; this proxy ends with it")
 
 
-def _audit(args: argparse.Namespace) -> None:
-    from mcp_proxy.audit_log import AuditFilter, format_entry, parse_since, read_entries, select
+def _audit(args: argparse.Namespace) -> int:
+    from mcp_proxy.audit_log import (
+        AuditFilter,
+        check_chain,
+        format_entry,
+        parse_since,
+        read_entries,
+        select,
+    )
 
     if args.peer is not None:
         check_did(args.peer, "--peer")
@@ -285,12 +296,18 @@ def _audit(args: argparse.Namespace) -> None:
         event=args.event,
         since_ms=None if args.since is None else parse_since(args.since),
     )
+    # The check comes first: entries sealed after it are "unverified", never vouched for.
+    check = check_chain(args.home, args.passphrase_file) if args.verify else None
     entries = read_entries(args.home)
     for entry in select(entries, keep):
+        verdict = None if check is None else check.verdict(entry)
         if args.json:
-            sys.stdout.buffer.write(orjson.dumps(entry.to_json()) + b"\n")
+            obj = entry.to_json()
+            if check is not None:
+                obj["verified"] = {"verified": True, "DEFECT": False}.get(verdict or "")
+            sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
         else:
-            print(format_entry(entry))
+            print(format_entry(entry, verdict))
     sys.stdout.flush()
     unreadable = sum(1 for e in entries if e.body.get("outcome") == "unreadable")
     if unreadable:  # said whatever the filters: damage must not hide behind them
@@ -305,6 +322,28 @@ def _audit(args: argparse.Namespace) -> None:
             "(the home of talos-proxy serve, or of the node it attached to)",
             file=sys.stderr,
         )
+    return exit_codes.OK if check is None else _said_of_chain(check, args.home)
+
+
+def _said_of_chain(check: ChainCheck, home: Path) -> int:
+    """What ``--verify`` found, on stderr whatever the filters; FAILED if the log has defects."""
+    if not check.node_checked:
+        print(
+            "talos-proxy: NOTE: the node's DID was read from the key file's clear header;"
+            " give --passphrase-file to check the log's owner too",
+            file=sys.stderr,
+        )
+    if not check.ok:
+        print(
+            f"talos-proxy: the block log does NOT verify: {check.defects} defect(s); entries"
+            f" in a defective block are marked DEFECT (talosd chain verify --home {home}"
+            " lists the defects)",
+            file=sys.stderr,
+        )
+        return exit_codes.FAILED
+    head = "no block yet" if check.head_height is None else f"up to block {check.head_height}"
+    print(f"talos-proxy: block log verified, {head}, node {check.node}", file=sys.stderr)
+    return exit_codes.OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -318,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.cmd == "serve":
             run(_serve(args))
         elif args.cmd == "audit":
-            _audit(args)
+            return _audit(args)
         elif args.cmd == "completion":
             from talos.cli_completion import completion_script
 

@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "talos-proxy audit --home ./tool --since 2h",
             "talos-proxy audit --home ./tool --json --outcome denied",
+            "talos-proxy audit --home ./tool --verify",
         ),
     )
     _home(p_audit)
@@ -116,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--event",
         choices=["call", "request", "session", "refusal"],
         help="only this kind of record",
+    )
+    p_audit.add_argument(
+        "--verify",
+        action="store_true",
+        help="verify the signed block log first and mark each sealed entry verified, DEFECT"
+        " or unverified (sealed since); exit 1 if the log has defects",
+    )
+    p_audit.add_argument(
+        "--passphrase-file",
+        metavar="FILE",
+        help="with --verify on a stopped home: the identity key's passphrase (first line of"
+        " FILE, else $TALOS_PASSPHRASE), to check the log's owner against the key",
     )
 
     _connect_parser(sub)

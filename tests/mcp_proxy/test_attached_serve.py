@@ -80,13 +80,17 @@ async def test_serve_and_connect_attached_on_both_nodes_at_once(tmp_path: Path) 
                 # every agent has its own tool process on the other node's serve
                 pids = await asyncio.gather(*(x.call_tool("pid", {}) for x in agents.values()))
                 assert len({text(p) for p in pids}) == 4
-            # the serves' audit went through their nodes; read while the nodes run
+            # the serves' audit went through their nodes; read while the nodes run,
+            # each entry vouched for by the chain the running node verified (and sealed)
             for node, caller in ((a, b.did), (b, a.did)):
                 echoes = [
-                    e for e in await asyncio.to_thread(audit, node.home, "--tool", "echo")
+                    e for e in await asyncio.to_thread(
+                        audit, node.home, "--tool", "echo", "--verify"
+                    )
                     if e["outcome"] == "ok"
                 ]  # fmt: skip
                 assert len(echoes) == 16 and {e["caller"] for e in echoes} == {caller}
+                assert {e["verified"] for e in echoes} == {True}
             # stopping an attached serve leaves its node running
             assert await serve_a.stop() == 0
             assert a.proc.poll() is None

@@ -1,10 +1,13 @@
-"""mcp_proxy.audit_log: reading audit records back from a real block log, filters, --since."""
+"""mcp_proxy.audit_log: reading audit records back from a real block log, filters, --since,
+--verify."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from pathlib import Path
 
+import orjson
 import pytest
 
 from mcp_proxy.audit import Auditor, AuditRecord, BlockLogSink, Event
@@ -15,6 +18,7 @@ from talos.config import Home
 from talos.store import Store
 from talos_sdk.errors import UsageError
 from talos_sdk.keyfile import load_wallet
+from tests.mcp_proxy.e2e import ENV, PROXY, REPO
 
 NOW = 1_800_000_000.0
 
@@ -109,3 +113,49 @@ async def test_a_record_that_does_not_decode_is_listed_as_unreadable(tmp_path: P
 def test_not_a_home(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="not a talos home"):
         read_entries(tmp_path / "nothing")
+
+
+def _audit_cli(home: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*PROXY, "audit", "--home", str(home), "--verify", *extra],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=ENV,
+    )  # fmt: skip
+
+
+async def test_verify_vouches_for_entries_by_block_and_fails_on_a_forged_one(
+    tmp_path: Path,
+) -> None:
+    """``talos-proxy audit --verify`` (a real subprocess on a real store): "[block N]"
+    is checked against the signed chain, entry by entry."""
+    store, log, auditor = await _audited(tmp_path)
+    for i in range(3):  # one record each: 0 and 1 in block 0, 2 in block 1, 3 pending
+        auditor.submit(record(i))
+        await auditor.stop()
+        if i == 1:
+            log.seal()
+        await auditor.start()
+    log.seal()
+    auditor.submit(record(3))
+    await auditor.stop()
+    store.close()
+
+    done = await asyncio.to_thread(_audit_cli, tmp_path, "--json")
+    listed = [orjson.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 0, done.stderr
+    assert [(e["id"], e["height"], e["verified"]) for e in listed] == [
+        (0, 0, True), (1, 0, True), (2, 1, True), (3, None, None)
+    ]  # fmt: skip
+    assert "block log verified, up to block 1" in done.stderr
+
+    # A forger puts a genuine, signed record of block 0 in place of block 1's.
+    with Store(Home(tmp_path).store_dir) as forged, forged.write() as txn:
+        genuine = txn.get("block_records", record_key(0, 0))
+        assert genuine is not None
+        txn.put("block_records", record_key(1, 0), genuine)
+    done = await asyncio.to_thread(_audit_cli, tmp_path)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 1
+    assert [line.rsplit("[", 1)[1] for line in lines] == [
+        "block 0 verified]", "block 0 verified]", "block 1 DEFECT]", "pending]"
+    ]  # fmt: skip
+    assert "does NOT verify" in done.stderr and "talosd chain verify" in done.stderr
