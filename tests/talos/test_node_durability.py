@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from talos import node as node_mod
+from talos import writer as writer_module
 from talos.chain import heads as hd
 from talos.chain.block import head_signing_bytes, head_statement
 from talos.chain.log import block_key
@@ -384,11 +385,14 @@ async def test_a_receiver_that_cannot_store_tells_its_sender_which_says_why(
 
 
 async def test_a_lone_message_commits_on_the_loop_and_a_burst_still_groups(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ADR 0017: one message at a time, B's receive commit and A's deferred writes run
     on their loops (no thread hand-offs); many in flight, the writer thread still
     commits them in groups."""
+    # The rule under test, not the slow-disk back-off (test_writer.py has its own
+    # test): a loaded machine's fsync must not switch the loop commits off.
+    monkeypatch.setattr(writer_module, "HERE_SLOW", 60.0)
     a_home, a_cfg = make_home(tmp_path, "a")
     b_home, b_cfg = make_home(tmp_path, "b")
     a, b = await started(a_home, a_cfg), await started(b_home, b_cfg)
