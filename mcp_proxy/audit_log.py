@@ -267,8 +267,10 @@ class ChainCheck:
 
     An entry is vouched for by its block: ``verified`` when the chain verified up
     to a head at or past its height with no defect in that block, ``DEFECT`` when
-    a defect is in its block, and ``unverified`` when sealed after the check or
-    when the log has a defect that no one block holds (or defects left unlisted).
+    a defect is in its block, and ``unverified`` when sealed after the check,
+    when the log has a defect that no one block holds (or defects left unlisted),
+    or when the log's owner was not checked (its DID read from a sealed key
+    file's clear header: a log rebuilt under another key would verify too).
     A pending entry (not sealed yet) has nothing to check: no verdict.
     """
 
@@ -285,9 +287,10 @@ class ChainCheck:
         """From the JSON report of ``chain.verify`` (talos/views.py ``report_json``)."""
         defects = report["defects"]
         omitted = int(report.get("defects_omitted", 0))
+        head = report.get("head_height")
         return cls(
             ok=bool(report["ok"]),
-            head_height=report.get("head_height"),
+            head_height=None if head is None or head < 0 else int(head),  # -1: no block
             bad_heights=frozenset(d["height"] for d in defects if d["height"] is not None),
             unplaced=omitted > 0 or any(d["height"] is None for d in defects),
             defects=len(defects) + omitted,
@@ -301,7 +304,12 @@ class ChainCheck:
             return None
         if height in self.bad_heights:
             return "DEFECT"
-        if self.unplaced or self.head_height is None or height > self.head_height:
+        if (
+            self.unplaced
+            or not self.node_checked
+            or self.head_height is None
+            or height > self.head_height
+        ):
             return "unverified"
         return "verified"
 
@@ -311,7 +319,9 @@ def check_chain(home: Path, passphrase_file: str | None = None) -> ChainCheck:
 
     Offline, ``passphrase_file`` (or the environment) unlocks the identity key, so
     the log is checked against its owner's DID from the key rather than from the
-    key file's clear header (talos/home.py ``log_owner``).
+    key file's clear header (talos/home.py ``log_owner``). The listing reads the
+    store again afterwards: an edit made in between, by someone who can write
+    the store, is seen by the next check, not this one.
     """
     from talos.cli_home import NOT_RUNNING, online
 

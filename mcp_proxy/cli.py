@@ -329,8 +329,8 @@ def _said_of_chain(check: ChainCheck, home: Path) -> int:
     """What ``--verify`` found, on stderr whatever the filters; FAILED if the log has defects."""
     if not check.node_checked:
         print(
-            "talos-proxy: NOTE: the node's DID was read from the key file's clear header;"
-            " give --passphrase-file to check the log's owner too",
+            "talos-proxy: NOTE: the node's DID was read from the key file's clear header, so"
+            " no entry is marked verified: give --passphrase-file to check the log's owner",
             file=sys.stderr,
         )
     if not check.ok:

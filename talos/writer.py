@@ -153,7 +153,9 @@ class StoreWriter:
         wake-up and loop wake-up (an ack write and the outbox commit after it).
         ``here``: if the writer is idle when the block ends, the group runs on
         this thread instead and is settled before the block is left, as
-        ``submit(here=True)`` does for one job (ADR 0017).
+        ``submit(here=True)`` does for one job (ADR 0017). Only the block's own
+        jobs: one a worker thread queued meanwhile (a seal, with its fsync) sends
+        the whole group to the thread.
         """
         with self._lock:
             self._held += 1
@@ -164,7 +166,12 @@ class StoreWriter:
             with self._lock:
                 self._held -= 1
                 if not self._held and not self._serving and self._queue:
-                    if here and self._may_run_here(self._queue):
+                    queue = self._queue
+                    if (
+                        here
+                        and all(job.loop is not None for job in queue)
+                        and self._may_run_here(queue)
+                    ):
                         group = list(self._queue)
                         self._queue.clear()
                         self._serving = True

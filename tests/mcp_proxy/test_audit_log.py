@@ -116,9 +116,10 @@ def test_not_a_home(tmp_path: Path) -> None:
 
 
 def _audit_cli(home: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in ENV.items() if k != "TALOS_PASSPHRASE"}
     return subprocess.run(
         [*PROXY, "audit", "--home", str(home), "--verify", *extra],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=ENV,
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
     )  # fmt: skip
 
 
@@ -159,3 +160,31 @@ async def test_verify_vouches_for_entries_by_block_and_fails_on_a_forged_one(
         "block 0 verified]", "block 0 verified]", "block 1 DEFECT]", "pending]"
     ]  # fmt: skip
     assert "does NOT verify" in done.stderr and "talosd chain verify" in done.stderr
+
+
+async def test_verify_vouches_for_no_entry_while_the_owner_is_unchecked(tmp_path: Path) -> None:
+    """A sealed key and no passphrase: the DID comes from the key file's clear header,
+    which a log rebuilt under another key would name too, so nothing is "verified"."""
+    secret = tmp_path / "passphrase"
+    secret.write_text("correct horse battery staple\n")
+    home_path = tmp_path / "h"
+    ensure_home(home_path, passphrase_file=str(secret))
+    home = Home(home_path)
+    store = Store(home.store_dir)
+    log = BlockLog(store, load_wallet(home.identity, "correct horse battery staple"))
+    auditor = Auditor(BlockLogSink(log, log.node_did))
+    await auditor.start()
+    auditor.submit(record(0))
+    await auditor.stop()
+    log.seal()
+    store.close()
+
+    unchecked = await asyncio.to_thread(_audit_cli, home_path, "--json")
+    assert unchecked.returncode == 0, unchecked.stderr
+    assert [orjson.loads(line)["verified"] for line in unchecked.stdout.splitlines()] == [None]
+    assert "NOTE" in unchecked.stderr and "--passphrase-file" in unchecked.stderr
+    checked = await asyncio.to_thread(
+        _audit_cli, home_path, "--json", "--passphrase-file", str(secret)
+    )
+    assert checked.returncode == 0, checked.stderr
+    assert [orjson.loads(line)["verified"] for line in checked.stdout.splitlines()] == [True]

@@ -474,3 +474,21 @@ async def test_together_here_goes_to_the_thread_when_busy_or_hooked(writer: Stor
         hooked = writer.submit(functools.partial(_where, key=b"hooked"), kind="outbox")
     assert await ack != threading.get_ident() and await hooked != threading.get_ident()
     assert writer.here_runs == 0
+
+
+async def test_together_here_leaves_a_worker_job_queued_meanwhile_to_the_thread(
+    writer: StoreWriter,
+) -> None:
+    """A worker's job (a seal, with its fsync) queued during the block is not the
+    block's to run on the loop: the whole group goes to the thread, in order."""
+    ran_on: list[int] = []
+    worker = threading.Thread(
+        target=lambda: ran_on.append(writer.run(functools.partial(_where, key=b"b-worker")))
+    )
+    with writer.together(here=True):
+        own = writer.submit(functools.partial(_where, key=b"a-own"), durable=False)
+        worker.start()
+        await until(lambda: len(writer._queue) == 2, what="the worker's job queued")
+    await asyncio.to_thread(worker.join, 20)
+    assert await own == ran_on[0] != threading.get_ident() and writer.here_runs == 0
+    assert _rows(writer) == [b"a-own", b"b-worker"]
