@@ -18,6 +18,7 @@ for, entry by entry.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 import time
@@ -314,8 +315,12 @@ class ChainCheck:
         return "verified"
 
 
-def check_chain(home: Path, passphrase_file: str | None = None) -> ChainCheck:
-    """Verify the block log of ``home``: by its running node, or from the store.
+def check_chain(
+    home: Path, passphrase_file: str | None = None, heads: str | None = None
+) -> ChainCheck:
+    """Verify the block log of ``home``: by its running node, or from the store; with
+    ``heads`` (a file of this node's signed heads that peers hold), against those too,
+    which alone catches a log whose newest blocks were removed.
 
     Offline, ``passphrase_file`` (or the environment) unlocks the identity key, so
     the log is checked against its owner's DID from the key rather than from the
@@ -324,14 +329,22 @@ def check_chain(home: Path, passphrase_file: str | None = None) -> ChainCheck:
     the store, is seen by the next check, not this one.
     """
     from talos.cli_home import NOT_RUNNING, online
+    from talos.config import Home
+    from talos.home import LogOwner, log_owner
+
+    @functools.cache
+    def owner() -> LogOwner:  # once: a hybrid home's key is unlocked for it (an scrypt)
+        return log_owner(Home(home), passphrase_file)
 
     report = online(home, "chain.verify", timeout=600)
     if report is NOT_RUNNING:
-        from talos.config import Home
-        from talos.home import log_owner, offline_verify
+        from talos.home import offline_verify
 
-        talos_home = Home(home)
-        report = offline_verify(talos_home, log_owner(talos_home, passphrase_file))
+        report = offline_verify(Home(home), owner())
+    if heads is not None:
+        from talos.cli_chain import witness_heads
+
+        witness_heads(home, heads, report, owner)
     return ChainCheck.from_report(report)
 
 

@@ -297,7 +297,9 @@ def _audit(args: argparse.Namespace) -> int:
         since_ms=None if args.since is None else parse_since(args.since),
     )
     # The check comes first: entries sealed after it are "unverified", never vouched for.
-    check = check_chain(args.home, args.passphrase_file) if args.verify else None
+    if args.heads is not None and not args.verify:
+        raise UsageError("--heads is checked with --verify: give both")
+    check = check_chain(args.home, args.passphrase_file, args.heads) if args.verify else None
     entries = read_entries(args.home)
     for entry in select(entries, keep):
         verdict = None if check is None else check.verdict(entry)

@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         " or unverified (sealed since); exit 1 if the log has defects",
     )
     p_audit.add_argument(
+        "--heads",
+        metavar="FILE",
+        help="with --verify: also check the log against this node's signed heads that peers"
+        " hold (`talosd chain heads` of a peer); only this catches a log cut short",
+    )
+    p_audit.add_argument(
         "--passphrase-file",
         metavar="FILE",
         help="with --verify on a stopped home: the identity key's passphrase (first line of"

@@ -22,7 +22,7 @@ from talos_sdk.errors import UsageError
 if TYPE_CHECKING:  # talos.home loads the node's modules: imported where a command needs it
     from talos.home import LogOwner
 
-__all__ = ["cmd_chain"]
+__all__ = ["cmd_chain", "witness_heads"]
 
 
 def cmd_chain(args: argparse.Namespace) -> int:
@@ -43,7 +43,7 @@ def cmd_chain(args: argparse.Namespace) -> int:
 
             report = offline_verify(_home(args), owner())
         if args.heads is not None:
-            _witness(path, args.heads, report, owner)
+            witness_heads(path, args.heads, report, owner)
         if args.json:
             _out(report)
         for d in report["defects"]:
@@ -112,10 +112,11 @@ def cmd_chain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _witness(
+def witness_heads(
     home_path: Path, path: str, report: dict[str, Any], owner: Callable[[], LogOwner]
 ) -> None:
-    """Check the log against signed heads of this node that others hold (``--heads FILE``)."""
+    """Check the log against signed heads of this node that others hold (``--heads FILE``):
+    their defects join ``report`` (a ``chain.verify`` report), e.g. a log cut short."""
     from talos.chain.witness import check_heads, statements_of
 
     try:
