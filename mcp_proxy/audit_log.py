@@ -296,7 +296,9 @@ class ChainCheck:
             unplaced=omitted > 0 or any(d["height"] is None for d in defects),
             defects=len(defects) + omitted,
             node=str(report.get("node")),
-            node_checked=bool(report.get("node_checked", True)),
+            # Heads that peers signed vouch for the owner as the key would (talosd chain verify).
+            node_checked=bool(report.get("node_checked", True))
+            or report.get("witness", {}).get("checked", 0) > 0,
         )
 
     def verdict(self, entry: AuditEntry) -> str | None:
