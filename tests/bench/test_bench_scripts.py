@@ -8,6 +8,7 @@ target checks of bench/targets.py are tested on fixed figures.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -52,8 +53,10 @@ def test_script_fast_mode_prints_table_and_writes_results(script: str, tmp_path:
         assert row["ours"] in doc["metrics"]
         if row["raw"] is not None:
             assert row["raw"] in doc["metrics"]
-    for m in doc["metrics"].values():
-        assert m["value"] > 0
+    for key, m in doc["metrics"].items():
+        # An added latency is a difference of two medians: with a --fast run's few
+        # samples on a busy machine, noise can take it below zero.
+        assert math.isfinite(m["value"]) and (m["value"] > 0 or ".added." in key), key
         # The printed table carries every figure.
         assert m["label"] in proc.stdout
 
