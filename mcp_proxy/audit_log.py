@@ -18,7 +18,6 @@ for, entry by entry.
 from __future__ import annotations
 
 import base64
-import functools
 import json
 import re
 import time
@@ -301,6 +300,10 @@ class ChainCheck:
             or report.get("witness", {}).get("checked", 0) > 0,
         )
 
+    def vouches(self, entry: AuditEntry) -> bool | None:
+        """The verdict as JSON: true when verified, false on a DEFECT, else null."""
+        return {"verified": True, "DEFECT": False}.get(self.verdict(entry) or "")
+
     def verdict(self, entry: AuditEntry) -> str | None:
         height = entry.height
         if height is None:
@@ -330,24 +333,9 @@ def check_chain(
     store again afterwards: an edit made in between, by someone who can write
     the store, is seen by the next check, not this one.
     """
-    from talos.cli_home import NOT_RUNNING, online
-    from talos.config import Home
-    from talos.home import LogOwner, log_owner
+    from talos.cli_chain import log_owner_of, verify_report
 
-    @functools.cache
-    def owner() -> LogOwner:  # once: a hybrid home's key is unlocked for it (an scrypt)
-        return log_owner(Home(home), passphrase_file)
-
-    report = online(home, "chain.verify", timeout=600)
-    if report is NOT_RUNNING:
-        from talos.home import offline_verify
-
-        report = offline_verify(Home(home), owner())
-    if heads is not None:
-        from talos.cli_chain import witness_heads
-
-        witness_heads(home, heads, report, owner)
-    return ChainCheck.from_report(report)
+    return ChainCheck.from_report(verify_report(home, log_owner_of(home, passphrase_file), heads))
 
 
 def _when(ms: int) -> str:

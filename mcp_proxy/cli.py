@@ -296,20 +296,19 @@ def _audit(args: argparse.Namespace) -> int:
         event=args.event,
         since_ms=None if args.since is None else parse_since(args.since),
     )
-    # The check comes first: entries sealed after it are "unverified", never vouched for.
     if args.heads is not None and not args.verify:
         raise UsageError("--heads is checked with --verify: give both")
+    # The check comes first: entries sealed after it are "unverified", never vouched for.
     check = check_chain(args.home, args.passphrase_file, args.heads) if args.verify else None
     entries = read_entries(args.home)
     for entry in select(entries, keep):
-        verdict = None if check is None else check.verdict(entry)
         if args.json:
             obj = entry.to_json()
             if check is not None:
-                obj["verified"] = {"verified": True, "DEFECT": False}.get(verdict or "")
+                obj["verified"] = check.vouches(entry)
             sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
         else:
-            print(format_entry(entry, verdict))
+            print(format_entry(entry, None if check is None else check.verdict(entry)))
     sys.stdout.flush()
     unreadable = sum(1 for e in entries if e.body.get("outcome") == "unreadable")
     if unreadable:  # said whatever the filters: damage must not hide behind them

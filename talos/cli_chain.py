@@ -22,28 +22,17 @@ from talos_sdk.errors import UsageError
 if TYPE_CHECKING:  # talos.home loads the node's modules: imported where a command needs it
     from talos.home import LogOwner
 
-__all__ = ["cmd_chain", "witness_heads"]
+__all__ = ["cmd_chain", "log_owner_of", "verify_report"]
 
 
 def cmd_chain(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
 
-    @functools.cache
-    def owner() -> LogOwner:
-        # Once per command: a hybrid home's key is unlocked for it (an scrypt each time).
-        from talos.home import log_owner
-
-        return log_owner(_home(args), args.passphrase_file)
-
+    # `chain heads` takes no passphrase: it never asks for the owner.
+    owner = log_owner_of(path, getattr(args, "passphrase_file", None))
     if args.chain_cmd == "verify":
-        report = _online(path, "chain.verify", timeout=600)
-        if report is _NOT_RUNNING:
-            from talos.home import offline_verify
-
-            report = offline_verify(_home(args), owner())
-        if args.heads is not None:
-            witness_heads(path, args.heads, report, owner)
+        report = verify_report(path, owner, args.heads)
         if args.json:
             _out(report)
         for d in report["defects"]:
@@ -112,11 +101,42 @@ def cmd_chain(args: argparse.Namespace) -> int:
     return 0
 
 
-def witness_heads(
+def log_owner_of(path: Path, passphrase_file: str | None) -> Callable[[], LogOwner]:
+    """The log owner of the home at ``path`` (talos/home.py ``log_owner``), made on the
+    first call and kept: a hybrid home's key is unlocked for it (an scrypt each time)."""
+
+    @functools.cache
+    def owner() -> LogOwner:
+        from talos.config import Home
+        from talos.home import log_owner
+
+        return log_owner(Home(path), passphrase_file)
+
+    return owner
+
+
+def verify_report(
+    path: Path, owner: Callable[[], LogOwner], heads: str | None = None
+) -> dict[str, Any]:
+    """The ``chain.verify`` report of the home at ``path``: its running node's, else made
+    from its store for ``owner()``; with ``heads`` (a file of this node's signed heads that
+    peers hold), checked against those too, which alone catches a log cut short."""
+    report = _online(path, "chain.verify", timeout=600)
+    if report is _NOT_RUNNING:
+        from talos.config import Home
+        from talos.home import offline_verify
+
+        report = offline_verify(Home(path), owner())
+    if heads is not None:
+        _witness(path, heads, report, owner)
+    return report
+
+
+def _witness(
     home_path: Path, path: str, report: dict[str, Any], owner: Callable[[], LogOwner]
 ) -> None:
     """Check the log against signed heads of this node that others hold (``--heads FILE``):
-    their defects join ``report`` (a ``chain.verify`` report), e.g. a log cut short."""
+    their defects join ``report``."""
     from talos.chain.witness import check_heads, statements_of
 
     try:

@@ -166,12 +166,7 @@ class StoreWriter:
             with self._lock:
                 self._held -= 1
                 if not self._held and not self._serving and self._queue:
-                    queue = self._queue
-                    if (
-                        here
-                        and all(job.loop is not None for job in queue)
-                        and self._may_run_here(queue)
-                    ):
+                    if here and self._may_run_here(self._queue):
                         group = list(self._queue)
                         self._queue.clear()
                         self._serving = True
@@ -299,10 +294,11 @@ class StoreWriter:
             return self._serving or bool(self._queue)
 
     def _may_run_here(self, jobs: Iterable[_Job]) -> bool:
-        """No hook on their kinds and no back-off (``here``'s conditions besides idleness)."""
+        """``here``'s conditions besides idleness: no back-off, and every job submitted from
+        the loop (not a worker's ``run``, e.g. a seal with its fsync) with no hook on its kind."""
         if time.monotonic() < self._here_after:
             return False
-        return not any(self._hooks.get(job.kind) for job in jobs)
+        return all(job.loop is not None and not self._hooks.get(job.kind) for job in jobs)
 
     def _claim_idle(self, job: _Job) -> bool:
         """Take the writer for ``job`` on the caller's thread, if nothing else has it."""
