@@ -294,6 +294,23 @@ async def test_noted_calls_are_built_and_written_in_one_batch() -> None:
     assert records[200] == rec(200)
 
 
+async def test_a_full_batch_is_written_without_waiting_for_the_linger() -> None:
+    sink = CountingSink()
+    auditor = Auditor(sink, key=KEY, commit_interval=60, batch_limit=8, sync_interval=60)
+    async with asyncio.timeout(10):
+        await auditor.start()
+        for i in range(7):
+            auditor.note(facts(i, None, None))
+        await asyncio.sleep(0.05)
+        assert sink.writes == []  # below the limit: the records linger
+        auditor.note(facts(7, None, None))
+        while not sink.writes:
+            await asyncio.sleep(0.005)
+        assert [len(w) for w in sink.writes] == [8]
+        await auditor.stop()
+    assert [len(w) for w in sink.writes] == [8] and sink.syncs == 1
+
+
 async def test_unsynced_writes_are_synced_within_the_interval() -> None:
     sink = CountingSink()
     auditor = Auditor(sink, commit_interval=0.001, sync_interval=0.05)

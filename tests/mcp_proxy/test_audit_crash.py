@@ -1,6 +1,6 @@
 """The batched audit (mcp_proxy/audit.py) through real processes: what a crash can and cannot lose.
 
-``--audit group`` commits each batch without fsync within its linger (5 ms): a
+``--audit group`` commits each batch without fsync within its linger (50 ms): a
 SIGKILL of ``talos-proxy serve`` after that keeps every record, because a
 committed LMDB transaction survives its process (docs/PROTOCOL.md "Storage
 durability"); only a power loss reaches back to the last sync. A tool that
@@ -28,7 +28,7 @@ pytestmark = SDK_DEPRECATIONS_ALLOWED
 
 TIMEOUT = 90
 CALLS = 12
-# Far beyond the 5 ms linger of a group commit, even on a loaded machine.
+# Far beyond the 50 ms linger of a group commit, even on a loaded machine.
 SETTLE = 3.0
 
 
