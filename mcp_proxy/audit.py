@@ -205,8 +205,8 @@ class Auditor:
         self.sink = sink
         # A batch costs ~0.5 ms of CPU whatever its size (build, thread hop, commit, all
         # run cold after the linger): one per 5 ms was ~100 us of the serving process's
-        # CPU per call at one call in flight, and ~50 us of its added p50 (bench_tunnel).
-        # The size limit keeps a batch built on the loop short under load.
+        # CPU per call at one call in flight (ADR 0014, amended). The size limit keeps a
+        # batch built on the loop short under load.
         self.commit_interval = commit_interval
         self.batch_limit = batch_limit
         self.mode = mode
