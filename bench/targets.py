@@ -430,7 +430,8 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "MCP tunnel tools/call, 8 / 64 / 256 in flight",
         "6.3k / 15.5k / 22k req/s (0.18-0.42 x raw)",
-        "raw stdio tools/call, same run",
+        "raw stdio tools/call, same run; the naive relay (no crypto, no audit) beside it"
+        " in the bench_tunnel rows: four processes share the cores where raw has two",
         tuple(
             AtLeastRatio(f"tunnel.echo.inflight{n}", (f"tunnel.echo.inflight{n}.raw",), 0.6)
             for n in (8, 64, 256)
