@@ -140,12 +140,15 @@ def test_restore_takes_the_acked_number_from_the_oldest_outbox_row() -> None:
 
 def test_retry_decisions() -> None:
     pair = PipelinePair()
-    assert pair.a.retry(0, 5, ready=True, linked=True) is Retry.KICK
+    assert pair.a.retry(0, 5, ready=True, linked=True) is Retry.NONE  # idle: nothing to send
     assert pair.a.retry(0, 5, ready=False, linked=True) is Retry.NONE
     pair.send("queued")
     assert pair.a.retry(0, 5, ready=False, linked=False) is Retry.DIAL
+    assert pair.a.retry(0, 5, ready=True, linked=True) is Retry.KICK  # queued, not sent
     pair.transmit(pair.unsent()[0])
     assert pair.a.retry(1, 5, ready=True, linked=True) is Retry.NONE  # in flight, recent
+    assert pair.ack(pair.commit()) is not None
+    assert pair.a.retry(2, 5, ready=True, linked=True) is Retry.NONE  # all acked: idle again
 
 
 def test_session_resync_after_many_undecryptable_frames() -> None:
