@@ -278,6 +278,38 @@ async def test_run_sealer_seals_on_time(tmp_path: Path) -> None:
         store.close()
 
 
+async def test_an_idle_sealer_sleeps_a_whole_delay_and_half_one_while_records_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sleeps asked for, not timed: the schedule is what is tested.
+    asked: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float) -> None:
+        asked.append(delay)
+        await real_sleep(0.001)
+
+    store = Store(tmp_path)
+    log = BlockLog(store, NODE, max_delay_ms=200)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    task = asyncio.create_task(run_sealer(log))
+    try:
+        async with asyncio.timeout(10):
+            while len(asked) < 3:
+                await real_sleep(0.001)
+            assert set(asked) == {0.2}  # nothing pending: one wake-up per delay
+            log.append(make_record(0))
+            while log.height < 0:
+                await real_sleep(0.001)
+        assert 0.1 in asked  # a record waits: half a delay
+        assert log.block_records(0) == [make_record(0)]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        store.close()
+
+
 # --- fixed vector: tests/vectors/chain/small_chain.json -----------------------------------------
 
 VECTOR = Path(__file__).resolve().parents[2] / "vectors" / "chain" / "small_chain.json"
