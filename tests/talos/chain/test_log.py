@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -261,21 +263,27 @@ def test_bad_parameters(tmp_path: Path) -> None:
             BlockLog(store, NODE, max_delay_ms=-1)
 
 
-async def test_run_sealer_seals_on_time(tmp_path: Path) -> None:
-    store = Store(tmp_path)
-    log = BlockLog(store, NODE, max_delay_ms=5)
-    task = asyncio.create_task(run_sealer(log, interval=0.002))
+@contextlib.asynccontextmanager
+async def sealing(log: BlockLog, interval: float | None = None) -> AsyncIterator[None]:
+    """``run_sealer`` on ``log`` while the block runs; then cancelled and the store closed."""
+    task = asyncio.create_task(run_sealer(log, interval=interval))
     try:
+        yield
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        log.store.close()
+
+
+async def test_run_sealer_seals_on_time(tmp_path: Path) -> None:
+    log = BlockLog(Store(tmp_path), NODE, max_delay_ms=5)
+    async with sealing(log, interval=0.002):
         log.append(make_record(0))
         async with asyncio.timeout(5):
             while log.height < 0:
                 await asyncio.sleep(0.002)
         assert log.block_records(0) == [make_record(0)]
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        store.close()
 
 
 async def test_an_idle_sealer_sleeps_a_whole_delay_and_half_one_while_records_wait(
@@ -289,11 +297,9 @@ async def test_an_idle_sealer_sleeps_a_whole_delay_and_half_one_while_records_wa
         asked.append(delay)
         await real_sleep(0.001)
 
-    store = Store(tmp_path)
-    log = BlockLog(store, NODE, max_delay_ms=200)
+    log = BlockLog(Store(tmp_path), NODE, max_delay_ms=200)
     monkeypatch.setattr(asyncio, "sleep", sleep)
-    task = asyncio.create_task(run_sealer(log))
-    try:
+    async with sealing(log):
         async with asyncio.timeout(10):
             while len(asked) < 3:
                 await real_sleep(0.001)
@@ -303,11 +309,6 @@ async def test_an_idle_sealer_sleeps_a_whole_delay_and_half_one_while_records_wa
                 await real_sleep(0.001)
         assert 0.1 in asked  # a record waits: half a delay
         assert log.block_records(0) == [make_record(0)]
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        store.close()
 
 
 # --- fixed vector: tests/vectors/chain/small_chain.json -----------------------------------------
