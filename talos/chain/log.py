@@ -571,10 +571,10 @@ async def run_sealer(log: BlockLog, interval: float | None = None) -> None:
     """Seal ``log`` on time until cancelled; the CPU work runs in a worker thread.
 
     While records are pending it checks every ``interval`` (default: half of
-    ``max_delay_ms``), so a record waits at most 1.5 delays and a full block
-    half of one. With none pending it sleeps a whole delay: a record that
-    arrives meanwhile is younger than the delay at the next check, so the bound
-    is the same, and an idle node wakes once per delay instead of twice.
+    ``max_delay_ms``). With none pending it sleeps a whole delay: a record that
+    arrives meanwhile is younger than the delay at the next check, so no record
+    waits more than 1.5 delays either way (a block filled during that sleep
+    waits for its end), and an idle node wakes once per delay instead of twice.
     """
     period = interval if interval is not None else max(log.max_delay_ms / 2000, 0.001)
     idle = max(period, log.max_delay_ms / 1000)
