@@ -29,8 +29,7 @@ def cmd_chain(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
 
-    # `chain heads` takes no passphrase: it never asks for the owner.
-    owner = log_owner_of(path, getattr(args, "passphrase_file", None))
+    owner = log_owner_of(path, args.passphrase_file)
     if args.chain_cmd == "verify":
         report = verify_report(path, owner, args.heads)
         if args.json:

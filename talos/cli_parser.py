@@ -309,7 +309,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         "Inspect and verify the node's tamper-evident block log of messages.",
         ("talosd chain verify", "talosd chain proof 5b0c9e0f7d3a4c21a8e6f1b2c3d4e5f6"),
     )
-    sp.set_defaults(json=False)
+    sp.set_defaults(json=False, passphrase_file=None)  # `chain heads` asks for no key
     csub = sp.add_subparsers(dest="chain_cmd", required=True, metavar="ACTION", title="actions")
     cv = command(
         csub,

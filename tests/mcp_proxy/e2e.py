@@ -35,6 +35,16 @@ def did_of(home: Path) -> str:
     return out.stdout.strip()
 
 
+def audit_verify(home: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``talos-proxy audit --home HOME --verify EXTRA...``, without $TALOS_PASSPHRASE: a
+    sealed key is unlocked only when the test gives ``--passphrase-file``."""
+    env = {k: v for k, v in ENV.items() if k != "TALOS_PASSPHRASE"}
+    return subprocess.run(
+        [*PROXY, "audit", "--home", str(home), "--verify", *extra],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+    )  # fmt: skip
+
+
 async def proxy(
     *args: str,
     stdin: int = subprocess.PIPE,

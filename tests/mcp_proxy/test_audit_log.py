@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from pathlib import Path
 
 import orjson
@@ -18,7 +17,7 @@ from talos.config import Home
 from talos.store import Store
 from talos_sdk.errors import UsageError
 from talos_sdk.keyfile import load_wallet
-from tests.mcp_proxy.e2e import ENV, PROXY, REPO
+from tests.mcp_proxy.e2e import audit_verify
 
 NOW = 1_800_000_000.0
 
@@ -115,14 +114,6 @@ def test_not_a_home(tmp_path: Path) -> None:
         read_entries(tmp_path / "nothing")
 
 
-def _audit_cli(home: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in ENV.items() if k != "TALOS_PASSPHRASE"}
-    return subprocess.run(
-        [*PROXY, "audit", "--home", str(home), "--verify", *extra],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
-    )  # fmt: skip
-
-
 async def test_verify_vouches_for_entries_by_block_and_fails_on_a_forged_one(
     tmp_path: Path,
 ) -> None:
@@ -140,7 +131,7 @@ async def test_verify_vouches_for_entries_by_block_and_fails_on_a_forged_one(
     await auditor.stop()
     store.close()
 
-    done = await asyncio.to_thread(_audit_cli, tmp_path, "--json")
+    done = await asyncio.to_thread(audit_verify, tmp_path, "--json")
     listed = [orjson.loads(line) for line in done.stdout.splitlines()]
     assert done.returncode == 0, done.stderr
     assert [(e["id"], e["height"], e["verified"]) for e in listed] == [
@@ -153,7 +144,7 @@ async def test_verify_vouches_for_entries_by_block_and_fails_on_a_forged_one(
         genuine = txn.get("block_records", record_key(0, 0))
         assert genuine is not None
         txn.put("block_records", record_key(1, 0), genuine)
-    done = await asyncio.to_thread(_audit_cli, tmp_path)
+    done = await asyncio.to_thread(audit_verify, tmp_path)
     lines = done.stdout.splitlines()
     assert done.returncode == 1
     assert [line.rsplit("[", 1)[1] for line in lines] == [
@@ -179,12 +170,12 @@ async def test_verify_vouches_for_no_entry_while_the_owner_is_unchecked(tmp_path
     log.seal()
     store.close()
 
-    unchecked = await asyncio.to_thread(_audit_cli, home_path, "--json")
+    unchecked = await asyncio.to_thread(audit_verify, home_path, "--json")
     assert unchecked.returncode == 0, unchecked.stderr
     assert [orjson.loads(line)["verified"] for line in unchecked.stdout.splitlines()] == [None]
     assert "NOTE" in unchecked.stderr and "--passphrase-file" in unchecked.stderr
     checked = await asyncio.to_thread(
-        _audit_cli, home_path, "--json", "--passphrase-file", str(secret)
+        audit_verify, home_path, "--json", "--passphrase-file", str(secret)
     )
     assert checked.returncode == 0, checked.stderr
     assert [orjson.loads(line)["verified"] for line in checked.stdout.splitlines()] == [True]

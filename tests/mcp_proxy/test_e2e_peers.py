@@ -19,7 +19,7 @@ from talos.chain.log import block_key
 from talos.chain.record_index import index_db
 from talos.config import Home
 from talos.store import Store
-from tests.mcp_proxy.e2e import ENV, PROXY, REPO, did_of, serving
+from tests.mcp_proxy.e2e import ENV, REPO, audit_verify, did_of, serving
 from tests.mcp_proxy.test_e2e_bad_input import audit_of, bad_tool, stdio_agent
 from tests.talos.nodes import until
 
@@ -118,13 +118,6 @@ async def test_a_peer_cannot_reach_another_peers_session_and_lf_is_judged(tmp_pa
     assert audit_verify(serve_home).returncode == 0
     cut = audit_verify(serve_home, "--heads", str(heads_file))
     assert cut.returncode == 1 and "does NOT verify" in cut.stderr
-
-
-def audit_verify(home: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*PROXY, "audit", "--home", str(home), "--verify", *extra],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=ENV,
-    )  # fmt: skip
 
 
 def truncate_from(home: Path, height: int) -> None:
