@@ -49,6 +49,7 @@ from mcp_proxy.jsonrpc import (
     sniff,
 )
 from mcp_proxy.jsonrpc import error_reply as _error_reply
+from mcp_proxy.sse_reader import EventDataReader
 from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES
 from talos.logging import event
 
@@ -364,20 +365,12 @@ class HttpUpstream:
                     await self._read_events(resp, None)
 
     async def _read_events(self, resp: aiohttp.ClientResponse, msg: Sniffed | None) -> None:
-        buf = b""
-        data: list[bytes] = []
+        reader = EventDataReader(MAX_MESSAGE_BYTES)
         async for chunk in resp.content.iter_any():
             await self._output.wait()  # held while the caller's link is not taking output
-            buf += chunk
-            while (end := buf.find(b"\n")) >= 0:
-                field, buf = buf[:end].rstrip(b"\r"), buf[end + 1 :]
-                if not field:
-                    if data:
-                        self._deliver(b"\n".join(data), msg)
-                        data = []
-                elif field.startswith(b"data:"):
-                    data.append(field[5:].removeprefix(b" "))
-            if len(buf) + sum(map(len, data)) > MAX_MESSAGE_BYTES:
+            for data in reader.feed(chunk):
+                self._deliver(data, msg)
+            if reader.too_big:
                 raise ValueError(f"upstream event above {MAX_MESSAGE_BYTES} bytes")
 
     def _deliver(self, data: bytes, msg: Sniffed | None) -> None:

@@ -19,6 +19,7 @@ from aiohttp import web
 from mcp_proxy.http_front import HttpFront
 from mcp_proxy.http_upstream import MAX_OPEN_REQUESTS, HttpUpstream
 from mcp_proxy.policy import Policy, PolicyError
+from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES
 from tests.mcp_proxy.e2e import ENV, REPO, did_of, serving
 from tests.mcp_proxy.loopback import CLIENT_DID, Agent, Pair
 from tests.mcp_proxy.sdk_callbacks import SDK_DEPRECATIONS_ALLOWED, text
@@ -250,5 +251,70 @@ async def test_messages_pass_requests_waiting_for_a_place() -> None:
                 assert upstream.requests == list(range(1, count))
                 assert sorted(line["id"] for line in lines) == list(range(1, count))
                 assert proc.backlog == 0 and proc.writable
+        finally:
+            await proc.terminate()
+
+
+class FloodingUpstream:
+    """A hostile Streamable HTTP endpoint on 127.0.0.1: request 1 is answered with an event
+    stream of empty ``data:`` lines that never ends its event; any other request properly."""
+
+    def __init__(self) -> None:
+        self.sent = 0  # bytes of the endless event written
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if body["id"] == 1:
+            chunk = b"data:\n" * 10_000
+            with contextlib.suppress(ConnectionError):
+                while self.sent < 2 * MAX_MESSAGE_BYTES:  # bounded: the reader stops before
+                    await resp.write(chunk)
+                    self.sent += len(chunk)
+            return resp
+        reply = orjson.dumps({"jsonrpc": "2.0", "id": body["id"], "result": {"ok": True}})
+        await resp.write(b"data: " + reply + b"\n\n")
+        return resp
+
+    async def __aenter__(self) -> FloodingUpstream:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/mcp", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}/mcp"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+async def test_an_endless_event_of_empty_data_lines_fails_its_request_only() -> None:
+    # Empty data lines weigh their stream bytes: past MAX_MESSAGE_BYTES the request gets
+    # an error reply and its stream is dropped; the next request is answered.
+    lines: list[dict[str, Any]] = []
+
+    def on_line(line: bytes) -> None:
+        lines.append(orjson.loads(line))
+        proc.settle(lines[-1]["id"])
+
+    async with FloodingUpstream() as upstream:
+        proc = HttpUpstream(upstream.url, {}, on_line, lambda code: None)
+        await proc.start()
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                proc.send(_call(1), 1)
+                await until(lambda: len(lines) == 1, what="request 1's error")
+                assert lines[0]["id"] == 1 and "above" in lines[0]["error"]["message"]
+                assert MAX_MESSAGE_BYTES <= upstream.sent < 2 * MAX_MESSAGE_BYTES
+                proc.send(_call(2), 2)
+                await until(lambda: len(lines) == 2, what="request 2's answer")
+                assert lines[1] == {"jsonrpc": "2.0", "id": 2, "result": {"ok": True}}
         finally:
             await proc.terminate()
