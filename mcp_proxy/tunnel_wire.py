@@ -10,9 +10,10 @@ into a single frame under load (docs/DESIGN.md "Performance targets")::
 Kinds: OPEN (the session starts; its one message is the server name, may be
 empty), MESSAGES (JSON-RPC lines, no trailing newline), CLOSE (the session
 ends), ERROR (the session failed; its one message is a UTF-8 reason), PART
-(its one message is a leading piece of a JSON-RPC message too large for one
-link frame; the pieces of consecutive PART frames of a session are joined with
-the first message of that session's next MESSAGES frame, which ends it), PAUSE
+(its one message is a non-empty leading piece of a JSON-RPC message too
+large for one link frame; the pieces of consecutive PART frames of a session
+are joined with the first message of that session's next MESSAGES frame,
+which ends it), PAUSE
 and RESUME (no message; per-session flow control, either way: from the
 caller's side, its agent is not reading, so the serving side stops reading
 that session's tool until RESUME; from the serving side, that session's tool is
@@ -130,8 +131,9 @@ def decode_frame(data: bytes) -> TunnelFrame:
         append(data[start:offset])
     if offset != end:
         raise TunnelFrameError("trailing bytes after the last message")
-    if kind is FrameKind.PART and count != 1:
-        raise TunnelFrameError("PART frame must carry exactly one piece")
+    if kind is FrameKind.PART and (count != 1 or not messages[0]):
+        # An empty piece would be kept at no cost to the joiner's size bound.
+        raise TunnelFrameError("PART frame must carry exactly one piece, not empty")
     if kind in (FrameKind.OPEN, FrameKind.ERROR) and count > 1:
         raise TunnelFrameError(f"{kind.name} frame carries more than one message")
     if kind is FrameKind.MESSAGES and count == 0:

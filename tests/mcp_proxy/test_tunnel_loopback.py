@@ -548,3 +548,26 @@ async def test_the_id_of_a_cancelled_request_is_not_reused_while_the_tool_may_an
         assert "already in use" in reply["error"]["message"]
         await asyncio.sleep(1.5)  # the tool wakes and answers the first 8: dropped
         assert all(m.get("id") != 8 for m in agent.other), agent.other
+
+
+async def test_empty_part_frames_are_refused_and_keep_nothing(pair: Pair) -> None:
+    """An empty PART piece is a bad frame: dropped, nothing kept toward the joiner's bound,
+    and the session goes on."""
+    agent = Agent(pair.client)
+    async with asyncio.timeout(TIMEOUT):
+        await agent.initialize()
+        await agent.request("ping")  # the initialized notification is taken before the frames
+        (session,) = pair.server.sessions.values()
+        line = orjson.dumps({"jsonrpc": "2.0", "method": "notifications/roots/list_changed"})
+
+        async def frame(kind: FrameKind, piece: bytes) -> None:
+            await pair.client_end.send(SERVER_DID, encode_frame(kind, session.sid, [piece]))
+
+        for _ in range(1000):
+            await frame(FrameKind.PART, b"")
+        await frame(FrameKind.PART, line[:10])
+        await until(lambda: session.joiner._parts != [], what="the piece")
+        assert session.joiner._parts == [line[:10]]
+        await frame(FrameKind.MESSAGES, line[10:])
+        await until(lambda: session.joiner._parts == [], what="the message joined")
+        assert text_of(await agent.call("echo", text="after")) == "after"

@@ -75,10 +75,11 @@ def test_huge_count_with_no_body_is_truncated_not_slow() -> None:
         decode_frame(data)
 
 
-def test_part_frame_carries_exactly_one_piece() -> None:
+def test_part_frame_carries_exactly_one_piece_not_empty() -> None:
     frame = encode_frame(FrameKind.PART, 3, (b"abc",))
     assert decode_frame(frame) == TunnelFrame(FrameKind.PART, 3, (b"abc",))
-    for pieces in ((), (b"a", b"b")):
+    # An empty piece would cost the joiner a list entry its size bound does not count.
+    for pieces in ((), (b"a", b"b"), (b"",)):
         with pytest.raises(TunnelFrameError, match="PART frame must carry exactly one piece"):
             decode_frame(encode_frame(FrameKind.PART, 3, pieces))
 
