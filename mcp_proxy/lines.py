@@ -24,7 +24,10 @@ class LineSplitter:
         self._on_line = on_line
         self._on_overflow = on_overflow
         self._limit = limit
-        self._buf = b""
+        # The unended line's pieces, joined once its newline comes: joining on every
+        # read copied a long line again per chunk (quadratic in its length).
+        self._parts: list[bytes] = []
+        self._held = 0
         self._skipping = False  # inside a refused line: drop up to its newline
 
     def feed(self, data: bytes) -> None:
@@ -34,9 +37,13 @@ class LineSplitter:
             if not start:
                 return
             self._skipping = False
-        elif self._buf:
-            data = self._buf + data
-            self._buf = b""
+        elif self._parts:
+            if b"\n" not in data:
+                self._hold(data)
+                return
+            self._parts.append(data)
+            data = b"".join(self._parts)
+            self._parts, self._held = [], 0
         limit = self._limit
         while (end := data.find(b"\n", start)) >= 0:
             line = data[start:end].rstrip(b"\r")
@@ -45,15 +52,22 @@ class LineSplitter:
                 self._on_overflow()
             elif line:
                 self._on_line(line)
-        if len(data) - start > limit:
+        if start < len(data):
+            self._hold(data[start:])
+
+    def _hold(self, piece: bytes) -> None:
+        """Keep a piece of the unended line; past ``limit`` refuse the line (module docstring)."""
+        self._held += len(piece)
+        if self._held > self._limit:
             self._on_overflow()
             self._skipping = True
-            self._buf = b""
+            self._parts, self._held = [], 0
         else:
-            self._buf = data[start:]
+            self._parts.append(piece)
 
     def eof(self) -> None:
-        rest, self._buf = self._buf.rstrip(b"\r"), b""
+        rest = b"".join(self._parts).rstrip(b"\r")
+        self._parts, self._held = [], 0
         self._skipping = False
         if rest:
             self._on_line(rest)
