@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import orjson
@@ -138,7 +138,32 @@ async def test_talos_proxy_serve_url_end_to_end(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "--header needs K=V" in bad.stderr
 
 
-class HeldUpstream:
+class _Endpoint:
+    """A bare HTTP endpoint on 127.0.0.1 answering POST /mcp with :meth:`_handle`."""
+
+    url = ""
+    _runner: web.AppRunner | None = None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/mcp", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}/mcp"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+class HeldUpstream(_Endpoint):
     """A bare Streamable HTTP endpoint on 127.0.0.1 that answers no request until
     :attr:`release` is set; it counts what it was sent."""
 
@@ -147,8 +172,6 @@ class HeldUpstream:
         self.open_now = self.most = 0
         self.requests: list[Any] = []  # ids, in the order their POSTs arrived
         self.notes: list[str] = []  # methods of the other messages
-        self._runner: web.AppRunner | None = None
-        self.url = ""
 
     async def _handle(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -164,21 +187,9 @@ class HeldUpstream:
             self.open_now -= 1
         return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {}})
 
-    async def __aenter__(self) -> HeldUpstream:
-        app = web.Application(client_max_size=1 << 20)
-        app.router.add_post("/mcp", self._handle)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}/mcp"
-        return self
-
     async def __aexit__(self, *exc: object) -> None:
         self.release.set()
-        assert self._runner is not None
-        await self._runner.cleanup()
+        await super().__aexit__(*exc)
 
 
 def _call(rid: int, size: int = 10) -> bytes:
@@ -255,14 +266,12 @@ async def test_messages_pass_requests_waiting_for_a_place() -> None:
             await proc.terminate()
 
 
-class FloodingUpstream:
+class FloodingUpstream(_Endpoint):
     """A hostile Streamable HTTP endpoint on 127.0.0.1: request 1 is answered with an event
     stream of empty ``data:`` lines that never ends its event; any other request properly."""
 
     def __init__(self) -> None:
         self.sent = 0  # bytes of the endless event written
-        self._runner: web.AppRunner | None = None
-        self.url = ""
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -278,21 +287,6 @@ class FloodingUpstream:
         reply = orjson.dumps({"jsonrpc": "2.0", "id": body["id"], "result": {"ok": True}})
         await resp.write(b"data: " + reply + b"\n\n")
         return resp
-
-    async def __aenter__(self) -> FloodingUpstream:
-        app = web.Application(client_max_size=1 << 20)
-        app.router.add_post("/mcp", self._handle)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}/mcp"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
 
 
 async def test_an_endless_event_of_empty_data_lines_fails_its_request_only() -> None:
