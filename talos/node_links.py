@@ -287,6 +287,8 @@ class NodeLinks(NodeBase):
         finally:
             if task is not None:
                 self._link_tasks.discard(task)
+            if link.ws.dropped:
+                self.metrics.inc("frames_dropped_closing", link.ws.dropped)
             if link.unauthentic:
                 self.metrics.inc("frames_unauthentic")
                 event(_log, "link_frame_unauthentic", level=logging.WARNING, peer=peer.did)

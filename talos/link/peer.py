@@ -97,7 +97,8 @@ class FrameStream(Protocol):
     by (a WebSocket's remote address); ``remote_host`` is the address a bulk
     port may be dialled at (None over a relay). ``send_nowait`` writes only
     when ``writable``; ``can_send_now``: ``send`` would not wait. ``queued``:
-    frames already received that ``recv`` returns without waiting.
+    frames already received that ``recv`` returns without waiting. ``dropped``:
+    frames that arrived after our close and were dropped unread.
     """
 
     @property
@@ -128,6 +129,9 @@ class FrameStream(Protocol):
 
     @property
     def queued(self) -> int: ...
+
+    @property
+    def dropped(self) -> int: ...
 
 
 class Link:

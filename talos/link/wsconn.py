@@ -11,13 +11,18 @@ follows it is ours to parse (docs/adr/0016-own-websocket-data-phase.md).
 Received messages are queued as they are parsed, inside ``data_received``;
 :meth:`WsStream.recv` returns the next one without a suspension when one is
 there. Past ``max_queue`` unread messages the socket is not read (the peer's
-sends then wait on TCP). Writes are never awaited before they are made:
-:meth:`WsStream.send` writes, then waits while the transport is above its
-high-water mark, so order on the wire is the order of calls, ``send_nowait``
-included. Keepalive: a ping every ``ping_interval``; a pong not back within
-``ping_timeout`` fails the connection (1011), as websockets does. A closed
-stream raises websockets' ``ConnectionClosed`` with both close frames, which
-the link layer reads the peer's refusal code from.
+sends then wait on TCP). Once our close frame is sent, messages still arriving
+are dropped unread: nobody reads a stream its owner is closing, and a peer
+refused at admission could otherwise make it hold ``max_queue`` messages of
+``max_size`` each for as long as the close waits for its reply.
+
+Writes are never awaited before they are made: :meth:`WsStream.send` writes,
+then waits while the transport is above its high-water mark, so order on the
+wire is the order of calls, ``send_nowait`` included. Keepalive: a ping every
+``ping_interval``; a pong not back within ``ping_timeout`` fails the
+connection (1011), as websockets does. A closed stream raises websockets'
+``ConnectionClosed`` with both close frames, which the link layer reads the
+peer's refusal code from.
 """
 
 from __future__ import annotations
@@ -95,6 +100,8 @@ class WsStream(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._drain: asyncio.Future[None] | None = None
         self._reading = True
+        self._dropping = False  # our close frame is sent: arriving messages are dropped
+        self.dropped = 0
         self._pings: dict[bytes, asyncio.Future[None]] = {}
         self._keeper: asyncio.Task[None] | None = None
         self.write_paused = False
@@ -199,6 +206,9 @@ class WsStream(asyncio.Protocol):
             data = frames.send_close(code, reason)
             if data and not transport.is_closing():
                 transport.write(data)
+            self._dropping = True
+            if not self._reading:  # a full queue must not keep the peer's reply unread
+                self._set_reading(True)
             if frames.closed and not self.client:
                 transport.close()  # the server closes TCP first (RFC 6455 section 7.1.1)
         await self._closing_done()
@@ -237,14 +247,17 @@ class WsStream(asyncio.Protocol):
         for ev in events:
             kind = type(ev)
             if kind is bytes or kind is str:
-                queue.append(cast(bytes | str, ev))
+                if self._dropping:
+                    self.dropped += 1
+                else:
+                    queue.append(cast(bytes | str, ev))
             elif kind is Pong:
                 pong = self._pings.pop(cast(Pong, ev).data, None)
                 if pong is not None and not pong.done():
                     pong.set_result(None)
             elif kind is Closed:
                 self._on_close_frame(frames)
-        if self._reading and len(queue) >= self.options.max_queue:
+        if self._reading and len(queue) >= self.options.max_queue and not self._dropping:
             self._set_reading(False)
         self._wake()
 

@@ -93,6 +93,7 @@ class RelayStream:
         self._send_lock = asyncio.Lock()
         self.close_code: int | None = None
         self.close_reason = ""
+        self.dropped = 0  # data packets that came after the close
         self._close_sent: bool | None = None  # True: we closed; False: the peer did
         self._last_in = time.monotonic()
         self._last_out = time.monotonic()
@@ -164,6 +165,8 @@ class RelayStream:
     def feed(self, packet: wire.Data | wire.Close) -> None:
         """A packet for this stream arrived from the relay."""
         if self.close_code is not None:
+            if isinstance(packet, wire.Data):
+                self.dropped += 1
             return
         self._last_in = time.monotonic()
         if isinstance(packet, wire.Close):

@@ -184,13 +184,22 @@ async def test_a_peer_that_stops_answering_pings_is_closed_1011(
         assert caught.value.sent is not None and caught.value.sent.code == 1011
 
 
-async def test_past_max_queue_unread_messages_the_socket_is_not_read(
+@pytest.fixture
+async def linked(
     holding: tuple[WsServer, asyncio.Queue[WsStream]],
-) -> None:
+) -> AsyncIterator[tuple[WsStream, WsStream]]:
+    """Our client stream and the server's end of it, which nothing reads."""
     server, ends = holding
     async with asyncio.timeout(10):
         stream = await ws_connect(_url(server), OPTIONS)
-        peer = await ends.get()
+        yield stream, await ends.get()
+
+
+async def test_past_max_queue_unread_messages_the_socket_is_not_read(
+    linked: tuple[WsStream, WsStream],
+) -> None:
+    stream, peer = linked
+    async with asyncio.timeout(10):
         for i in range(OPTIONS.max_queue + 2):
             await stream.send(bytes([i]))
         while len(peer._queue) < OPTIONS.max_queue:
@@ -228,3 +237,28 @@ async def test_closing_the_server_cuts_connections_still_in_their_upgrade() -> N
         await server.wait_closed()
         assert await reader.read() == b""
     writer.close()
+
+
+async def test_messages_arriving_after_our_close_frame_are_dropped_unread(
+    linked: tuple[WsStream, WsStream],
+) -> None:
+    # A peer that goes on sending without hearing our close (one refused at admission, say)
+    # must not fill the queue: what comes after our close frame is dropped, the queue
+    # stays empty, reading goes on, and the peer's close reply ends the close in order.
+    stream, peer = linked
+    async with asyncio.timeout(10):
+        await stream.send(b"before")
+        while peer.queued == 0:
+            await asyncio.sleep(0.01)
+        assert stream.transport is not None
+        stream.transport.pause_reading()  # deaf to the close for now
+        closing = asyncio.ensure_future(peer.close(1013, "busy"))
+        for _ in range(OPTIONS.max_queue * 4):
+            await stream.send(b"x" * 1000)
+        stream.transport.resume_reading()  # hears it; its reply comes after all the rest
+        with pytest.raises(ConnectionClosed) as caught:
+            await stream.recv()
+        assert caught.value.rcvd is not None and caught.value.rcvd.code == 1013
+        await closing
+        assert peer.close_code == 1013 and peer.queued == 1  # only the message sent before
+        assert peer.dropped == OPTIONS.max_queue * 4
