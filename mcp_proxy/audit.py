@@ -6,7 +6,8 @@ of a serve side becomes an :class:`AuditRecord`:
 * ``call``: a caller's request and how it ended (``ok``, ``error``,
   ``tool-error``, ``denied``, ``cancelled``, ``malformed``, ``tool-exited``,
   ``closed`` (the session ended first, a lost link included), ``refused-notification``,
-  ``too-many`` (past the session's requests in flight);
+  ``too-many`` (past the session's requests in flight), ``audit-failed`` (refused
+  while the last write failed: :attr:`Auditor.failing`);
 * ``request``: a request the tool sent to the caller (sampling, elicitation,
   roots) and the caller's answer;
 * ``session``: ``open`` (or its refusal), ``close`` and the tool process's
@@ -227,6 +228,11 @@ class Auditor:
         self._dirty = False
         self._stopping = False
         self.written = 0
+        #: Why the last write failed; None once one succeeds. While set, serve refuses
+        #: calls (AUDIT_UNAVAILABLE): none runs unrecorded, and each refusal's own record
+        #: tries the log again.
+        self.failing: str | None = None
+        self._failed_batches = 0
         # Cached: asyncio.get_running_loop() costs a getpid() per call on Python 3.11.
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -307,8 +313,17 @@ class Auditor:
             try:
                 await self._flush(durable=due)
             except Exception as exc:  # the writer goes on; this batch's records are lost
-                event(log, "audit_write_failed", logging.ERROR, records="lost", error=repr(exc))
+                self._failed(exc)
             self._schedule_sync(loop)
+
+    def _failed(self, exc: Exception) -> None:
+        """A batch could not be written: its records are lost, and calls are refused
+        from now until a write succeeds (logged once per such stretch)."""
+        self._failed_batches += 1
+        if self.failing is None:
+            event(log, "audit_write_failed", logging.ERROR, records="lost", error=repr(exc),
+                  calls="refused until the audit log can be written")  # fmt: skip
+        self.failing = str(exc) or type(exc).__name__
 
     def _schedule_sync(self, loop: asyncio.AbstractEventLoop) -> None:
         """A sync within ``sync_interval`` of the first unsynced write; none while clean."""
@@ -380,6 +395,10 @@ class Auditor:
         self._wrote(len(batch), sync)
 
     def _wrote(self, count: int, sync: bool) -> None:
+        if self.failing is not None:
+            event(log, "audit_write_recovered", logging.WARNING, batches_lost=self._failed_batches)
+            self.failing = None
+            self._failed_batches = 0
         self.written += count
         if sync:
             self._dirty = False

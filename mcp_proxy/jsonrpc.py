@@ -29,6 +29,7 @@ import orjson
 from talos_sdk.errors import ProtocolError
 
 __all__ = [
+    "AUDIT_UNAVAILABLE",
     "INTERNAL_ERROR",
     "INVALID_REQUEST",
     "LINK_DOWN",
@@ -39,6 +40,7 @@ __all__ = [
     "JsonRpcError",
     "Kind",
     "Sniffed",
+    "audit_unavailable",
     "encode",
     "error_reply",
     "has_line_break",
@@ -57,6 +59,8 @@ LINK_DOWN = -32002
 LINK_REFUSED = -32004
 #: A session holds as many requests in flight one way as the serve side keeps.
 TOO_MANY_IN_FLIGHT = -32005
+#: The serve side cannot write its audit log: no call runs (or is answered) unrecorded.
+AUDIT_UNAVAILABLE = -32006
 
 RequestId = int | str
 
@@ -185,6 +189,15 @@ def error_reply(request_id: RequestId | None, code: int, message: str, data: Any
     if data is not None:
         error["data"] = data
     return orjson.dumps({"jsonrpc": "2.0", "id": request_id, "error": error})
+
+
+def audit_unavailable(request_id: RequestId, why: str) -> bytes:
+    """The serve side's answer while its audit log cannot be written (AUDIT_UNAVAILABLE)."""
+    return error_reply(
+        request_id,
+        AUDIT_UNAVAILABLE,
+        f"the serving proxy cannot write its audit log ({why}): calls are refused until it can",
+    )
 
 
 def has_line_break(data: bytes) -> bool:

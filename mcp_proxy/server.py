@@ -23,7 +23,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,6 +36,8 @@ from mcp_proxy.jsonrpc import (
     TOOL_DENIED,
     JsonRpcError,
     Kind,
+    RequestId,
+    audit_unavailable,
     encode,
     error_reply,
     sniff,
@@ -43,6 +45,7 @@ from mcp_proxy.jsonrpc import (
 from mcp_proxy.peer_pause import PeerPause
 from mcp_proxy.policy import Policy, PolicyDenied
 from mcp_proxy.session_audit import InFlight, SessionAudit, refused_outside_a_session
+from mcp_proxy.strict_replies import StrictReplies
 from mcp_proxy.toolenv import tool_environment
 from mcp_proxy.toolproc import ToolProcess
 from mcp_proxy.transport import FrameSender, TunnelTransport
@@ -99,9 +102,12 @@ class _Session:
         self.caller_paused = False  # the caller's agent is not reading (PAUSE .. RESUME)
         self._output_paused = False
         self.joiner = Joiner()
-        self._strict_out: deque[bytes] = deque()
-        self._strict_wake = asyncio.Event()
-        self._strict_task: asyncio.Task[None] | None = None
+        auditor = server.auditor
+        self._strict = (
+            StrictReplies(auditor, lambda: self.sender, sid, self._refuse_ask, self.log_fields)
+            if auditor is not None and auditor.mode is AuditMode.STRICT
+            else None
+        )
         self.pause = PeerPause(
             lambda: self.sender,
             lambda _sid: not self.closing and server.sessions.get((peer, sid)) is self,
@@ -165,6 +171,12 @@ class _Session:
         if kind is Kind.REQUEST:
             assert msg.id is not None and msg.method is not None
             call = self.audit.new_call(msg, wire)
+            auditor = self.server.auditor
+            if auditor is not None and auditor.failing is not None:
+                # Fail closed: a call run now would leave no record (docs/security.md).
+                self._answer(audit_unavailable(msg.id, auditor.failing))
+                self.audit.call(msg.id, call, "audit-failed")
+                return
             if msg.tool is not None and not self.server.policy.tool_allowed(self.peer, msg.tool):
                 reply = error_reply(
                     msg.id, TOOL_DENIED, f"tool {msg.tool!r} not allowed for {self.peer}"
@@ -265,32 +277,17 @@ class _Session:
             self._emit(line)
 
     def _emit(self, line: bytes) -> None:
-        auditor = self.server.auditor
-        if auditor is not None and auditor.mode is AuditMode.STRICT:
-            # Replies wait for their records; order is kept by one task per session.
-            self._strict_out.append(line)
-            if self._strict_task is None or self._strict_task.done():
-                self._strict_task = asyncio.create_task(self._drain_strict())
-            self._strict_wake.set()
+        if self._strict is not None:
+            self._strict.add(line)  # replies wait for their records (--audit strict)
             return
         self.sender.message(self.sid, line)
 
-    async def _drain_strict(self) -> None:
-        auditor = self.server.auditor
-        assert auditor is not None
-        while True:
-            if not self._strict_out:
-                self._strict_wake.clear()
-                await self._strict_wake.wait()
-                continue
-            batch = list(self._strict_out)
-            self._strict_out.clear()
-            # Every record queued so far commits in one fsync; then the replies leave in order.
-            await auditor.record_barrier()
-            sender = self.sender
-            for line in batch:
-                sender.message(self.sid, line)
-            sender.flush_now()
+    def _refuse_ask(self, request_id: RequestId, reply: bytes) -> None:
+        """The tool's own request is answered here instead of by the caller."""
+        ask = self.asks.pop(request_id)
+        if ask is not None and self.proc is not None:
+            self.audit.call(request_id, ask, "audit-failed", event=Event.REQUEST)
+            self.proc.send(reply)
 
     # --- end ----------------------------------------------------------------------------------
 
@@ -318,10 +315,8 @@ class _Session:
         if self.proc is not None:
             await self.proc.terminate()
         self.pause.cancel()
-        if self._strict_task is not None:
-            self._strict_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._strict_task
+        if self._strict is not None:
+            await self._strict.stop()
 
 
 class TunnelServer:
