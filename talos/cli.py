@@ -318,9 +318,24 @@ def _print_messages(messages: list[dict[str, Any]], as_json: bool, stream: bool)
             print(f"{ts} {escape(who)}: {escape(m['text'])}", flush=True)
 
 
+def _prune_inbox(path: Path, args: argparse.Namespace) -> int:
+    res = _online(path, "inbox.prune", {"through": args.prune_through})
+    if res is _NOT_RUNNING:
+        from talos.home import offline_prune
+
+        res = offline_prune(_home(args), args.prune_through)
+    if args.json:
+        _out(res)
+    else:
+        print(f"pruned {res['pruned']} message(s) numbered up to {res['through']}")
+    return 0
+
+
 def cmd_inbox(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
+    if args.prune_through is not None:
+        return _prune_inbox(path, args)
     res = _online(path, "inbox", {"after": args.after, "limit": _INBOX_PAGE})
     if res is _NOT_RUNNING:
         if args.follow:

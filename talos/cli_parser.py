@@ -302,6 +302,13 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         help="keep printing new messages as they arrive (needs a running node; Ctrl-C ends)",
     )
     sp.add_argument("--after", type=position, default=0, help=argparse.SUPPRESS)
+    sp.add_argument(
+        "--prune-through",
+        type=position,
+        metavar="N",
+        help="delete the messages numbered up to N (their n in --json) instead of printing;"
+        " frees their senders' inbox shares (inbox_share in config.json)",
+    )
 
     sp = add(
         "chain",

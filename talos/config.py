@@ -117,6 +117,12 @@ class NodeConfig(BaseModel):
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=0, ge=0, le=65535)
     map_size: int = Field(default=1 << 30, ge=1 << 20)
+    inbox_share: int = Field(
+        default=0,
+        ge=0,
+        description="bytes of inbox messages one peer may keep stored here before its"
+        " next ones wait at its end (0: an eighth of map_size)",
+    )
     max_frame: int = Field(default=1 << 20, ge=16 * 1024)  # wire.MIN_MAX_FRAME
     ratchet_every: int = Field(
         default=1,

@@ -173,6 +173,18 @@ def offline_inbox(home: Home, after: int = 0) -> list[dict[str, object]]:
         return [e.to_json(names) for e in pl.iter_inbox(txn, after)]
 
 
+def offline_prune(home: Home, through: int) -> dict[str, int]:
+    """``talosd inbox --prune-through`` while stopped (the node's ``inbox.prune``)."""
+    pruned = 0
+    with _offline_store(home) as store:
+        while True:
+            with store.write() as txn:
+                count, _ = pl.prune_inbox(txn, through, pl.PRUNE_CHUNK)
+            pruned += count
+            if count < pl.PRUNE_CHUNK:
+                return {"pruned": pruned, "through": through}
+
+
 class _LogReader:
     """Who a stopped node's log belongs to, for reading it: a classical home's DID
     from the key file's clear header, so a sealed key needs no passphrase. Signs

@@ -389,6 +389,23 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
                 async with asyncio.timeout(left):
                     await signal.wait()
 
+    async def prune_inbox(self, through: int) -> int:
+        """Delete the inbox messages numbered up to ``through``, in transactions of
+        ``pipeline.PRUNE_CHUNK``; how many. Each sender's inbox share gets its bytes back."""
+        pruned = 0
+        while True:
+            count, freed = await self.writer.write(
+                functools.partial(pl.prune_inbox, through=through, limit=pl.PRUNE_CHUNK),
+                kind="prune",
+            )
+            for did, size in freed.items():
+                peer = self._peers.get(did)
+                if peer is not None:  # else read from the store when it is loaded
+                    peer.inbox_bytes = max(0, peer.inbox_bytes - size)
+            pruned += count
+            if count < pl.PRUNE_CHUNK:
+                return pruned
+
     def _outbox_depth(self) -> int:
         with self.store.read() as txn:
             return txn.count("outbox")

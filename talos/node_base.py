@@ -42,10 +42,11 @@ OnCommitted = Callable[[BaseException | None], None]
 
 @dataclass(slots=True)
 class Incoming:
-    """An opened message waiting for the next receive commit."""
+    """An opened message waiting for the next receive commit, and its inbox row."""
 
     peer: str
     opened: Opened
+    row: bytes
 
 
 @dataclass(slots=True)
@@ -56,6 +57,9 @@ class Peer(PeerPipeline):
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     pumping: bool = False
     dirty: bool = False
+    #: Bytes of this peer's inbox rows: stored, and accepted for the next commit.
+    inbox_bytes: int = 0
+    over_share: bool = False  # its messages wait at its end (logged once)
 
 
 class NodeBase:

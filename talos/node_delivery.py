@@ -71,9 +71,19 @@ class NodeDelivery(NodeBase):
             raise
         if opened.seq != frame.seq:
             raise ProtocolError("MSG header sequence differs from the sealed one")
+        before = peer.rx.accepted
         verdict = peer.receive(opened.seq, opened.prev)
         if verdict is Received.ACCEPT:
-            self._incoming.append(Incoming(peer.did, opened))
+            o = opened
+            row = pl.encode_inbox(o.msg_id, peer.did, o.seq, o.ts_ms, o.text)
+            # One message is taken whatever its size while the peer has none stored.
+            if peer.inbox_bytes and peer.inbox_bytes + len(row) > self._inbox_share:
+                peer.rx.not_taken(before)
+                self._over_share(peer)
+                return
+            peer.inbox_bytes += len(row)
+            peer.over_share = False
+            self._incoming.append(Incoming(peer.did, opened, row))
             self._start_commit()
             self.metrics.inc("messages_in")
         elif verdict is Received.GAP:
@@ -82,6 +92,21 @@ class NodeDelivery(NodeBase):
             self.metrics.inc("messages_duplicate")
             if verdict is Received.REACK:
                 self._send_ack(peer)
+
+    @property
+    def _inbox_share(self) -> int:
+        return self.config.inbox_share or self.config.map_size // 8
+
+    def _over_share(self, peer: Peer) -> None:
+        """The peer's stored messages fill its inbox share: this one waits at its end
+        (DEFER, as for a full store), so one peer cannot fill the store for all."""
+        self.metrics.inc("messages_over_share")
+        if not peer.over_share:
+            peer.over_share = True
+            hint = "talosd inbox --prune-through N frees it"
+            event(_log, "inbox_share_full", level=logging.WARNING, peer=peer.did,
+                  share=self._inbox_share, hint=hint)  # fmt: skip
+        self._send_link(peer, wire.encode(wire.Defer(peer.rx.delivered, wire.DEFER_FULL)))
 
     def _send_ack(self, peer: Peer) -> None:
         self._send_link(peer, wire.encode(wire.Ack(peer.rx.delivered)))
@@ -221,13 +246,15 @@ class NodeDelivery(NodeBase):
             event(_log, "commit_failed", level=level, error=repr(exc), count=len(batch))
             # Their senders hear it (DEFER), so their outbox says why no ack comes.
             reason = wire.DEFER_FULL if isinstance(exc, StorageFullError) else wire.DEFER_FAILING
+            dropped = [i for i in self._incoming if i.peer in peers]
+            for item in (*batch, *dropped):
+                self._peers[item.peer].inbox_bytes -= len(item.row)
             for did in peers:
                 peer = self._peers[did]
                 peer.commit_failed()
                 self._send_link(peer, wire.encode(wire.Defer(peer.rx.delivered, reason)))
             # Frames queued meanwhile were accepted after the lost ones: committing
             # them would ack past messages never stored. The sender resends them all.
-            dropped = [i for i in self._incoming if i.peer in peers]
             if dropped:
                 self._incoming = [i for i in self._incoming if i.peer not in peers]
                 self.metrics.inc("messages_dropped_after_failure", len(dropped))
@@ -243,19 +270,20 @@ class NodeDelivery(NodeBase):
         self._start_commit()
 
     def _commit_batch(self, txn: Txn, batch: list[Incoming], snaps: dict[str, bytes]) -> None:
-        last = txn.last("inbox")
-        n = _U64.unpack(last[0])[0] + 1 if last is not None else 1
+        n = pl.last_inbox_n(txn) + 1
         top: dict[str, int] = {}
+        size: dict[str, int] = {}
         for item in batch:
             o = item.opened
-            txn.put(
-                "inbox", _U64.pack(n), pl.encode_inbox(o.msg_id, item.peer, o.seq, o.ts_ms, o.text)
-            )
+            txn.put("inbox", _U64.pack(n), item.row)
             self.log.append(o.record, txn, verified=True)  # checked by open_message
             top[item.peer] = o.seq
+            size[item.peer] = size.get(item.peer, 0) + len(item.row)
             n += 1
         for did, seq in top.items():
             pl.put_u64(txn, "meta", pl.meta_in(did), seq)
+            key = pl.meta_inbox_bytes(did)
+            pl.put_u64(txn, "meta", key, pl.get_u64(txn, "meta", key) + size[did])
         self.sessions.persist(txn, snaps)
 
     async def _flush_loop(self) -> None:

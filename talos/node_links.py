@@ -141,6 +141,7 @@ class NodeLinks(NodeBase):
                 first = next(pl.iter_outbox(txn, did), None)
                 assigned = pl.get_u64(txn, "meta", pl.meta_out(did))
                 delivered = pl.get_u64(txn, "meta", pl.meta_in(did))
+                inbox_bytes = pl.get_u64(txn, "meta", pl.meta_inbox_bytes(did))
             peer = Peer.restore(
                 did,
                 first_unacked=first,
@@ -148,6 +149,7 @@ class NodeLinks(NodeBase):
                 delivered=delivered,
                 own_max_frame=self.config.max_frame,
             )
+            peer.inbox_bytes = inbox_bytes
             self._peers[did] = peer
         return peer
 

@@ -48,7 +48,9 @@ from talos.store import Txn
 from talos_sdk.errors import StorageError, UsageError
 
 __all__ = [
+    "META_INBOX_PRUNED",
     "MSG_OVERHEAD",
+    "PRUNE_CHUNK",
     "InboxEntry",
     "MessageTooLargeError",
     "OutboxEntry",
@@ -65,9 +67,12 @@ __all__ = [
     "inbox_key",
     "iter_inbox",
     "iter_outbox",
+    "last_inbox_n",
     "make_seq",
+    "meta_inbox_bytes",
     "next_seq",
     "outbox_key",
+    "prune_inbox",
     "put_row",
     "text_limit",
 ]
@@ -249,6 +254,44 @@ def iter_inbox(txn: Txn, after: int = 0) -> Iterator[InboxEntry]:
         yield decode_inbox(key, value)
 
 
+#: ``meta``: the n of the last message pruned, from which numbering goes on in an empty inbox.
+META_INBOX_PRUNED = b"inbox-pruned"
+#: Inbox messages deleted per transaction when pruning: the writer's other jobs wait for
+#: one such transaction at most.
+PRUNE_CHUNK = 10_000
+
+
+def last_inbox_n(txn: Txn) -> int:
+    """The arrival number of the newest inbox message, else of the last one pruned (0: none)."""
+    last = txn.last("inbox")
+    if last is not None:
+        return int(_U64.unpack(last[0])[0])
+    return get_u64(txn, "meta", META_INBOX_PRUNED)
+
+
+def prune_inbox(txn: Txn, through: int, limit: int) -> tuple[int, dict[str, int]]:
+    """Delete at most ``limit`` of the oldest inbox messages numbered up to ``through``:
+    how many, and the bytes freed per sender (taken off their inbox shares)."""
+    doomed: list[bytes] = []
+    freed: dict[str, int] = {}
+    for key, value in txn.items("inbox"):
+        if _U64.unpack(key)[0] > through or len(doomed) == limit:
+            break
+        sender = decode_inbox(key, value).sender
+        freed[sender] = freed.get(sender, 0) + len(value)
+        doomed.append(key)
+    if not doomed:
+        return 0, freed
+    pruned = max(get_u64(txn, "meta", META_INBOX_PRUNED), _U64.unpack(doomed[-1])[0])
+    for key in doomed:  # after the walk: LMDB cursors do not survive deletes under them
+        txn.delete("inbox", key)
+    for sender, size in freed.items():
+        key = meta_inbox_bytes(sender)
+        put_u64(txn, "meta", key, max(0, get_u64(txn, "meta", key) - size))
+    put_u64(txn, "meta", META_INBOX_PRUNED, pruned)
+    return len(doomed), freed
+
+
 def encode_inbox(msg_id: bytes, sender: str, seq: int, ts_ms: int, text: str) -> bytes:
     did = sender.encode()
     return _IN.pack(msg_id, ts_ms, seq, len(did)) + did + text.encode()
@@ -270,6 +313,11 @@ def meta_out(peer: str) -> bytes:
 
 def meta_in(peer: str) -> bytes:
     return b"in:" + peer.encode()
+
+
+def meta_inbox_bytes(peer: str) -> bytes:
+    """The bytes of the inbox rows ``peer``'s messages take (its inbox share, NodeConfig)."""
+    return b"inbox-bytes:" + peer.encode()
 
 
 def get_u64(txn: Txn, db: str, key: bytes) -> int:
@@ -352,6 +400,11 @@ class ReceiverState:
     def rolled_back(self) -> None:
         """A batch failed to commit: its messages must be accepted again on resend."""
         self.accepted = self.delivered
+
+    def not_taken(self, accepted: int) -> None:
+        """The message just accepted is not taken after all (``accepted``: the mark
+        before it): it is accepted again when resent, and what follows it is a gap."""
+        self.accepted = accepted
 
 
 class AckWaiter(Protocol):

@@ -295,7 +295,7 @@ async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
     # entry is a few hundred bytes, so a whole page fits one frame.
     messages = [entry.to_json(names) for entry in pl.fit_page(entries)]
     with node.store.read() as txn:
-        last = _last_n(txn)
+        last = pl.last_inbox_n(txn)
     return {
         "messages": messages,
         "next": messages[-1]["n"] if messages else after,
@@ -304,14 +304,8 @@ async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
     }
 
 
-def _last_n(txn: Txn) -> int:
-    """The arrival number of the newest inbox message (0: none)."""
-    last = txn.last("inbox")
-    return _U64.unpack(last[0])[0] if last is not None else 0
-
-
 def _mark(txn: Txn, through: int) -> int:
-    top = _last_n(txn)
+    top = pl.last_inbox_n(txn)
     if through > top:
         # A cursor past the last message would hide every message still to come.
         raise UsageError(
@@ -330,6 +324,14 @@ async def op_mark_read(host: LocalHost, args: dict[str, Any]) -> Any:
     if isinstance(through, bool) or not isinstance(through, int) or through < 0:
         raise UsageError("'through' must be a non-negative integer (a message's n)")
     return {"read": await node.writer.write(functools.partial(_mark, through=through))}
+
+
+async def op_inbox_prune(host: LocalHost, args: dict[str, Any]) -> Any:
+    """Delete the inbox messages numbered up to ``through`` (their sender's share frees)."""
+    through = args.get("through")
+    if isinstance(through, bool) or not isinstance(through, int) or not 0 <= through < 2**64:
+        raise UsageError("'through' must be a message number from 0 to 2**64-1")
+    return {"pruned": await host.node.prune_inbox(through), "through": through}
 
 
 async def op_chain_verify(host: LocalHost, args: dict[str, Any]) -> Any:
@@ -420,6 +422,7 @@ OPS: dict[str, Op] = {
     "inbox": op_inbox,
     "outbox": op_outbox,
     "inbox.mark_read": op_mark_read,
+    "inbox.prune": op_inbox_prune,
     "chain.verify": op_chain_verify,
     "chain.show": op_chain_show,
     "chain.peer_heads": op_chain_peer_heads,

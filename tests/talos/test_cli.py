@@ -280,3 +280,28 @@ def test_inbox_json_is_whole_and_the_same_running_or_stopped(tmp_path: Path) -> 
     assert len(running) == 1205 and [m["text"] for m in running[-2:]] == ["m1204", "m1205"]
     assert running == stopped
     assert running[0]["n"] == 1 and running[0]["from_name"] == "carol"
+
+
+def test_inbox_prune_through_running_or_stopped(tmp_path: Path) -> None:
+    """``talosd inbox --prune-through N`` deletes the messages numbered up to N, by the
+    running node or from the stopped home's store alike."""
+    from talos import pipeline as pl
+    from talos.config import Home
+
+    home = tmp_path / "pruned"
+    assert talosd("init", "--home", str(home), "--no-passphrase").returncode == 0
+    fast_config(home, listen="127.0.0.1:0")
+    sender = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+    with Store(Home(home).store_dir) as store, store.write() as txn:
+        for n in range(1, 6):
+            txn.put("inbox", pl.inbox_key(n), pl.encode_inbox(bytes(16), sender, n, 0, f"m{n}"))
+    done = talosd("inbox", "--prune-through", "2", "--home", str(home))
+    assert done.returncode == 0 and done.stdout == "pruned 2 message(s) numbered up to 2\n"
+    node = Daemon(home)
+    try:
+        done = talosd("inbox", "--prune-through", "4", "--json", "--home", str(home))
+        assert json.loads(done.stdout) == {"pruned": 2, "through": 4}
+        left = json.loads(talosd("inbox", "--json", "--home", str(home)).stdout)
+    finally:
+        node.stop()
+    assert [m["text"] for m in left] == ["m5"]

@@ -320,7 +320,8 @@ async def test_classical_suite_when_one_side_has_no_pq(tmp_path: Path) -> None:
 
 async def test_full_disk_refuses_to_ack_and_loses_nothing(tmp_path: Path) -> None:
     home_a, cfg_a = make_home(tmp_path, "a")
-    home_b, cfg_b = make_home(tmp_path, "b", map_size=1 << 20)
+    # Past the map, not past A's inbox share (an eighth of the map unless set).
+    home_b, cfg_b = make_home(tmp_path, "b", map_size=1 << 20, inbox_share=1 << 30)
     async with asyncio.timeout(30):
         a, b = await started(home_a, cfg_a), await started(home_b, cfg_b)
         await link(a, b)

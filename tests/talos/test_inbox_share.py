@@ -1,0 +1,84 @@
+"""One peer cannot fill a node's store with messages: each sender's stored inbox rows are
+bounded by ``inbox_share`` (talos/node_delivery.py ``_over_share``); past it its next
+messages wait, queued at its end, while other peers' are taken; pruning frees the share
+and the waiting messages then arrive, in order, once each. Real nodes on 127.0.0.1 with
+real LMDB stores; the store pruning itself (talos/pipeline.py) on a real store too."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from talos import pipeline as pl
+from talos.store import Store
+from tests.talos.nodes import link, make_home, started, until
+
+TEXT = "x" * 1000
+SHARE = 8_000  # about seven of those messages (each row: the text, ids, the sender's DID)
+
+
+async def test_a_peer_past_its_share_waits_and_others_do_not(tmp_path: Path) -> None:
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b", inbox_share=SHARE))
+    c = await started(*make_home(tmp_path, "c"))
+    try:
+        async with asyncio.timeout(60):
+            await link(a, b)
+            await link(c, b)
+            for i in range(20):
+                await a.send_message(b.did, f"{i} {TEXT}")
+            await until(lambda: b.metrics.counters.get("messages_over_share", 0) > 0, 20, "share")
+            held = [e.text for e in b.inbox(limit=100)]
+            assert 0 < len(held) < 20 and held == [f"{i} {TEXT}" for i in range(len(held))]
+            assert b._peers[a.did].inbox_bytes <= SHARE
+            # A hears why (as for a full store) and keeps the rest queued.
+            await until(lambda: a._peers[b.did].deferred is not None, 20, "A told")
+            # Another peer's message is taken meanwhile.
+            await c.send_message(b.did, "from c", wait=True, timeout=20)
+            assert b.inbox(limit=100)[-1].text == "from c"
+            last = b.inbox(limit=100)[-1].n
+            assert await b.prune_inbox(last) == len(held) + 1 and b.inbox(limit=100) == []
+            # The share is free again: A's waiting messages arrive, in order, once each
+            # (pruned as they come, to make room for the next ones).
+            texts = held
+            while len(texts) < 20:
+                batch = b.inbox(limit=100)
+                if batch:
+                    texts = texts + [e.text for e in batch]
+                    await b.prune_inbox(batch[-1].n)
+                await asyncio.sleep(0.05)
+            assert texts == [f"{i} {TEXT}" for i in range(20)]
+            # Numbering goes on after an emptied inbox: n never repeats.
+            assert await b.prune_inbox(2**63) == 0
+            await a.send_message(b.did, "after", wait=True, timeout=20)
+            assert b.inbox(limit=100)[0].n > last
+    finally:
+        for node in (a, b, c):
+            await node.stop()
+
+
+def test_prune_frees_each_senders_bytes_and_keeps_the_numbering(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    try:
+        with store.write() as txn:
+            for n, who in enumerate(["did:x", "did:y", "did:x"], start=1):
+                row = pl.encode_inbox(bytes(16), who, n, 0, "hello")
+                txn.put("inbox", pl.inbox_key(n), row)
+                key = pl.meta_inbox_bytes(who)
+                pl.put_u64(txn, "meta", key, pl.get_u64(txn, "meta", key) + len(row))
+        size = len(pl.encode_inbox(bytes(16), "did:x", 1, 0, "hello"))
+        with store.write() as txn:
+            assert pl.prune_inbox(txn, through=2, limit=1) == (1, {"did:x": size})
+        with store.write() as txn:
+            assert pl.prune_inbox(txn, through=2, limit=10) == (1, {"did:y": size})
+            assert pl.prune_inbox(txn, through=2, limit=10) == (0, {})
+        with store.read() as txn:
+            assert pl.get_u64(txn, "meta", pl.meta_inbox_bytes("did:x")) == size
+            assert pl.get_u64(txn, "meta", pl.meta_inbox_bytes("did:y")) == 0
+            assert pl.last_inbox_n(txn) == 3
+        with store.write() as txn:
+            assert pl.prune_inbox(txn, through=10, limit=10) == (1, {"did:x": size})
+        with store.read() as txn:
+            assert pl.last_inbox_n(txn) == 3  # empty: numbering goes on from the last pruned
+    finally:
+        store.close()
