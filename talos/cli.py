@@ -31,7 +31,7 @@ from talos.cli_home import require_identity as _require_identity
 from talos.local.call import NoNodeError
 from talos.local.call import call as node_call
 from talos.local.wire import MAX_LIMIT
-from talos.peer_refs import check_peer_addr, check_peer_ref
+from talos.peer_refs import check_did, check_peer_addr, check_peer_ref
 from talos_sdk.errors import (
     LinkRefusedError,
     PeerUnreachableError,
@@ -179,6 +179,8 @@ def cmd_peers(args: argparse.Namespace) -> int:
     _require_identity(path)
     if args.peers_cmd == "add":
         check_peer_addr(args.addr, "ADDR")
+    elif args.peers_cmd == "allow":
+        check_did(args.did, "DID")
     elif args.peers_cmd in ("name", "remove"):
         check_peer_ref(args.peer, "PEER")
     if args.peers_cmd == "add":
@@ -191,6 +193,19 @@ def cmd_peers(args: argparse.Namespace) -> int:
             if args.name:
                 offline_set_name(path, res["did"], args.name)
         print(f"added {res['did']}" + (f" as {args.name}" if args.name else ""))
+        return 0
+    if args.peers_cmd == "allow":
+        res = _online(path, "peers.allow", {"peer": args.did})
+        if res is _NOT_RUNNING:
+            from talos.home import offline_allow_peer
+            from talos.peer_names import offline_set_name
+
+            res = offline_allow_peer(_home(args), args.did)
+            if args.name:
+                offline_set_name(path, res["did"], args.name)
+        elif args.name:
+            node_call(path, "peers.name", {"peer": res["did"], "name": args.name})
+        print(f"allowed {res['did']}" + (f" as {args.name}" if args.name else ""))
         return 0
     if args.peers_cmd == "name":
         res = _online(path, "peers.name", {"peer": args.peer, "name": args.name})

@@ -185,7 +185,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
 
     sp = add(
         "peers",
-        "add, name, remove or list peers",
+        "add, allow, name, remove or list peers",
         "Manage the peers this node dials and accepts. Works on the running node, or on the"
         " home directly when the node is stopped.",
         (
@@ -207,6 +207,20 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         "--name", metavar="NAME", help="a local name for the peer, usable wherever a DID is"
     )
     _home(pa, inherited=True)
+    pw = command(
+        psub,
+        "allow",
+        "allow a peer that dials in (no address needed)",
+        "Allow a peer to link with this node from now on, across restarts, without an"
+        " address to dial it at (for a peer that only dials out, behind NAT say); until"
+        " 'peers remove'. A known peer keeps its address.",
+        (f"talosd peers allow {DID_EXAMPLE} --name alice",),
+    )
+    pw.add_argument("did", metavar="DID", help="the peer's did:key")
+    pw.add_argument(
+        "--name", metavar="NAME", help="a local name for the peer, usable wherever a DID is"
+    )
+    _home(pw, inherited=True)
     pn = command(
         psub,
         "name",

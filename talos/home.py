@@ -116,6 +116,13 @@ def offline_add_peer(home: Home, addr: str) -> dict[str, str]:
     return {"did": peer.did, "addr": str(peer)}
 
 
+def offline_allow_peer(home: Home, did: str) -> dict[str, str]:
+    """``talosd peers allow`` while stopped: the next run accepts its links."""
+    with _offline_store(home) as store, store.write() as txn:
+        pl.allow_row(txn, did)
+    return {"did": did}
+
+
 def offline_remove_peer(home: Home, ref: str) -> dict[str, Any]:
     """``talosd peers remove`` while stopped: as ``NodeLinks.remove_peer`` does it."""
     with _offline_store(home) as store, store.write() as txn:

@@ -73,8 +73,18 @@ class NodeLinks(NodeBase):
         return did in self._known or did in self._allow
 
     def allow(self, did: str) -> None:
-        """Let ``did`` hold a link with us (``--allow``)."""
+        """Let ``did`` hold a link with us while this node runs (``--allow``)."""
         self._allow.add(did)
+
+    async def allow_peer(self, did: str) -> None:
+        """Let ``did`` hold a link with us from now on, across restarts (``talosd peers
+        allow``): a peers row without an address until ``peers remove``. A peer known
+        already keeps its address."""
+        if did == self.did:
+            raise UsageError("that is this node's own DID")
+        if did not in self._known:
+            await self.writer.write(functools.partial(pl.allow_row, did=did), kind="peers")
+            self._known.setdefault(did, "")
 
     async def add_peer(self, addr: str) -> PeerAddr:
         """Remember ``ws://HOST:PORT#DID`` in the peers table and keep a link to it."""

@@ -58,6 +58,7 @@ __all__ = [
     "SenderState",
     "Verdict",
     "advance_epoch",
+    "allow_row",
     "bump_epoch",
     "decode_inbox",
     "decode_outbox",
@@ -309,6 +310,13 @@ def decode_inbox(key: bytes, value: bytes) -> InboxEntry:
 
 def meta_out(peer: str) -> bytes:
     return b"out:" + peer.encode()
+
+
+def allow_row(txn: Txn, did: str) -> None:
+    """A ``peers`` row without an address for ``did`` (allowed to link, never dialled),
+    unless the table knows it already."""
+    if txn.get("peers", did.encode()) is None:
+        txn.put("peers", did.encode(), b"")
 
 
 def meta_in(peer: str) -> bytes:

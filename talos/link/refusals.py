@@ -57,7 +57,8 @@ MAX_PROBLEMS: Final = 256
 _BY_PEER: Final = {
     4000: "protocol error during the link handshake",
     4001: "this node's handshake did not authenticate",
-    4003: "this node is not on its allow list (its operator allows it with --allow or peers add)",
+    4003: "this node is not on its allow list"
+    " (its operator allows it with --allow DID or talosd peers allow DID)",
     4004: "it is not the DID this node expected",
     4005: "no session suite in common",
     4006: "a duplicate link",
@@ -70,7 +71,7 @@ _BY_PEER: Final = {
 _BY_US: Final = {
     4000: "protocol error during the link handshake",
     4001: "its handshake did not authenticate",
-    4003: "it is not on this node's allow list (talosd run --allow, or peers add)",
+    4003: "it is not on this node's allow list (talosd peers allow DID, or talosd run --allow DID)",
     4004: "the node at that address has another DID",
     4005: "no session suite in common",
     4008: "it does not match the ML-DSA-65 key pinned for it (downgrade refused)",

@@ -204,9 +204,10 @@ async def op_peers_remove(host: LocalHost, args: dict[str, Any]) -> Any:
 
 
 async def op_peers_allow(host: LocalHost, args: dict[str, Any]) -> Any:
+    """Allow the peer to link from now on, across restarts (until ``peers.remove``)."""
     node = host.node
     did = resolve(node, _str(args, "peer"))
-    node.allow(did)
+    await node.allow_peer(did)
     return {"did": did}
 
 

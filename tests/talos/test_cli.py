@@ -305,3 +305,34 @@ def test_inbox_prune_through_running_or_stopped(tmp_path: Path) -> None:
     finally:
         node.stop()
     assert [m["text"] for m in left] == ["m5"]
+
+
+def test_peers_allow_lets_a_dialling_peer_in_now_and_after_a_restart(tmp_path: Path) -> None:
+    """A peer with no address to give (it only dials out) is allowed on the running node
+    by ``talosd peers allow``; the refusal it met said how; the allow outlives a restart."""
+    home_a, did_a = init(tmp_path, "a")
+    home_b, did_b = init(tmp_path, "b")
+    b = Daemon(home_b, "--listen", "127.0.0.1:0")
+    a = Daemon(home_a, "--listen", "127.0.0.1:0", "--peer", b.addr)  # B never learns it
+    try:
+        refused = talosd("send", "--home", str(home_a), "--wait", did_b, "first")
+        assert refused.returncode == 3 and "talosd peers allow DID" in refused.stderr
+        done = talosd("peers", "allow", did_a, "--name", "alice", "--home", str(home_b))
+        assert done.returncode == 0 and done.stdout == f"allowed {did_a} as alice\n"
+        res = talosd("send", "--home", str(home_a), "--wait", did_b, "second")
+        assert res.returncode == 0, res.stderr
+        port = b.listen.rsplit(":", 1)[1]
+        b.stop()
+        b = Daemon(home_b, "--listen", f"127.0.0.1:{port}")
+        res = talosd("send", "--home", str(home_a), "--wait", did_b, "third")
+        assert res.returncode == 0, res.stderr
+        inbox = json.loads(talosd("inbox", "--json", "--home", str(home_b)).stdout)
+        # The refused message stayed queued at A and came with the others.
+        assert [(m["text"], m["from_name"]) for m in inbox] == [
+            ("first", "alice"),
+            ("second", "alice"),
+            ("third", "alice"),
+        ]
+    finally:
+        a.stop()
+        b.stop()

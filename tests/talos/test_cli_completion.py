@@ -58,7 +58,13 @@ def test_bash_completes_talosd_commands_and_options(tmp_path: Path) -> None:
     script = tmp_path / "talosd.bash"
     script.write_text(_script("talosd", "bash"))
     assert _complete("talosd", script, ["talosd", "se"]) == ["send", "send-file"]
-    assert _complete("talosd", script, ["talosd", "peers", ""]) == ["add", "name", "remove", "list"]
+    assert _complete("talosd", script, ["talosd", "peers", ""]) == [
+        "add",
+        "allow",
+        "name",
+        "remove",
+        "list",
+    ]
     assert _complete("talosd", script, ["talosd", "chain", "pr"]) == ["proof"]
     assert set(_complete("talosd", script, ["talosd", "send", "--"])) >= {
         "--home",

@@ -73,7 +73,7 @@ def test_a_refused_link_ends_send_wait_at_once_and_shows_in_status_and_outbox(
         assert isinstance(refusal, dict)
         assert refusal["code"] == 4003 and refusal["kind"] == "refused_by_peer"
         assert refusal["reason"] == peer_refusal_text(4003, "")  # says who can allow it
-        assert "--allow or peers add" in refusal["reason"]
+        assert "talosd peers allow DID" in refusal["reason"]
         human = talosd("status", "--home", str(home_a)).stdout
         assert f"node      {did_a}" in human
         assert f"{did_b} refused the link: this node is not on its allow list" in human

@@ -19,7 +19,8 @@ DID = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
 
 def test_close_codes_read_from_the_side_they_reach() -> None:
     assert peer_refusal_text(CLOSE_UNAUTHORIZED, "unknown peer") == (
-        "this node is not on its allow list (its operator allows it with --allow or peers add)"
+        "this node is not on its allow list"
+        " (its operator allows it with --allow DID or talosd peers allow DID)"
     )
     assert "requires post-quantum" in peer_refusal_text(CLOSE_PQ_REQUIRED, "x")
     assert "downgrade" in peer_refusal_text(CLOSE_DOWNGRADE, "x")
