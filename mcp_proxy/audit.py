@@ -232,7 +232,7 @@ class Auditor:
         #: calls (AUDIT_UNAVAILABLE): none runs unrecorded, and each refusal's own record
         #: tries the log again.
         self.failing: str | None = None
-        self._failed_batches = 0
+        self.failed_batches = 0  # lost since the last write that succeeded
         # Cached: asyncio.get_running_loop() costs a getpid() per call on Python 3.11.
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -319,7 +319,7 @@ class Auditor:
     def _failed(self, exc: Exception) -> None:
         """A batch could not be written: its records are lost, and calls are refused
         from now until a write succeeds (logged once per such stretch)."""
-        self._failed_batches += 1
+        self.failed_batches += 1
         if self.failing is None:
             event(log, "audit_write_failed", logging.ERROR, records="lost", error=repr(exc),
                   calls="refused until the audit log can be written")  # fmt: skip
@@ -396,9 +396,9 @@ class Auditor:
 
     def _wrote(self, count: int, sync: bool) -> None:
         if self.failing is not None:
-            event(log, "audit_write_recovered", logging.WARNING, batches_lost=self._failed_batches)
+            event(log, "audit_write_recovered", logging.WARNING, batches_lost=self.failed_batches)
             self.failing = None
-            self._failed_batches = 0
+            self.failed_batches = 0
         self.written += count
         if sync:
             self._dirty = False
