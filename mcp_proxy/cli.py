@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,6 +63,18 @@ def _headers(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _check_commands(policy: Policy) -> None:
+    """Each tool command is an executable (on PATH, the tool's own PATH included): else
+    every session would only learn "tool process exited (code 127)"."""
+    for name, spec in policy.servers.items():
+        found = shutil.which(spec.command) or shutil.which(spec.command, path=spec.env.get("PATH"))
+        if spec.command and found is None:
+            raise UsageError(
+                f"tool command {spec.command!r} (server {name!r}) is not an executable file"
+                " on PATH: check its name, or give its full path"
+            )
+
+
 async def _serve(args: argparse.Namespace) -> None:
     command = list(args.command)
     if command[:1] == ["--"]:
@@ -88,6 +101,7 @@ async def _serve(args: argparse.Namespace) -> None:
         )
     if args.max_sessions < 1:
         raise UsageError("--max-sessions must be at least 1")
+    _check_commands(policy)
     from mcp_proxy.attach import attach
 
     # A talosd already running on the home: serve through its identity and links (ADR 0012).

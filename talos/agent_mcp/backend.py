@@ -126,7 +126,7 @@ async def open_backend(
         pass
     from talos.config import Home
     from talos.daemon import Daemon
-    from talos.keys import unlock
+    from talos.keys import PassphraseNeededError, unlock
     from talos_sdk.errors import UsageError
 
     if not Home(home).exists():
@@ -137,7 +137,15 @@ async def open_backend(
     else:
         # On the loop's (main) thread, where a prompt's Ctrl-C works (talos/keys.py); nothing
         # else runs yet: the client's first request waits in the pipe until the server starts.
-        wallet = unlock(Home(home).identity, passphrase_file=passphrase_file)
+        try:
+            wallet = unlock(Home(home).identity, passphrase_file=passphrase_file)
+        except PassphraseNeededError as exc:
+            # The usual cause is no running node to attach to, not a missing passphrase.
+            raise PassphraseNeededError(
+                f"no node is running on {home} to attach to (start `talosd run --home {home}`,"
+                f" then talosd mcp needs no passphrase), and running one here needs the key: "
+                f"{exc}"
+            ) from None
     loop = asyncio.get_running_loop()
     deadline = loop.time() + _RACE_WAIT
     while True:

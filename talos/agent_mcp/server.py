@@ -163,6 +163,7 @@ class InboxWatcher:
 
     async def _run(self) -> None:
         cursor: int | None = None
+        failed = ""  # what the last failure said: the same one is not logged again
         while True:
             try:
                 if cursor is None:
@@ -171,9 +172,15 @@ class InboxWatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # node gone: try again later, the agent's calls say why
-                _log.warning("inbox watcher: %s", exc)
+                # Once per outage, not every second into the agent host's MCP log.
+                if str(exc) != failed:
+                    failed = str(exc)
+                    _log.warning("inbox watcher: %s (retrying every second)", exc)
                 await asyncio.sleep(1.0)
                 continue
+            if failed:
+                _log.warning("inbox watcher: the node answers again")
+                failed = ""
             messages = got["messages"]
             if not messages:
                 continue

@@ -1,4 +1,5 @@
-"""``talos-proxy`` refuses a malformed DID wherever it takes one, and a serve that allows nobody.
+"""``talos-proxy`` refuses a malformed DID wherever it takes one, a serve that allows nobody,
+and a serve whose tool command is not there.
 
 Real ``talos-proxy`` processes; the DIDs and the phrase each error must contain
 come from tests/talos/bad_dids.py.
@@ -70,3 +71,11 @@ def test_serve_allowing_nobody_refuses_to_start(tmp_path: Path) -> None:
 async def test_serve_allow_none_starts_when_told(tmp_path: Path) -> None:
     async with serving(tmp_path / "h", ["--allow-none"]) as serve:
         assert serve.address.startswith("ws://127.0.0.1:")
+
+
+def test_serve_with_a_tool_command_that_does_not_exist_refuses_to_start(tmp_path: Path) -> None:
+    # Else it served, and every session only learned "tool process exited (code 127)".
+    did = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+    done = proxy("serve", "--home", str(tmp_path / "h"), "--listen", "127.0.0.1:0",
+                 "--allow", did, "--", "no-such-tool-xyz", "--flag")  # fmt: skip
+    assert_bad_input(done, "tool command 'no-such-tool-xyz'", "not an executable file on PATH")

@@ -272,7 +272,9 @@ async def test_sealed_identity_without_its_passphrase_is_a_clear_error(tmp_path:
     env = {k: v for k, v in os.environ.items() if "PASSPHRASE" not in k}
     env["PYTHONPATH"] = str(REPO)
     cases = [  # exit codes of talos/exit_codes.py: 2 bad input
-        ([], "TALOS_PASSPHRASE", 2),  # no passphrase to be had, no terminal to ask on
+        # No passphrase to be had, no terminal to ask on; first why one is needed at all.
+        ([], "no node is running on", 2),
+        ([], "TALOS_PASSPHRASE", 2),
         (["--passphrase-file", str(wrong)], "passphrase", 2),  # the wrong one
     ]
     for extra, expected, code in cases:
