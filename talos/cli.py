@@ -299,6 +299,10 @@ def cmd_send(args: argparse.Namespace) -> int:
     res = _online(path, "send", body, timeout=args.timeout + 5)
     if res is not _NOT_RUNNING:
         print(res["id"])
+        if not args.wait:  # queued: say so when nothing can move it (a mistyped DID, say)
+            for peer in node_call(path, "outbox", {"peer": res["to"]}):
+                if peer["state"] == "no_address":
+                    print(f"note: {peer['why']}; the message stays queued", file=sys.stderr)
         return 0
     if args.wait:
         raise NoNodeError(

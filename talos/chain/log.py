@@ -32,6 +32,7 @@ in its key file, which the audit holds the blocks to over the row.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import threading
 import time
@@ -53,7 +54,7 @@ from talos.chain.pending import bare_record, is_tagged, pending_key, pending_row
 from talos.chain.record_index import RecordIndex, Step, record_id_of
 from talos.store import Store, Txn
 from talos.writer import DirectWrites, Writes
-from talos_sdk.errors import MalformedFrameError, UsageError
+from talos_sdk.errors import MalformedFrameError, TalosError, UsageError
 from talos_sdk.hybrid import HybridPublicKey
 from talos_sdk.merkle import inclusion_proof as merkle_inclusion_proof
 from talos_sdk.merkle import merkle_root
@@ -473,7 +474,7 @@ class BlockLog:
         with self.store.read() as txn:
             place = _sealed_at(txn, in_memory or RecordIndex.stored(txn, record_id), record_id)
             if place is None:
-                raise UnknownRecordError(f"no sealed record with id {record_id.hex()}")
+                raise UnknownRecordError(_not_sealed(txn, record_id))
             height, index, _ = place
             block_bytes = txn.get("blocks", block_key(height))
             leaves = [v for _, v in _records_of(txn, height)]
@@ -539,6 +540,21 @@ def _records_of(txn: Txn, height: int) -> Iterator[tuple[bytes, bytes]]:
         if key[:8] != prefix:
             return
         yield key, value
+
+
+def _not_sealed(txn: Txn, record_id: bytes) -> str:
+    """Why there is no proof for ``record_id`` yet: the words for a person who just sent."""
+    for _, row in txn.items("pending"):  # a block's worth at most
+        with contextlib.suppress(TalosError):
+            if Record.from_bytes(bare_record(row)).record_id == record_id:
+                return (
+                    f"no sealed record with id {record_id.hex()} yet: it is recorded and waits"
+                    " for the next block (sealed within seal_interval): try again in a moment"
+                )
+    return (
+        f"no sealed record with id {record_id.hex()} (a message sent is recorded once"
+        " its peer acknowledged it, and sealed within seal_interval after that)"
+    )
 
 
 def _sealed_at(txn: Txn, loc: bytes | None, record_id: bytes) -> tuple[int, int, bytes] | None:

@@ -168,6 +168,11 @@ def test_send_wait_to_a_peer_that_can_never_link_fails_at_once(tmp_path: Path) -
         assert "no address known for the peer, no relay" in res.stderr
         assert "check the DID" in res.stderr and "nothing was sent" in res.stderr
         assert _json("outbox", "--json", "--home", str(home_a)) == []
+        # Without --wait it is queued, and the sender hears that nothing can move it yet.
+        res = talosd("send", "--home", str(home_a), stranger, "queued")
+        assert res.returncode == 0 and len(res.stdout.strip()) == 32, res.stderr
+        assert res.stderr.startswith("note: no address known for the peer"), res.stderr
+        assert "the message stays queued" in res.stderr
     finally:
         a.stop()
     # Allowed to dial in, the same DID is worth a wait: it runs its course.

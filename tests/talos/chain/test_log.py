@@ -211,9 +211,14 @@ def test_find_record_and_inclusion_proofs(tmp_path: Path) -> None:
     assert not verify_inclusion_proof({**proof, "proof": proof["proof"][::-1]}, NODE.did)
     assert not verify_inclusion_proof({**proof, "block": "00"}, NODE.did)
     assert not verify_inclusion_proof({"leaf": "zz"}, NODE.did)
-    with pytest.raises(UnknownRecordError):
+    with pytest.raises(UnknownRecordError, match="recorded once its peer acknowledged"):
         log.inclusion_proof(b"\x00" * 16)
     assert log.find_record(b"\x00" * 16) is None
+    # A record appended and not sealed yet: said so, for whoever asks right after a send.
+    waiting = make_record(99)
+    log.append(waiting)
+    with pytest.raises(UnknownRecordError, match="yet: it is recorded and waits"):
+        log.inclusion_proof(waiting.record_id)
     store.close()
 
 
