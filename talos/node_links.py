@@ -168,13 +168,34 @@ class NodeLinks(NodeBase):
         return self._peer(did)
 
     async def wait_connected(self, did: str, timeout: float) -> None:
-        """Wait until the link to ``did`` and its session are up."""
+        """Wait until the link to ``did`` and its session are up: LinkRefusedError at once
+        when a refusal for good is noted meanwhile (the peer does not allow us, a pin,
+        post-quantum policy), else ConnectTimeoutError after ``timeout``."""
         peer = self._peer(did)
+        if peer.ready.is_set():
+            return
+        refused: asyncio.Future[LinkProblem] = asyncio.get_running_loop().create_future()
+
+        def noted(about: str, problem: LinkProblem) -> None:
+            if about == did and problem.decisive and not refused.done():
+                refused.set_result(problem)
+
+        self._problem_callbacks.append(noted)
+        ready = asyncio.ensure_future(peer.ready.wait())
         try:
-            async with asyncio.timeout(timeout):
-                await peer.ready.wait()
-        except TimeoutError:
-            raise ConnectTimeoutError(f"no link with {did} after {timeout} s") from None
+            await asyncio.wait(
+                (ready, refused), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            self._problem_callbacks.remove(noted)
+            ready.cancel()
+        if peer.ready.is_set():
+            return
+        if refused.done():
+            raise LinkRefusedError(refused.result().message(did))
+        problem = self.link_problem(did)
+        last = f" (last: {problem.message(did)})" if problem is not None else ""
+        raise ConnectTimeoutError(f"no link with {did} after {timeout} s{last}")
 
     # --- one link ------------------------------------------------------------------------------
 

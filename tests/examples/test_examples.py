@@ -58,7 +58,7 @@ EXPECTED: dict[str, list[str]] = {
         r"alice's inbox: 'done: three findings, one risk'",
         r"bob's inbox #2: 'sent while you were offline'",
         r"delivered in order: \['ping 0', 'ping 1', 'ping 2'\]",
-        r"mallory \(not allowed by bob\) gets no link: ConnectTimeoutError",
+        r"mallory \(not allowed by bob\) gets no link: LinkRefusedError: .*not on its allow list",
         r"nodes stopped",
     ],
     "mcp_tool": [

@@ -19,7 +19,7 @@ import pytest
 from talos.node import ConnectTimeoutError, Node, NotConnectedError
 from talos.pipeline import make_seq
 from talos.status_text import status_lines
-from talos_sdk.errors import BundleError, DIDError, UsageError
+from talos_sdk.errors import BundleError, DIDError, LinkRefusedError, UsageError
 from talos_sdk.keyfile import load_wallet
 from talos_sdk.ratchet import Session
 from talos_sdk.wallet import Wallet
@@ -534,3 +534,18 @@ async def test_a_listen_port_in_use_is_a_usage_error_that_says_what_to_do(tmp_pa
         with pytest.raises(UsageError, match="another process listens there: give another port"):
             await node.start()
         await node.stop()
+
+
+async def test_wait_connected_ends_at_a_refusal_for_good(tmp_path: Path) -> None:
+    """A peer that does not allow us: the wait ends at its refusal, saying why, not
+    after the timeout."""
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    try:
+        async with asyncio.timeout(20):  # well under the wait's own 60 s
+            await a.add_peer(addr(b))  # b does not allow a
+            with pytest.raises(LinkRefusedError, match="not on its allow list"):
+                await a.wait_connected(b.did, 60)
+    finally:
+        await a.stop()
+        await b.stop()
