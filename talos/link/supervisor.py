@@ -217,10 +217,13 @@ class LinkSupervisor:
             try:
                 link = await self._dial(addr)
             except Exception as exc:  # any failure to dial is retried, never fatal
-                self._dial_failed(addr, exc)
+                problem = self._dial_failed(addr, exc)
                 addr = self._next_addr(addr)
-                # Exponential backoff with full jitter, capped (AWS architecture blog).
-                await asyncio.sleep(random.uniform(0.5, 1.0) * backoff.failed())
+                # Exponential backoff with full jitter, capped (AWS architecture blog). A
+                # refusal for good waits the cap at once: only its operator changes it, and
+                # a sender waiting for an answer redials now anyway (redial_now).
+                delay = backoff.failed() if not problem.decisive else self._reconnect[1]
+                await asyncio.sleep(random.uniform(0.5, 1.0) * delay)
                 continue
             if link.via == "direct":
                 with contextlib.suppress(TalosError):  # a bad learned address must not drop it
@@ -237,7 +240,7 @@ class LinkSupervisor:
                 # Authenticated but never ready (session setup failed): keep backing off.
                 await asyncio.sleep(random.uniform(0.5, 1.0) * backoff.failed())
 
-    def _dial_failed(self, addr: PeerAddr, exc: Exception) -> None:
+    def _dial_failed(self, addr: PeerAddr, exc: Exception) -> LinkProblem:
         """Log a failed dial and keep it as the peer's latest problem, in words."""
         level = logging.DEBUG  # an unreachable peer is normal; a refusal is not
         now = int(self._clock() * 1000)
@@ -266,6 +269,7 @@ class LinkSupervisor:
             reason=problem.reason,
         )
         self._note(addr.did, problem)
+        return problem
 
     def _note(self, did: str, problem: LinkProblem) -> None:
         self.problems.note(did, problem)

@@ -549,3 +549,23 @@ async def test_wait_connected_ends_at_a_refusal_for_good(tmp_path: Path) -> None
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_refusal_for_good_is_redialled_at_the_backoff_cap(tmp_path: Path) -> None:
+    """Only the refusing operator changes a refusal for good: the dialler waits the
+    backoff cap before each new try, not the exponential steps from its first delay."""
+    fast = {"reconnect_initial": 0.05, "reconnect_max": 1.0}
+    a = await started(*make_home(tmp_path, "a", **fast))
+    b = await started(*make_home(tmp_path, "b"))
+    refusals: list[str] = []
+    a.on_link_problem(lambda did, problem: refusals.append(did) if problem.decisive else None)
+    try:
+        await a.add_peer(addr(b))  # b does not allow a
+        await until(lambda: refusals != [], 10, "the first refusal")
+        await asyncio.sleep(1.4)
+        # At the cap (0.5-1.0 s each, jittered): at most two more; the exponential steps
+        # from 0.05 s made five or six here. A slow machine only makes fewer.
+        assert len(refusals) <= 3, refusals
+    finally:
+        await a.stop()
+        await b.stop()
