@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 
 #: The HTTP head of an upgrade (request or response) is refused past this many bytes.
 MAX_HEAD = 16 * 1024
+#: Connections a server keeps in their HTTP upgrade at once; one more is cut at once.
+#: Each may hold MAX_HEAD for open_timeout before it proves anything (4 MiB in all).
+MAX_OPENING = 256
 _HEAD_END = b"\r\n\r\n"
 #: Close code when a keepalive pong is late (RFC 6455 section 7.4.1: internal error).
 CLOSE_PING_TIMEOUT = 1011
@@ -477,6 +480,10 @@ class WsServer:
         return stream
 
     async def _serve(self, stream: WsStream) -> None:
+        if len(self._opening) >= MAX_OPENING:
+            # After connection_made, which the loop runs after this task's first step.
+            asyncio.get_running_loop().call_soon(stream._abort)
+            return
         self._opening.add(stream)
         try:
             opened = await self._accept(stream)

@@ -11,6 +11,7 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from talos.link import wsconn
 from talos.link.wsconn import MAX_HEAD, WsOptions, WsServer, WsStream, ws_connect, ws_serve
 
 OPTIONS = WsOptions(max_size=1 << 16, max_queue=4, ping_interval=0, open_timeout=5)
@@ -262,3 +263,33 @@ async def test_messages_arriving_after_our_close_frame_are_dropped_unread(
         await closing
         assert peer.close_code == 1013 and peer.queued == 1  # only the message sent before
         assert peer.dropped == OPTIONS.max_queue * 4
+
+
+async def test_connections_in_their_upgrade_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Past MAX_OPENING connections still in their HTTP upgrade, the next is cut at once;
+    # once one of them ends, a new connection gets its upgrade again.
+    monkeypatch.setattr(wsconn, "MAX_OPENING", 3)
+    server = await ws_serve(_echo, "127.0.0.1", 0, WsOptions(max_size=1024, open_timeout=30))
+    port = server.sockets[0].getsockname()[1]
+    held = []
+    try:
+        async with asyncio.timeout(20):  # not the 30 s of open_timeout
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET / HTTP/1.1\r\n")  # and no more
+                held.append(writer)
+            await asyncio.sleep(0.2)  # the server has taken all three
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await reader.read() == b""  # cut, nothing said
+            writer.close()
+            held.pop().close()
+            await asyncio.sleep(0.2)
+            stream = await ws_connect(_url(server), OPTIONS)
+            await stream.send(b"in")
+            assert await stream.recv() == b"in"
+            await stream.close()
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
