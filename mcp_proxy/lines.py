@@ -24,10 +24,10 @@ class LineSplitter:
         self._on_line = on_line
         self._on_overflow = on_overflow
         self._limit = limit
-        # The unended line's pieces, joined once its newline comes: joining on every
-        # read copied a long line again per chunk (quadratic in its length).
-        self._parts: list[bytes] = []
-        self._held = 0
+        # The unended line, grown in place and copied once its newline comes: joining it
+        # to every read copied it again per chunk (quadratic in its length), and a list of
+        # the reads held ~20x its bytes when they were tiny.
+        self._buf = bytearray()
         self._skipping = False  # inside a refused line: drop up to its newline
 
     def feed(self, data: bytes) -> None:
@@ -37,13 +37,13 @@ class LineSplitter:
             if not start:
                 return
             self._skipping = False
-        elif self._parts:
+        elif self._buf:
             if b"\n" not in data:
                 self._hold(data)
                 return
-            self._parts.append(data)
-            data = b"".join(self._parts)
-            self._parts, self._held = [], 0
+            self._buf += data
+            data = bytes(self._buf)
+            self._buf = bytearray()
         limit = self._limit
         while (end := data.find(b"\n", start)) >= 0:
             line = data[start:end].rstrip(b"\r")
@@ -56,18 +56,17 @@ class LineSplitter:
             self._hold(data[start:])
 
     def _hold(self, piece: bytes) -> None:
-        """Keep a piece of the unended line; past ``limit`` refuse the line (module docstring)."""
-        self._held += len(piece)
-        if self._held > self._limit:
+        """Keep a piece of the unended line; past ``limit`` refuse the line (class docstring)."""
+        if len(self._buf) + len(piece) > self._limit:
             self._on_overflow()
             self._skipping = True
-            self._parts, self._held = [], 0
+            self._buf = bytearray()
         else:
-            self._parts.append(piece)
+            self._buf += piece
 
     def eof(self) -> None:
-        rest = b"".join(self._parts).rstrip(b"\r")
-        self._parts, self._held = [], 0
+        rest = bytes(self._buf).rstrip(b"\r")
+        self._buf = bytearray()
         self._skipping = False
         if rest:
             self._on_line(rest)

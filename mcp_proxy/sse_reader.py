@@ -8,12 +8,13 @@ and comment lines carry nothing MCP needs here). A line may end in LF or
 CRLF; a lone CR ends no line (the MCP SDKs' servers end lines with LF or
 CRLF).
 
-The upstream is not trusted (docs/security.md): each chunk is scanned once
-from where the last one stopped, so a chunk costs time linear in its size,
-and an event's size is the stream bytes its lines took (a ``data:`` line
-with nothing after it counts its six bytes): once an event passes ``limit``,
-whatever its lines hold, :attr:`EventDataReader.too_big` is set and the
-reader reads no further (the events completed before it are returned).
+The upstream is not trusted (docs/security.md): each byte is searched for a
+line feed once (an unended line is not searched again when more of it comes),
+so the stream costs time linear in its size, and an event's size is the stream
+bytes its lines took (a ``data:`` line with nothing after it counts its six
+bytes): once an event passes ``limit``, whatever its lines hold,
+:attr:`EventDataReader.too_big` is set and the reader reads no further (the
+events completed before it are returned).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ __all__ = ["EventDataReader"]
 class EventDataReader:
     """The ``data`` of each complete event of one event stream, at most ``limit`` bytes each."""
 
-    __slots__ = ("_buf", "_data", "_limit", "_size", "too_big")
+    __slots__ = ("_buf", "_data", "_limit", "_scanned", "_size", "too_big")
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._buf = bytearray()  # the last line, not yet ended
+        self._scanned = 0  # how much of it holds no line feed (not searched again)
         self._data: list[bytes] = []  # the data lines of the event being read
         self._size = 0  # stream bytes the event being read took so far
         #: An event passed ``limit``: the stream is to be dropped.
@@ -42,9 +44,10 @@ class EventDataReader:
         buf += chunk
         out: list[bytes] = []
         start = 0
-        while (end := buf.find(b"\n", start)) >= 0:
+        scan = self._scanned
+        while (end := buf.find(b"\n", scan)) >= 0:
             line = bytes(buf[start:end])
-            start = end + 1
+            start = scan = end + 1
             if line.endswith(b"\r"):
                 line = line[:-1]
             if not line:
@@ -61,6 +64,7 @@ class EventDataReader:
             elif line == b"data":  # a field name alone: an empty value
                 self._data.append(b"")
         del buf[:start]
+        self._scanned = len(buf)
         if self._size + len(buf) > self._limit:
             self.too_big = True
             self._buf, self._data = bytearray(), []
