@@ -76,8 +76,7 @@ class NodeDelivery(NodeBase):
         if verdict is Received.ACCEPT:
             o = opened
             row = pl.encode_inbox(o.msg_id, peer.did, o.seq, o.ts_ms, o.text)
-            # One message is taken whatever its size while the peer has none stored.
-            if peer.inbox_bytes and peer.inbox_bytes + len(row) > self._inbox_share:
+            if self.past_share(peer, len(row)):
                 peer.rx.not_taken(before)
                 self._over_share(peer)
                 return
@@ -96,6 +95,11 @@ class NodeDelivery(NodeBase):
     @property
     def _inbox_share(self) -> int:
         return self.config.inbox_share or self.config.map_size // 8
+
+    def past_share(self, peer: Peer, size: int) -> bool:
+        """Whether ``size`` more bytes of inbox rows would take ``peer`` past its share
+        (one message is taken whatever its size while the peer has none stored)."""
+        return bool(peer.inbox_bytes) and peer.inbox_bytes + size > self._inbox_share
 
     def _over_share(self, peer: Peer) -> None:
         """The peer's stored messages fill its inbox share: this one waits at its end

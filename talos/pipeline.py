@@ -272,7 +272,14 @@ def last_inbox_n(txn: Txn) -> int:
 
 def prune_inbox(txn: Txn, through: int, limit: int) -> tuple[int, dict[str, int]]:
     """Delete at most ``limit`` of the oldest inbox messages numbered up to ``through``:
-    how many, and the bytes freed per sender (taken off their inbox shares)."""
+    how many, and the bytes freed per sender (taken off their inbox shares). A
+    ``through`` past the last message is refused: it would delete unseen arrivals."""
+    top = last_inbox_n(txn)
+    if through > top:
+        raise UsageError(
+            f"'through' ({through}) is past the last message in the inbox (n={top}): "
+            "pass the n of a message you have seen"
+        )
     doomed: list[bytes] = []
     freed: dict[str, int] = {}
     for key, value in txn.items("inbox"):

@@ -69,7 +69,8 @@ _COMMIT_WAIT: Final = 30.0
 
 #: Longest the mailbox drain holds the event loop between two turns, in seconds.
 _DRAIN_SLICE: Final = 0.02
-#: Seconds before mail from a sender the node does not let link is handed back again.
+#: Seconds before mail the node does not take now (from a sender it does not let link,
+#: or past its sender's inbox share) is handed back again.
 _NOT_ALLOWED_RETRY: Final = 300.0
 
 
@@ -297,6 +298,7 @@ class NodeRelay:
         verdicts: list[MailboxVerdict] = []
         waiting: list[tuple[int, _Peer, int]] = []
         senders: set[str] = set()
+        held: set[str] = set()  # senders whose mail this batch leaves with the relay
         turn = time.monotonic()
         for data in batch:
             # A message that names a known sender costs its ratchet work before it fails
@@ -307,7 +309,7 @@ class NodeRelay:
                 await asyncio.sleep(0)
                 turn = time.monotonic()
             try:
-                taken = self._take(data)
+                taken = self._take(data, held)
             except (ProtocolError, DecryptionError, SignatureError, UsageError) as exc:
                 # Garbage, a replay, a forged sender: dropped (the sender's outbox still
                 # holds anything real), never counted towards a session resync.
@@ -323,9 +325,10 @@ class NodeRelay:
                 continue
             if taken is None:
                 # Left with the relay, handed back now and then until the node lets the
-                # sender link (`peers.allow`) or the mailbox's max age drops it: taken
-                # and dropped, it was lost for offline delivery (the sender mails it
-                # only once). A link would refuse the sender too.
+                # sender link (`peers.allow`) or its inbox share has room (the inbox is
+                # pruned), or the mailbox's max age drops it: taken and dropped, it was
+                # lost for offline delivery (the sender mails it only once). A link would
+                # refuse the sender too.
                 self._count("mailbox_held")
                 verdicts.append(_NOT_ALLOWED_RETRY)
                 continue
@@ -342,9 +345,12 @@ class NodeRelay:
             node.links.ensure(did)  # so the end-to-end ACK can reach the sender
         return verdicts
 
-    def _take(self, data: bytes) -> tuple[_Peer, int] | None:
-        """Open one mail and hand its MSG frame on; None if the node does not let its
-        sender link (a session outlives the allow list it was made under)."""
+    def _take(self, data: bytes, held: set[str]) -> tuple[_Peer, int] | None:
+        """Open one mail and hand its MSG frame on; None, and the mail left unopened, if
+        the node does not let its sender link (a session outlives the allow list it was
+        made under), or the message would pass its sender's inbox share: opened, its
+        message key would be spent and it could not be read when handed back. Its
+        sender's later mail in ``held``'s batch is left unopened with it."""
         node = self.node
         env = open_envelope(node.wallet.seed, node.did, data)
         public_key_from_did(env.sender)
@@ -353,9 +359,14 @@ class NodeRelay:
             raise ProtocolError(f"{type(frame).__name__} in a mailbox (only MSG frames go there)")
         if env.sender == node.did or not node.sessions.has(env.sender):
             raise ProtocolError("mailbox message from a peer without a session")
-        if not node.authorizer(env.sender):
+        if not node.authorizer(env.sender) or env.sender in held:
             return None
         peer = node._peer(env.sender)
+        # The sealed body is larger than the inbox row it makes: no message that passes
+        # here is refused for its share once opened.
+        if node.past_share(peer, len(frame.body)):
+            held.add(env.sender)
+            return None
         with node.sessions.opening_mail():  # the envelope proves no sender: its own budget
             node._on_msg(peer, frame)
         self._count("mailbox_in")

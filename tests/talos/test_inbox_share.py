@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from talos import pipeline as pl
 from talos.store import Store
+from talos_sdk.errors import UsageError
 from tests.talos.nodes import link, make_home, started, until
 
 TEXT = "x" * 1000
@@ -48,8 +51,10 @@ async def test_a_peer_past_its_share_waits_and_others_do_not(tmp_path: Path) -> 
                     await b.prune_inbox(batch[-1].n)
                 await asyncio.sleep(0.05)
             assert texts == [f"{i} {TEXT}" for i in range(20)]
-            # Numbering goes on after an emptied inbox: n never repeats.
-            assert await b.prune_inbox(2**63) == 0
+            # Past the last message is refused (it would delete unseen arrivals), and
+            # numbering goes on after an emptied inbox: n never repeats.
+            with pytest.raises(UsageError, match="past the last message"):
+                await b.prune_inbox(2**63)
             await a.send_message(b.did, "after", wait=True, timeout=20)
             assert b.inbox(limit=100)[0].n > last
     finally:
@@ -77,7 +82,7 @@ def test_prune_frees_each_senders_bytes_and_keeps_the_numbering(tmp_path: Path) 
             assert pl.get_u64(txn, "meta", pl.meta_inbox_bytes("did:y")) == 0
             assert pl.last_inbox_n(txn) == 3
         with store.write() as txn:
-            assert pl.prune_inbox(txn, through=10, limit=10) == (1, {"did:x": size})
+            assert pl.prune_inbox(txn, through=3, limit=10) == (1, {"did:x": size})
         with store.read() as txn:
             assert pl.last_inbox_n(txn) == 3  # empty: numbering goes on from the last pruned
     finally:

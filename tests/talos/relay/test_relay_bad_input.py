@@ -502,6 +502,37 @@ async def test_mail_from_a_peer_not_allowed_waits_with_the_relay(
         await b.stop()
 
 
+async def test_mail_past_the_senders_inbox_share_waits_with_the_relay(
+    relay_net: RelayNet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Mail the inbox share does not let B take stays with the relay (A mails it only
+    # once): once B prunes its inbox, the rest is delivered, in order, A offline.
+    monkeypatch.setattr(relay_attach, "_NOT_ALLOWED_RETRY", 0.5)
+    a, b = await _pair(relay_net)
+    home_b, config_b = relay_net.homes["b"]
+    texts = [f"{i} " + "x" * 1000 for i in range(6)]
+    try:
+        await a.send_message(b.did, "first", wait=True)
+        await b.stop()
+        for text in texts:
+            await a.send_message(b.did, text)
+        await until(lambda: a.metrics.counters.get("mailbox_out", 0) >= 6, 30, "mailboxed")
+        await a.stop()
+        b = await started(home_b, config_b.model_copy(update={"inbox_share": 3000}))
+        b.allow(a.did)
+        await until(lambda: b.metrics.counters.get("mailbox_held", 0) >= 1, 30, "held")
+        got = _texts(b)
+        assert got[0] == "first" and 1 < len(got) < 7 and got[1:] == texts[: len(got) - 1]
+        while len(got) < 7:
+            await b.prune_inbox(b.inbox()[-1].n)
+            await until(lambda: b.inbox() != [], 30, "more taken")
+            got += _texts(b)
+        assert got == ["first", *texts]
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 async def test_mailbox_garbage_writes_a_bounded_number_of_warnings(
     relay_net: RelayNet, caplog: pytest.LogCaptureFixture
 ) -> None:
