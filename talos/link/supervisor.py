@@ -37,6 +37,7 @@ from talos.link.admission import Admission, Backoff, keep_new_link
 from talos.link.auth import CLOSE_DOWNGRADE
 from talos.link.handshake import (
     CLOSE_DUPLICATE,
+    CLOSE_PINNED_MISMATCH,
     CLOSE_SHUTDOWN,
     CLOSE_UNAUTHORIZED,
     Refusal,
@@ -221,8 +222,10 @@ class LinkSupervisor:
                 addr = self._next_addr(addr)
                 # Exponential backoff with full jitter, capped (AWS architecture blog). A
                 # refusal for good waits the cap at once: only its operator changes it, and
-                # a sender waiting for an answer redials now anyway (redial_now).
-                delay = backoff.failed() if not problem.decisive else self._reconnect[1]
+                # a sender waiting for an answer redials now anyway (redial_now). Not a DID
+                # mismatch: that is one address's fault, and the next may answer.
+                firm = problem.decisive and problem.code != CLOSE_PINNED_MISMATCH
+                delay = self._reconnect[1] if firm else backoff.failed()
                 await asyncio.sleep(random.uniform(0.5, 1.0) * delay)
                 continue
             if link.via == "direct":

@@ -33,7 +33,7 @@ import logging
 import os
 import socket
 import ssl
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
@@ -59,9 +59,11 @@ log = logging.getLogger(__name__)
 
 #: The HTTP head of an upgrade (request or response) is refused past this many bytes.
 MAX_HEAD = 16 * 1024
-#: Connections a server keeps in their HTTP upgrade at once; one more is cut at once.
-#: Each may hold MAX_HEAD for open_timeout before it proves anything (4 MiB in all).
+#: Connections a server keeps in their HTTP upgrade at once, in all and from one address;
+#: one more is cut at once. Each may hold MAX_HEAD for open_timeout before it proves
+#: anything (4 MiB in all), and one host cannot take every place.
 MAX_OPENING = 256
+MAX_OPENING_PER_ADDRESS = 16
 _HEAD_END = b"\r\n\r\n"
 #: Close code when a keepalive pong is late (RFC 6455 section 7.4.1: internal error).
 CLOSE_PING_TIMEOUT = 1011
@@ -466,6 +468,7 @@ class WsServer:
         self.server: asyncio.Server | None = None
         self._streams: set[WsStream] = set()  # open: their handler runs
         self._opening: set[WsStream] = set()  # still in the HTTP upgrade
+        self._hosts: Counter[str] = Counter()  # of them, from each address
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -480,15 +483,20 @@ class WsServer:
         return stream
 
     async def _serve(self, stream: WsStream) -> None:
-        if len(self._opening) >= MAX_OPENING:
-            # After connection_made, which the loop runs after this task's first step.
-            asyncio.get_running_loop().call_soon(stream._abort)
+        await asyncio.sleep(0)  # connection_made first: the peer's address is known
+        host = stream.remote_host or ""
+        if len(self._opening) >= MAX_OPENING or self._hosts[host] >= MAX_OPENING_PER_ADDRESS:
+            stream._abort()
             return
         self._opening.add(stream)
+        self._hosts[host] += 1
         try:
             opened = await self._accept(stream)
         finally:
             self._opening.discard(stream)
+            self._hosts[host] -= 1
+            if not self._hosts[host]:
+                del self._hosts[host]
         if not opened:
             return
         self._streams.add(stream)

@@ -265,10 +265,16 @@ async def test_messages_arriving_after_our_close_frame_are_dropped_unread(
         assert peer.dropped == OPTIONS.max_queue * 4
 
 
-async def test_connections_in_their_upgrade_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Past MAX_OPENING connections still in their HTTP upgrade, the next is cut at once;
-    # once one of them ends, a new connection gets its upgrade again.
-    monkeypatch.setattr(wsconn, "MAX_OPENING", 3)
+@pytest.mark.parametrize("cap", ["MAX_OPENING", "MAX_OPENING_PER_ADDRESS"])
+async def test_connections_in_their_upgrade_are_bounded(
+    monkeypatch: pytest.MonkeyPatch, cap: str
+) -> None:
+    # Past the cap of connections still in their HTTP upgrade (in all, or from one
+    # address: these all come from 127.0.0.1), the next is cut at once; once one of them
+    # ends, a new connection gets its upgrade again.
+    monkeypatch.setattr(wsconn, "MAX_OPENING", 100)
+    monkeypatch.setattr(wsconn, "MAX_OPENING_PER_ADDRESS", 100)
+    monkeypatch.setattr(wsconn, cap, 3)
     server = await ws_serve(_echo, "127.0.0.1", 0, WsOptions(max_size=1024, open_timeout=30))
     port = server.sockets[0].getsockname()[1]
     held = []
@@ -278,12 +284,14 @@ async def test_connections_in_their_upgrade_are_bounded(monkeypatch: pytest.Monk
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(b"GET / HTTP/1.1\r\n")  # and no more
                 held.append(writer)
-            await asyncio.sleep(0.2)  # the server has taken all three
+            while len(server._opening) < 3:
+                await asyncio.sleep(0.01)
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             assert await reader.read() == b""  # cut, nothing said
             writer.close()
             held.pop().close()
-            await asyncio.sleep(0.2)
+            while len(server._opening) > 2:
+                await asyncio.sleep(0.01)
             stream = await ws_connect(_url(server), OPTIONS)
             await stream.send(b"in")
             assert await stream.recv() == b"in"
