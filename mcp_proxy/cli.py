@@ -67,8 +67,10 @@ def _check_commands(policy: Policy) -> None:
     """Each tool command is an executable (on PATH, the tool's own PATH included): else
     every session would only learn "tool process exited (code 127)"."""
     for name, spec in policy.servers.items():
+        if not spec.command:  # a Streamable HTTP upstream (url)
+            continue
         found = shutil.which(spec.command) or shutil.which(spec.command, path=spec.env.get("PATH"))
-        if spec.command and found is None:
+        if found is None:
             raise UsageError(
                 f"tool command {spec.command!r} (server {name!r}) is not an executable file"
                 " on PATH: check its name, or give its full path"

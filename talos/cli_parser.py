@@ -32,6 +32,14 @@ def _home(sp: argparse.ArgumentParser, inherited: bool = False) -> None:
     sp.add_argument("--home", metavar="DIR", help=HOME_HELP, **kwargs)
 
 
+def _name_and_home(sp: argparse.ArgumentParser) -> None:
+    """``--name`` for a peer being added or allowed, and the inherited ``--home``."""
+    sp.add_argument(
+        "--name", metavar="NAME", help="a local name for the peer, usable wherever a DID is"
+    )
+    _home(sp, inherited=True)
+
+
 def _json(sp: argparse.ArgumentParser, what: str) -> None:
     sp.add_argument("--json", action="store_true", help=f"print {what} as JSON, for scripts")
 
@@ -203,10 +211,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         (f"talosd peers add ws://127.0.0.1:7400#{DID_EXAMPLE} --name alice",),
     )
     pa.add_argument("addr", metavar="ADDR", help="the peer's address: ws://HOST:PORT#DID")
-    pa.add_argument(
-        "--name", metavar="NAME", help="a local name for the peer, usable wherever a DID is"
-    )
-    _home(pa, inherited=True)
+    _name_and_home(pa)
     pw = command(
         psub,
         "allow",
@@ -217,10 +222,7 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         (f"talosd peers allow {DID_EXAMPLE} --name alice",),
     )
     pw.add_argument("did", metavar="DID", help="the peer's did:key")
-    pw.add_argument(
-        "--name", metavar="NAME", help="a local name for the peer, usable wherever a DID is"
-    )
-    _home(pw, inherited=True)
+    _name_and_home(pw)
     pn = command(
         psub,
         "name",
