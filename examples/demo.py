@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -211,8 +212,9 @@ def main() -> int:
             asyncio.run(call_tool_through_tunnel(agent, serve.match.group(1)))
 
             step("Audit: re-validate every block, link, Merkle root and signature")
-            print("   " + run(TALOSD, "chain", "verify", "--home", str(alice)))
-            print("   " + run(TALOSD, "chain", "verify", "--home", str(bob)))
+            for home in (alice, bob):
+                out = run(TALOSD, "chain", "verify", "--home", str(home))
+                print(textwrap.indent(out, "   "))
         step("Done: nodes stopped cleanly")
     finally:
         if args.keep:

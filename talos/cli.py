@@ -287,14 +287,36 @@ def cmd_outbox(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The most ``send -`` reads: above any node's frame limit, so the node's own refusal
+#: (which names the peer's limit) is what a user sees, without reading a stream forever.
+_STDIN_MAX = 16 << 20
+
+
+def _stdin_text() -> str:
+    """``send``'s TEXT from standard input, less one final line ending (as ``$(...)`` does)."""
+    data = sys.stdin.buffer.read(_STDIN_MAX + 1)
+    if len(data) > _STDIN_MAX:
+        raise UsageError(f"standard input holds more than {_STDIN_MAX} bytes: send it as a file")
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise UsageError("standard input is not valid UTF-8 text") from None
+    return text.removesuffix("\n").removesuffix("\r")
+
+
 def cmd_send(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
     check_peer_ref(args.did, "PEER")
+    if args.text == "-":
+        args.text = _stdin_text()
     try:
         args.text.encode()
     except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (surrogateescape)
         raise UsageError("TEXT is not valid UTF-8") from None
+    if not args.text:
+        # Most often an unset shell variable ("$MSG"): a blank message is never the intent.
+        raise UsageError("empty message: nothing sent")
     body = {"to": args.did, "text": args.text, "wait": args.wait, "timeout": args.timeout}
     res = _online(path, "send", body, timeout=args.timeout + 5)
     if res is not _NOT_RUNNING:

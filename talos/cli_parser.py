@@ -288,7 +288,11 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         " durably and delivered when a link to the peer is up; with the node stopped it"
         " waits for the next run. --wait blocks until the peer acknowledged it, and fails"
         " at once (exit 3) with the reason when the peer refuses the link.",
-        ("talosd send alice 'hello'", f"talosd send --wait --timeout 10 {DID_EXAMPLE} 'hi'"),
+        (
+            "talosd send alice 'hello'",
+            f"talosd send --wait --timeout 10 {DID_EXAMPLE} 'hi'",
+            "git log -1 | talosd send alice -",
+        ),
     )
     sp.add_argument(
         "--wait",
@@ -303,7 +307,9 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         help="with --wait: give up after SECONDS (exit 5; 4 if unreachable), still queued",
     )
     sp.add_argument("did", metavar="PEER", help="the recipient: a DID or a peer name")
-    sp.add_argument("text", metavar="TEXT", help="the message (UTF-8 text)")
+    sp.add_argument(
+        "text", metavar="TEXT", help="the message (UTF-8 text); - reads it from standard input"
+    )
 
     sp = add(
         "inbox",

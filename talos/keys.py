@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from talos_sdk.errors import KeyFileError, UsageError
+from talos_sdk.errors import KeyFileError, UsageError, WrongPassphraseError
 from talos_sdk.keyfile import load_wallet, read_private_file, save_wallet
 from talos_sdk.wallet import Wallet
 
@@ -159,6 +159,7 @@ def new_key_passphrase(
     env: str = PASSPHRASE_ENV,
     command: str = "talosd init",
     flag: str = "--passphrase-file",
+    what: str = "a passphrase",
 ) -> str | None:
     """The passphrase a new identity key is sealed under; None only if opted out.
 
@@ -171,10 +172,10 @@ def new_key_passphrase(
         return read_passphrase_file(passphrase_file)
     if no_passphrase:
         return None
-    passphrase = _from_env(env) or _prompt("passphrase for the identity key: ", confirm=True)
+    passphrase = _from_env(env) or _prompt(f"{what} for the identity key: ", confirm=True)
     if passphrase is None:
         raise PassphraseNeededError(
-            f"{command} needs a passphrase for the identity key and there is no terminal "
+            f"{command} needs {what} for the identity key and there is no terminal "
             f"to ask on: give {flag} FILE or set {env}, "
             "or pass --no-passphrase to store the key unencrypted"
         )
@@ -189,15 +190,28 @@ def unlock(path: Path, *, passphrase_file: str | None = None) -> Wallet:
     """
     if not is_encrypted(path):
         return load_wallet(path)
-    passphrase = (
-        read_passphrase_file(passphrase_file) if passphrase_file is not None else None
-    ) or (_from_env(PASSPHRASE_ENV) or _prompt(f"passphrase for {path}: ", confirm=False))
+    if passphrase_file is not None:
+        passphrase: str | None = read_passphrase_file(passphrase_file)
+        source = f"from --passphrase-file {passphrase_file}"
+    elif (passphrase := _from_env(PASSPHRASE_ENV)) is not None:
+        source = f"from ${PASSPHRASE_ENV}"
+    else:
+        passphrase = _prompt(f"passphrase for {path}: ", confirm=False)
+        source = "typed at the prompt"
     if passphrase is None:
         raise PassphraseNeededError(
             f"the identity key {path} is encrypted and there is no terminal to ask for "
             f"its passphrase: give --passphrase-file FILE or set {PASSPHRASE_ENV}"
         )
-    return load_wallet(path, passphrase)
+    try:
+        return load_wallet(path, passphrase)
+    except WrongPassphraseError:
+        # Name the file and where the passphrase came from: a stale $TALOS_PASSPHRASE
+        # left in a shell is the usual cause, and the bare error does not show it.
+        raise WrongPassphraseError(
+            f"wrong passphrase for the identity key {path} (passphrase {source}), "
+            "or the file's header was modified"
+        ) from None
 
 
 def change_passphrase(
@@ -221,6 +235,7 @@ def change_passphrase(
         env=NEW_PASSPHRASE_ENV,
         command="talosd passphrase",
         flag="--new-passphrase-file",
+        what="the new passphrase",
     )
     extra = None if since is None else {HYBRID_SINCE_FIELD: since}
     save_wallet(wallet, path, new, overwrite=True, extra=extra)

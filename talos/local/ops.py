@@ -371,21 +371,27 @@ async def op_files_send(host: LocalHost, args: dict[str, Any]) -> Any:
     node = host.node
     did = resolve(node, _str(args, "to"))
     path = Path(_str(args, "path")).expanduser().resolve()
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder: send-file sends one file (archive the folder first)")
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
     tid = await _transfers(host).send_file(did, str(path), _str(args, "name", optional=True))
     return _file_view(host, tid)
 
 
-def _file_view(host: LocalHost, tid: str) -> dict[str, Any]:
+def _file_view(host: LocalHost, tid: str, names: dict[str, str] | None = None) -> dict[str, Any]:
+    """A transfer as the HTTP route shows it, plus the peer's local name (None if unnamed)."""
     from talos.transfer.routes import view
 
-    return dict(view(_transfers(host), tid))
+    data = dict(view(_transfers(host), tid))
+    data["peer_name"] = (names if names is not None else _names(host.node)).get(data["peer"])
+    return data
 
 
 async def op_files_list(host: LocalHost, args: dict[str, Any]) -> Any:
     manager = _transfers(host)
-    return [_file_view(host, i.tid) for i in manager.list()]
+    names = _names(host.node)
+    return [_file_view(host, i.tid, names) for i in manager.list()]
 
 
 async def op_files_accept(host: LocalHost, args: dict[str, Any]) -> Any:

@@ -110,8 +110,9 @@ def cmd_files(args: argparse.Namespace) -> int:
         return 0
     for r in rows:
         arrow = "<-" if r["direction"] == "in" else "->"
+        peer = r.get("peer_name") or f"{r['peer'][:24]}…"
         print(
-            f"{r['tid']} {arrow} {r['peer'][:24]}… {r['state']:9} {r['size']:>12} "
+            f"{r['tid']} {arrow} {peer:25} {r['state']:9} {r['size']:>12} "
             f"{r['name']} {r['path'] if r['direction'] == 'in' else ''}".rstrip()
         )
     return 0

@@ -24,8 +24,12 @@ ENV = {
 }
 
 
-def talosd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run one ``talosd`` command to completion."""
+def talosd(
+    *args: str, timeout: float = 60, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run one ``talosd`` command to completion, ``stdin`` (if any) as its standard input."""
+    # Never a terminal: talosd must not wait for a prompt.
+    feed: dict[str, object] = {"stdin": subprocess.DEVNULL} if stdin is None else {"input": stdin}
     return subprocess.run(
         [*TALOSD, *args],
         capture_output=True,
@@ -33,7 +37,7 @@ def talosd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         env=ENV,
         check=False,
-        stdin=subprocess.DEVNULL,  # never a terminal: talosd must not wait for a prompt
+        **feed,  # type: ignore[arg-type]
     )
 
 

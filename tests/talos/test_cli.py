@@ -165,6 +165,15 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
         assert talosd("send", "--home", str(home_a), "--wait", did_b, evil).returncode == 0
         lines = talosd("inbox", "--home", str(home_b)).stdout.splitlines()
         assert len(lines) == 2 and lines[1].endswith(" alice: \\x1b[2J\\x0aforged line"), lines
+        # TEXT "-" reads standard input (less its last line ending); an empty message
+        # (an unset shell variable, say) is refused, and nothing is queued.
+        res = talosd("send", "--home", str(home_a), "--wait", did_b, "-", stdin="two\nlines\n")
+        assert res.returncode == 0, res.stderr
+        for empty in (("",), ("-",)):
+            res = talosd("send", "--home", str(home_a), did_b, *empty, stdin="")
+            assert res.returncode == 2 and "empty message: nothing sent" in res.stderr
+        inbox = json.loads(talosd("inbox", "--home", str(home_b), "--json").stdout)
+        assert [m["text"] for m in inbox[2:]] == ["two\nlines"]
         # inbox --follow streamed the message as one JSON line.
         assert follow.stdout is not None
         ready, _, _ = select.select([follow.stdout], [], [], 20)  # bounded wait

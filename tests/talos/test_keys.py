@@ -86,6 +86,8 @@ def test_sealed_identity_init_run_and_offline_commands(tmp_path: Path) -> None:
     assert "encrypted" in res.stderr and "--passphrase-file" in res.stderr
     res = _run([*TALOSD, "run", "--home", str(home)], {"TALOS_PASSPHRASE": "wrong"})
     assert res.returncode == 2 and "wrong passphrase" in res.stderr  # bad input
+    # ... naming the file and where the passphrase came from (a stale variable, here)
+    assert str(home / "identity.key") in res.stderr and "$TALOS_PASSPHRASE" in res.stderr
     # The right one, from a file or the environment.
     node = Daemon(home, "--listen", "127.0.0.1:0", "--passphrase-file", good)
     try:
@@ -107,6 +109,10 @@ def test_passphrase_command_changes_and_removes_it(tmp_path: Path) -> None:
     did = key_file_did(key)
     res = talosd("passphrase", "--home", str(home), "--passphrase-file", new)
     assert res.returncode == 2 and "wrong passphrase" in res.stderr  # bad input
+    assert f"from --passphrase-file {new}" in res.stderr
+    # the current passphrase unlocks, and no new one can be had: the message says "new"
+    res = talosd("passphrase", "--home", str(home), "--passphrase-file", old)
+    assert res.returncode == 2 and "needs the new passphrase" in res.stderr
     res = talosd(
         "passphrase", "--home", str(home), "--passphrase-file", old, "--new-passphrase-file", new
     )

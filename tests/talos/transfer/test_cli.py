@@ -109,6 +109,11 @@ def test_send_file_pending_accept_and_list(
     pending = _wait_state(b, tid, "pending")
     assert pending["from"] == did_a
     assert not (b / "files" / "payload.bin").exists()
+    # the listing names the peer by its local name once it has one, else by its DID
+    assert f"<- {did_a[:24]}…" in _run("files", "--home", str(b))
+    _run("peers", "name", "--home", str(b), did_a, "alice")
+    assert f"{tid} <- alice " in _run("files", "--home", str(b))
+    assert pending["peer_name"] is None  # read before the name was given
     _run("files", "--home", str(b), "accept", tid)
     row = _wait_state(b, tid, "complete")
     assert Path(str(row["path"])) == b / "files" / "payload.bin"
@@ -236,6 +241,7 @@ def test_reject_and_bad_input_over_the_local_socket(
     assert "not a pending incoming" in _fail("files", "--home", str(b), "accept", tid)
     assert "unknown peer name 'carol'" in _fail("send-file", "--home", str(a), "carol", str(src))
     assert "no such file" in _fail("send-file", "--home", str(a), did_b, str(tmp_path / "nope"))
+    assert "is a folder" in _fail("send-file", "--home", str(a), did_b, str(tmp_path))
     idle = tmp_path / "idle"
     _run("init", "--home", str(idle), "--no-passphrase")
     assert "no node is running" in _fail("files", "--home", str(idle), code=exit_codes.UNREACHABLE)
