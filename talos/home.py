@@ -108,9 +108,16 @@ def offline_identity(home: Home) -> dict[str, Any]:
     return out
 
 
+def _not_own(home: Home, did: str, what: str) -> None:
+    """Refuse this node's own DID as a peer, as the running node does."""
+    if did == key_file_did(home.identity):
+        raise UsageError(f"{what} is this node's own DID")
+
+
 def offline_add_peer(home: Home, addr: str) -> dict[str, str]:
     """``talosd peers add`` while stopped: the next run dials it."""
     peer = parse_peer_addr(addr)
+    _not_own(home, peer.did, "that address")
     with _offline_store(home) as store, store.write() as txn:
         txn.put("peers", peer.did.encode(), str(peer).encode())
     return {"did": peer.did, "addr": str(peer)}
@@ -118,6 +125,7 @@ def offline_add_peer(home: Home, addr: str) -> dict[str, str]:
 
 def offline_allow_peer(home: Home, did: str) -> dict[str, str]:
     """``talosd peers allow`` while stopped: the next run accepts its links."""
+    _not_own(home, did, "that")
     with _offline_store(home) as store, store.write() as txn:
         pl.allow_row(txn, did)
     return {"did": did}

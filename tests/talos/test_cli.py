@@ -345,3 +345,7 @@ def test_peers_allow_lets_a_dialling_peer_in_now_and_after_a_restart(tmp_path: P
     finally:
         a.stop()
         b.stop()
+    # Stopped or running, a node refuses its own DID as a peer.
+    for cmd in (("allow", did_b), ("add", f"ws://127.0.0.1:9#{did_b}")):
+        res = talosd("peers", *cmd, "--home", str(home_b))
+        assert res.returncode == 2 and "this node's own DID" in res.stderr, res.stderr
