@@ -84,6 +84,7 @@ __all__ = [
     "BlockLogSink",
     "Event",
     "Facts",
+    "failing",
 ]
 
 log = logging.getLogger(__name__)
@@ -404,3 +405,8 @@ class Auditor:
             self._dirty = False
         elif count:
             self._dirty = True
+
+
+def failing(auditor: Auditor | None) -> str | None:
+    """Why ``auditor`` cannot write its log now; None while it can, or with no auditor."""
+    return None if auditor is None else auditor.failing

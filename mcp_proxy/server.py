@@ -2,18 +2,15 @@
 
 For each client session a peer opens, the policy picks a server, a fresh tool
 process is started (MCP servers are stateful), and JSON-RPC messages move
-between the tunnel and the process. This side judges, so in both directions it
-forwards the compact re-encoding of the object it parsed
-(:func:`mcp_proxy.jsonrpc.encode`), never the bytes it received: the tool
-parses exactly what the policy judged, the caller exactly what was audited
-(docs/PROTOCOL.md "MCP tunnel"; ADR 0003). A denied ``tools/call`` is answered
-here (-32001) and never reaches the tool; a ``tools/call`` without an id (a
-notification) is refused and audited, whatever the tool.
-
-One request, one response: a reply of the tool for an id that is not pending is
-dropped; a dead tool's session is reported failed once, with the real reason,
-which the client turns into one error per pending request. Every event is
-audited (:mod:`mcp_proxy.audit`).
+between the tunnel and the process. This side judges, so both ways it forwards
+the compact re-encoding of the object it parsed (:func:`mcp_proxy.jsonrpc.encode`),
+never the bytes it received: the tool parses exactly what the policy judged, the
+caller exactly what was audited (docs/PROTOCOL.md "MCP tunnel"; ADR 0003). A
+denied ``tools/call`` is answered here (-32001); a ``tools/call`` notification is
+refused and audited, whatever the tool. One request, one response: a tool's reply
+for an id not pending is dropped; a dead tool's session is reported failed once,
+with the real reason. Every event is audited (:mod:`mcp_proxy.audit`), and while
+the audit log cannot be written nothing runs or is answered unrecorded (-32006).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from collections.abc import Awaitable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from mcp_proxy.audit import AuditMode, Auditor, Event
+from mcp_proxy.audit import AuditMode, Auditor, Event, failing
 from mcp_proxy.http_upstream import HttpUpstream
 from mcp_proxy.jsonrpc import (
     INTERNAL_ERROR,
@@ -126,12 +123,12 @@ class _Session:
         self._output_paused = paused
         proc.pause_output() if paused else proc.resume_output()
 
+    def _pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
     async def start(self, proc: ToolProcess | HttpUpstream) -> None:
         self.proc = proc
         await proc.start()
-
-    def _pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
 
     # --- client -> tool -----------------------------------------------------------------------
 
@@ -171,10 +168,9 @@ class _Session:
         if kind is Kind.REQUEST:
             assert msg.id is not None and msg.method is not None
             call = self.audit.new_call(msg, wire)
-            auditor = self.server.auditor
-            if auditor is not None and auditor.failing is not None:
+            if (why := failing(self.server.auditor)) is not None:
                 # Fail closed: a call run now would leave no record (docs/security.md).
-                self._answer(audit_unavailable(msg.id, auditor.failing))
+                self._answer(audit_unavailable(msg.id, why))
                 self.audit.call(msg.id, call, "audit-failed")
                 return
             if msg.tool is not None and not self.server.policy.tool_allowed(self.peer, msg.tool):
@@ -197,6 +193,10 @@ class _Session:
             proc.send(wire, msg.id)
             return
         if kind is Kind.RESPONSE or kind is Kind.ERROR:
+            if msg.id is not None and (why := failing(self.server.auditor)) is not None:
+                # The tool would act on an answer that leaves no record: it hears -32006.
+                self._refuse_ask(msg.id, audit_unavailable(msg.id, why))
+                return
             ask = self.asks.pop(msg.id)
             if ask is None:
                 event(log, "unmatched_response_dropped", WARN, **self.log_fields, source="caller")
@@ -263,6 +263,11 @@ class _Session:
         elif kind is Kind.REQUEST and msg.id is not None:
             # Sampling, elicitation, roots: audited when the caller answers.
             ask = self.audit.new_call(msg, wire)
+            if (why := failing(self.server.auditor)) is not None:
+                assert self.proc is not None
+                self.proc.send(audit_unavailable(msg.id, why))
+                self.audit.call(msg.id, ask, "audit-failed", event=Event.REQUEST)
+                return
             if not self.asks.room(len(wire)):  # the caller leaves them unanswered
                 assert self.proc is not None
                 self.proc.send(error_reply(msg.id, TOO_MANY_IN_FLIGHT, "too many unanswered"))

@@ -4,10 +4,13 @@ in a real LMDB store filled to its map size, a real tool process behind a loopba
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from mcp_proxy.audit import AuditMode, Auditor, BlockLogSink
 from mcp_proxy.jsonrpc import AUDIT_UNAVAILABLE
@@ -107,3 +110,30 @@ async def test_strict_mode_withholds_the_result_of_a_call_it_could_not_record(
         assert error_code(again) == AUDIT_UNAVAILABLE  # refused; its record is the probe
         await until(lambda: auditor.failing is None, TIMEOUT, "a record written again")
         assert text(await agent.call("echo", text="z")) == "z"
+
+
+async def test_group_mode_answers_the_tools_own_requests_while_it_cannot_record(
+    tmp_path: Path,
+) -> None:
+    """The tool's requests (sampling here) fail closed too: an answer the caller gives while
+    records fail is replaced by -32006, and a new request is answered -32006 at once."""
+    async with serving(tmp_path, AuditMode.GROUP) as (store, auditor, agent):
+        params = {"name": "sample", "arguments": {"prompt": "p", "times": 2}}
+        rid, done = agent.start_request("tools/call", params)
+        call = {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": params}
+        await agent.send_raw(orjson.dumps(call))
+        ask = await asyncio.wait_for(agent.inbox.get(), TIMEOUT)
+        assert ask["method"] == "sampling/createMessage"
+        with full(store):
+            assert text(await agent.call("echo", text="runs")) == "runs"  # its batch fails
+            await until(lambda: auditor.failing is not None, TIMEOUT, "the failed write")
+            answer = {"role": "assistant", "content": {"type": "text", "text": "MODEL"}}
+            result = {"jsonrpc": "2.0", "id": ask["id"], "result": {**answer, "model": "m"}}
+            await agent.send_raw(orjson.dumps(result))
+            reply = await asyncio.wait_for(done, TIMEOUT)
+        # Neither ask reached the tool's model: the first answer was withheld, the second
+        # ask never left the serving proxy.
+        lines = text(reply).splitlines()
+        assert len(lines) == 2 and "MODEL" not in text(reply), lines
+        assert all(line.startswith("error:") and "audit log" in line for line in lines), lines
+        assert agent.inbox.empty()

@@ -55,9 +55,7 @@ def crash(code: int = 3) -> str:
     os._exit(code)
 
 
-@server.tool()
-async def sample(prompt: str, ctx: Context) -> str:
-    """Ask the client's model (sampling/createMessage) and return its text."""
+async def _ask_model(prompt: str, ctx: Context) -> str:
     result = await ctx.session.create_message(
         [SamplingMessage(role="user", content=TextContent(type="text", text=prompt))],
         max_tokens=32,
@@ -65,6 +63,22 @@ async def sample(prompt: str, ctx: Context) -> str:
     )
     content = result.content
     return content.text if isinstance(content, TextContent) else str(content)
+
+
+@server.tool()
+async def sample(prompt: str, ctx: Context, times: int = 1) -> str:
+    """Ask the client's model (sampling/createMessage) and return its text. With
+    ``times`` > 1, ask that many times in turn, whatever each answer, and return
+    every answer or error, one per line."""
+    if times == 1:
+        return await _ask_model(prompt, ctx)
+    answers = []
+    for _ in range(times):
+        try:
+            answers.append(await _ask_model(prompt, ctx))
+        except Exception as exc:  # noqa: BLE001 - the next ask goes on whatever this one met
+            answers.append(f"error: {exc}")
+    return "\n".join(answers)
 
 
 class Answer(BaseModel):
