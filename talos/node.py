@@ -289,8 +289,10 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
             event(_log, "unclean_shutdown_detected", level=logging.WARNING, action="sessions reset")
 
     def _mark_running(self, txn: Txn) -> int:
-        """One durable txn at start: the running marker and a new boot epoch (ADR 0007)."""
+        """One durable txn at start: the running marker and a new boot epoch (ADR 0007),
+        and, on a store's first start, the inbox shares counted from its rows."""
         txn.put("meta", _RUNNING, _U64.pack(os.getpid()))
+        pl.count_inbox_shares(txn)
         return pl.bump_epoch(txn)
 
     async def stop(self) -> None:

@@ -60,6 +60,7 @@ __all__ = [
     "advance_epoch",
     "allow_row",
     "bump_epoch",
+    "count_inbox_shares",
     "decode_inbox",
     "decode_outbox",
     "encode_inbox",
@@ -333,6 +334,26 @@ def meta_in(peer: str) -> bytes:
 def meta_inbox_bytes(peer: str) -> bytes:
     """The bytes of the inbox rows ``peer``'s messages take (its inbox share, NodeConfig)."""
     return b"inbox-bytes:" + peer.encode()
+
+
+#: Set once the per-sender counts were taken from the inbox rows themselves.
+META_INBOX_COUNTED = b"inbox-bytes-counted"
+
+
+def count_inbox_shares(txn: Txn) -> bool:
+    """Once per store, at a node's start: each sender's inbox bytes summed from its rows;
+    True if it counted. A store written before the counts were kept holds rows that no
+    count covers, and their senders' shares would read emptier than they are."""
+    if txn.get("meta", META_INBOX_COUNTED) is not None:
+        return False
+    totals: dict[str, int] = {}
+    for key, value in txn.items("inbox"):
+        sender = decode_inbox(key, value).sender
+        totals[sender] = totals.get(sender, 0) + len(value)
+    for sender, size in totals.items():
+        put_u64(txn, "meta", meta_inbox_bytes(sender), size)
+    txn.put("meta", META_INBOX_COUNTED, b"\x01")
+    return True
 
 
 def get_u64(txn: Txn, db: str, key: bytes) -> int:

@@ -87,3 +87,22 @@ def test_prune_frees_each_senders_bytes_and_keeps_the_numbering(tmp_path: Path) 
             assert pl.last_inbox_n(txn) == 3  # empty: numbering goes on from the last pruned
     finally:
         store.close()
+
+
+async def test_a_store_without_counts_is_counted_at_the_first_start(tmp_path: Path) -> None:
+    """Rows stored before the counts were kept (here: written with none) are counted once,
+    when a node first starts on the store; later starts keep the running counts."""
+    home, config = make_home(tmp_path, "a")
+    with Store(home / "store") as store, store.write() as txn:
+        for n, who in enumerate("xyx", start=1):
+            txn.put("inbox", pl.inbox_key(n), pl.encode_inbox(bytes(16), f"did:{who}", n, 0, "hi"))
+    size = len(pl.encode_inbox(bytes(16), "did:x", 1, 0, "hi"))
+    for _ in range(2):  # the second start finds the marker and counts nothing again
+        node = await started(home, config)
+        try:
+            with node.store.read() as txn:
+                assert pl.get_u64(txn, "meta", pl.meta_inbox_bytes("did:x")) == 2 * size
+                assert pl.get_u64(txn, "meta", pl.meta_inbox_bytes("did:y")) == size
+                assert not pl.count_inbox_shares(txn)  # counted already
+        finally:
+            await node.stop()
