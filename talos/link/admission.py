@@ -100,7 +100,7 @@ def keep_new_link(our_did: str, new: LinkFacts, old: LinkFacts) -> bool:
 
 @dataclass(slots=True)
 class Backoff:
-    """Exponential backoff, capped; the caller adds jitter (full jitter: 0.5-1 x delay)."""
+    """Exponential backoff, capped; the caller adds jitter (a random 0.5-1 x delay)."""
 
     initial: float
     maximum: float

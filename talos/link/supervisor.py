@@ -220,7 +220,7 @@ class LinkSupervisor:
             except Exception as exc:  # any failure to dial is retried, never fatal
                 problem = self._dial_failed(addr, exc)
                 addr = self._next_addr(addr)
-                # Exponential backoff with full jitter, capped (AWS architecture blog). A
+                # Exponential backoff, capped, sleeping a random 0.5-1 x the delay. A
                 # refusal for good waits the cap at once: only its operator changes it, and
                 # a sender waiting for an answer redials now anyway (redial_now). Not a DID
                 # mismatch: that is one address's fault, and the next may answer.
