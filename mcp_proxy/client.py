@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from mcp_proxy.jsonrpc import (
@@ -46,11 +47,17 @@ from mcp_proxy.jsonrpc import (
 )
 from mcp_proxy.peer_pause import PeerPause
 from mcp_proxy.transport import FrameSender, TunnelTransport
-from mcp_proxy.tunnel_wire import FrameKind, Joiner, decode_frame
-from talos.logging import event
+from mcp_proxy.tunnel_wire import MAX_MESSAGE_BYTES, FrameKind, Joiner, decode_frame
+from talos.logging import Throttle, event
 from talos_sdk.errors import OversizeError, ProtocolError, UsageError
 
-__all__ = ["EMBEDDED_SID_END", "ClientSession", "TunnelClient"]
+__all__ = [
+    "EMBEDDED_SID_END",
+    "MAX_AGENT_BACKLOG",
+    "MAX_REMOTE_REASON",
+    "ClientSession",
+    "TunnelClient",
+]
 
 log = logging.getLogger(__name__)
 WARN = logging.WARNING
@@ -60,6 +67,15 @@ Deliver = Callable[[bytes], None]
 DeliverMany = Callable[[list[bytes]], None]
 #: An awaitable while the session's sink holds more than it should (the agent is not reading).
 Backpressure = Callable[[], Awaitable[None] | None]
+#: Bytes the session's sink holds in this process, not yet taken by the agent.
+Backlog = Callable[[], int]
+#: Bytes an agent may leave unread before its session fails. Past the sink's high water
+#: the serving side is asked to pause (PAUSE); what still arrives was on the way, so
+#: only a serving side that ignores PAUSE gets this far (as serve's MAX_TOOL_BACKLOG).
+MAX_AGENT_BACKLOG = 3 * MAX_MESSAGE_BYTES
+#: Characters of a serving side's ERROR/CLOSE reason kept: it is logged, and copied into
+#: the error reply of every request the session had pending.
+MAX_REMOTE_REASON = 1024
 #: An embedded connect's session ids stay below the first range a node hands attached
 #: clients (talos/local/server.py KEY_RANGE), so an attached serve's node routes them to it.
 EMBEDDED_SID_END = 1 << 20
@@ -74,8 +90,10 @@ class ClientSession:
         deliver: Deliver,
         deliver_many: DeliverMany | None = None,
         backpressure: Backpressure | None = None,
+        backlog: Backlog | None = None,
     ) -> None:
         self.client = client
+        self.backlog = backlog
         # Asked after each delivery: an awaitable means the agent is not reading, and the
         # serving side is asked to pause this session's tool until it is done (PAUSE).
         self.backpressure = backpressure
@@ -241,7 +259,7 @@ class ClientSession:
             msg = sniff(line)
             line = one_line(line, msg)
         except JsonRpcError as exc:
-            event(log, "tunnel_message_malformed", WARN, session=self.sid, error=str(exc))
+            self.client.warn("tunnel_message_malformed", session=self.sid, error=str(exc))
             return None
         if msg.kind is Kind.RESPONSE or msg.kind is Kind.ERROR:
             rid = msg.id
@@ -250,7 +268,7 @@ class ClientSession:
                 return None  # the replayed initialize's reply: the agent had its own
             if rid is None or self.pending.pop(rid, None) is None:
                 # Not (or no longer) awaited: one request gets exactly one response.
-                event(log, "unmatched_response_dropped", WARN, session=self.sid)
+                self.client.warn("unmatched_response_dropped", session=self.sid)
                 return None
             if rid == self._init_id and msg.kind is Kind.RESPONSE:
                 self._initialized = True
@@ -315,6 +333,8 @@ class TunnelClient:
         transport.add_link_listener(self._on_link)
         transport.add_refusal_listener(self._on_refused)
         self._closing = False
+        # What a faulty serving side can repeat at will is logged a few times a minute.
+        self._throttle = Throttle()
 
     @property
     def link_up(self) -> bool:
@@ -336,8 +356,9 @@ class TunnelClient:
         deliver: Deliver,
         deliver_many: DeliverMany | None = None,
         backpressure: Backpressure | None = None,
+        backlog: Backlog | None = None,
     ) -> ClientSession:
-        session = ClientSession(self, deliver, deliver_many, backpressure)
+        session = ClientSession(self, deliver, deliver_many, backpressure, backlog)
         self.sessions.add(session)
         return session
 
@@ -386,9 +407,24 @@ class TunnelClient:
         await self.sender.flush()
         await self.sender.close()
 
+    def warn(self, name: str, **fields: object) -> None:
+        """A WARNING the serving side can cause at will, throttled (the rest counted)."""
+        dropped = self._throttle.admit(name, time.monotonic())
+        if dropped is not None:
+            event(log, name, WARN, **fields, **({"suppressed": dropped} if dropped else {}))
+
     def _on_payload(self, peer: str, payload: bytes) -> None:
         session = self._take(peer, payload)
-        if session is not None and session.backpressure is not None:
+        if session is None:
+            return
+        if session.backlog is not None and (backlog := session.backlog()) > MAX_AGENT_BACKLOG:
+            # The serving side went on past PAUSE: fail the session, as serve fails a caller.
+            reason = f"the agent left {backlog} bytes of the tool's output unread"
+            self.warn("agent_output_overrun", session=session.sid, backlog=backlog)
+            self.sender.control(FrameKind.CLOSE, session.sid)
+            session.detach(INTERNAL_ERROR, reason)
+            return
+        if session.backpressure is not None:
             wait = session.backpressure()
             if wait is not None:
                 # The agent is not reading: the serving side pauses this session's tool.
@@ -397,12 +433,12 @@ class TunnelClient:
     def _take(self, peer: str, payload: bytes) -> ClientSession | None:
         """Handle one tunnel frame; the session it delivered messages to, if any."""
         if peer != self.server_did:
-            event(log, "tunnel_frame_unexpected_peer", WARN, peer=peer)
+            self.warn("tunnel_frame_unexpected_peer", peer=peer)
             return None
         try:
             frame = decode_frame(payload)
         except ProtocolError as exc:
-            event(log, "tunnel_frame_bad", WARN, peer=peer, error=str(exc))
+            self.warn("tunnel_frame_bad", peer=peer, error=str(exc))
             return None
         session = self._by_sid.get(frame.session)
         if session is None:
@@ -423,7 +459,11 @@ class TunnelClient:
         elif frame.kind is FrameKind.PAUSE or frame.kind is FrameKind.RESUME:
             session.hold(frame.kind is FrameKind.PAUSE)
         elif frame.kind in (FrameKind.ERROR, FrameKind.CLOSE):
-            reason = frame.messages[0].decode("utf-8", "replace") if frame.messages else "closed"
+            reason = "closed"
+            if frame.messages:
+                reason = frame.messages[0][: 4 * MAX_REMOTE_REASON].decode("utf-8", "replace")
+                if len(reason) > MAX_REMOTE_REASON:
+                    reason = reason[:MAX_REMOTE_REASON] + "… (cut)"
             event(
                 log,
                 "remote_session_ended",

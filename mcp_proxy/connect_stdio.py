@@ -138,7 +138,7 @@ async def serve_stdio(client: TunnelClient, *, drain: float = EOF_DRAIN) -> None
         out.write(b"\n".join(lines))
         answered.set()
 
-    session = client.open_session(deliver, deliver_many, out.backpressure)
+    session = client.open_session(deliver, deliver_many, out.backpressure, out.buffered)
     lines = _StdinLines(session)
     in_transport = await open_stdin(lines)
     try:

@@ -55,6 +55,10 @@ class StdoutWriter(Protocol):
         """An awaitable while the agent is not reading what was written, else None."""
         ...
 
+    def buffered(self) -> int:
+        """Bytes written and held in this process, not yet taken by the agent."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -86,6 +90,9 @@ class _PipeWriter:
         # Past the transport's high-water mark: connect asks serve to pause the session.
         return self._protocol.drained
 
+    def buffered(self) -> int:
+        return self._transport.get_write_buffer_size()
+
     async def aclose(self) -> None:
         self._transport.close()  # flushes what is buffered, then closes
         with contextlib.suppress(TimeoutError):
@@ -113,6 +120,9 @@ class _FileWriter:
 
     def backpressure(self) -> Awaitable[None] | None:
         return None  # each write returned once written: nothing waits in this process
+
+    def buffered(self) -> int:
+        return 0
 
     async def aclose(self) -> None:
         return None  # nothing is buffered in this process
