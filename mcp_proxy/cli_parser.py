@@ -24,8 +24,13 @@ AGENT = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
 HOME_HELP = "the proxy's home folder: identity, store, audit key (created if new)"
 
 
+def _folder(value: str) -> Path:
+    """A folder argument; "~/x" that no shell expanded (an MCP client's config) too."""
+    return Path(value).expanduser()
+
+
 def _home(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--home", type=Path, required=True, metavar="DIR", help=HOME_HELP)
+    p.add_argument("--home", type=_folder, required=True, metavar="DIR", help=HOME_HELP)
 
 
 def _key_args(p: argparse.ArgumentParser) -> None:
@@ -89,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_audit = command(
         sub,
         "audit",
-        "read the audit records of a serve home (its node running or not)",
+        "read the audit records of a serve home (through its talosd, or once serve stops)",
         "Print the tunnel's audit records from a serve home's block log: time, event,"
         " outcome, caller, tool; never arguments (unless serve ran with"
         " --audit-plaintext, and even then not here). Filters combine. It reads through"

@@ -318,7 +318,15 @@ def cmd_send(args: argparse.Namespace) -> int:
         # Most often an unset shell variable ("$MSG"): a blank message is never the intent.
         raise UsageError("empty message: nothing sent")
     body = {"to": args.did, "text": args.text, "wait": args.wait, "timeout": args.timeout}
-    res = _online(path, "send", body, timeout=args.timeout + 5)
+    try:
+        res = _online(path, "send", body, timeout=args.timeout + 5)
+    except KeyboardInterrupt:
+        # The node took the message (or not) before the ack was awaited: say which way to look.
+        print(
+            "talosd: interrupted: the message stays queued if the node took it (talosd outbox)",
+            file=sys.stderr,
+        )
+        raise
     if res is not _NOT_RUNNING:
         print(res["id"])
         if not args.wait:  # queued: say so when nothing can move it (a mistyped DID, say)
@@ -353,10 +361,12 @@ def _print_messages(messages: list[dict[str, Any]], as_json: bool, stream: bool)
             print(json.dumps(m), flush=True)
         else:
             ts = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["ts"] / 1000))
-            # A peer's text reaches a terminal: its control characters (escape sequences,
-            # a newline that would forge a line of its own) are shown, never obeyed.
+            # A peer's text reaches a terminal: its control characters (escape sequences)
+            # are shown, never obeyed, and each line after its first is indented, so no
+            # line of a message can pass for a message of its own.
             who = m.get("from_name") or m["from"]
-            print(f"{ts} {escape(who)}: {escape(m['text'])}", flush=True)
+            text = "\n    ".join(escape(line) for line in m["text"].splitlines() or [""])
+            print(f"{ts} {escape(who)}: {text}", flush=True)
 
 
 def _prune_inbox(path: Path, args: argparse.Namespace) -> int:
@@ -465,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def quiet_broken_pipe() -> int:
-    """The reader of stdout went away (``talosd status | head``): no error to tell.
+    """The reader of stdout went away (``talosd inbox | head``): it had what it wanted,
+    so no error to tell and exit 0 (a ``set -o pipefail`` script goes on).
 
     stdout then points at /dev/null, so the interpreter's last flush at exit
     cannot fail again (Python's "Note on SIGPIPE", signal module docs).
@@ -473,7 +484,7 @@ def quiet_broken_pipe() -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
-    return exit_codes.FAILED
+    return exit_codes.OK
 
 
 def exit_code_for(exc: BaseException) -> int:

@@ -29,7 +29,7 @@ def out(obj: Any) -> None:
 def home_path(args: argparse.Namespace) -> Path:
     # talos.config.default_home, without importing pydantic for a client command.
     env = os.environ.get("TALOS_HOME")
-    return Path(args.home or env or Path.home() / ".talos")
+    return Path(args.home or env or Path.home() / ".talos").expanduser()
 
 
 def home_of(args: argparse.Namespace) -> Any:

@@ -2,13 +2,14 @@
 
 The handlers live in talos/cli.py (and talos/transfer/cli.py, talos/relay/cli.py,
 which register their own commands); they are handed in by name so this module
-imports nothing but argparse and the help helpers: ``talosd -h`` and client
+imports nothing but argparse, os and the help helpers: ``talosd -h`` and client
 commands start without the node, aiohttp or pydantic.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +30,8 @@ def _home(sp: argparse.ArgumentParser, inherited: bool = False) -> None:
     # Under a command group the group's --home is already parsed; SUPPRESS keeps
     # a subcommand that is not given --home from resetting it to None.
     kwargs: dict[str, Any] = {"default": argparse.SUPPRESS} if inherited else {}
-    sp.add_argument("--home", metavar="DIR", help=HOME_HELP, **kwargs)
+    # expanduser: a "~/x" that no shell expanded (quoted, or in an MCP client's config).
+    sp.add_argument("--home", metavar="DIR", help=HOME_HELP, type=os.path.expanduser, **kwargs)
 
 
 def _name_and_home(sp: argparse.ArgumentParser) -> None:
@@ -314,7 +316,9 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
     sp = add(
         "inbox",
         "read received messages",
-        "Print received messages, oldest first: time, sender, text.",
+        "Print received messages, oldest first: time, sender, text. A message's lines"
+        " after its first are indented; control characters in a text are shown escaped"
+        " (\\x1b), never sent to the terminal; --json gives each text as it came.",
         ("talosd inbox", "talosd inbox --follow --json"),
     )
     _json(sp, "messages (one JSON object per line with --follow)")

@@ -225,15 +225,17 @@ def parse_relay_url(value: str) -> str:
 def parse_listen(value: str) -> tuple[str, int]:
     """Parse ``HOST:PORT`` (port 0 picks a free port)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not port.isdigit():
         raise UsageError(f"listen address must be HOST:PORT, got {value!r}")
+    if int(port) > 65535:
+        raise UsageError(f"listen port {port} out of range (0-65535; 0 picks a free one)")
     return host.strip("[]"), int(port)
 
 
 def default_home() -> Path:
     """``$TALOS_HOME`` or ``~/.talos``."""
     env = os.environ.get("TALOS_HOME")
-    return Path(env) if env else Path.home() / ".talos"
+    return Path(env).expanduser() if env else Path.home() / ".talos"
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -172,7 +172,8 @@ def new_key_passphrase(
         return read_passphrase_file(passphrase_file)
     if no_passphrase:
         return None
-    passphrase = _from_env(env) or _prompt(f"{what} for the identity key: ", confirm=True)
+    label = what.removeprefix("a ").removeprefix("the ")  # "passphrase", "new passphrase"
+    passphrase = _from_env(env) or _prompt(f"{label} for the identity key: ", confirm=True)
     if passphrase is None:
         raise PassphraseNeededError(
             f"{command} needs {what} for the identity key and there is no terminal "

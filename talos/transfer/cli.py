@@ -32,19 +32,30 @@ def _call(args: argparse.Namespace, op: str, body: dict[str, Any] | None = None)
     from talos.local.call import call
 
     # talos.config.default_home, without importing pydantic.
-    home = Path(args.home or os.environ.get("TALOS_HOME") or Path.home() / ".talos")
+    home = Path(args.home or os.environ.get("TALOS_HOME") or Path.home() / ".talos").expanduser()
     return call(home, op, body)
 
 
 def cmd_send_file(args: argparse.Namespace) -> int:
     """``talosd send-file [--wait] DID PATH``."""
     from talos.peer_refs import check_peer_ref
-    from talos.transfer.protocol import TransferState, is_final
 
     check_peer_ref(args.did, "PEER")
     # Resolved here: the node runs in another working directory.
     path = Path(args.path).expanduser().resolve()
     tid = _call(args, "files.send", {"to": args.did, "path": str(path)})["tid"]
+    try:
+        return _follow(args, tid)
+    except KeyboardInterrupt:
+        print(tid)
+        print(f"talosd: interrupted: transfer {tid} goes on (talosd files)", file=sys.stderr)
+        raise
+
+
+def _follow(args: argparse.Namespace, tid: str) -> int:
+    """``send-file`` after the offer: the progress bar, ``--wait``, the exit code."""
+    from talos.transfer.protocol import TransferState, is_final
+
     if not args.wait and not sys.stderr.isatty():
         print(tid)
         return 0

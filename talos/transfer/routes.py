@@ -84,7 +84,7 @@ def parse_tid(text: str) -> str:
     try:
         raw = bytes.fromhex(text)
     except ValueError:
-        raise UsageError(f"transfer id must be hex, got {text!r}") from None
+        raw = b""
     if len(raw) != 16:
-        raise UsageError("transfer id must be 32 hex digits")
+        raise UsageError(f"transfer id must be 32 hex digits, got {text!r} ({len(text)})")
     return text.lower()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import stat
 import subprocess
 from pathlib import Path
@@ -77,6 +78,21 @@ def test_commands_on_a_missing_home_fail_clearly(tmp_path: Path) -> None:
     assert res.returncode == 2 and "HOST:PORT" in res.stderr
 
 
+def test_a_home_given_with_an_unexpanded_tilde_is_the_users(tmp_path: Path) -> None:
+    """ "~/x" quoted on a command line or set in an MCP client's config reaches talosd
+    unexpanded: it is the user's folder, not a folder named "~" in the working one."""
+    env = {**ENV, "HOME": str(tmp_path)}
+    argv = [*TALOSD, "init", "--home", "~/x", "--no-passphrase"]
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert res.returncode == 0, res.stderr
+    did = res.stdout.strip()
+    assert (tmp_path / "x" / "identity.key").exists() and not (tmp_path / "~").exists()
+    for home in ({"TALOS_HOME": "~/x"}, {}):
+        argv = [*TALOSD, "id", *([] if home else ["--home", "~/x"])]
+        res = subprocess.run(argv, capture_output=True, text=True, env={**env, **home}, timeout=60)
+        assert res.returncode == 0 and res.stdout.strip() == did, res.stderr
+
+
 def test_outbox_while_stopped_lists_what_waits_and_why(tmp_path: Path) -> None:
     home, _ = init(tmp_path, "a")
     peer, _ = init(tmp_path, "b")
@@ -93,6 +109,33 @@ def test_outbox_while_stopped_lists_what_waits_and_why(tmp_path: Path) -> None:
     text = talosd("outbox", "--home", str(home), "bob").stdout
     assert "bob" in text and "not moving: no node is running" in text
     assert "'queued while stopped'" in text
+
+
+def test_ctrl_c_during_send_wait_says_the_message_stays_queued(tmp_path: Path) -> None:
+    home, _ = init(tmp_path, "a")
+    _, did_b = init(tmp_path, "b")
+    a = Daemon(home, "--listen", "127.0.0.1:0", "--peer", f"ws://127.0.0.1:9#{did_b}")  # shut
+    try:
+        send = subprocess.Popen(
+            [*TALOSD, "send", "--home", str(home), "--wait", did_b, "hi"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+
+        def queued() -> list[dict[str, object]]:
+            return list(json.loads(talosd("outbox", "--json", "--home", str(home)).stdout))
+
+        wait_for(lambda: bool(queued()), what="the message queued")
+        send.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal sends
+        _, err = send.communicate(timeout=30)
+        assert send.returncode == 130 and "Traceback" not in err, err
+        assert "interrupted: the message stays queued" in err and "talosd outbox" in err
+        assert queued()[0]["count"] == 1  # and it does
+    finally:
+        a.stop()
 
 
 def test_run_api_and_clean_shutdown(tmp_path: Path) -> None:
@@ -164,7 +207,8 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
         evil = "\x1b[2J\nforged line"
         assert talosd("send", "--home", str(home_a), "--wait", did_b, evil).returncode == 0
         lines = talosd("inbox", "--home", str(home_b)).stdout.splitlines()
-        assert len(lines) == 2 and lines[1].endswith(" alice: \\x1b[2J\\x0aforged line"), lines
+        assert len(lines) == 3 and lines[1].endswith(" alice: \\x1b[2J"), lines
+        assert lines[2] == "    forged line"  # a line of the message, indented
         # TEXT "-" reads standard input (less its last line ending); an empty message
         # (an unset shell variable, say) is refused, and nothing is queued.
         res = talosd("send", "--home", str(home_a), "--wait", did_b, "-", stdin="two\nlines\n")

@@ -236,7 +236,7 @@ def test_reject_and_bad_input_over_the_local_socket(
     assert _run("files", "--home", str(b), "reject", tid) == f"{tid} rejected"
     assert _wait_state(a, tid, "rejected")["to"] == did_b
     # each bad input is one line on stderr; the nodes keep running
-    assert "must be hex" in _fail("files", "--home", str(b), "accept", "zz")
+    assert "must be 32 hex digits" in _fail("files", "--home", str(b), "accept", "zz")
     assert "no transfer with id" in _fail("files", "--home", str(b), "accept", "0" * 32)
     assert "not a pending incoming" in _fail("files", "--home", str(b), "accept", tid)
     assert "unknown peer name 'carol'" in _fail("send-file", "--home", str(a), "carol", str(src))
