@@ -229,6 +229,7 @@ async def _connect(args: argparse.Namespace) -> None:
     else:
         peer_did = args.peer if relayed else parse_peer_addr(args.peer).did
         node = make_node(args.home, listen=None, relays=args.relay, **_keys(args))
+        node.dial_known = False  # the home may know other peers: this connect needs one
         transport = NodeTransport(node)
     client = TunnelClient(
         transport,

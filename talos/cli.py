@@ -31,7 +31,7 @@ from talos.cli_home import require_identity as _require_identity
 from talos.local.call import NoNodeError
 from talos.local.call import call as node_call
 from talos.local.wire import MAX_LIMIT
-from talos.peer_refs import check_did, check_peer_addr, check_peer_ref
+from talos.peer_refs import check_did, check_peer_addr, check_peer_ref, is_did
 from talos_sdk.errors import (
     LinkRefusedError,
     PeerUnreachableError,
@@ -249,7 +249,9 @@ def cmd_peers(args: argparse.Namespace) -> int:
         for p in peers:
             state = "connected" if p.get("connected") else "offline"
             name = f" ({p['name']})" if p.get("name") else ""
-            print(f"{p['did']}{name} {p.get('addr') or '-'} {state}")
+            # Named or met, but not allowed: its links are refused (4003) until allowed.
+            refused = "" if p.get("allowed", True) else " (its links refused: peers allow)"
+            print(f"{p['did']}{name} {p.get('addr') or '-'} {state}{refused}")
     return 0
 
 
@@ -317,9 +319,8 @@ def cmd_send(args: argparse.Namespace) -> int:
     if not args.text:
         # Most often an unset shell variable ("$MSG"): a blank message is never the intent.
         raise UsageError("empty message: nothing sent")
-    body = {"to": args.did, "text": args.text, "wait": args.wait, "timeout": args.timeout}
     try:
-        res = _online(path, "send", body, timeout=args.timeout + 5)
+        return _send(path, args)
     except KeyboardInterrupt:
         # The node took the message (or not) before the ack was awaited: say which way to look.
         print(
@@ -327,6 +328,26 @@ def cmd_send(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         raise
+    except UsageError as exc:
+        if is_did(args.text) and _unknown_name(exc):  # talosd send "hello" did:key:...
+            order = "The order is PEER, then TEXT: talosd send PEER TEXT"
+            raise UsageError(f"{exc}. {order}") from None
+        raise
+
+
+def _unknown_name(exc: UsageError) -> bool:
+    """Whether ``exc`` says a peer name is unknown, from the running node or the store."""
+    from talos.local.call import LocalUsageError
+    from talos.peer_names import UnknownPeerNameError
+
+    return isinstance(exc, UnknownPeerNameError) or (
+        isinstance(exc, LocalUsageError) and exc.code == "not_found"
+    )
+
+
+def _send(path: Path, args: argparse.Namespace) -> int:
+    body = {"to": args.did, "text": args.text, "wait": args.wait, "timeout": args.timeout}
+    res = _online(path, "send", body, timeout=args.timeout + 5)
     if res is not _NOT_RUNNING:
         print(res["id"])
         if not args.wait:  # queued: say so when nothing can move it (a mistyped DID, say)

@@ -143,7 +143,8 @@ def offline_peers(home: Home) -> list[dict[str, Any]]:
     """The peers table (nobody is connected while the node is stopped)."""
     with _offline_store(home) as store, store.read() as txn:
         return [
-            {"did": k.decode(), "addr": v.decode() or None, "connected": False}
+            # A peers row, with an address or without (peers allow): it may link.
+            {"did": k.decode(), "addr": v.decode() or None, "connected": False, "allowed": True}
             for k, v in txn.items("peers")
         ]
 

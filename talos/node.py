@@ -114,6 +114,9 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         self.resolver: Resolver = resolver if resolver is not None else ChainResolver(*sources)
         self.relay: Any = None  # talos.relay.attach.NodeRelay once started with --relay
         self._allow: set[str] = set(self.config.allow)
+        #: Dial the peers the store has addresses for at start. An embedded
+        #: ``talos-proxy connect`` turns it off: it talks to its one --peer only.
+        self.dial_known = True
         self._tasks: list[asyncio.Task[Any]] = []
         self._link_tasks: set[asyncio.Task[Any]] = set()
         self._problems = LinkProblems()  # read before start() too (a proxy's tunnel client)
@@ -246,7 +249,7 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
 
             self.relay = self.links.relay = NodeRelay(self, self.config.relays)
             self.relay.start()  # connects in the background: a relay that is down is retried
-        for addr in list(self._known.values()):
+        for addr in list(self._known.values()) if self.dial_known else ():
             if addr:
                 self._keep_link(parse_peer_addr(addr), changed=True)
         for addr in self.config.peers:

@@ -78,7 +78,11 @@ def check_peer_ref(value: str, where: str = "") -> str:
     try:
         return validate_name(value)
     except UsageError as exc:
-        raise UsageError(f"{_at(where, value)}: neither a did:key nor a peer name: {exc}") from None
+        # "127.0.0.1:7400" or "ws://host:7400": an address, which says which DID to expect.
+        hint = "; an address must look like ws://HOST:PORT#DID" if ":" in value else ""
+        raise UsageError(
+            f"{_at(where, value)}: neither a did:key nor a peer name: {exc}{hint}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,7 @@ class Peer(BaseModel):
     name: str | None = None
     addr: str | None = None
     connected: bool = False
+    allowed: bool = True  # False: named or met, but this node refuses its links
 
 
 class Peers(BaseModel):

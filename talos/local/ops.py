@@ -156,6 +156,7 @@ async def op_peers_list(host: LocalHost, args: dict[str, Any]) -> Any:
             "name": names.get(did),
             "addr": known.get(did) or None,
             "connected": node.is_connected(did),
+            "allowed": node.authorizer(did),  # may hold a link with this node
         }
         for did in sorted(dids)
     ]
@@ -175,6 +176,7 @@ async def op_peers_add(host: LocalHost, args: dict[str, Any]) -> Any:
         "addr": str(peer),
         "name": name,
         "connected": node.is_connected(peer.did),
+        "allowed": True,  # a peer added by address may link
     }
 
 
@@ -184,7 +186,12 @@ async def op_peers_name(host: LocalHost, args: dict[str, Any]) -> Any:
     name = peer_names.validate_name(_str(args, "name"))
     await node.writer.write(functools.partial(peer_names.set_name, did=did, name=name))
     host.names.clear()  # after the commit: a send meanwhile may have cached the old
-    return {"did": did, "name": name, "connected": node.is_connected(did)}
+    return {
+        "did": did,
+        "name": name,
+        "connected": node.is_connected(did),
+        "allowed": node.authorizer(did),
+    }
 
 
 async def op_peers_remove(host: LocalHost, args: dict[str, Any]) -> Any:
@@ -454,6 +461,7 @@ async def run_op(host: LocalHost, op: str, args: dict[str, Any]) -> Any:
 #: REPLY error codes, first match wins: the specific classes before their TalosError root.
 _ERROR_CODES: tuple[tuple[type[BaseException], str], ...] = (
     (UnknownRecordError, "not_found"),
+    (peer_names.UnknownPeerNameError, "not_found"),
     (UsageError, "usage"),
     (TimeoutError, "timeout"),
     (StorageFullError, "storage_full"),

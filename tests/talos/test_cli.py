@@ -209,6 +209,8 @@ def test_send_wait_inbox_and_chain_between_two_daemons(tmp_path: Path) -> None:
         lines = talosd("inbox", "--home", str(home_b)).stdout.splitlines()
         assert len(lines) == 3 and lines[1].endswith(" alice: \\x1b[2J"), lines
         assert lines[2] == "    forged line"  # a line of the message, indented
+        res = talosd("send", "--home", str(home_a), "bob", did_b)  # swapped, node running
+        assert res.returncode == 2 and "The order is PEER, then TEXT" in res.stderr
         # TEXT "-" reads standard input (less its last line ending); an empty message
         # (an unset shell variable, say) is refused, and nothing is queued.
         res = talosd("send", "--home", str(home_a), "--wait", did_b, "-", stdin="two\nlines\n")
@@ -370,10 +372,16 @@ def test_peers_allow_lets_a_dialling_peer_in_now_and_after_a_restart(tmp_path: P
     try:
         refused = talosd("send", "--home", str(home_a), "--wait", did_b, "first")
         assert refused.returncode == 3 and "talosd peers allow DID" in refused.stderr
+        # Named, and listed, yet refused: the list says so.
+        assert talosd("peers", "name", did_a, "alice", "--home", str(home_b)).returncode == 0
+        listed = talosd("peers", "list", "--home", str(home_b)).stdout
+        assert f"{did_a} (alice) - offline (its links refused: peers allow)" in listed
         done = talosd("peers", "allow", did_a, "--name", "alice", "--home", str(home_b))
         assert done.returncode == 0 and done.stdout == f"allowed {did_a} as alice\n"
         res = talosd("send", "--home", str(home_a), "--wait", did_b, "second")
         assert res.returncode == 0, res.stderr
+        [row] = json.loads(talosd("peers", "list", "--json", "--home", str(home_b)).stdout)
+        assert row["allowed"] and row["connected"] and row["name"] == "alice"
         port = b.listen.rsplit(":", 1)[1]
         b.stop()
         b = Daemon(home_b, "--listen", f"127.0.0.1:{port}")

@@ -92,3 +92,16 @@ def test_config_json_did(tmp_path: Path, key: str, did: str, what: str) -> None:
     assert "not a valid did:key" in done.stderr and what in done.stderr, done.stderr
     assert "config.json" in done.stderr or str(config) in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_peer_given_wrongly_gets_a_hint_of_the_right_form(home: Path) -> None:
+    """Neither is a malformed DID: an address without its DID, and the arguments of send
+    swapped (its TEXT a DID, its PEER a name nobody gave). Each says what to write."""
+    done = talosd(home, "send", "127.0.0.1:7400", "hello")
+    assert done.returncode == BAD_INPUT and "ws://HOST:PORT#DID" in done.stderr, done.stderr
+    did = talosd(home, "id").stdout.strip()
+    done = talosd(home, "send", "hello", did)  # stopped node: the store answers
+    assert done.returncode == BAD_INPUT and "unknown peer name 'hello'" in done.stderr
+    assert "The order is PEER, then TEXT" in done.stderr
+    done = talosd(home, "send", "hello", "a text")  # not swapped: no such hint
+    assert "unknown peer name 'hello'" in done.stderr and "order" not in done.stderr

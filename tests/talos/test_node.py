@@ -569,3 +569,23 @@ async def test_a_refusal_for_good_is_redialled_at_the_backoff_cap(tmp_path: Path
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_node_told_not_to_dials_none_of_the_peers_its_store_knows(tmp_path: Path) -> None:
+    """``dial_known = False`` (an embedded talos-proxy connect): the peers the store has
+    addresses for are not dialled at start; by default they are."""
+    home, config = make_home(tmp_path, "a")
+    other = Wallet.generate().did
+    async with asyncio.timeout(30):
+        node = await started(home, config)
+        await node.add_peer(f"ws://127.0.0.1:9#{other}")  # kept in the store; nobody there
+        await node.stop()
+        for dial_known in (False, True):
+            node = Node(home, config)
+            node.dial_known = dial_known
+            await node.start()
+            try:
+                assert node.links.dialling(other) is dial_known
+                assert other in node.known_peers()  # known either way
+            finally:
+                await node.stop()

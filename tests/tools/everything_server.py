@@ -76,7 +76,7 @@ async def sample(prompt: str, ctx: Context, times: int = 1) -> str:
     for _ in range(times):
         try:
             answers.append(await _ask_model(prompt, ctx))
-        except Exception as exc:  # noqa: BLE001 - the next ask goes on whatever this one met
+        except Exception as exc:  # the next ask goes on whatever this one met
             answers.append(f"error: {exc}")
     return "\n".join(answers)
 

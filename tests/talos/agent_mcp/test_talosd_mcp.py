@@ -338,7 +338,9 @@ async def test_a_peer_that_dials_in_is_listed_named_and_read_by_name(tmp_path: P
             peers = data(await bob.call_tool("list_peers", {}))["peers"]
             assert [(p["did"], p["addr"], p["connected"]) for p in peers] == [(a_did, None, True)]
             named = data(await bob.call_tool("name_peer", {"peer": a_did, "name": "alice"}))
-            assert named == {"did": a_did, "name": "alice", "addr": None, "connected": True}
+            assert named == {
+                "did": a_did, "name": "alice", "addr": None, "connected": True, "allowed": True
+            }  # fmt: skip
             assert data(await bob.call_tool("list_peers", {}))["peers"][0]["name"] == "alice"
             # The per-peer inbox resource takes the name too; a bad peer is an error.
             inbox = await bob.read_resource("talos://inbox/alice")
