@@ -55,7 +55,9 @@ class Daemon:
         """Node, then transfers, then the API; a failure undoes what started."""
         await self.node.start()
         try:
-            self.transfers = TransferManager(self.node, self.files_dir, self.transfer_config)
+            self.transfers = TransferManager(
+                self.node, self.files_dir, self.transfer_config, private_dir=self.home.path
+            )
             await self.transfers.start()
             config = self.node.config
             if config.api:

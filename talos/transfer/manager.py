@@ -96,9 +96,17 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
     """Sends and receives files for one node."""
 
     def __init__(
-        self, node: AppNode, files_dir: Path, config: TransferConfig | None = None
+        self,
+        node: AppNode,
+        files_dir: Path,
+        config: TransferConfig | None = None,
+        *,
+        private_dir: Path | None = None,
     ) -> None:
         self.node = node
+        #: No file under it is sent (the node's home: its keys, tokens and store), except
+        #: what was received into ``files_dir`` there.
+        self.private_dir = None if private_dir is None else Path(private_dir).resolve()
         self.config = config or TransferConfig()
         self.files_dir = Path(files_dir)
         self.files_dir.mkdir(parents=True, exist_ok=True)

@@ -67,6 +67,17 @@ class OutgoingTransfers(TransferBase):
         if did == self.node.did:
             raise UsageError("a node cannot send a file to itself")
         path = Path(path).resolve()
+        private = self.private_dir
+        if (
+            private is not None
+            and path.is_relative_to(private)
+            and not path.is_relative_to(self.files_dir.resolve())
+        ):
+            # An agent talked into sending the node's key (or a typo) must not do it.
+            raise UsageError(
+                f"{path} is in the node's home, which keeps its keys and store:"
+                " no file there is sent (copy it out first if you mean it)"
+            )
         try:
             # No hashing pass here: the digest is computed while the bytes stream.
             size = await asyncio.to_thread(file_size, path)

@@ -161,6 +161,7 @@ class TransferBase:
     node: AppNode
     config: TransferConfig
     files_dir: Path
+    private_dir: Path | None
     listener: bulk.BulkListener | None
     block_log: Any
     _incoming: dict[bytes, IncomingState]

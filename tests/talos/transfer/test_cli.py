@@ -120,6 +120,9 @@ def test_send_file_pending_accept_and_list(
     assert (b / "files" / "payload.bin").read_bytes() == src.read_bytes()
     assert row["size"] == src.stat().st_size
     assert _wait_state(a, tid, "complete")["to"] == did_b
+    # a file received into the home's files/ may be sent on
+    back = _run("send-file", "--home", str(b), did_a, str(b / "files" / "payload.bin"))
+    assert _wait_state(a, back, "pending")["from"] == did_b
 
 
 def _linked_with_file(
@@ -242,6 +245,10 @@ def test_reject_and_bad_input_over_the_local_socket(
     assert "unknown peer name 'carol'" in _fail("send-file", "--home", str(a), "carol", str(src))
     assert "no such file" in _fail("send-file", "--home", str(a), did_b, str(tmp_path / "nope"))
     assert "is a folder" in _fail("send-file", "--home", str(a), did_b, str(tmp_path))
+    # nothing of the node's home leaves (its key first of all), even through a symlink
+    (tmp_path / "innocent.txt").symlink_to(a / "identity.key")
+    for path in (a / "identity.key", a / "config.json", tmp_path / "innocent.txt"):
+        assert "in the node's home" in _fail("send-file", "--home", str(a), did_b, str(path))
     idle = tmp_path / "idle"
     _run("init", "--home", str(idle), "--no-passphrase")
     assert "no node is running" in _fail("files", "--home", str(idle), code=exit_codes.UNREACHABLE)
