@@ -197,22 +197,41 @@ def unlock(path: Path, *, passphrase_file: str | None = None) -> Wallet:
     elif (passphrase := _from_env(PASSPHRASE_ENV)) is not None:
         source = f"from ${PASSPHRASE_ENV}"
     else:
-        passphrase = _prompt(f"passphrase for {path}: ", confirm=False)
-        source = "typed at the prompt"
-    if passphrase is None:
-        raise PassphraseNeededError(
-            f"the identity key {path} is encrypted and there is no terminal to ask for "
-            f"its passphrase: give --passphrase-file FILE or set {PASSPHRASE_ENV}"
-        )
+        return _unlock_at_prompt(path)
     try:
         return load_wallet(path, passphrase)
     except WrongPassphraseError:
         # Name the file and where the passphrase came from: a stale $TALOS_PASSPHRASE
         # left in a shell is the usual cause, and the bare error does not show it.
-        raise WrongPassphraseError(
-            f"wrong passphrase for the identity key {path} (passphrase {source}), "
-            "or the file's header was modified"
-        ) from None
+        raise _wrong(path, source) from None
+
+
+#: Passphrases a terminal user may type before the unlock fails (as sudo and ssh allow).
+PROMPT_TRIES = 3
+
+
+def _unlock_at_prompt(path: Path) -> Wallet:
+    for attempt in range(1, PROMPT_TRIES + 1):
+        passphrase = _prompt(f"passphrase for {path}: ", confirm=False)
+        if passphrase is None:
+            raise PassphraseNeededError(
+                f"the identity key {path} is encrypted and there is no terminal to ask for "
+                f"its passphrase: give --passphrase-file FILE or set {PASSPHRASE_ENV}"
+            )
+        try:
+            return load_wallet(path, passphrase)
+        except WrongPassphraseError:
+            if attempt == PROMPT_TRIES:
+                raise _wrong(path, f"typed at the prompt, {PROMPT_TRIES} times") from None
+            print("that does not open the key; try again", file=sys.stderr)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _wrong(path: Path, source: str) -> WrongPassphraseError:
+    return WrongPassphraseError(
+        f"wrong passphrase for the identity key {path} (passphrase {source}), "
+        "or the file's header was modified"
+    )
 
 
 def change_passphrase(

@@ -330,3 +330,18 @@ def test_ctrl_c_at_a_passphrase_prompt_under_an_event_loop_ends_it_at_once(
         return 130
 
     _at_the_prompt([arg.format(home=home) for arg in command], ctrl_c)
+
+
+def test_a_mistype_at_the_unlock_prompt_can_be_typed_again_up_to_three_times(
+    tmp_path: Path,
+) -> None:
+    # (Not "passphrase" in the test's name: _on_terminal counts prompts by that word,
+    # and the home's path, which the prompt shows, holds the name.)
+    home = tmp_path / "a"
+    good = _secret(tmp_path, "right one", "good")
+    assert talosd("init", "--home", str(home), "--passphrase-file", good).returncode == 0
+    unseal = [*TALOSD, "passphrase", "--no-passphrase", "--home", str(home)]
+    code, _ = _on_terminal(unseal, ["wrong", "wrong again", "still wrong"])
+    assert code == 2 and is_encrypted(home / "identity.key")  # bad input, after the third
+    code, _ = _on_terminal(unseal, ["wrong", "right one"])
+    assert code == 0 and not is_encrypted(home / "identity.key")
