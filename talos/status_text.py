@@ -87,12 +87,12 @@ def status_lines(status: dict[str, Any]) -> list[str]:
             lines.append(f"    last      {when}  {escape(refusal.get('message'))}")
         elif row.get("why"):
             lines.append(f"    why       {escape(row['why'])}")
-        seqs = ", ".join(
-            f"{key} {seq_text(row[key])}"
-            for key in ("sent", "acked", "delivered")
-            if row.get(key)  # 0 (nothing yet) and None (no pipeline) say nothing
-        )
+        # Numbers are epoch.n (docs/PROTOCOL.md "Link protocol"); 0 (nothing yet) and
+        # None (no pipeline) say nothing.
+        seqs = ", ".join(f"{key} {seq_text(row[key])}" for key in ("sent", "acked") if row.get(key))
         lines.append(f"    outbox    {row.get('outbox', 0)}" + (f"  ({seqs})" if seqs else ""))
+        if row.get("delivered"):
+            lines.append(f"    received  up to {seq_text(row['delivered'])} from it, in order")
     return lines
 
 

@@ -42,9 +42,8 @@ def test_status_summary_shows_state_refusal_queues_and_epoch_n() -> None:
         "at_ms": 0,
         "message": f"{DID} refused the link: this node is not on its allow list",
     }
-    lines = status_lines(
-        _status(state="refused_by_peer", outbox=3, sent=pl.make_seq(2, 5), last_refusal=refused)
-    )
+    seqs = {"sent": pl.make_seq(2, 5), "delivered": pl.make_seq(1, 9)}
+    lines = status_lines(_status(state="refused_by_peer", outbox=3, last_refusal=refused, **seqs))
     text = "\n".join(lines)
     assert "post-quantum links: required" in text
     assert "chain     height 4" in text and "outbox 3, inbox 1" in text
@@ -52,6 +51,7 @@ def test_status_summary_shows_state_refusal_queues_and_epoch_n() -> None:
     assert "    link      refused by peer" in lines
     assert f"{DID} refused the link: this node is not on its allow list" in text
     assert "    outbox    3  (sent 2.5)" in lines
+    assert "    received  up to 1.9 from it, in order" in lines  # its messages, not ours
 
 
 def test_peer_chosen_words_cannot_drive_the_terminal() -> None:
