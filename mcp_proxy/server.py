@@ -123,12 +123,12 @@ class _Session:
         self._output_paused = paused
         proc.pause_output() if paused else proc.resume_output()
 
-    def _pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
     async def start(self, proc: ToolProcess | HttpUpstream) -> None:
         self.proc = proc
         await proc.start()
+
+    def _pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
     # --- client -> tool -----------------------------------------------------------------------
 

@@ -159,7 +159,7 @@ def new_key_passphrase(
     env: str = PASSPHRASE_ENV,
     command: str = "talosd init",
     flag: str = "--passphrase-file",
-    what: str = "a passphrase",
+    what: str = "passphrase",
 ) -> str | None:
     """The passphrase a new identity key is sealed under; None only if opted out.
 
@@ -172,11 +172,10 @@ def new_key_passphrase(
         return read_passphrase_file(passphrase_file)
     if no_passphrase:
         return None
-    label = what.removeprefix("a ").removeprefix("the ")  # "passphrase", "new passphrase"
-    passphrase = _from_env(env) or _prompt(f"{label} for the identity key: ", confirm=True)
+    passphrase = _from_env(env) or _prompt(f"{what} for the identity key: ", confirm=True)
     if passphrase is None:
         raise PassphraseNeededError(
-            f"{command} needs {what} for the identity key and there is no terminal "
+            f"{command} needs a {what} for the identity key and there is no terminal "
             f"to ask on: give {flag} FILE or set {env}, "
             "or pass --no-passphrase to store the key unencrypted"
         )
@@ -255,7 +254,7 @@ def change_passphrase(
         env=NEW_PASSPHRASE_ENV,
         command="talosd passphrase",
         flag="--new-passphrase-file",
-        what="the new passphrase",
+        what="new passphrase",
     )
     extra = None if since is None else {HYBRID_SINCE_FIELD: since}
     save_wallet(wallet, path, new, overwrite=True, extra=extra)

@@ -112,7 +112,7 @@ def test_passphrase_command_changes_and_removes_it(tmp_path: Path) -> None:
     assert f"from --passphrase-file {new}" in res.stderr
     # the current passphrase unlocks, and no new one can be had: the message says "new"
     res = talosd("passphrase", "--home", str(home), "--passphrase-file", old)
-    assert res.returncode == 2 and "needs the new passphrase" in res.stderr
+    assert res.returncode == 2 and "needs a new passphrase" in res.stderr
     res = talosd(
         "passphrase", "--home", str(home), "--passphrase-file", old, "--new-passphrase-file", new
     )
