@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections import deque
 from collections.abc import Callable
 
@@ -183,9 +184,13 @@ class Exchange:
 def parse_event_id(value: str) -> tuple[str, int] | None:
     """``KEY-SEQ`` as this module numbers events; None for anything else."""
     key, sep, seq = value.rpartition("-")
-    if not sep or not key or not seq.isdigit():
+    # ASCII digits, at most 19: str.isdigit() takes "²", and int() refuses 4,300 digits.
+    if not sep or not key or not _SEQ.fullmatch(seq):
         return None
     return key, int(seq)
+
+
+_SEQ = re.compile(r"[0-9]{1,19}")
 
 
 def _status_of(line: bytes, stateless: bool) -> int:

@@ -500,24 +500,36 @@ def verify_head_statement(
 ) -> bool:
     """True if ``statement`` is a well-formed head signed by its node (and by ``node_did``).
 
+    Well-formed is exactly what :func:`head_statement` makes: its six keys, integer
+    height and time, the hash as 64 lower-case hex digits. A statement spelt any
+    other way (an upper-case hash, an extra field) is refused although its signature,
+    over the values, would check: compared as given, it would read as another head.
     With ``mldsa65_public_key`` (the node's pinned ML-DSA-65 key) only a hybrid
     signature passes; without, only a classical one (``verify_auth``).
     """
     try:
-        if statement.get("type") != _HEAD_TYPE:
+        if statement.keys() != _HEAD_KEYS or statement["type"] != _HEAD_TYPE:
             return False
-        did = statement["node"]
+        did, height, hash_hex = statement["node"], statement["height"], statement["hash"]
+        ts = statement["timestamp_ms"]
         if node_did is not None and did != node_did:
             return False
-        body = head_signing_bytes(
-            did,
-            int(statement["height"]),
-            bytes.fromhex(statement["hash"]),
-            int(statement["timestamp_ms"]),
-        )
+        if not (_is_u63(height) and _is_u63(ts) and isinstance(hash_hex, str)):
+            return False
+        block_hash = bytes.fromhex(hash_hex)
+        if len(block_hash) != 32 or block_hash.hex() != hash_hex:
+            return False
+        body = head_signing_bytes(did, height, block_hash, ts)
         return verify_auth(did, mldsa65_public_key, body, bytes.fromhex(statement["signature"]))
     except (KeyError, TypeError, ValueError):  # UsageError is a ValueError too
         return False
+
+
+_HEAD_KEYS = frozenset(("type", "node", "height", "hash", "timestamp_ms", "signature"))
+
+
+def _is_u63(value: object) -> bool:
+    return type(value) is int and 0 <= value < 1 << 63
 
 
 def verify_inclusion_proof(

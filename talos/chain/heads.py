@@ -103,7 +103,7 @@ def decode_head(payload: bytes, peer: str, mldsa65: bytes | None = None) -> Peer
         raise MalformedFrameError(f"head statement above {MAX_HEAD_BYTES} bytes")
     try:
         statement = json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
         raise MalformedFrameError("head statement is not JSON") from None
     if not isinstance(statement, dict):
         raise MalformedFrameError("head statement is not a JSON object")

@@ -494,18 +494,29 @@ def safe_name(raw: str) -> str:
         for ch in base
         if unicodedata.category(ch)[0] != "C" and ch not in "\u2028\u2029"
     )
-    cleaned = cleaned.strip().lstrip(".").rstrip(". ").strip()
+    cleaned = _trimmed(cleaned)  # ". .x": one pass would leave a dot behind the space
     if not cleaned:
         return "file"
     stem, dot, ext = cleaned.rpartition(".")
     if not dot:
         stem, ext = cleaned, ""
-    if stem.split(".")[0].upper() in _RESERVED or (not dot and cleaned.upper() in _RESERVED):
+    device = stem.split(".")[0].rstrip(" ").upper()  # Windows ignores the spaces: "CON .x"
+    if device in _RESERVED or (not dot and cleaned.upper() in _RESERVED):
         stem = "_" + stem
     ext = _clip_utf8(ext, 20) if dot else ""
     suffix = f".{ext}" if dot and ext else ""
     stem = _clip_utf8(stem, MAX_NAME_BYTES - len(suffix.encode()))
-    return (stem.rstrip(". ") or "file") + suffix
+    # A clip may end on a space or a dot (an extension "x\u3000y" cut after its space).
+    return _trimmed((stem.rstrip(". ") or "file") + suffix) or "file"
+
+
+def _trimmed(name: str) -> str:
+    """``name`` without white space at either end, dots at its start or dots and
+    spaces at its end, repeated until none is left (one pass can uncover more)."""
+    trimmed = None
+    while trimmed != name:
+        trimmed, name = name, name.strip().lstrip(".").rstrip(". ")
+    return name
 
 
 def numbered_name(name: str, n: int) -> str:

@@ -214,3 +214,12 @@ def test_head_statement_signed_and_checked() -> None:
     assert not verify_head_statement({**statement, "type": "other"})
     assert not verify_head_statement({k: v for k, v in statement.items() if k != "signature"})
     assert not verify_head_statement({**statement, "node": "did:key:bad"})
+    # The same values spelt another way would check, then compare as another head.
+    for respelt in (
+        {"hash": statement["hash"].upper()},
+        {"hash": " ".join(statement["hash"])},
+        {"height": 9.0},
+        {"height": True, "timestamp_ms": 1234},
+        {"unsigned": "x" * 1000},
+    ):
+        assert not verify_head_statement({**statement, **respelt}), respelt

@@ -30,6 +30,7 @@ def test_decode_verifies_signer_and_fields() -> None:
         (b"not json", MalformedFrameError, "not JSON"),
         (b"[1, 2]", MalformedFrameError, "not a JSON object"),
         (b"{" + b" " * 17000 + b"}", MalformedFrameError, "above 16384"),
+        (b"[" * 8000 + b"]" * 8000, MalformedFrameError, "not JSON"),  # nested past recursion
         (signed(1, b"\x02" * 32, wallet=OTHER), hd.ForgedHeadError, "not signed by the link peer"),
         (signed(1, b"\x02" * 32).replace(b'"height":1', b'"height":2'), hd.ForgedHeadError, "not"),
     ],

@@ -195,6 +195,11 @@ def test_state_table() -> None:
         ("trailing. . ", "trailing"),
         ('what?<is>:"this"|*', "what__is___this___"),
         ("  spaced  ", "spaced"),
+        # a dot behind a space behind a dot: no hidden file
+        (". .bashrc.sh", "bashrc.sh"),
+        (" . .ssh.pub", "ssh.pub"),
+        ("x/. ..hidden.tar.gz", "hidden.tar.gz"),
+        ("CON .x", "_CON.x"),  # Windows drops the space: still a device name
     ],
 )
 def test_safe_name(raw: str, expected: str) -> None:
@@ -212,7 +217,7 @@ def test_safe_name_is_always_a_plain_component(raw: str) -> None:
     name = safe_name(raw)
     assert name
     assert "/" not in name and "\\" not in name and "\x00" not in name
-    assert not name.startswith(".")
+    assert not name.startswith(".") and name == name.strip()
     assert len(name.encode()) <= 200
     assert safe_name(name) == name
 
