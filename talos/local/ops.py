@@ -401,6 +401,13 @@ async def op_files_list(host: LocalHost, args: dict[str, Any]) -> Any:
     return [_file_view(host, i.tid, names) for i in manager.list()]
 
 
+async def op_files_cancel(host: LocalHost, args: dict[str, Any]) -> Any:
+    from talos.transfer.routes import parse_tid
+
+    info = await _transfers(host).cancel(parse_tid(_str(args, "id")))
+    return _file_view(host, info.tid)
+
+
 async def op_files_accept(host: LocalHost, args: dict[str, Any]) -> Any:
     from talos.transfer.routes import parse_tid
 
@@ -444,6 +451,7 @@ OPS: dict[str, Op] = {
     "files.send": op_files_send,
     "files.list": op_files_list,
     "files.accept": op_files_accept,
+    "files.cancel": op_files_cancel,
     "files.get": op_files_get,
     "files.reject": op_files_reject,
     "log.append": op_log_append,

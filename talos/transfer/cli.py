@@ -108,7 +108,7 @@ def _follow(args: argparse.Namespace, tid: str) -> int:
 
 def cmd_files(args: argparse.Namespace) -> int:
     """``talosd files [--json]`` / ``talosd files accept|reject ID``."""
-    if args.action in ("accept", "reject"):
+    if args.action in ("accept", "reject", "cancel"):
         if not args.id:
             print(f"talosd: error: files {args.action} needs a transfer ID", file=sys.stderr)
             return 2
@@ -157,21 +157,27 @@ def register_cli(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     sp.set_defaults(fn=cmd_send_file)
     sp = add(
         "files",
-        "list transfers in and out; accept or reject an offered one",
+        "list transfers in and out; accept, reject or cancel one",
         "List file transfers of the running node (id, direction, peer, state, size, name),"
-        " or accept / reject a pending incoming one by its id.",
-        ("talosd files", "talosd files accept 0f1e2d3c4b5a69788796a5b4c3d2e1f0"),
+        " accept / reject a pending incoming one by its id, or cancel one in progress"
+        " either way (a receiver's partial file is deleted, the peer is told).",
+        (
+            "talosd files",
+            "talosd files accept 0f1e2d3c4b5a69788796a5b4c3d2e1f0",
+            "talosd files cancel 0f1e2d3c4b5a69788796a5b4c3d2e1f0",
+        ),
     )
     sp.add_argument(
         "action",
         nargs="?",
-        choices=("list", "accept", "reject"),
+        choices=("list", "accept", "reject", "cancel"),
         default="list",
         metavar="ACTION",
-        help="list (the default): show transfers; accept ID / reject ID: answer an incoming offer",
+        help="list (the default): show transfers; accept ID / reject ID: answer an incoming"
+        " offer; cancel ID: end a transfer in progress",
     )
     sp.add_argument(
-        "id", nargs="?", metavar="ID", help="transfer id (32 hex digits), for accept/reject"
+        "id", nargs="?", metavar="ID", help="transfer id (32 hex digits), for accept/reject/cancel"
     )
     sp.add_argument(
         "--json",

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from talos.aio import uncancelled
 from talos.transfer import bulk
 from talos.transfer.incoming import CreditExceededError, IncomingTransfers
 from talos.transfer.outgoing import OutgoingTransfers
@@ -172,6 +173,30 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
             inc.file.close()
         self._incoming.clear()
         await self.node.writer.drain()  # every queued row is committed
+
+    async def cancel(self, tid: str | bytes, reason: str = "cancelled by its user") -> TransferInfo:
+        """End a transfer in progress, either way (``talosd files cancel ID``): its attempt
+        stops, a receiver's partial file is deleted, and the peer hears CANCEL.
+
+        The one way for a receiver to free the disk an accepted transfer holds when
+        its sender never sends (the space is preallocated at ACCEPT).
+        """
+        key = bytes.fromhex(self.get(tid).tid)
+        async with self._one_at_a_time(key):
+            info = self.get(key)
+            if is_final(info.state):
+                raise UsageError(f"transfer {info.tid} is {info.state.value}: nothing to cancel")
+            if info.direction == "in":
+                await self._end_incoming(key)
+                (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
+            else:
+                sending = self._sending.pop(key, None)
+                if sending is not None:
+                    sending.cancel()
+                    await uncancelled(asyncio.wait({sending}))
+            info = await self._move(self.get(key), Event.CANCEL, error=reason)
+        await self._send(info.peer, Cancel(key, reason))
+        return info
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

@@ -242,6 +242,7 @@ def test_reject_and_bad_input_over_the_local_socket(
     assert "must be 32 hex digits" in _fail("files", "--home", str(b), "accept", "zz")
     assert "no transfer with id" in _fail("files", "--home", str(b), "accept", "0" * 32)
     assert "not a pending incoming" in _fail("files", "--home", str(b), "accept", tid)
+    assert "rejected: nothing to cancel" in _fail("files", "--home", str(a), "cancel", tid)
     assert "unknown peer name 'carol'" in _fail("send-file", "--home", str(a), "carol", str(src))
     assert "no such file" in _fail("send-file", "--home", str(a), did_b, str(tmp_path / "nope"))
     assert "is a folder" in _fail("send-file", "--home", str(a), did_b, str(tmp_path))

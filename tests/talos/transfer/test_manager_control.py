@@ -1,17 +1,29 @@
 """The transfer manager's control messages off the link's read loop: queued per
 peer, handled in order, bounded, released at stop
-(docs/adr/0015-transfer-attempts-and-cancellation.md)."""
+(docs/adr/0015-transfer-attempts-and-cancellation.md); and a transfer cancelled by
+its user, either way."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 
+import pytest
+
 from talos.transfer.manager import MAX_QUEUED_CONTROL
-from talos.transfer.protocol import APP_NAME, Cancel, TransferState, encode_message
+from talos.transfer.protocol import (
+    APP_NAME,
+    Cancel,
+    Offer,
+    TransferState,
+    decode_message,
+    encode_message,
+)
+from talos.transfer.receiver import PARTIAL_DIR
+from talos_sdk.errors import UsageError
 from tests.talos.nodes import until
 
-from .net import LIMIT, Net, offer_pending
+from .net import LIMIT, Net, no_bulk, offer_pending
 
 
 def _chat(net: Net) -> asyncio.Event:
@@ -103,3 +115,44 @@ async def test_stop_releases_a_link_waiting_for_room(net: Net) -> None:
             stopping = asyncio.ensure_future(net.receiver.stop())
             await chat.wait()  # stop() let the link read on, while the turn is still held
         await stopping
+
+
+async def test_a_receiver_cancels_an_accepted_transfer_whose_sender_never_sends(
+    net: Net,
+) -> None:
+    """The space of an accepted transfer is taken at ACCEPT; a sender that then sends
+    nothing held it for ever. ``cancel`` ends it: the partial file goes, the row is
+    cancelled, the sender hears CANCEL; a second cancel has nothing to end."""
+    await no_bulk(net)  # auto-accepted, on the app channel
+    tid = os.urandom(16)
+    offer = Offer(tid, 64 << 20, os.urandom(32), "never.bin")  # no byte will follow
+    await net.a.send_app(net.b.did, APP_NAME, encode_message(offer))
+    part = net.receiver.files_dir / PARTIAL_DIR / f"{tid.hex()}.part"
+    async with asyncio.timeout(LIMIT):
+        await until(
+            lambda: (
+                tid.hex() in {i.tid for i in net.receiver.list()}
+                and net.receiver.get(tid).state is TransferState.ACTIVE
+                and part.exists()
+            ),
+            what="the transfer accepted",
+        )
+        heard: list[bytes] = []
+        net.a.register_app(APP_NAME, lambda did, payload: heard.append(payload))
+        info = await net.receiver.cancel(tid.hex())
+        assert info.state is TransferState.CANCELLED and not part.exists()
+        await until(lambda: bool(heard), what="the sender told")
+        assert isinstance(decode_message(heard[0]), Cancel)
+        with pytest.raises(UsageError, match="cancelled: nothing to cancel"):
+            await net.receiver.cancel(tid.hex())
+
+
+async def test_a_sender_cancels_its_offer_and_the_receiver_hears_it(net: Net) -> None:
+    await offer_pending(net, 5000)
+    [out] = net.sender.list()
+    async with asyncio.timeout(LIMIT):
+        assert (await net.sender.cancel(out.tid)).state is TransferState.CANCELLED
+        await until(
+            lambda: net.receiver.get(out.tid).state is TransferState.CANCELLED,
+            what="the receiver told",
+        )
