@@ -78,9 +78,21 @@ class IncomingTransfers(TransferBase):
         still cost a row and an inode, so each counts at least ``min_file_bytes``."""
         return max(size, self.config.min_file_bytes)
 
-    def _quota_used(self, rows: Iterable[TransferInfo]) -> int:
-        held = (TransferState.PENDING, TransferState.ACTIVE, TransferState.COMPLETE)
-        return sum(self._charge(i.size) for i in rows if i.direction == "in" and i.state in held)
+    def _over_quota(self, size: int, rows: Iterable[TransferInfo]) -> str:
+        """Why a file of ``size`` bytes would pass the quota ("" if it would not).
+
+        Counted: the accepted transfers and the received files. A pending offer takes
+        no disk until it is accepted, so it is charged then: counted as it came, one
+        peer's offers that nobody accepts would refuse every other peer's.
+        """
+        held = (TransferState.ACTIVE, TransferState.COMPLETE)
+        used = sum(self._charge(i.size) for i in rows if i.direction == "in" and i.state in held)
+        if used + self._charge(size) <= self.config.quota_bytes:
+            return ""
+        return (
+            f"quota exceeded: {size} bytes offered (counts as {self._charge(size)}),"
+            f" {used} held, quota {self.config.quota_bytes}"
+        )
 
     async def _make_room(self, peer: str, rows: Iterable[TransferInfo]) -> bool:
         """Keep ``peer``'s incoming rows under ``max_rows_per_peer`` by forgetting its
@@ -133,15 +145,13 @@ class IncomingTransfers(TransferBase):
         )
         reason = ""
         rows = self.rows().values()
+        auto = peer in self.config.auto_accept
         if sum(i.peer == peer and i.direction == "in" and i.state in _OPEN_IN for i in rows) >= (
             MAX_OPEN_OFFERS
         ):
             reason = f"too many open offers from this peer (limit {MAX_OPEN_OFFERS})"
-        elif self._quota_used(rows) + self._charge(msg.size) > self.config.quota_bytes:
-            reason = (
-                f"quota exceeded: {msg.size} bytes offered (counts as "
-                f"{self._charge(msg.size)}), quota {self.config.quota_bytes}"
-            )
+        elif auto and (over := self._over_quota(msg.size, rows)):
+            reason = over  # accepted now: charged now (a pending one when it is accepted)
         elif not await self._make_room(peer, rows):
             reason = (
                 f"too many transfers kept from this peer "
@@ -158,7 +168,7 @@ class IncomingTransfers(TransferBase):
             await self._send(peer, Reject(msg.tid, reason))
             return
         info = await self._save(info)
-        if peer in self.config.auto_accept:
+        if auto:
             await self._start_attempt(info)
         else:
             await self._move(info, Event.HOLD)
@@ -185,6 +195,12 @@ class IncomingTransfers(TransferBase):
         key = self.get(tid)
         async with self._one_at_a_time(bytes.fromhex(key.tid)):
             info = self._pending_in(tid)
+            others = [i for i in self.rows().values() if i.tid != info.tid]
+            if over := self._over_quota(info.size, others):
+                raise UsageError(
+                    f"cannot accept {info.tid}: {over}; it stays pending (move received"
+                    " files out, reject it, or raise transfer quota_bytes in config.json)"
+                )
             await self._start_attempt(info)
         return self.get(tid)
 

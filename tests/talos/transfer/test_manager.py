@@ -296,6 +296,24 @@ async def test_quota_exceeded(net: Net) -> None:
     assert visible(net.receiver.files_dir) == ["first.bin"]
 
 
+async def test_pending_offers_are_charged_to_the_quota_when_accepted(net: Net) -> None:
+    """An offer nobody accepted takes no disk: counted as it came, one peer's pending
+    offers refused every other offer. It is charged when accepted, and refused then."""
+    net.receiver.config = TransferConfig(quota_bytes=5000, min_file_bytes=1)  # none auto
+    big, _ = source_file(net.tmp, 4000, "big.bin")
+    other, _ = source_file(net.tmp, 3000, "other.bin")
+    async with asyncio.timeout(LIMIT):
+        held = await net.sender.send_file(net.b.did, big)
+        await until(lambda: is_pending(net, held), what="the big offer pending")
+        tid = await net.sender.send_file(net.b.did, other)  # not refused for the big one
+        await until(lambda: is_pending(net, tid), what="the other offer pending")
+        await net.receiver.accept(tid)
+        assert (await net.receiver.wait(tid)).state is TransferState.COMPLETE
+        with pytest.raises(UsageError, match=r"quota exceeded: 4000 bytes.*stays pending"):
+            await net.receiver.accept(held)
+    assert net.receiver.get(held).state is TransferState.PENDING
+
+
 async def test_empty_and_tiny_files_count_against_the_quota(net: Net) -> None:
     """Each file costs at least min_file_bytes: an auto-accepted peer cannot create
     unlimited files and rows by sending empty ones."""
