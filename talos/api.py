@@ -94,17 +94,22 @@ def _error(status: int, message: str) -> web.Response:
     return _json({"error": message}, status)
 
 
+#: Set on a request whose token checked out (``/healthz`` is answered without one).
+_AUTHORISED = web.RequestKey("authorised", bool)
+
+
 def _middleware(token: str) -> Any:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/healthz":
-            # Header bytes that are not UTF-8 come as surrogates: a wrong token, not a crash.
-            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(got, expected):
-                return _error(401, "missing or wrong API token")
+        # Header bytes that are not UTF-8 come as surrogates: a wrong token, not a crash.
+        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(got, expected):
             trusted(request)
+            request[_AUTHORISED] = True
+        elif request.path != "/healthz":
+            return _error(401, "missing or wrong API token")
         try:
             return await handler(request)
         except ValidationError as exc:
@@ -133,7 +138,11 @@ def build_app(node: Node, token: str, transfers: TransferManager | None = None) 
     @routes.get("/healthz")
     async def healthz(request: web.Request) -> web.Response:
         # Not ok while received messages cannot be stored (a full map, a failing disk).
+        # Without the token only that: a page in a browser (DNS rebinding) may ask too,
+        # and the node's DID and its error's words are not its to read.
         error = node.storage_error
+        if not request.get(_AUTHORISED, False):
+            return _json({"ok": error is None})
         return _json({"ok": error is None, "did": node.did, "storage_error": error})
 
     @routes.get("/metrics")

@@ -52,9 +52,12 @@ async def call(http: aiohttp.ClientSession, method: str, path: str, **kw: Any) -
 
 
 async def test_token_is_required(nodes: tuple[Node, Node, aiohttp.ClientSession]) -> None:
-    a, _, _ = nodes
+    a, _, http = nodes
     async with asyncio.timeout(10), aiohttp.ClientSession(base_url=API_URLS[a.did]) as anon:
-        assert (await call(anon, "GET", "/healthz"))[0] == 200
+        # Health for anyone; who the node is, and its error's words, with the token only.
+        assert await call(anon, "GET", "/healthz") == (200, {"ok": True})
+        status, health = await call(http, "GET", "/healthz")
+        assert status == 200 and health == {"ok": True, "did": a.did, "storage_error": None}
         for path in ("/v1/status", "/metrics", "/v1/inbox"):
             status, body = await call(anon, "GET", path)
             assert status == 401 and "token" in body["error"]
