@@ -32,7 +32,7 @@ from talos.transfer.protocol import (
     is_final,
     safe_name,
 )
-from talos.transfer.receiver import IncomingAttempt, IncomingFile
+from talos.transfer.receiver import PARTIAL_DIR, IncomingAttempt, IncomingFile
 from talos.transfer.records import (
     _DB,
     _OPEN_IN,
@@ -221,11 +221,19 @@ class IncomingTransfers(TransferBase):
     async def _on_cancel_in(self, tid: bytes, reason: str) -> None:
         """The sender withdrew an incoming transfer: end its attempt, drop the partial."""
         async with self._one_at_a_time(tid):
-            await self._end_incoming(tid)
-            info = self.get(tid)  # read after the attempt ended: its checkpoint is in
-            if not is_final(info.state):
-                (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
-                await self._move(info, Event.CANCEL, error=reason)
+            await self._cancel_in(tid, reason)
+
+    async def _cancel_in(self, tid: bytes, reason: str) -> TransferInfo:
+        """End an incoming transfer's attempt and drop its partial (the caller holds its turn)."""
+        await self._end_incoming(tid)
+        info = self.get(tid)  # read after the attempt ended: its checkpoint is in
+        if not is_final(info.state):
+            self._drop_partial(info.tid)
+            info = await self._move(info, Event.CANCEL, error=reason)
+        return info
+
+    def _drop_partial(self, tid: str) -> None:
+        (self.files_dir / PARTIAL_DIR / f"{tid}.part").unlink(missing_ok=True)
 
     async def _start_attempt(self, info: TransferInfo) -> None:
         """Start attempt ``info.epoch + 1`` (the caller holds the transfer's turn)."""
@@ -499,7 +507,7 @@ class IncomingTransfers(TransferBase):
             await self._settle_checkpoint(inc)
             inc.file.discard()
         else:
-            (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
+            self._drop_partial(info.tid)
         if not is_final(info.state):
             await self._move(info, Event.FAIL, error=reason)
         await self._send(info.peer, Failed(tid, reason))

@@ -187,14 +187,13 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
             if is_final(info.state):
                 raise UsageError(f"transfer {info.tid} is {info.state.value}: nothing to cancel")
             if info.direction == "in":
-                await self._end_incoming(key)
-                (self.files_dir / ".partial" / f"{info.tid}.part").unlink(missing_ok=True)
+                info = await self._cancel_in(key, reason)
             else:
                 sending = self._sending.pop(key, None)
                 if sending is not None:
                     sending.cancel()
                     await uncancelled(asyncio.wait({sending}))
-            info = await self._move(self.get(key), Event.CANCEL, error=reason)
+                info = await self._move(self.get(key), Event.CANCEL, error=reason)
         await self._send(info.peer, Cancel(key, reason))
         return info
 
