@@ -443,12 +443,15 @@ async def test_link_drops_with_no_progress_between_them_do_not_fail_the_transfer
     async with asyncio.timeout(3 * LIMIT):
         tid = await net.sender.send_file(net.b.did, src)
         for drop in range(MAX_ATTEMPTS + 1):
-            await until(lambda d=drop: epoch(tid) == d + 1, what=f"attempt {drop + 1}")
+            # At least: a re-offer at link-up and the broken attempt's own retry may both
+            # start one before a poll sees the first (a loaded full run once waited for
+            # exactly 2 in vain).
+            await until(lambda d=drop: epoch(tid) >= d + 1, what=f"attempt {drop + 1}")
             link(net.a, net.b, False)
             link(net.a, net.b, True)
         inc = await net.receiver.wait(tid)
     assert inc.state is TransferState.COMPLETE, inc.error
-    assert inc.epoch == MAX_ATTEMPTS + 2
+    assert inc.epoch >= MAX_ATTEMPTS + 2
     assert Path(inc.path).read_bytes() == src.read_bytes()
 
 
