@@ -415,20 +415,21 @@ class TunnelClient:
 
     def _on_payload(self, peer: str, payload: bytes) -> None:
         session = self._take(peer, payload)
-        if session is None:
+        if session is None or session.backpressure is None:
             return
+        wait = session.backpressure()
+        if wait is None:
+            return
+        # The agent is not reading. Past the bound, the serving side went on past PAUSE:
+        # fail the session, as serve fails a caller (checked only here, off the hot path).
         if session.backlog is not None and (backlog := session.backlog()) > MAX_AGENT_BACKLOG:
-            # The serving side went on past PAUSE: fail the session, as serve fails a caller.
             reason = f"the agent left {backlog} bytes of the tool's output unread"
             self.warn("agent_output_overrun", session=session.sid, backlog=backlog)
             self.sender.control(FrameKind.CLOSE, session.sid)
             session.detach(INTERNAL_ERROR, reason)
             return
-        if session.backpressure is not None:
-            wait = session.backpressure()
-            if wait is not None:
-                # The agent is not reading: the serving side pauses this session's tool.
-                session.pause.pause(session.sid, lambda: wait)
+        # Else the serving side pauses this session's tool.
+        session.pause.pause(session.sid, lambda: wait)
 
     def _take(self, peer: str, payload: bytes) -> ClientSession | None:
         """Handle one tunnel frame; the session it delivered messages to, if any."""

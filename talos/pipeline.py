@@ -286,7 +286,7 @@ def prune_inbox(txn: Txn, through: int, limit: int) -> tuple[int, dict[str, int]
     for key, value in txn.items("inbox"):
         if _U64.unpack(key)[0] > through or len(doomed) == limit:
             break
-        sender = decode_inbox(key, value).sender
+        sender = _inbox_sender(value)
         freed[sender] = freed.get(sender, 0) + len(value)
         doomed.append(key)
     if not doomed:
@@ -304,6 +304,15 @@ def prune_inbox(txn: Txn, through: int, limit: int) -> tuple[int, dict[str, int]
 def encode_inbox(msg_id: bytes, sender: str, seq: int, ts_ms: int, text: str) -> bytes:
     did = sender.encode()
     return _IN.pack(msg_id, ts_ms, seq, len(did)) + did + text.encode()
+
+
+def _inbox_sender(value: bytes) -> str:
+    """The sender DID of an inbox row, without decoding its text (the share sums)."""
+    try:
+        n = _IN.unpack_from(value)[3]
+        return value[_IN.size : _IN.size + n].decode()
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise StorageError(f"corrupt inbox row: {exc}") from None
 
 
 def decode_inbox(key: bytes, value: bytes) -> InboxEntry:
@@ -347,8 +356,8 @@ def count_inbox_shares(txn: Txn) -> bool:
     if txn.get("meta", META_INBOX_COUNTED) is not None:
         return False
     totals: dict[str, int] = {}
-    for key, value in txn.items("inbox"):
-        sender = decode_inbox(key, value).sender
+    for _, value in txn.items("inbox"):
+        sender = _inbox_sender(value)
         totals[sender] = totals.get(sender, 0) + len(value)
     for sender, size in totals.items():
         put_u64(txn, "meta", meta_inbox_bytes(sender), size)

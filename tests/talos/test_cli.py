@@ -311,20 +311,26 @@ def test_kill_9_mid_stream_loses_nothing_acknowledged(tmp_path: Path, victim: st
     assert [m["id"] for m in inbox] == sent
 
 
-def test_inbox_json_is_whole_and_the_same_running_or_stopped(tmp_path: Path) -> None:
-    """More messages than one inbox call returns: the CLI pages through them all, and a
-    stopped home prints the same objects (n and from_name included)."""
+def _home_with_inbox(home: Path, count: int) -> tuple[Path, str]:
+    """A new home whose store holds ``count`` received messages, texts m1..mN, from
+    one sender (whose DID is returned with the home)."""
     from talos import pipeline as pl
     from talos.config import Home
 
-    home = tmp_path / "full"
     assert talosd("init", "--home", str(home), "--no-passphrase").returncode == 0
     fast_config(home, listen="127.0.0.1:0")
     sender = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
     with Store(Home(home).store_dir) as store, store.write() as txn:
-        for n in range(1, 1206):
+        for n in range(1, count + 1):
             row = pl.encode_inbox(n.to_bytes(16, "big"), sender, n, 1_700_000_000_000 + n, f"m{n}")
             txn.put("inbox", pl.inbox_key(n), row)
+    return home, sender
+
+
+def test_inbox_json_is_whole_and_the_same_running_or_stopped(tmp_path: Path) -> None:
+    """More messages than one inbox call returns: the CLI pages through them all, and a
+    stopped home prints the same objects (n and from_name included)."""
+    home, sender = _home_with_inbox(tmp_path / "full", 1205)
     assert talosd("peers", "name", sender, "carol", "--home", str(home)).returncode == 0
     stopped = json.loads(talosd("inbox", "--json", "--home", str(home)).stdout)
     node = Daemon(home)
@@ -340,16 +346,7 @@ def test_inbox_json_is_whole_and_the_same_running_or_stopped(tmp_path: Path) -> 
 def test_inbox_prune_through_running_or_stopped(tmp_path: Path) -> None:
     """``talosd inbox --prune-through N`` deletes the messages numbered up to N, by the
     running node or from the stopped home's store alike."""
-    from talos import pipeline as pl
-    from talos.config import Home
-
-    home = tmp_path / "pruned"
-    assert talosd("init", "--home", str(home), "--no-passphrase").returncode == 0
-    fast_config(home, listen="127.0.0.1:0")
-    sender = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
-    with Store(Home(home).store_dir) as store, store.write() as txn:
-        for n in range(1, 6):
-            txn.put("inbox", pl.inbox_key(n), pl.encode_inbox(bytes(16), sender, n, 0, f"m{n}"))
+    home, _ = _home_with_inbox(tmp_path / "pruned", 5)
     done = talosd("inbox", "--prune-through", "2", "--home", str(home))
     assert done.returncode == 0 and done.stdout == "pruned 2 message(s) numbered up to 2\n"
     node = Daemon(home)
