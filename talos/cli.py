@@ -221,7 +221,12 @@ def cmd_peers(args: argparse.Namespace) -> int:
             from talos.home import offline_remove_peer
 
             res = offline_remove_peer(_home(args), args.peer)
-        queued = f"; {res['queued']} message(s) stay queued for it" if res["queued"] else ""
+        queued = ""
+        if res["queued"]:
+            queued = (
+                f"; {res['queued']} message(s) stay queued for it"
+                f" (talosd outbox {res['did']} --drop drops them)"
+            )
         print(f"removed {res['did']}{queued}")
         if res.get("configured"):
             print(
@@ -275,6 +280,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_outbox(args: argparse.Namespace) -> int:
     path = _home_path(args)
     _require_identity(path)
+    if args.drop:
+        return _drop_queued(path, args)
     peers = _online(path, "outbox", {"peer": args.peer})
     if peers is _NOT_RUNNING:
         from talos.home import offline_outbox
@@ -286,6 +293,23 @@ def cmd_outbox(args: argparse.Namespace) -> int:
         from talos.status_text import outbox_lines
 
         print("\n".join(outbox_lines(peers)))
+    return 0
+
+
+def _drop_queued(path: Path, args: argparse.Namespace) -> int:
+    if args.peer is None:
+        raise UsageError("--drop needs the PEER whose queued messages to drop")
+    res = _online(path, "outbox.drop", {"peer": args.peer})
+    if res is _NOT_RUNNING:
+        from talos.home import offline_drop
+
+        res = offline_drop(_home(args), args.peer)
+    if args.json:
+        _out(res)
+        return 0
+    print(f"dropped {res['dropped']} message(s) queued for {res['peer']}")
+    if res["sent"]:
+        print(f"{res['sent']} of them had gone out unacknowledged: the peer may have them")
     return 0
 
 
@@ -353,7 +377,11 @@ def _send(path: Path, args: argparse.Namespace) -> int:
         if not args.wait:  # queued: say so when nothing can move it (a mistyped DID, say)
             for peer in node_call(path, "outbox", {"peer": res["to"]}):
                 if peer["state"] == "no_address":
-                    print(f"note: {peer['why']}; the message stays queued", file=sys.stderr)
+                    print(
+                        f"note: {peer['why']}; the message stays queued"
+                        f" (talosd outbox {res['to']} --drop drops it)",
+                        file=sys.stderr,
+                    )
         return 0
     if args.wait:
         raise NoNodeError(

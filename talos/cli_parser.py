@@ -245,7 +245,8 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         " that: the node's configuration naming it (config.json, --peer, --allow: back at"
         " the next start), or a local client's claim for it (an attached talos-proxy"
         " connect: it may link while the claim lasts). Messages queued for it stay in the"
-        " outbox and go if it is added again; its pinned ML-DSA-65 key stays pinned.",
+        " outbox and go if it is added again (talosd outbox PEER --drop drops them); its"
+        " pinned ML-DSA-65 key stays pinned.",
         (f"talosd peers remove {DID_EXAMPLE}", "talosd peers remove alice"),
     )
     pr.add_argument("peer", metavar="PEER", help="DID (or name) of the peer")
@@ -277,10 +278,18 @@ def build_parser(handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
         "List the messages waiting for a peer's acknowledgement, per peer: their"
         " sequence number (epoch.n), time, id and state, and why they do not move"
         " (link refused by the peer, peer unreachable, waiting for session, ...)."
-        " With the node stopped, it reads the store: every message reads queued.",
-        ("talosd outbox", f"talosd outbox --json {DID_EXAMPLE}"),
+        " With the node stopped, it reads the store: every message reads queued."
+        " --drop drops every message queued for PEER (one sent to a mistyped DID,"
+        " say): they are not sent again and the next message to PEER follows the"
+        " last one it acknowledged. One that had gone out may still have arrived.",
+        ("talosd outbox", f"talosd outbox --json {DID_EXAMPLE}", "talosd outbox bob --drop"),
     )
     sp.add_argument("peer", nargs="?", metavar="PEER", help="only this peer (a DID or a peer name)")
+    sp.add_argument(
+        "--drop",
+        action="store_true",
+        help="drop the messages queued for PEER instead of listing them",
+    )
     _json(sp, "the queued messages")
 
     sp = add(

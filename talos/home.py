@@ -165,6 +165,19 @@ def offline_outbox(home: Home, ref: str | None = None) -> list[dict[str, Any]]:
         return outbox_listing(txn, did, stopped)
 
 
+def offline_drop(home: Home, ref: str) -> dict[str, Any]:
+    """``talosd outbox PEER --drop`` while stopped: as ``Node.drop_queued`` does it."""
+    with _offline_store(home) as store, store.write(durable=True) as txn:
+        did = resolve_peer(txn, ref)
+        first = next(pl.iter_outbox(txn, did), None)
+        dropped = []
+        if first is not None:
+            last, _ = pl.next_prev(txn, did)
+            dropped = pl.drop_outbox(txn, did, last, first.prev)
+    # Whether a row went out before the stop is not known here (as in offline_outbox).
+    return {"peer": did, "dropped": len(dropped), "sent": None}
+
+
 def offline_send(home: Home, did: str, text: str) -> str:
     """Queue a message durably for the node's next run; returns its id."""
     public_key_from_did(did)

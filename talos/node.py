@@ -411,6 +411,30 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
             if count < pl.PRUNE_CHUNK:
                 return pruned
 
+    async def drop_queued(self, did: str) -> dict[str, Any]:
+        """Drop every message queued for ``did`` that it has not acknowledged: ``dropped``,
+        how many, of which ``sent`` had gone out (they may have arrived). A ``send
+        --wait`` for one of them fails with MessageDroppedError. The next message
+        follows the last acknowledged one (docs/adr/0007-epoch-sequence-numbers.md,
+        "Dropping queued messages")."""
+        if did == self.did:
+            raise UsageError("this node queues no messages for itself")
+        self._check_recipient(did)
+        peer = self._peer(did)
+        drop = peer.drop_unacked()
+        peer.tx.fail_waiters(
+            lambda: pl.MessageDroppedError("the message was dropped from the outbox before its ack")
+        )
+        stored = await self.writer.write(
+            functools.partial(pl.drop_outbox, peer=did, last=drop.last, prev=drop.prev),
+            kind="drop",
+        )
+        seqs = {*stored, *drop.fresh}
+        if seqs:
+            event(_log, "outbox_dropped", peer=did, messages=len(seqs))
+        sent = max(drop.max_sent, self.relay.mailboxed(did) if self.relay is not None else 0)
+        return {"peer": did, "dropped": len(seqs), "sent": sum(1 for s in seqs if s <= sent)}
+
     def _outbox_depth(self) -> int:
         with self.store.read() as txn:
             return txn.count("outbox")

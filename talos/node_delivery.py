@@ -569,6 +569,8 @@ def _skip_row(txn: Txn, row: pl.OutboxEntry, prev: int) -> None:
     nxt = next(pl.iter_outbox(txn, row.peer, row.seq), None)
     if nxt is not None and nxt.prev == row.seq:
         pl.put_row(txn, dataclasses.replace(nxt, prev=prev))
+    elif nxt is None:  # no successor yet: the next run's first message names ``prev``
+        pl.note_skipped(txn, row.peer, row.seq, prev)
 
 
 def _ack_txn(txn: Txn, log: BlockLog, did: str, seq: int, records: list[Record]) -> None:

@@ -149,7 +149,7 @@ class NodeLinks(NodeBase):
         if peer is None:
             with self.store.read() as txn:
                 first = next(pl.iter_outbox(txn, did), None)
-                assigned = pl.get_u64(txn, "meta", pl.meta_out(did))
+                assigned, next_prev = pl.next_prev(txn, did)
                 delivered = pl.get_u64(txn, "meta", pl.meta_in(did))
                 inbox_bytes = pl.get_u64(txn, "meta", pl.meta_inbox_bytes(did))
             peer = Peer.restore(
@@ -158,6 +158,7 @@ class NodeLinks(NodeBase):
                 assigned=assigned,
                 delivered=delivered,
                 own_max_frame=self.config.max_frame,
+                next_prev=next_prev,
             )
             peer.inbox_bytes = inbox_bytes
             self._peers[did] = peer

@@ -33,6 +33,7 @@ __all__ = [
     "DESYNC_LIMIT",
     "UNSENT_BATCH",
     "Acked",
+    "Dropped",
     "Failed",
     "PeerPipeline",
     "Received",
@@ -86,6 +87,20 @@ class Failed:
     limit: int
 
 
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """What :meth:`PeerPipeline.drop_unacked` dropped."""
+
+    #: The seq the next message names as its ``prev`` (the peer holds it).
+    prev: int
+    #: The last assigned seq.
+    last: int
+    #: Seqs of the dropped rows whose outbox commit had not finished.
+    fresh: list[int]
+    #: The highest seq ever sent: dropped messages up to it may have reached the peer.
+    max_sent: int
+
+
 @dataclass(slots=True)
 class PeerPipeline:
     """Send and receive bookkeeping for one peer (see the module docstring)."""
@@ -122,16 +137,21 @@ class PeerPipeline:
         assigned: int,
         delivered: int,
         own_max_frame: int,
+        next_prev: int | None = None,
     ) -> Self:
-        """From the store: the oldest outbox row, the last assigned and delivered numbers."""
+        """From the store: the oldest outbox row, the last assigned and delivered numbers,
+        and the ``prev`` the next message names (:func:`talos.pipeline.next_prev`)."""
         acked = first_unacked.prev if first_unacked is not None else assigned
-        return cls(
+        peer = cls(
             did,
             pl.SenderState(acked),
             pl.ReceiverState(delivered),
             own_max_frame,
             last_assigned=assigned,
         )
+        if next_prev is not None and next_prev != assigned:
+            peer.skipped[assigned] = next_prev  # dropped messages end the queue
+        return peer
 
     # --- sending -------------------------------------------------------------------------------
 
@@ -191,8 +211,9 @@ class PeerPipeline:
 
     def prepare(self, row: pl.OutboxEntry) -> pl.OutboxEntry | Failed | None:
         """The row as it goes on the wire, a :class:`Failed` if it never can, or None if it
-        was failed already (its row may still be in the store)."""
-        if row.seq in self.skipped:
+        was failed, dropped or acked already (its row may still be in the store, or in a
+        sender's hands since before the drop)."""
+        if row.seq in self.skipped or row.seq <= self.tx.acked:
             return None
         if self.peer_max_frame and len(row.data) > pl.text_limit(self.peer_max_frame):
             prev = self.prev_of(row.prev)
@@ -201,6 +222,29 @@ class PeerPipeline:
             return Failed(row, prev, pl.text_limit(self.peer_max_frame))
         prev = self.prev_of(row.prev)
         return row if prev == row.prev else dataclasses.replace(row, prev=prev)
+
+    def drop_unacked(self) -> Dropped:
+        """The user drops every message the peer has not acknowledged (``talosd outbox
+        --drop``; docs/adr/0007-epoch-sequence-numbers.md, "Dropping queued messages").
+
+        They count as done without being logged: nothing of them is sent again,
+        no ack for them is awaited (the caller fails the waiters), and the next
+        message names the last one the peer acknowledged as its ``prev``, so the
+        peer takes it whether or not a dropped one reached it. Their numbers stay
+        used. The caller deletes their rows (:func:`talos.pipeline.drop_outbox`).
+        """
+        base = self.prev_of(self.tx.acked)
+        last = self.last_assigned
+        fresh = [row.seq for row in self.fresh]
+        for seq in [*fresh, last]:
+            if seq > base:
+                self.skipped[seq] = base
+        self.fresh = []
+        self.records.clear()
+        self.sent_at.clear()
+        self.deferred = 0
+        self.tx.acked = self.tx.sent = max(self.tx.acked, last)
+        return Dropped(base, last, fresh, self.max_sent)
 
     def on_sent(self, row: pl.OutboxEntry, record: Record, now: float) -> None:
         """``row`` (sealed, with our audit ``record``) is about to leave on the link."""

@@ -30,6 +30,10 @@ Row layouts (big-endian)::
     inbox   n u64 (arrival order)       -> msg id (16) || ts_ms u64 || seq u64
                                            || len u16 || from DID || text (UTF-8)
     meta    b"out:" || DID              -> last assigned seq u64
+    meta    b"skip:" || DID             -> seq u64 || prev u64: the message ``seq`` never
+                                           goes (dropped by ``talosd outbox --drop``, or
+                                           failed as too large); while it is the last
+                                           assigned, the next message names ``prev``
     meta    b"in:" || DID               -> last delivered seq u64
     meta    b"epoch"                    -> current boot epoch u64
 """
@@ -45,13 +49,14 @@ from typing import Any, Final, Protocol
 import orjson
 
 from talos.store import Txn
-from talos_sdk.errors import StorageError, UsageError
+from talos_sdk.errors import StorageError, TalosError, UsageError
 
 __all__ = [
     "META_INBOX_PRUNED",
     "MSG_OVERHEAD",
     "PRUNE_CHUNK",
     "InboxEntry",
+    "MessageDroppedError",
     "MessageTooLargeError",
     "OutboxEntry",
     "ReceiverState",
@@ -63,6 +68,7 @@ __all__ = [
     "count_inbox_shares",
     "decode_inbox",
     "decode_outbox",
+    "drop_outbox",
     "encode_inbox",
     "encode_outbox",
     "epoch_of",
@@ -72,7 +78,9 @@ __all__ = [
     "last_inbox_n",
     "make_seq",
     "meta_inbox_bytes",
+    "next_prev",
     "next_seq",
+    "note_skipped",
     "outbox_key",
     "prune_inbox",
     "put_row",
@@ -81,6 +89,7 @@ __all__ = [
 
 _U64 = struct.Struct(">Q")
 _OUT = struct.Struct(">16sQQ")
+_SKIP = struct.Struct(">QQ")
 _IN = struct.Struct(">16sQQH")
 MSG_ID_LEN: Final = 16
 EPOCH_SHIFT: Final = 32
@@ -101,6 +110,11 @@ class MessageTooLargeError(UsageError):
     """A message text that cannot fit in one frame the receiver accepts (docs/PROTOCOL.md
     "Link protocol", Message size): the caller's misuse, not a peer's protocol fault, so a
     :class:`UsageError` only (the API answers 400)."""
+
+
+class MessageDroppedError(TalosError):
+    """A queued message the user dropped from the outbox before the peer acknowledged it
+    (``talosd outbox PEER --drop``): told to a ``send --wait`` still waiting for it."""
 
 
 def text_limit(max_frame: int) -> int:
@@ -376,10 +390,56 @@ def put_u64(txn: Txn, db: str, key: bytes, value: int) -> None:
 
 def enqueue(txn: Txn, peer: str, msg_id: bytes, ts_ms: int, text: str, epoch: int = 0) -> int:
     """Assign the next sequence number for ``peer`` in ``epoch`` and queue the message."""
-    prev = get_u64(txn, "meta", meta_out(peer))
-    seq = next_seq(prev, epoch)
+    last, prev = next_prev(txn, peer)
+    seq = next_seq(last, epoch)
     put_row(txn, OutboxEntry(peer, seq, msg_id, ts_ms, text, prev))
     return seq
+
+
+def meta_skip(peer: str) -> bytes:
+    return b"skip:" + peer.encode()
+
+
+def next_prev(txn: Txn, peer: str) -> tuple[int, int]:
+    """``peer``'s last assigned seq, and the ``prev`` the next message names: the
+    last assigned, unless dropped messages end the queue (then what came before them)."""
+    last = get_u64(txn, "meta", meta_out(peer))
+    raw = txn.get("meta", meta_skip(peer))
+    if raw is not None and len(raw) == _SKIP.size:
+        seq, prev = _SKIP.unpack(raw)
+        if seq == last:
+            return last, prev
+    return last, last
+
+
+def drop_outbox(txn: Txn, peer: str, last: int, prev: int) -> list[int]:
+    """Delete the outbox rows of ``peer`` up to ``last``, the last assigned seq (the user
+    dropped them, ``talosd outbox --drop``); the next message names ``prev`` (a seq the
+    peer holds) instead of ``last``. Returns the dropped rows' seqs.
+
+    The numbers stay used (``out`` keeps ``last``): a dropped message may have
+    reached the peer, and its number again would read there as a duplicate
+    (docs/adr/0007-epoch-sequence-numbers.md, "Dropping queued messages").
+    """
+    prefix = outbox_prefix(peer)
+    end = outbox_key(peer, last)
+    keys = []
+    for key, _ in txn.items("outbox", prefix):
+        if key > end or not key.startswith(prefix):
+            break
+        if len(key) == len(prefix) + 8:
+            keys.append(key)
+    for key in keys:
+        txn.delete("outbox", key)
+    note_assigned(txn, peer, last)
+    note_skipped(txn, peer, last, prev)
+    return [_U64.unpack_from(key, len(prefix))[0] for key in keys]
+
+
+def note_skipped(txn: Txn, peer: str, seq: int, prev: int) -> None:
+    """The message ``seq`` will never reach ``peer`` (dropped, or failed as too large):
+    if no message is assigned after it, the next one names ``prev`` (:func:`next_prev`)."""
+    txn.put("meta", meta_skip(peer), _SKIP.pack(seq, prev))
 
 
 def put_row(txn: Txn, row: OutboxEntry) -> None:

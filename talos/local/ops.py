@@ -285,6 +285,12 @@ async def op_outbox(host: LocalHost, args: dict[str, Any]) -> Any:
     return outbox_json(node, resolve(node, ref) if ref is not None else None)
 
 
+async def op_outbox_drop(host: LocalHost, args: dict[str, Any]) -> Any:
+    """Drop every message queued for ``peer`` that it has not acknowledged."""
+    node = host.node
+    return await node.drop_queued(resolve(node, _str(args, "peer")))
+
+
 async def op_inbox(host: LocalHost, args: dict[str, Any]) -> Any:
     """Messages after ``after`` (default: the read cursor), waiting up to ``wait`` seconds."""
     node = host.node
@@ -442,6 +448,7 @@ OPS: dict[str, Op] = {
     "send": op_send,
     "inbox": op_inbox,
     "outbox": op_outbox,
+    "outbox.drop": op_outbox_drop,
     "inbox.mark_read": op_mark_read,
     "inbox.prune": op_inbox_prune,
     "chain.verify": op_chain_verify,

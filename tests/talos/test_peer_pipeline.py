@@ -166,3 +166,61 @@ def test_unsent_reads_the_store_once_committed_rows_are_pending() -> None:
     assert pair.a.unsent_from_memory() is None
     got, more = pair.a.unsent_after_store(rows[:2])
     assert got == rows and not more
+
+
+def test_dropped_messages_are_never_sent_and_the_next_follows_the_last_acked() -> None:
+    pair = PipelinePair()
+    first = pair.send("first")
+    pair.transmit(first)
+    assert pair.ack(pair.commit()) is not None
+    arrived, lost, unsent = pair.send("arrived"), pair.send("lost"), pair.send("unsent")
+    assert pair.transmit(arrived) is Received.ACCEPT  # B holds it; its ack never comes
+    pair.commit()
+    pair.lose(lost)
+    drop = pair.a.drop_unacked()
+    assert drop.prev == first.seq and drop.last == unsent.seq
+    assert drop.fresh == [arrived.seq, lost.seq, unsent.seq]  # none committed here
+    assert drop.max_sent == lost.seq  # arrived and lost had gone out
+    assert pair.unsent() == []
+    assert [pair.transmit(r) for r in (lost, unsent)] == [None, None]  # never sent again
+    assert all(pair.a.for_outbox(r) is None for r in (arrived, lost, unsent))
+    assert pair.a.retry(0, 5, ready=True, linked=True) is Retry.NONE  # nothing to kick
+    assert pair.a.retry(0, 5, ready=False, linked=False) is Retry.NONE  # nor to dial for
+    assert pair.ack(arrived.seq) is None  # the late ack of a dropped message moves nothing
+    after = pair.send("after")
+    wire = pair.a.for_outbox(after)
+    assert wire is not None and wire.prev == first.seq
+    assert pair.transmit(after) is Received.ACCEPT  # B holds "arrived": first <= it < after
+    acked = pair.ack(pair.commit())
+    assert acked is not None and [r.record_id for r in acked.records] == [after.msg_id]
+    assert pair.delivered == ["first", "arrived", "after"]
+
+
+def test_a_peer_that_got_none_of_the_dropped_messages_takes_the_next() -> None:
+    pair = PipelinePair()
+    for row in [pair.send("lost") for _ in range(3)]:
+        pair.lose(row)
+    assert pair.a.drop_unacked().prev == 0
+    assert pair.transmit(pair.send("after")) is Received.ACCEPT
+    pair.commit()
+    assert pair.delivered == ["after"]
+
+
+def test_restore_after_a_drop_names_what_came_before_the_dropped_messages() -> None:
+    # The store after a drop ended the queue: no outbox row, ``out`` at the last
+    # dropped number, ``skip`` naming the last acked one (talos/pipeline.py next_prev).
+    last, held = pl.make_seq(1, 9), pl.make_seq(1, 4)
+    p = PeerPipeline.restore(
+        B_DID,
+        first_unacked=None,
+        assigned=last,
+        delivered=0,
+        own_max_frame=MAX_FRAME,
+        next_prev=held,
+    )
+    row = p.assign("next", b"\2" * 16, 0, epoch=2)
+    assert row.seq == pl.make_seq(2, 1) and row.prev == last
+    wire = p.prepare(row)
+    assert isinstance(wire, pl.OutboxEntry) and wire.prev == held
+    assert p.is_next(row)
+    assert p.drop_unacked().prev == held  # a second drop still names the held one
