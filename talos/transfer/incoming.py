@@ -253,15 +253,19 @@ class IncomingTransfers(TransferBase):
             await self._fail_in(info, f"gave up after {info.attempts} attempts")
             return
         epoch = info.epoch + 1
-        # Checked again before the first attempt preallocates the file: offers accepted
-        # by hand may have waited while others took the disk.
-        if info.epoch == 0 and (shutil.disk_usage(self.files_dir).free < info.size + DISK_RESERVE):
-            await self._fail_in(info, f"not enough disk space for {info.size} bytes")
-            return
         try:
-            file = await asyncio.to_thread(
-                IncomingFile, self.files_dir, tid, info.size, info.offset
-            )
+            # Checked again before the first attempt preallocates the file: offers accepted
+            # by hand may have waited while others took the disk. One transfer at a time
+            # from the check to the preallocation: two offers checked together would
+            # each count the space the other is about to take, and eat into the reserve.
+            async with self._disk_turn:
+                free = shutil.disk_usage(self.files_dir).free if info.epoch == 0 else 0
+                if info.epoch == 0 and free < info.size + DISK_RESERVE:
+                    await self._fail_in(info, f"not enough disk space for {info.size} bytes")
+                    return
+                file = await asyncio.to_thread(
+                    IncomingFile, self.files_dir, tid, info.size, info.offset
+                )
         except StorageError as exc:
             await self._fail_in(info, str(exc))
             return

@@ -175,6 +175,7 @@ class TransferBase:
     _unwritten: dict[bytes, TransferInfo]
     _rows: dict[bytes, TransferInfo] | None
     _turns: dict[bytes, TransferLock]
+    _disk_turn: asyncio.Lock
 
     if TYPE_CHECKING:
         # Defined by another part of the manager.

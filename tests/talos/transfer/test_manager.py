@@ -563,3 +563,33 @@ async def test_an_offer_accepted_by_hand_checks_the_disk_again(
         out = await net.sender.wait(tid)
     assert net.receiver.get(tid).state is TransferState.FAILED
     assert out.state is TransferState.FAILED and "not enough disk space" in out.error
+
+
+async def test_offers_accepted_together_do_not_both_take_the_disk_reserve(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Room for one of the two files above the reserve: accepted at once, the second
+    # must see the space the first preallocates, not the free space both saw before.
+    import shutil
+
+    from talos.transfer import incoming
+
+    size = 32 << 20
+    net.receiver.config = TransferConfig()  # nothing auto-accepted
+    async with asyncio.timeout(LIMIT):
+        tids = []
+        for name in ("one.bin", "two.bin"):
+            src = net.tmp / name
+            with src.open("wb") as f:
+                f.truncate(size)  # sparse: the sender's disk is not the point
+            tid = await net.sender.send_file(net.b.did, src)
+            await until(lambda t=tid: is_pending(net, t), what="the offer")
+            tids.append(tid)
+        free = shutil.disk_usage(net.receiver.files_dir).free
+        monkeypatch.setattr(incoming, "DISK_RESERVE", free - size - size // 2)
+        await asyncio.gather(*(net.receiver.accept(t) for t in tids))
+        outs = [await net.sender.wait(t) for t in tids]
+    states = sorted(o.state.value for o in outs)
+    assert states == sorted([TransferState.COMPLETE.value, TransferState.FAILED.value])
+    (failed,) = [o for o in outs if o.state is TransferState.FAILED]
+    assert "not enough disk space" in failed.error
