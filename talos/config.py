@@ -148,7 +148,7 @@ class NodeConfig(BaseModel):
     require_pq: bool = Field(
         default=False, description="refuse peers without hybrid Ed25519 + ML-DSA-65 auth"
     )
-    seal_count: int = Field(default=256, ge=1)
+    seal_count: int = Field(default=256, ge=1, le=4096)  # chain.block.MAX_BLOCK_RECORDS
     seal_interval: float = Field(default=1.0, gt=0)
     ping_interval: float = Field(default=20.0, gt=0)
     handshake_timeout: float = Field(default=10.0, gt=0)

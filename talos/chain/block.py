@@ -49,6 +49,7 @@ from talos_sdk.wallet import verify, verify_auth
 
 __all__ = [
     "GENESIS_PREV",
+    "MAX_BLOCK_RECORDS",
     "MAX_COMMITMENT",
     "MAX_EXTRA",
     "Block",
@@ -75,6 +76,10 @@ __all__ = [
 GENESIS_PREV = bytes(32)
 MAX_COMMITMENT = 4096
 MAX_EXTRA = 4096
+#: Records one block holds at most (``seal_count`` is bounded by it): ``chain verify``
+#: holds one block's records at a time, so a height that stores more is a defect, not
+#: a reason to read them all into memory.
+MAX_BLOCK_RECORDS = 4096
 _SIG_LEN = 64
 _RECORD_VERSION = 1
 _BLOCK_MAGIC = b"TLBK"

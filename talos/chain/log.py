@@ -2,14 +2,13 @@
 
 Appending is O(1) and does no signing: the encoded record, tagged under the
 node's pending key (talos/chain/pending.py), goes into the ``pending`` database,
-inside the caller's write transaction when one is given, so an inbox row and
-its log record commit (or roll back) together. Sealing is
-where the work happens, off the hot path: the pending records are read back
-from LMDB, their sender signatures verified as one batch (unless the appender
-vouched it checked them, see :meth:`BlockLog.append`), the Merkle root
-computed, the block signed and written with its record index in one durable
-transaction. A record that fails its checks is moved to ``quarantine`` with the
-reason — never sealed, never silently dropped.
+inside the caller's write transaction when one is given, so an inbox row and its
+log record commit (or roll back) together. Sealing is where the work happens, off
+the hot path: the pending records are read back from LMDB, their sender
+signatures verified as one batch (unless the appender vouched it checked them,
+see :meth:`BlockLog.append`), the Merkle root computed, the block signed and
+written with its record index in one durable transaction. A record that fails its
+checks is moved to ``quarantine`` with the reason — never sealed, never silently dropped.
 
 The Merkle root is computed at seal time from what LMDB holds rather than kept
 in an in-memory accumulator during ``append``: an append made inside a caller's
@@ -43,6 +42,7 @@ from typing import Any, Protocol
 
 from talos.chain.block import (
     GENESIS_PREV,
+    MAX_BLOCK_RECORDS,
     Block,
     Record,
     check_record_signature,
@@ -150,8 +150,8 @@ class BlockLog:
         clock: Callable[[], float] = time.time,
         writes: Writes | None = None,
     ) -> None:
-        if max_records < 1 or max_delay_ms < 0:
-            raise UsageError("max_records must be >= 1 and max_delay_ms >= 0")
+        if not 1 <= max_records <= MAX_BLOCK_RECORDS or max_delay_ms < 0:
+            raise UsageError(f"max_records must be 1..{MAX_BLOCK_RECORDS}, max_delay_ms >= 0")
         self.store = store
         # A running node passes its StoreWriter: every write of the log then runs on
         # the node's one writer thread (talos/writer.py); offline tools write directly.

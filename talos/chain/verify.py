@@ -8,7 +8,9 @@ sender signature of every record; the record index (``records``, or
 ``records_b`` when ``meta`` ``chain:index_db`` names it, ADR 0013) names
 exactly the sealed records, each at its place.
 
-Memory does not grow with the log: the parent walks ``blocks`` and
+Memory does not grow with the log (nor with one height's records: a height
+holding more than a block can, ``MAX_BLOCK_RECORDS``, is a defect and only
+that many are checked): the parent walks ``blocks`` and
 ``block_records`` with two cursors of one LMDB read snapshot, cuts the stream
 into chunks of about :data:`CHUNK_RECORDS` records (computing each block's
 expected ``prev_hash`` on the way, so links across chunks are its job) and
@@ -56,6 +58,7 @@ from pathlib import Path
 
 from talos.chain.block import (
     GENESIS_PREV,
+    MAX_BLOCK_RECORDS,
     Block,
     BlockLinkError,
     ChainDefect,
@@ -245,11 +248,25 @@ class _LogWalk:
                 raw = block[2]
                 block = next(self._blocks, None)
             records: list[tuple[int, bytes]] = []
+            stored = 0
             while record is not None and record[0] == height:
-                records.append((record[1], record[2]))
+                # No block holds more: past that, a height's records are counted, not held.
+                if stored < MAX_BLOCK_RECORDS:
+                    records.append((record[1], record[2]))
+                stored += 1
                 record = next(self._records, None)
+            if stored > MAX_BLOCK_RECORDS:
+                self._defects.append(
+                    Defect(
+                        "record_count",
+                        height,
+                        None,
+                        f"{stored} records stored at this height; a block holds at most"
+                        f" {MAX_BLOCK_RECORDS} (only those were checked)",
+                    )
+                )
             yield height, raw, records, prev
-            self.records += len(records)
+            self.records += stored
             prev = None if raw is None else hashlib.sha256(raw).digest()
             self.head_hash = prev
             height += 1

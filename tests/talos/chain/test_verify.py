@@ -348,3 +348,41 @@ def test_chunk_runner_outside_a_pool_refuses() -> None:
     """The worker entry point has no settings unless the pool initializer installed them."""
     with pytest.raises(RuntimeError, match="without its settings"):
         _run_chunk([])
+
+
+def test_a_height_holding_more_records_than_a_block_can_is_not_read_whole(
+    chain: tuple[Store, BlockLog], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crafted store with a huge run of records under one height: the walk holds at
+    most MAX_BLOCK_RECORDS of them (a legitimate block has at most that many), counts
+    the rest and says so, instead of reading them all into memory."""
+    store, _ = chain
+    cap = 6
+    monkeypatch.setattr(verify, "MAX_BLOCK_RECORDS", cap)
+    extra = make_record(1000).to_bytes()
+    with store.write() as txn:
+        for i in range(PER_BLOCK, PER_BLOCK + 50):
+            txn.put("block_records", record_key(1, i), extra)
+    with store.read() as txn:
+        walk = _LogWalk(txn, defects := [])
+        held = {job[0]: len(job[2]) for job in walk.jobs()}
+    assert held[1] == cap and walk.records == PER_BLOCK * BLOCKS + 50
+    assert [(d.code, d.height) for d in defects] == [("record_count", 1)]
+    assert defects[0].message == (
+        f"{PER_BLOCK + 50} records stored at this height; a block holds at most {cap}"
+        " (only those were checked)"
+    )
+    report = verify_chain(store, NODE.did, workers=1)
+    assert not report.ok and ("record_count", 1, None) in where(store)
+
+
+def test_seal_count_is_bounded_by_what_a_block_holds() -> None:
+    from talos.chain.block import MAX_BLOCK_RECORDS
+    from talos.config import NodeConfig
+    from talos_sdk.errors import UsageError
+
+    NodeConfig(seal_count=MAX_BLOCK_RECORDS)
+    with pytest.raises(ValueError, match="less than or equal to 4096"):
+        NodeConfig(seal_count=MAX_BLOCK_RECORDS + 1)
+    with pytest.raises(UsageError, match=r"max_records must be 1\.\.4096"):
+        BlockLog(Store.__new__(Store), NODE, max_records=MAX_BLOCK_RECORDS + 1)
