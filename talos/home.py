@@ -208,7 +208,7 @@ def offline_prune(home: Home, through: int) -> dict[str, int]:
     with _offline_store(home) as store:
         while True:
             with store.write() as txn:
-                count, _ = pl.prune_inbox(txn, through, pl.PRUNE_CHUNK)
+                count, _, _ = pl.prune_inbox(txn, through, pl.PRUNE_CHUNK)
             pruned += count
             if count < pl.PRUNE_CHUNK:
                 return {"pruned": pruned, "through": through}

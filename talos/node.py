@@ -399,13 +399,15 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         ``pipeline.PRUNE_CHUNK``; how many. Each sender's inbox share gets its bytes back."""
         pruned = 0
         while True:
-            count, freed = await self.writer.write(
+            count, freed, mark = await self.writer.write(
                 functools.partial(pl.prune_inbox, through=through, limit=pl.PRUNE_CHUNK),
                 kind="prune",
             )
             for did, size in freed.items():
                 peer = self._peers.get(did)
-                if peer is not None:  # else read from the store when it is loaded
+                # A peer not loaded reads its share from the store when it is; one loaded
+                # after this chunk committed (its mark is this one) has the bytes off.
+                if peer is not None and peer.inbox_pruned < mark:
                     peer.inbox_bytes = max(0, peer.inbox_bytes - size)
             pruned += count
             if count < pl.PRUNE_CHUNK:

@@ -59,6 +59,8 @@ class Peer(PeerPipeline):
     dirty: bool = False
     #: Bytes of this peer's inbox rows: stored, and accepted for the next commit.
     inbox_bytes: int = 0
+    #: The store's pruned mark when ``inbox_bytes`` was read (Node.prune_inbox).
+    inbox_pruned: int = 0
     over_share: bool = False  # its messages wait at its end (logged once)
 
 

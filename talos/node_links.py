@@ -152,6 +152,7 @@ class NodeLinks(NodeBase):
                 assigned, next_prev = pl.next_prev(txn, did)
                 delivered = pl.get_u64(txn, "meta", pl.meta_in(did))
                 inbox_bytes = pl.get_u64(txn, "meta", pl.meta_inbox_bytes(did))
+                inbox_pruned = pl.get_u64(txn, "meta", pl.META_INBOX_PRUNED)
             peer = Peer.restore(
                 did,
                 first_unacked=first,
@@ -160,7 +161,7 @@ class NodeLinks(NodeBase):
                 own_max_frame=self.config.max_frame,
                 next_prev=next_prev,
             )
-            peer.inbox_bytes = inbox_bytes
+            peer.inbox_bytes, peer.inbox_pruned = inbox_bytes, inbox_pruned
             self._peers[did] = peer
         return peer
 

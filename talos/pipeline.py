@@ -285,10 +285,12 @@ def last_inbox_n(txn: Txn) -> int:
     return get_u64(txn, "meta", META_INBOX_PRUNED)
 
 
-def prune_inbox(txn: Txn, through: int, limit: int) -> tuple[int, dict[str, int]]:
+def prune_inbox(txn: Txn, through: int, limit: int) -> tuple[int, dict[str, int], int]:
     """Delete at most ``limit`` of the oldest inbox messages numbered up to ``through``:
-    how many, and the bytes freed per sender (taken off their inbox shares). A
-    ``through`` past the last message is refused: it would delete unseen arrivals."""
+    how many, the bytes freed per sender (taken off their inbox shares) and the pruned
+    mark after it (``META_INBOX_PRUNED``: a share read with a mark this high already
+    has them off). A ``through`` past the last message is refused: it would delete
+    unseen arrivals."""
     top = last_inbox_n(txn)
     if through > top:
         raise UsageError(
@@ -304,7 +306,7 @@ def prune_inbox(txn: Txn, through: int, limit: int) -> tuple[int, dict[str, int]
         freed[sender] = freed.get(sender, 0) + len(value)
         doomed.append(key)
     if not doomed:
-        return 0, freed
+        return 0, freed, get_u64(txn, "meta", META_INBOX_PRUNED)
     pruned = max(get_u64(txn, "meta", META_INBOX_PRUNED), _U64.unpack(doomed[-1])[0])
     for key in doomed:  # after the walk: LMDB cursors do not survive deletes under them
         txn.delete("inbox", key)
@@ -312,7 +314,7 @@ def prune_inbox(txn: Txn, through: int, limit: int) -> tuple[int, dict[str, int]
         key = meta_inbox_bytes(sender)
         put_u64(txn, "meta", key, max(0, get_u64(txn, "meta", key) - size))
     put_u64(txn, "meta", META_INBOX_PRUNED, pruned)
-    return len(doomed), freed
+    return len(doomed), freed, pruned
 
 
 def encode_inbox(msg_id: bytes, sender: str, seq: int, ts_ms: int, text: str) -> bytes:

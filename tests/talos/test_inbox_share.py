@@ -7,6 +7,7 @@ real LMDB stores; the store pruning itself (talos/pipeline.py) on a real store t
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -73,20 +74,55 @@ def test_prune_frees_each_senders_bytes_and_keeps_the_numbering(tmp_path: Path) 
                 pl.put_u64(txn, "meta", key, pl.get_u64(txn, "meta", key) + len(row))
         size = len(pl.encode_inbox(bytes(16), "did:x", 1, 0, "hello"))
         with store.write() as txn:
-            assert pl.prune_inbox(txn, through=2, limit=1) == (1, {"did:x": size})
+            assert pl.prune_inbox(txn, through=2, limit=1) == (1, {"did:x": size}, 1)
         with store.write() as txn:
-            assert pl.prune_inbox(txn, through=2, limit=10) == (1, {"did:y": size})
-            assert pl.prune_inbox(txn, through=2, limit=10) == (0, {})
+            assert pl.prune_inbox(txn, through=2, limit=10) == (1, {"did:y": size}, 2)
+            assert pl.prune_inbox(txn, through=2, limit=10) == (0, {}, 2)
         with store.read() as txn:
             assert pl.get_u64(txn, "meta", pl.meta_inbox_bytes("did:x")) == size
             assert pl.get_u64(txn, "meta", pl.meta_inbox_bytes("did:y")) == 0
             assert pl.last_inbox_n(txn) == 3
         with store.write() as txn:
-            assert pl.prune_inbox(txn, through=3, limit=10) == (1, {"did:x": size})
+            assert pl.prune_inbox(txn, through=3, limit=10) == (1, {"did:x": size}, 3)
         with store.read() as txn:
             assert pl.last_inbox_n(txn) == 3  # empty: numbering goes on from the last pruned
     finally:
         store.close()
+
+
+async def test_a_share_read_while_a_prune_commits_is_not_taken_off_twice(
+    tmp_path: Path,
+) -> None:
+    """The peer's share is read from the store after a prune chunk committed and before
+    the node heard back from that commit: the chunk's bytes are off already, and must
+    not come off again (the share would then let the peer store more than it may)."""
+    a = await started(*make_home(tmp_path, "a"))
+    home_b, config_b = make_home(tmp_path, "b")
+    b = await started(home_b, config_b)
+    try:
+        async with asyncio.timeout(60):
+            await link(a, b)
+            for i in range(3):
+                await a.send_message(b.did, f"{i} {TEXT}", wait=True)
+            await b.stop()  # a fresh run: a's share is read from the store when needed
+            b = await started(home_b, config_b)
+            first = b.inbox()[0].n
+            pruning = asyncio.ensure_future(b.prune_inbox(first))
+            await asyncio.sleep(0)  # the prune's write is submitted to the writer thread
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # the loop is held: its answer waits
+                with b.store.read() as txn:
+                    if pl.get_u64(txn, "meta", pl.META_INBOX_PRUNED) >= first:
+                        break
+                time.sleep(0.001)
+            b.start_send(a.did, "loads a's share now", lambda msg_id, exc: None)
+            assert await pruning == 1
+            with b.store.read() as txn:
+                stored = pl.get_u64(txn, "meta", pl.meta_inbox_bytes(a.did))
+            assert stored > 0 and b.peer_state(a.did).inbox_bytes == stored
+    finally:
+        await a.stop()
+        await b.stop()
 
 
 async def test_a_store_without_counts_is_counted_at_the_first_start(tmp_path: Path) -> None:
