@@ -64,6 +64,11 @@ MAX_BULK_RECEIVES = 8
 #: within bulk.HANDSHAKE_TIMEOUT) before it goes to other attempts: a sender that never
 #: comes would otherwise hold it for the attempt's whole life.
 BULK_DIAL_WAIT = 2 * bulk.HANDSHAKE_TIMEOUT
+#: Seconds an app-channel attempt waits for its next chunk (a FALLBACK_CHUNK of 256 KiB
+#: takes 64 s at bulk_data.MIN_RATE) before it ends as broken, its checkpoint kept: a
+#: sender that never sends would otherwise hold the attempt (task, file, bulk place)
+#: for the link's whole life. The sender's side of the same rule is CREDIT_WAIT.
+CHUNK_WAIT = 2 * bulk.IDLE_TIMEOUT
 
 
 class CreditExceededError(TransferProtocolError):
@@ -401,7 +406,14 @@ class IncomingTransfers(TransferBase):
         trigger = self._checkpoint_trigger(tid, inc)
         try:
             while True:
-                sealed = await inc.queue.get()
+                try:
+                    async with asyncio.timeout(CHUNK_WAIT):
+                        sealed = await inc.queue.get()
+                except TimeoutError:
+                    if inc.streaming:
+                        continue  # the bytes come by the bulk stream, under its own timeout
+                    idle = f"no chunk from the sender for {CHUNK_WAIT:g} s"
+                    raise ConnectionError(idle) from None
                 if sealed is None:
                     return
                 if isinstance(sealed, Exception):

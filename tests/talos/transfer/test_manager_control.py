@@ -156,3 +156,35 @@ async def test_a_sender_cancels_its_offer_and_the_receiver_hears_it(net: Net) ->
             lambda: net.receiver.get(out.tid).state is TransferState.CANCELLED,
             what="the receiver told",
         )
+
+
+async def test_an_attempt_whose_sender_sends_nothing_ends_and_the_attempts_run_out(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An app-channel attempt with no chunk for CHUNK_WAIT ends as broken (its
+    checkpoint kept, as when a link drops); a sender that offers again and again and
+    sends nothing uses up MAX_ATTEMPTS, and the transfer fails, its space freed."""
+    from talos.transfer import incoming
+    from talos.transfer.records import MAX_ATTEMPTS
+
+    monkeypatch.setattr(incoming, "CHUNK_WAIT", 0.2)
+    await no_bulk(net)  # auto-accepted, on the app channel
+    tid = os.urandom(16)
+    offer = encode_message(Offer(tid, 1 << 20, os.urandom(32), "never.bin"))
+    part = net.receiver.files_dir / PARTIAL_DIR / f"{tid.hex()}.part"
+    async with asyncio.timeout(LIMIT):
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            await net.a.send_app(net.b.did, APP_NAME, offer)
+            await until(
+                lambda a=attempt: (
+                    tid.hex() in {i.tid for i in net.receiver.list()}
+                    and net.receiver.get(tid).epoch == a
+                    and tid not in net.receiver._incoming
+                ),
+                what=f"attempt {attempt} started and ended",
+            )
+            assert net.receiver.get(tid).state is TransferState.ACTIVE and part.exists()
+        await net.a.send_app(net.b.did, APP_NAME, offer)
+        await until(lambda: net.receiver.get(tid).state is TransferState.FAILED, what="failed")
+    assert f"gave up after {MAX_ATTEMPTS} attempts" in (net.receiver.get(tid).error or "")
+    assert not part.exists()
