@@ -309,7 +309,7 @@ def _drop_queued(path: Path, args: argparse.Namespace) -> int:
         return 0
     print(f"dropped {res['dropped']} message(s) queued for {res['peer']}")
     if res["sent"]:
-        print(f"{res['sent']} of them had gone out unacknowledged: the peer may have them")
+        print(f"{res['sent']} of them may have reached the peer already (sent, not acknowledged)")
     return 0
 
 

@@ -415,27 +415,36 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
 
     async def drop_queued(self, did: str) -> dict[str, Any]:
         """Drop every message queued for ``did`` that it has not acknowledged: ``dropped``,
-        how many, of which ``sent`` had gone out (they may have arrived). A ``send
-        --wait`` for one of them fails with MessageDroppedError. The next message
-        follows the last acknowledged one (docs/adr/0007-epoch-sequence-numbers.md,
-        "Dropping queued messages")."""
+        how many, of which ``sent`` may have reached the peer (sent in this run, or
+        queued by an earlier one, which may have sent them). A ``send --wait`` for one
+        of them fails with MessageDroppedError. The next message follows the last
+        acknowledged one (docs/adr/0007-epoch-sequence-numbers.md, "Dropping queued
+        messages")."""
         if did == self.did:
             raise UsageError("this node queues no messages for itself")
         self._check_recipient(did)
         peer = self._peer(did)
-        drop = peer.drop_unacked()
-        peer.tx.fail_waiters(
-            lambda: pl.MessageDroppedError("the message was dropped from the outbox before its ack")
-        )
+        prev, last = peer.drop_point()
+        # The store first: a drop that fails to commit (a full disk) drops nothing, and
+        # the caller is told so; one that commits holds after a crash.
         stored = await self.writer.write(
-            functools.partial(pl.drop_outbox, peer=did, last=drop.last, prev=drop.prev),
-            kind="drop",
+            functools.partial(pl.drop_outbox, peer=did, last=last, prev=prev), kind="drop"
+        )
+        drop = peer.drop_unacked(prev, last)
+        peer.tx.fail_waiters(
+            lambda: pl.MessageDroppedError(
+                "the message was dropped from the outbox before its ack"
+            ),
+            upto=last,
         )
         seqs = {*stored, *drop.fresh}
         if seqs:
             event(_log, "outbox_dropped", peer=did, messages=len(seqs))
+        # Sent in this run (on a link, or to the relay mailbox), or queued by an earlier
+        # one, which may have sent it: either may have reached the peer.
         sent = max(drop.max_sent, self.relay.mailboxed(did) if self.relay is not None else 0)
-        return {"peer": did, "dropped": len(seqs), "sent": sum(1 for s in seqs if s <= sent)}
+        may = sum(1 for s in seqs if s <= sent or pl.epoch_of(s) < self._epoch)
+        return {"peer": did, "dropped": len(seqs), "sent": may}
 
     def _outbox_depth(self) -> int:
         with self.store.read() as txn:

@@ -391,7 +391,8 @@ class NodeDelivery(NodeBase):
             for row, _, _ in batch:
                 top[row.peer] = max(top.get(row.peer, 0), row.seq)
             for did, seq in top.items():  # once per peer, not per row
-                self._peers[did].outbox_committed(seq)
+                if (peer := self._peers.get(did)) is not None:  # else removed meanwhile
+                    peer.outbox_committed(seq)
         else:
             # The callers get the error and no id (ADR 0007, "outbox commit fails"):
             # the rows are not sent again, their successors name their prev.
@@ -399,7 +400,8 @@ class NodeDelivery(NodeBase):
             for row, _, _ in batch:
                 by_peer.setdefault(row.peer, []).append(row)
             for did, rows in by_peer.items():
-                self._peers[did].outbox_failed(rows)
+                if (peer := self._peers.get(did)) is not None:
+                    peer.outbox_failed(rows)
         for _, committed, _ in batch:
             committed(exc)
         if self._outgoing and not self._stopping:

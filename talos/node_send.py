@@ -92,7 +92,7 @@ class Sending:
         self._wait = wait
         self._ack: BaseException | object | None = _PENDING  # None once acked
         if wait:
-            # This object is the waiter (talos/pipeline.py AckWaiter): the ack reaches
+            # This object is the waiter (talos/seq_state.py AckWaiter): the ack reaches
             # the caller in the pass that read it, not one loop pass later.
             peer.tx.add_waiter(row.seq, self)
 
@@ -129,7 +129,7 @@ class Sending:
             loop = asyncio.get_running_loop()
             self._expiry = loop.call_later(self._timeout, self._expired)
 
-    # --- AckWaiter (talos/pipeline.py) -----------------------------------------------------------
+    # --- AckWaiter (talos/seq_state.py) ----------------------------------------------------------
 
     def done(self) -> bool:
         return self._ack is not _PENDING or self._ended
@@ -209,7 +209,7 @@ class Sending:
         try:
             done(msg_id, exc)
         except Exception as error:
-            # Told from inside the ack's loop over its waiters (talos/pipeline.py
+            # Told from inside the ack's loop over its waiters (talos/seq_state.py
             # SenderState.on_ack): one failing caller must not keep the others waiting.
             event(_log, "send_report_failed", level=logging.ERROR, error=repr(error))
 

@@ -27,6 +27,7 @@ from typing import Final, Self
 
 from talos import pipeline as pl
 from talos.chain.block import Record
+from talos.seq_state import ReceiverState, SenderState, Verdict
 from talos_sdk.errors import ProtocolError
 
 __all__ = [
@@ -106,8 +107,8 @@ class PeerPipeline:
     """Send and receive bookkeeping for one peer (see the module docstring)."""
 
     did: str
-    tx: pl.SenderState
-    rx: pl.ReceiverState
+    tx: SenderState
+    rx: ReceiverState
     own_max_frame: int
     last_assigned: int = 0
     #: The largest link frame the peer accepts (its SESSION_OFFER); 0 = not said yet.
@@ -144,8 +145,8 @@ class PeerPipeline:
         acked = first_unacked.prev if first_unacked is not None else assigned
         peer = cls(
             did,
-            pl.SenderState(acked),
-            pl.ReceiverState(delivered),
+            SenderState(acked),
+            ReceiverState(delivered),
             own_max_frame,
             last_assigned=assigned,
         )
@@ -187,7 +188,9 @@ class PeerPipeline:
         later commit would drop them unwritten and leave a hole the peer never fills."""
         failed = set()
         for row in rows:
-            self.skipped[row.seq] = row.prev
+            if row.seq > self.tx.acked and row.seq not in self.skipped:
+                # Not if dropped meanwhile: its successor names what the drop said.
+                self.skipped[row.seq] = row.prev
             failed.add(row.seq)
             # A later cumulative ack must not log them as delivered.
             self.records.pop(row.seq, None)
@@ -223,28 +226,34 @@ class PeerPipeline:
         prev = self.prev_of(row.prev)
         return row if prev == row.prev else dataclasses.replace(row, prev=prev)
 
-    def drop_unacked(self) -> Dropped:
-        """The user drops every message the peer has not acknowledged (``talosd outbox
-        --drop``; docs/adr/0007-epoch-sequence-numbers.md, "Dropping queued messages").
+    def drop_point(self) -> tuple[int, int]:
+        """What a drop made now covers: the ``prev`` the next message will name (the last
+        number the peer acknowledged, which it holds) and the last assigned number."""
+        return self.prev_of(self.tx.acked), self.last_assigned
+
+    def drop_unacked(self, prev: int, last: int) -> Dropped:
+        """The user dropped every unacknowledged message up to ``last`` (``talosd outbox
+        --drop``; docs/adr/0007-epoch-sequence-numbers.md, "Dropping queued messages"),
+        with ``prev, last`` from :meth:`drop_point`; the store has dropped them already.
 
         They count as done without being logged: nothing of them is sent again,
         no ack for them is awaited (the caller fails the waiters), and the next
-        message names the last one the peer acknowledged as its ``prev``, so the
-        peer takes it whether or not a dropped one reached it. Their numbers stay
-        used. The caller deletes their rows (:func:`talos.pipeline.drop_outbox`).
+        message names ``prev``, so the peer takes it whether or not a dropped one
+        reached it. Their numbers stay used. Messages numbered after ``last``
+        (sent while the store dropped the rows) are kept.
         """
-        base = self.prev_of(self.tx.acked)
-        last = self.last_assigned
-        fresh = [row.seq for row in self.fresh]
+        fresh = [row.seq for row in self.fresh if row.seq <= last]
         for seq in [*fresh, last]:
-            if seq > base:
-                self.skipped[seq] = base
-        self.fresh = []
-        self.records.clear()
-        self.sent_at.clear()
+            if seq > prev:
+                self.skipped[seq] = prev
+        self.fresh = [row for row in self.fresh if row.seq > last]
+        for kept in (self.records, self.sent_at):
+            for seq in [seq for seq in kept if seq <= last]:
+                del kept[seq]
         self.deferred = 0
-        self.tx.acked = self.tx.sent = max(self.tx.acked, last)
-        return Dropped(base, last, fresh, self.max_sent)
+        self.tx.acked = max(self.tx.acked, last)
+        self.tx.sent = max(self.tx.sent, self.tx.acked)
+        return Dropped(prev, last, fresh, self.max_sent)
 
     def on_sent(self, row: pl.OutboxEntry, record: Record, now: float) -> None:
         """``row`` (sealed, with our audit ``record``) is about to leave on the link."""
@@ -308,9 +317,9 @@ class PeerPipeline:
     def receive(self, seq: int, prev: int) -> Received:
         """Classify an opened message (``prev <= delivered < seq`` is accepted)."""
         verdict = self.rx.classify(seq, prev)
-        if verdict == pl.Verdict.ACCEPT:
+        if verdict == Verdict.ACCEPT:
             return Received.ACCEPT
-        if verdict == pl.Verdict.DUPLICATE:
+        if verdict == Verdict.DUPLICATE:
             return Received.REACK if seq <= self.rx.delivered else Received.IN_BATCH
         return Received.GAP
 

@@ -1,10 +1,8 @@
 """The durable message pipeline: outbox, inbox, per-peer order and acks (docs/DESIGN.md "Storage").
 
-Bookkeeping plus the LMDB row layouts; the node (talos/node.py) does the I/O.
-No sockets, storage or clock here; the one tie to asyncio is
-:meth:`SenderState.wait_for`, the futures ``send`` callers wait on until the
-ack arrives, kept beside the ack counter that resolves them. The rules, per
-ordered pair of nodes:
+Sequence numbers and the LMDB row layouts; the per-peer accept and ack state
+is in :mod:`talos.seq_state`, and the node (talos/node.py) does the I/O. The
+rules, per ordered pair of nodes:
 
 * a sequence number is ``epoch << 32 | n``: ``epoch`` is the node's boot
   counter, durably incremented once per start (and by every offline enqueue),
@@ -40,11 +38,10 @@ Row layouts (big-endian)::
 
 from __future__ import annotations
 
-import asyncio
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import orjson
 
@@ -59,9 +56,6 @@ __all__ = [
     "MessageDroppedError",
     "MessageTooLargeError",
     "OutboxEntry",
-    "ReceiverState",
-    "SenderState",
-    "Verdict",
     "advance_epoch",
     "allow_row",
     "bump_epoch",
@@ -406,12 +400,18 @@ def next_prev(txn: Txn, peer: str) -> tuple[int, int]:
     """``peer``'s last assigned seq, and the ``prev`` the next message names: the
     last assigned, unless dropped messages end the queue (then what came before them)."""
     last = get_u64(txn, "meta", meta_out(peer))
-    raw = txn.get("meta", meta_skip(peer))
-    if raw is not None and len(raw) == _SKIP.size:
-        seq, prev = _SKIP.unpack(raw)
-        if seq == last:
-            return last, prev
+    skip = _skip_entry(txn, peer)
+    if skip is not None and skip[0] == last:
+        return last, skip[1]
     return last, last
+
+
+def _skip_entry(txn: Txn, peer: str) -> tuple[int, int] | None:
+    raw = txn.get("meta", meta_skip(peer))
+    if raw is None or len(raw) != _SKIP.size:
+        return None
+    seq, prev = _SKIP.unpack(raw)
+    return seq, prev
 
 
 def drop_outbox(txn: Txn, peer: str, last: int, prev: int) -> list[int]:
@@ -440,13 +440,29 @@ def drop_outbox(txn: Txn, peer: str, last: int, prev: int) -> list[int]:
 
 def note_skipped(txn: Txn, peer: str, seq: int, prev: int) -> None:
     """The message ``seq`` will never reach ``peer`` (dropped, or failed as too large):
-    if no message is assigned after it, the next one names ``prev`` (:func:`next_prev`)."""
+    if no message is assigned after it, the next one names ``prev`` (:func:`next_prev`).
+
+    Only the newest such number matters, and for one noted twice (a drop, and a
+    failure found as it was sent) the lower ``prev``: any number at or below what
+    the peer holds is a ``prev`` it accepts.
+    """
+    skip = _skip_entry(txn, peer)
+    if skip is not None and (skip[0] > seq or (skip[0] == seq and skip[1] <= prev)):
+        return
     txn.put("meta", meta_skip(peer), _SKIP.pack(seq, prev))
 
 
 def put_row(txn: Txn, row: OutboxEntry) -> None:
-    """Write an outbox row whose seq the caller assigned, and remember it as the last."""
-    value = encode_outbox(row.msg_id, row.ts_ms, row.prev, row.data)
+    """Write an outbox row whose seq the caller assigned, and remember it as the last.
+
+    A ``prev`` naming a message that never goes (``skip:DID``) is written as what that
+    one said instead, whatever the caller's memory knew when it built the row.
+    """
+    prev = row.prev
+    skip = _skip_entry(txn, row.peer)
+    if skip is not None and skip[0] == prev:
+        prev = skip[1]
+    value = encode_outbox(row.msg_id, row.ts_ms, prev, row.data)
     txn.put("outbox", outbox_key(row.peer, row.seq), value)
     note_assigned(txn, row.peer, row.seq)
 
@@ -471,112 +487,3 @@ def drop_acked(txn: Txn, peer: str, upto: int) -> int:
     for k in keys:
         txn.delete("outbox", k)
     return len(keys)
-
-
-class Verdict:
-    """What to do with an incoming message sequence number."""
-
-    ACCEPT: Final = "accept"
-    DUPLICATE: Final = "duplicate"
-    GAP: Final = "gap"
-
-
-@dataclass(slots=True)
-class ReceiverState:
-    """Per-peer receive side: ``delivered`` is committed, ``accepted`` includes the open batch."""
-
-    delivered: int
-    accepted: int = -1
-
-    def __post_init__(self) -> None:
-        if self.accepted < 0:
-            self.accepted = self.delivered
-
-    def classify(self, seq: int, prev: int | None = None) -> str:
-        """``prev`` defaults to ``seq - 1`` (consecutive numbers within one epoch)."""
-        if seq <= self.accepted:
-            return Verdict.DUPLICATE
-        if (seq - 1 if prev is None else prev) <= self.accepted:
-            self.accepted = seq
-            return Verdict.ACCEPT
-        return Verdict.GAP
-
-    def committed(self, seq: int) -> None:
-        self.delivered = max(self.delivered, seq)
-
-    def rolled_back(self) -> None:
-        """A batch failed to commit: its messages must be accepted again on resend."""
-        self.accepted = self.delivered
-
-    def not_taken(self, accepted: int) -> None:
-        """The message just accepted is not taken after all (``accepted``: the mark
-        before it): it is accepted again when resent, and what follows it is a gap."""
-        self.accepted = accepted
-
-
-class AckWaiter(Protocol):
-    """Who waits for a seq's ack: an asyncio future, or a send in flight told at once
-    (talos/node_send.py: no future and no loop pass between the ack and its caller)."""
-
-    def done(self) -> bool: ...
-
-    def set_result(self, result: None, /) -> None: ...
-
-    def set_exception(self, exception: BaseException, /) -> None: ...
-
-
-@dataclass(slots=True)
-class SenderState:
-    """Per-peer send side: what is acked, what this link has sent, who waits."""
-
-    acked: int
-    sent: int = -1
-    waiters: dict[int, list[AckWaiter]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.sent < 0:
-            self.sent = self.acked
-
-    def rewind(self) -> None:
-        """Resend everything unacknowledged (new link, or no progress for a while)."""
-        self.sent = self.acked
-
-    def on_ack(self, seq: int) -> bool:
-        """Record a cumulative ack; True if it moved forward."""
-        if seq <= self.acked:
-            return False
-        self.acked = seq
-        self.sent = max(self.sent, seq)
-        for s in [s for s in self.waiters if s <= seq]:
-            for fut in self.waiters.pop(s, ()):
-                if not fut.done():
-                    fut.set_result(None)
-        return True
-
-    def fail_waiters(self, error: Callable[[], BaseException]) -> None:
-        """Fail every send waiting for an ack with ``error()`` (the link was refused for good)."""
-        waiters, self.waiters = self.waiters, {}
-        for futs in waiters.values():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(error())
-
-    def wait_for(self, seq: int) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.add_waiter(seq, fut)
-        return fut
-
-    def add_waiter(self, seq: int, waiter: AckWaiter) -> None:
-        """``waiter`` is told when ``seq`` is acked (at once if it is already)."""
-        if seq <= self.acked:
-            waiter.set_result(None)
-        else:
-            self.waiters.setdefault(seq, []).append(waiter)
-
-    def remove_waiter(self, seq: int, waiter: AckWaiter) -> None:
-        """``waiter`` no longer waits (it timed out, or its caller left)."""
-        waiting = self.waiters.get(seq)
-        if waiting is not None and waiter in waiting:
-            waiting.remove(waiter)
-            if not waiting:
-                del self.waiters[seq]

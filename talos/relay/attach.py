@@ -273,9 +273,10 @@ class NodeRelay:
                 except RelayError as exc:
                     event(_log, "mailbox_post_retry", level=logging.INFO, peer=did, reason=str(exc))
                     return posted
-                peer.records[row.seq] = record
                 peer.max_sent = max(peer.max_sent, row.seq)
-                peer.sent_at.setdefault(row.seq, time.monotonic())
+                if row.seq > peer.tx.acked:  # not dropped (talosd outbox --drop) meanwhile
+                    peer.records[row.seq] = record
+                    peer.sent_at.setdefault(row.seq, time.monotonic())
                 self._mailboxed[did] = row.seq
                 posted += 1
                 self._count("mailbox_out")

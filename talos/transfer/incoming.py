@@ -32,7 +32,7 @@ from talos.transfer.protocol import (
     is_final,
     safe_name,
 )
-from talos.transfer.receiver import PARTIAL_DIR, IncomingAttempt, IncomingFile
+from talos.transfer.receiver import PARTIAL_DIR, IncomingAttempt, IncomingFile, NoSpaceError
 from talos.transfer.records import (
     _DB,
     _OPEN_IN,
@@ -259,18 +259,7 @@ class IncomingTransfers(TransferBase):
             return
         epoch = info.epoch + 1
         try:
-            # Checked again before the first attempt preallocates the file: offers accepted
-            # by hand may have waited while others took the disk. One transfer at a time
-            # from the check to the preallocation: two offers checked together would
-            # each count the space the other is about to take, and eat into the reserve.
-            async with self._disk_turn:
-                free = shutil.disk_usage(self.files_dir).free if info.epoch == 0 else 0
-                if info.epoch == 0 and free < info.size + DISK_RESERVE:
-                    await self._fail_in(info, f"not enough disk space for {info.size} bytes")
-                    return
-                file = await asyncio.to_thread(
-                    IncomingFile, self.files_dir, tid, info.size, info.offset
-                )
+            file = await self._open_file(info)
         except StorageError as exc:
             await self._fail_in(info, str(exc))
             return
@@ -307,6 +296,33 @@ class IncomingTransfers(TransferBase):
         inc.task = asyncio.ensure_future(self._receive_fallback(tid, inc))
         accept = Accept(tid, info.offset, epoch, self.config.window, port, token, host)
         await self._send(info.peer, accept)
+
+    async def _open_file(self, info: TransferInfo) -> IncomingFile:
+        """The attempt's partial file, preallocated; NoSpaceError (a StorageError) if the
+        first attempt would leave less than DISK_RESERVE free.
+
+        Checked again before the first attempt preallocates: offers accepted by hand
+        may have waited while others took the disk. One transfer at a time from the
+        check to the preallocation, which runs to its end even if the caller is
+        cancelled: two offers checked together would each miss the space the other
+        is about to take, and together eat into the reserve.
+        """
+        async with self._disk_turn:
+            if info.epoch == 0 and shutil.disk_usage(self.files_dir).free < (
+                info.size + DISK_RESERVE
+            ):
+                raise NoSpaceError(f"not enough disk space for {info.size} bytes")
+            opening = asyncio.ensure_future(
+                asyncio.to_thread(
+                    IncomingFile, self.files_dir, bytes.fromhex(info.tid), info.size, info.offset
+                )
+            )
+            try:
+                return await uncancelled(opening)
+            except asyncio.CancelledError:
+                if not opening.cancelled() and opening.exception() is None:
+                    opening.result().close()  # opened for an attempt that is not starting
+                raise
 
     def _bulk_unclaimed(self, tid: bytes, inc: IncomingState) -> None:
         """No bulk stream came for this attempt in time: its place goes to others."""

@@ -19,6 +19,7 @@ from talos.home import offline_send
 from talos.node import Node
 from talos.store import Store
 from talos.views import outbox_json
+from talos_sdk.errors import StorageFullError
 from talos_sdk.keyfile import load_wallet
 from talos_sdk.wallet import Wallet
 from tests.talos.daemons import talosd
@@ -182,6 +183,62 @@ async def test_after_a_last_message_failed_as_too_large_a_restart_still_delivers
             await a.add_peer(addr(b))
             await a.send_message(b.did, "next", wait=True)
             assert [m.text for m in b.inbox()] == ["small", "next"]
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_drop_that_fails_to_commit_drops_nothing(tmp_path: Path) -> None:
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    try:
+        async with asyncio.timeout(60):
+            await link(a, b)
+            await a.send_message(b.did, "first", wait=True)
+            await b.stop()
+            for text in ("keep 1", "keep 2"):
+                await a.send_message(b.did, text)
+
+            def full(kind: str, size: int) -> None:
+                raise StorageFullError("map full")
+
+            undo = a.writer.before("drop", full)
+            with pytest.raises(StorageFullError):
+                await a.drop_queued(b.did)  # the user hears the drop failed ...
+            undo()
+            assert _queued(a.store, b.did) == ["keep 1", "keep 2"]  # ... and nothing went
+            b = await started(b.home.path, b.config)
+            await link(a, b)
+            await a.send_message(b.did, "later", wait=True)
+            assert [m.text for m in b.inbox()] == ["first", "keep 1", "keep 2", "later"]
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_row_failed_as_too_large_just_before_a_drop_keeps_the_drops_prev(
+    tmp_path: Path,
+) -> None:
+    # The failure's own store write lands after the drop's: it must not replace what
+    # the drop said the next message follows with a dropped, undelivered message.
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b", max_frame=64 * 1024))
+    b.allow(a.did)
+    try:
+        async with asyncio.timeout(60):
+            await a.send_message(b.did, "small")  # queued: no link yet
+            await a.send_message(b.did, "x" * (pl.text_limit(64 * 1024) + 1))
+            with a.store.read() as txn:
+                big = list(pl.iter_outbox(txn, b.did))[-1]
+            peer = a.peer_state(b.did)
+            peer.peer_max_frame = 64 * 1024  # as b's offer says once linked
+            assert a.prepare_row(peer, big) is None  # failed: its row write is spawned
+            await a.drop_queued(b.did)
+            await a.stop()
+            a = await started(a.home.path, a.config)
+            await a.add_peer(addr(b))
+            await a.send_message(b.did, "after", wait=True)
+            assert [m.text for m in b.inbox()] == ["after"]
     finally:
         await a.stop()
         await b.stop()

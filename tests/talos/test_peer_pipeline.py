@@ -177,7 +177,7 @@ def test_dropped_messages_are_never_sent_and_the_next_follows_the_last_acked() -
     assert pair.transmit(arrived) is Received.ACCEPT  # B holds it; its ack never comes
     pair.commit()
     pair.lose(lost)
-    drop = pair.a.drop_unacked()
+    drop = pair.a.drop_unacked(*pair.a.drop_point())
     assert drop.prev == first.seq and drop.last == unsent.seq
     assert drop.fresh == [arrived.seq, lost.seq, unsent.seq]  # none committed here
     assert drop.max_sent == lost.seq  # arrived and lost had gone out
@@ -200,7 +200,7 @@ def test_a_peer_that_got_none_of_the_dropped_messages_takes_the_next() -> None:
     pair = PipelinePair()
     for row in [pair.send("lost") for _ in range(3)]:
         pair.lose(row)
-    assert pair.a.drop_unacked().prev == 0
+    assert pair.a.drop_unacked(*pair.a.drop_point()).prev == 0
     assert pair.transmit(pair.send("after")) is Received.ACCEPT
     pair.commit()
     assert pair.delivered == ["after"]
@@ -223,4 +223,36 @@ def test_restore_after_a_drop_names_what_came_before_the_dropped_messages() -> N
     wire = p.prepare(row)
     assert isinstance(wire, pl.OutboxEntry) and wire.prev == held
     assert p.is_next(row)
-    assert p.drop_unacked().prev == held  # a second drop still names the held one
+    assert p.drop_unacked(*p.drop_point()).prev == held  # a second drop still names the held one
+
+
+def test_an_outbox_commit_failing_after_a_drop_keeps_what_the_drop_said() -> None:
+    pair = PipelinePair()
+    first = pair.send("first")
+    pair.transmit(first)
+    assert pair.ack(pair.commit()) is not None
+    stored = pair.send("stored")
+    pair.a.outbox_committed(stored.seq)  # durable, never sent (the peer is away)
+    fresh = pair.send("fresh")  # its outbox commit is in the writer
+    pair.a.drop_unacked(*pair.a.drop_point())
+    pair.a.outbox_failed([fresh])  # then that commit fails: it must not name "stored"
+    after = pair.send("after")
+    wire = pair.a.for_outbox(after)
+    assert wire is not None and wire.prev == first.seq
+    assert pair.transmit(after) is Received.ACCEPT
+
+
+def test_a_drop_covers_only_what_was_numbered_when_it_was_asked() -> None:
+    # The store drops the rows first; a message numbered meanwhile is kept.
+    pair = PipelinePair()
+    dropped = pair.send("dropped")
+    point = pair.a.drop_point()
+    kept = pair.send("numbered while the store dropped")
+    pair.lose(dropped)
+    pair.lose(kept)  # sent naming "dropped": a gap at the peer until resent
+    pair.a.drop_unacked(*point)
+    assert pair.unsent() == []  # kept went out already on this link
+    pair.a.link_down()  # the resend names what the drop said
+    (resent,) = pair.unsent()
+    assert resent.seq == kept.seq and pair.transmit(resent) is Received.ACCEPT
+    assert pair.ack(pair.commit()) is not None and pair.delivered == [kept.text]

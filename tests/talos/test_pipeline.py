@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from talos import pipeline as pl
+from talos.seq_state import ReceiverState, Verdict
 from talos.store import Store
 from talos_sdk.errors import StorageError, UsageError
 
@@ -80,63 +80,6 @@ def test_corrupt_inbox_row() -> None:
         pl.decode_inbox((1).to_bytes(8, "big"), b"short")
 
 
-def test_receiver_order_duplicates_and_gaps() -> None:
-    rx = pl.ReceiverState(delivered=2)
-    assert rx.classify(2) == pl.Verdict.DUPLICATE
-    assert rx.classify(4) == pl.Verdict.GAP
-    assert rx.classify(3) == pl.Verdict.ACCEPT
-    assert rx.classify(3) == pl.Verdict.DUPLICATE  # in the open batch: not accepted twice
-    rx.rolled_back()  # the batch did not commit
-    assert rx.classify(3) == pl.Verdict.ACCEPT
-    rx.committed(3)
-    assert rx.delivered == 3
-
-
-async def test_sender_acks_release_waiters_in_order() -> None:
-    tx = pl.SenderState(acked=0)
-    w1, w3 = tx.wait_for(1), tx.wait_for(3)
-    tx.sent = 3
-    assert tx.on_ack(1)
-    await asyncio.wait_for(w1, 1)
-    assert not w3.done()
-    assert not tx.on_ack(1)  # old ack: no progress
-    tx.rewind()
-    assert tx.sent == 1
-    assert tx.on_ack(3)
-    await asyncio.wait_for(w3, 1)
-    assert tx.wait_for(2).done()
-
-
-class _Told:
-    """An AckWaiter that notes what it was told, when it was told it."""
-
-    def __init__(self) -> None:
-        self.told: list[BaseException | None] = []
-
-    def done(self) -> bool:
-        return bool(self.told)
-
-    def set_result(self, result: None, /) -> None:
-        self.told.append(result)
-
-    def set_exception(self, exception: BaseException, /) -> None:
-        self.told.append(exception)
-
-
-def test_ack_waiters_are_told_in_the_call_that_acks() -> None:
-    tx = pl.SenderState(acked=2)
-    early, later, refused = _Told(), _Told(), _Told()
-    tx.add_waiter(2, early)  # acked already: told at once
-    assert early.told == [None]
-    tx.add_waiter(4, later)
-    tx.add_waiter(6, refused)
-    assert tx.on_ack(4) and later.told == [None] and not refused.done()
-    assert not tx.on_ack(4) and later.told == [None]  # an old ack tells nobody twice
-    tx.fail_waiters(lambda: TimeoutError("refused"))
-    assert len(refused.told) == 1 and isinstance(refused.told[0], TimeoutError)
-    assert tx.on_ack(6) and len(refused.told) == 1 and tx.waiters == {}
-
-
 # --- epochs and the prev link (docs/adr/0007-epoch-sequence-numbers.md) -------------------------
 
 
@@ -165,16 +108,16 @@ def test_new_epoch_accepted_only_when_its_prev_is_delivered() -> None:
     e5 = functools.partial(pl.make_seq, 5)
     # The sender crashed after sending (5, 4) without committing it; its next run
     # starts epoch 6 with prev = (5, 3), the last number it had committed.
-    rx = pl.ReceiverState(delivered=e5(4))
-    assert rx.classify(pl.make_seq(6, 1), prev=e5(3)) == pl.Verdict.ACCEPT
+    rx = ReceiverState(delivered=e5(4))
+    assert rx.classify(pl.make_seq(6, 1), prev=e5(3)) == Verdict.ACCEPT
     # Lost (5, 2): the receiver holds only (5, 1), so the new epoch must wait.
-    rx = pl.ReceiverState(delivered=e5(1))
-    assert rx.classify(e5(3), prev=e5(2)) == pl.Verdict.GAP
-    assert rx.classify(pl.make_seq(6, 1), prev=e5(3)) == pl.Verdict.GAP
-    assert rx.classify(e5(2), prev=e5(1)) == pl.Verdict.ACCEPT
-    assert rx.classify(e5(3), prev=e5(2)) == pl.Verdict.ACCEPT
-    assert rx.classify(pl.make_seq(6, 1), prev=e5(3)) == pl.Verdict.ACCEPT
-    assert rx.classify(e5(3), prev=e5(2)) == pl.Verdict.DUPLICATE
+    rx = ReceiverState(delivered=e5(1))
+    assert rx.classify(e5(3), prev=e5(2)) == Verdict.GAP
+    assert rx.classify(pl.make_seq(6, 1), prev=e5(3)) == Verdict.GAP
+    assert rx.classify(e5(2), prev=e5(1)) == Verdict.ACCEPT
+    assert rx.classify(e5(3), prev=e5(2)) == Verdict.ACCEPT
+    assert rx.classify(pl.make_seq(6, 1), prev=e5(3)) == Verdict.ACCEPT
+    assert rx.classify(e5(3), prev=e5(2)) == Verdict.DUPLICATE
 
 
 def test_put_row_keeps_the_highest_assigned(store: Store) -> None:
@@ -200,16 +143,16 @@ def test_restored_store_numbers_above_the_original_after_advance_epoch(
     backup.mkdir()
     store.env.copy(str(backup))
     # The original home ran on to epoch 5; the peer delivered (5, 3).
-    rx = pl.ReceiverState(delivered=pl.make_seq(5, 3))
+    rx = ReceiverState(delivered=pl.make_seq(5, 3))
     with Store(backup, map_size=1 << 22) as restored:
         with restored.write() as txn:
             stale = pl.enqueue(txn, A, b"2" * 16, 2, "unsafe", epoch=pl.bump_epoch(txn))
-        assert rx.classify(stale) == pl.Verdict.DUPLICATE  # why a restore needs the jump
+        assert rx.classify(stale) == Verdict.DUPLICATE  # why a restore needs the jump
         with restored.write() as txn:
             epoch = pl.advance_epoch(txn)
             seq = pl.enqueue(txn, A, b"3" * 16, 3, "after restore", epoch=epoch)
     assert epoch == 3 + pl.RESTORE_EPOCH_STEP
-    assert rx.classify(seq, prev=stale) == pl.Verdict.ACCEPT
+    assert rx.classify(seq, prev=stale) == Verdict.ACCEPT
 
 
 def test_advance_epoch_refuses_bad_steps_and_overflow(store: Store) -> None:
@@ -219,3 +162,30 @@ def test_advance_epoch_refuses_bad_steps_and_overflow(store: Store) -> None:
         assert pl.advance_epoch(txn, (1 << 32) - 1) == (1 << 32) - 1
         with pytest.raises(UsageError, match="does not fit in 32 bits"):
             pl.advance_epoch(txn, 1)
+
+
+def test_a_row_naming_a_message_that_never_goes_is_stored_naming_what_it_said(
+    store: Store,
+) -> None:
+    # Written after a drop by a writer that did not know of it (the peer's state gone
+    # with `peers remove`, say): the row must not name the dropped message.
+    dropped, held = pl.make_seq(1, 5), pl.make_seq(1, 2)
+    with store.write() as txn:
+        pl.note_assigned(txn, A, dropped)
+        pl.note_skipped(txn, A, dropped, held)
+        assert pl.next_prev(txn, A) == (dropped, held)
+        pl.put_row(txn, pl.OutboxEntry(A, pl.make_seq(1, 6), b"6" * 16, 6, "after", dropped))
+        assert pl.next_prev(txn, A) == (pl.make_seq(1, 6), pl.make_seq(1, 6))
+    with store.read() as txn:
+        assert [r.prev for r in pl.iter_outbox(txn, A)] == [held]
+
+
+def test_the_skip_row_keeps_the_newest_number_and_for_it_the_lower_prev(store: Store) -> None:
+    s = functools.partial(pl.make_seq, 1)
+    with store.write() as txn:
+        pl.note_assigned(txn, A, s(9))
+        pl.note_skipped(txn, A, s(9), s(3))  # a drop: the peer holds (1, 3)
+        pl.note_skipped(txn, A, s(9), s(8))  # a failure found later names (1, 8)
+        assert pl.next_prev(txn, A) == (s(9), s(3))
+        pl.note_skipped(txn, A, s(7), s(6))  # an older number changes nothing
+        assert pl.next_prev(txn, A) == (s(9), s(3))
