@@ -98,7 +98,7 @@ class Dropped:
     last: int
     #: Seqs of the dropped rows whose outbox commit had not finished.
     fresh: list[int]
-    #: The highest seq ever sent: dropped messages up to it may have reached the peer.
+    #: The highest seq sent in this run: dropped messages up to it may have reached the peer.
     max_sent: int
 
 

@@ -129,7 +129,7 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         self._unwritten: dict[bytes, TransferInfo] = {}
         self._rows: dict[bytes, TransferInfo] | None = None  # see TransferBase.rows
         self._turns: dict[bytes, TransferLock] = {}  # see TransferBase._one_at_a_time
-        self._disk_turn = asyncio.Lock()  # see IncomingTransfers._start_attempt
+        self._disk_turn = asyncio.Lock()  # see IncomingTransfers._open_file
 
     # ------------------------------------------------------------------ lifecycle
 
