@@ -116,6 +116,8 @@ def cmd_files(args: argparse.Namespace) -> int:
         print(f"{info['tid']} {info['state']}")
         return 0
     rows = _call(args, "files.list")
+    from talos.transfer.protocol import TransferState
+
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -126,6 +128,10 @@ def cmd_files(args: argparse.Namespace) -> int:
             f"{r['tid']} {arrow} {peer:25} {r['state']:9} {r['size']:>12} "
             f"{r['name']} {r['path'] if r['direction'] == 'in' else ''}".rstrip()
         )
+        if r["state"] == TransferState.ACTIVE.value:
+            done = f"{r['transferred'] * 100 // max(r['size'], 1)}% transferred"
+            stalled = "; waiting for the peer to come back (files cancel ID ends it)"
+            print(f"    {done}{'' if r.get('moving', True) else stalled}")
     return 0
 
 

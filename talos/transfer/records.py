@@ -211,6 +211,11 @@ class TransferBase:
             raise UsageError(f"no transfer with id {key.hex()}")
         return info
 
+    def moving(self, tid: bytes) -> bool:
+        """True while an attempt of the transfer runs (bytes may move); an active
+        transfer without one waits for its peer to offer or accept again."""
+        return tid in self._incoming or tid in self._sending
+
     def list(self) -> list[TransferInfo]:
         """Every transfer, oldest first."""
         return sorted(self.rows().values(), key=lambda i: (i.created_ms, i.tid))

@@ -41,6 +41,7 @@ def view(manager: TransferManager, tid: str) -> dict[str, Any]:
     data["transferred"] = (
         info.size if info.state is TransferState.COMPLETE else moved or info.offset
     )
+    data["moving"] = manager.moving(key)
     return data
 
 

@@ -20,6 +20,7 @@ from talos.transfer.protocol import (
     encode_message,
 )
 from talos.transfer.receiver import PARTIAL_DIR
+from talos.transfer.routes import view
 from talos_sdk.errors import UsageError
 from tests.talos.nodes import until
 
@@ -184,6 +185,7 @@ async def test_an_attempt_whose_sender_sends_nothing_ends_and_the_attempts_run_o
                 what=f"attempt {attempt} started and ended",
             )
             assert net.receiver.get(tid).state is TransferState.ACTIVE and part.exists()
+            assert view(net.receiver, tid.hex())["moving"] is False  # `files` says it waits
         await net.a.send_app(net.b.did, APP_NAME, offer)
         await until(lambda: net.receiver.get(tid).state is TransferState.FAILED, what="failed")
     assert f"gave up after {MAX_ATTEMPTS} attempts" in (net.receiver.get(tid).error or "")
