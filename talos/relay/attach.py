@@ -252,7 +252,7 @@ class NodeRelay:
                     return posted
                 body, record = node.sessions.seal_message(did, row)
                 frame = link_wire.encode(link_wire.Msg(row.seq, body))
-                envelope = seal_envelope(did, node.did, frame, os.urandom(32))
+                envelope = seal_envelope(did, node.did, node.wallet.sign, frame, os.urandom(32))
                 if bound is not None and len(envelope) > bound:
                     self._too_large(did, row.seq, bound)
                     return posted

@@ -393,7 +393,13 @@ class RelayClient:
     # --- mailbox ---------------------------------------------------------------------------------
 
     async def _ensure_mailbox(self) -> Any:
-        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+        from nats.js.api import (
+            ConsumerConfig,
+            DiscardPolicy,
+            RetentionPolicy,
+            StorageType,
+            StreamConfig,
+        )
         from nats.js.errors import BadRequestError
 
         max_bytes = self.mailbox.max_bytes
@@ -417,8 +423,15 @@ class RelayClient:
             await self._js.add_stream(config)
         except BadRequestError:  # it exists with other bounds: take ours
             await self._js.update_stream(config)
+        # No bound on unacknowledged mail: mail left with the relay (its sender not let
+        # link, or past its inbox share) stays unacknowledged for a while, and under
+        # JetStream's default bound (1,000) a sender with that much of it held up
+        # everyone else's mail (docs/PROTOCOL.md "Relay").
         return await self._js.pull_subscribe(
-            self.names.mailbox, durable=MAILBOX_CONSUMER, stream=self.names.stream
+            self.names.mailbox,
+            durable=MAILBOX_CONSUMER,
+            stream=self.names.stream,
+            config=ConsumerConfig(max_ack_pending=-1),
         )
 
     async def _drain_loop(self) -> None:

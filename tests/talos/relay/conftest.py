@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from talos.config import NodeConfig
+from talos.relay.names import RelayNames, nkey_seed
+from talos_sdk.wallet import Wallet
 from tests.talos.nodes import make_home
 from tests.talos.relay.natsd import NatsServer, nats_server_binary
 
@@ -55,3 +58,20 @@ def relay_net(tmp_path: Path) -> Iterator[RelayNet]:
 def shared_relay_net(tmp_path: Path) -> Iterator[RelayNet]:
     """A relay whose nodes share one NATS account (how relays were first set up)."""
     yield from _relay_net(tmp_path, shared=True)
+
+
+async def rogue_connection(net: RelayNet, rogue: Wallet | None = None) -> Any:
+    """A NATS connection as a node the relay knows (``rogue``, a new one if not given):
+    another account on the same relay, with its own permissions."""
+    import nats
+
+    server = net.server
+    assert server is not None
+    rogue = rogue or Wallet.generate()
+    server.reload([rogue.did])
+    return await nats.connect(
+        servers=[server.url],
+        nkeys_seed_str=nkey_seed(rogue.seed),
+        inbox_prefix=RelayNames.for_did(rogue.did).inbox_prefix,
+        allow_reconnect=False,
+    )

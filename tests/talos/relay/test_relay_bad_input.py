@@ -29,7 +29,7 @@ from talos_sdk.bundle import x25519_keypair
 from talos_sdk.ratchet import MAX_SKIP
 from talos_sdk.wallet import Wallet
 from tests.talos.nodes import started, until
-from tests.talos.relay.conftest import RelayNet
+from tests.talos.relay.conftest import RelayNet, rogue_connection
 
 
 async def _pair(net: RelayNet, **overrides: object) -> tuple[Node, Node]:
@@ -91,22 +91,6 @@ async def test_relay_restart_mid_stream_delivers_each_once(relay_net: RelayNet) 
         await b.stop()
 
 
-async def _rogue(net: RelayNet, rogue: Wallet | None = None) -> Any:
-    """A NATS connection as a node the relay knows (``rogue``, a new one if not given)."""
-    import nats
-
-    server = net.server
-    assert server is not None
-    rogue = rogue or Wallet.generate()
-    server.reload([rogue.did])
-    return await nats.connect(
-        servers=[server.url],
-        nkeys_seed_str=nkey_seed(rogue.seed),
-        inbox_prefix=RelayNames.for_did(rogue.did).inbox_prefix,
-        allow_reconnect=False,
-    )
-
-
 async def test_rogue_garbage_and_replayed_mail_change_nothing(relay_net: RelayNet) -> None:
     a, b = await _pair(relay_net)
     home_b, config_b = relay_net.homes["b"]
@@ -120,7 +104,7 @@ async def test_rogue_garbage_and_replayed_mail_change_nothing(relay_net: RelayNe
         sent.append(envelope)  # what an operator of the relay could record
 
     client.put_mailbox = recording_put  # type: ignore[method-assign]
-    nc = await _rogue(relay_net)
+    nc = await rogue_connection(relay_net)
     try:
         await a.send_message(b.did, "before", wait=True)
         await b.stop()
@@ -155,7 +139,7 @@ async def test_third_party_packets_leave_a_healthy_relayed_link_alone(relay_net:
     # sends there is refused or dropped by the client and never reaches a running stream.
     a, b = await _pair(relay_net)
     rogue = Wallet.generate()
-    nc = await _rogue(relay_net, rogue)
+    nc = await rogue_connection(relay_net, rogue)
     try:
         await a.send_message(b.did, "before", wait=True)
         await until(lambda: b.is_connected(a.did) and a.is_connected(b.did), 20, "linked")
@@ -345,7 +329,7 @@ async def test_packets_another_account_forges_are_dropped(relay_net: RelayNet) -
     # overwrites a stamp the publisher wrote itself: a rogue that learnt a live stream
     # id still cannot close the link, and cannot open a stream in A's name.
     a, b = await _pair(relay_net)
-    nc = await _rogue(relay_net)
+    nc = await rogue_connection(relay_net)
     try:
         await a.send_message(b.did, "before", wait=True)
         await until(lambda: b.is_connected(a.did) and a.is_connected(b.did), 20, "linked")
@@ -399,7 +383,7 @@ async def test_an_open_flood_from_one_account_leaves_other_relayed_links_alone(
     # half-done handshakes as B admits from one source does not keep A from linking.
     b = await started(*relay_net.home("b", handshake_timeout=60.0))
     rogue = Wallet.generate()
-    nc = await _rogue(relay_net, rogue)
+    nc = await rogue_connection(relay_net, rogue)
     a: Node | None = None
     try:
         assert b.relay is not None
@@ -430,7 +414,7 @@ async def test_a_shared_account_relay_trusts_no_account_header(
     # Where nodes share one account nothing crosses an import and the server writes no
     # header: one a rogue writes must not buy it an admission share per made-up account.
     a, b = await _pair(shared_relay_net)
-    nc = await _rogue(shared_relay_net)
+    nc = await rogue_connection(shared_relay_net)
     try:
         await a.send_message(b.did, "before", wait=True)
         assert b.relay is not None
@@ -539,7 +523,7 @@ async def test_mailbox_garbage_writes_a_bounded_number_of_warnings(
     # Anyone with a relay account may fill a node's mailbox with garbage: every piece is
     # counted, but the warning lines are throttled as the link path's are.
     b = await started(*relay_net.home("b"))
-    nc = await _rogue(relay_net)
+    nc = await rogue_connection(relay_net)
     try:
         assert b.relay is not None
         await until(b.relay.client.connected.is_set, 20, "B on the relay")
@@ -572,16 +556,18 @@ async def test_mail_claiming_a_peer_does_not_spend_that_peers_link_budget(
     a, b = await _pair(relay_net)
     got: list[bytes] = []
     b.register_app("t", lambda did, payload: got.append(payload))
-    nc = await _rogue(relay_net)
+    nc = await rogue_connection(relay_net)
     try:
         await a.send_message(b.did, "hello", wait=True)
         mailbox, js = RelayNames.for_did(b.did).mailbox, nc.jetstream()
+        rogue_sign = Wallet.generate().sign  # the envelope claims A; A never signed it
         sizes = [MAX_SKIP, MAX_SKIP] + [MAX_SKIP >> i for i in range(1, 11)]  # any level
         for n in sizes:
             _, fresh = x25519_keypair()
             body = struct.pack(">B32sII", 1, fresh, 0, n) + os.urandom(40)
             frame = link_wire.encode(link_wire.Msg(1, body))
-            await js.publish(mailbox, seal_envelope(b.did, a.did, frame, os.urandom(32)))
+            forged = seal_envelope(b.did, a.did, rogue_sign, frame, os.urandom(32))
+            await js.publish(mailbox, forged)
         await until(lambda: b.metrics.counters.get("mailbox_rejected", 0) >= len(sizes), 20)
         for _ in range(100):  # frames of A lost on the way
             a.sessions.seal_app(b.did, "t", b"lost")

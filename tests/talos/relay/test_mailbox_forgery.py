@@ -1,0 +1,75 @@
+"""Mail under a real sender's name that the sender never signed, from another account on
+the same relay (talos/relay/envelope.py, talos/relay/attach.py): refused at the envelope,
+before the node decides to leave mail with the relay. Real nats-server, real nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from talos.link import wire as link_wire
+from talos.node import Node
+from talos.relay.client import MAILBOX_CONSUMER
+from talos.relay.envelope import seal_envelope
+from talos.relay.names import RelayNames
+from talos_sdk.wallet import Wallet
+from tests.talos.nodes import started, until
+from tests.talos.relay.conftest import RelayNet, rogue_connection
+
+#: JetStream's default bound on a consumer's unacknowledged messages.
+FORGED = 1000
+
+
+def _texts(node: Node) -> list[str]:
+    return [m.text for m in node.inbox()]
+
+
+async def test_forged_mail_of_a_held_sender_cannot_stop_the_mailbox(relay_net: RelayNet) -> None:
+    # A keeps its session with B but B no longer lets it link: B leaves A's mail with
+    # the relay, unacknowledged. A rogue account mailed B a thousand envelopes claiming
+    # A; left unacknowledged they filled the consumer's bound and C's mail never came.
+    a = await started(*relay_net.home("a"))
+    b = await started(*relay_net.home("b"))
+    c = await started(*relay_net.home("c"))
+    home_b, config_b = relay_net.homes["b"]
+    nc = None
+    try:
+        async with asyncio.timeout(90):
+            a.allow(b.did)
+            b.allow(a.did)
+            b.allow(c.did)
+            c.allow(b.did)
+            await a.send_message(b.did, "A while allowed", wait=True)
+            await c.send_message(b.did, "C linked", wait=True)
+            await a.stop()
+            await b.stop()
+            nc = await rogue_connection(relay_net)
+            js = nc.jetstream()
+            mailbox = RelayNames.for_did(b.did).mailbox
+            rogue_sign = Wallet.generate().sign
+            for i in range(FORGED):
+                frame = link_wire.encode(link_wire.Msg(i + 2, os.urandom(64)))
+                await js.publish(
+                    mailbox, seal_envelope(b.did, a.did, rogue_sign, frame, b"\1" * 32)
+                )
+            await c.send_message(b.did, "from C, by mailbox")
+            await until(lambda: c.metrics.counters.get("mailbox_out", 0) >= 1, 30, "mailboxed")
+            await c.stop()  # only the mailbox can deliver now
+            b = await started(home_b, config_b)
+            b.allow(c.did)  # and not A
+            await until(lambda: "from C, by mailbox" in _texts(b), 45, "C's mail")
+            await until(
+                lambda: b.metrics.counters.get("mailbox_rejected", 0) >= FORGED, 30, "refused"
+            )
+            assert b.metrics.counters.get("mailbox_held", 0) == 0
+            assert b.relay is not None
+            info = await b.relay.client._js.consumer_info(
+                RelayNames.for_did(b.did).stream, MAILBOX_CONSUMER
+            )
+            assert info.config.max_ack_pending == -1  # genuine held mail cannot block either
+            assert info.num_ack_pending == 0
+    finally:
+        if nc is not None:
+            await nc.close()
+        for node in (a, b, c):
+            await node.stop()
