@@ -67,12 +67,7 @@ class OutgoingTransfers(TransferBase):
         if did == self.node.did:
             raise UsageError("a node cannot send a file to itself")
         path = Path(path).resolve()
-        private = self.private_dir
-        if (
-            private is not None
-            and path.is_relative_to(private)
-            and not path.is_relative_to(self.files_dir.resolve())
-        ):
+        if self._in_home(path):
             # An agent talked into sending the node's key (or a typo) must not do it.
             raise UsageError(
                 f"{path} is in the node's home, which keeps its keys and store:"
@@ -192,16 +187,37 @@ class OutgoingTransfers(TransferBase):
 
         return sign
 
+    def _in_home(self, path: Path) -> bool:
+        """True if ``path`` (resolved) is in the node's home, outside ``files_dir``."""
+        private = self.private_dir
+        return (
+            private is not None
+            and path.is_relative_to(private)
+            and not path.is_relative_to(self.files_dir.resolve())
+        )
+
     def _open_source(self, info: TransferInfo, msg: Accept, chunk: int) -> OutgoingAttempt:
         """The attempt's reader; a file that cannot be opened ends the transfer (it is not
-        a broken attempt: offering again would not bring it back)."""
+        a broken attempt: offering again would not bring it back).
+
+        The home is checked again on the file as opened: the name offered may lead
+        elsewhere by now (a symlink or a rename put in its place), and the offer's
+        check alone would then send whatever it leads to.
+        """
         try:
-            return OutgoingAttempt(
+            out = OutgoingAttempt(
                 Path(info.path), info.size, bytes.fromhex(info.key), msg.tid, msg.epoch,
                 msg.offset, chunk, self._signer(info),
             )  # fmt: skip
         except OSError as exc:
             raise SourceChangedError(f"cannot read {info.path}: {exc.strerror}") from None
+        opened = out.opened()
+        if opened is not None and self._in_home(opened):
+            out.close()
+            raise SourceChangedError(
+                f"{info.path} now leads into the node's home ({opened}): not sent"
+            )
+        return out
 
     async def _send_bulk(self, info: TransferInfo, msg: Accept) -> bool:
         """True if the bulk path carried the attempt to a verdict; False to fall back.

@@ -58,39 +58,57 @@ def hash_file(path: Path, stop: threading.Event | None = None) -> tuple[int, byt
     """Size and SHA-256 of a regular file, read in bounded blocks (``stop`` aborts early)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"{path} is not a regular file")
-        digest = hashlib.sha256()
-        size = 0
-        block = bytearray(_HASH_BLOCK)
-        view = memoryview(block)
-        while not (stop is not None and stop.is_set()):
-            n = os.readv(fd, [block])
-            if not n:
-                break
-            digest.update(view[:n])
-            size += n
-        return size, digest.digest()
+        return _hash_fd(fd, str(path), stop)
     finally:
         os.close(fd)
 
 
-class _WholeFileHash:
-    """SHA-256 of the whole file computed in a background thread (resumed attempts)."""
+def _hash_fd(fd: int, name: str, stop: threading.Event | None = None) -> tuple[int, bytes]:
+    """:func:`hash_file` of an open file, read by position (the file offset is not moved,
+    so ``fd`` may share it with a reader)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise UsageError(f"{name} is not a regular file")
+    digest = hashlib.sha256()
+    size = 0
+    block = bytearray(_HASH_BLOCK)
+    view = memoryview(block)
+    while not (stop is not None and stop.is_set()):
+        n = os.preadv(fd, [block], size)
+        if not n:
+            break
+        digest.update(view[:n])
+        size += n
+    return size, digest.digest()
 
-    def __init__(self, path: Path) -> None:
+
+def opened_path(fd: int) -> Path | None:
+    """The path of the file ``fd`` has open, as the kernel resolved it (None where
+    /proc does not say): what was opened, whatever the name it was opened by."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return None
+
+
+class _WholeFileHash:
+    """SHA-256 of the whole file computed in a background thread (resumed attempts), from
+    the attempt's own open file: reopened by name, it could be another file by then."""
+
+    def __init__(self, fd: int, name: str) -> None:
         self._stop = threading.Event()
         self._result: tuple[int, bytes] | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(path,), daemon=True)
+        fd = os.dup(fd)
+        self._thread = threading.Thread(target=self._run, args=(fd, name), daemon=True)
         self._thread.start()
 
-    def _run(self, path: Path) -> None:
+    def _run(self, fd: int, name: str) -> None:
         try:
-            self._result = hash_file(path, self._stop)
+            self._result = _hash_fd(fd, name, self._stop)
         except BaseException as exc:  # handed to the thread that needs the digest
             self._error = exc
+        finally:
+            os.close(fd)
 
     def result(self) -> tuple[int, bytes]:
         self._thread.join()
@@ -140,7 +158,7 @@ class OutgoingAttempt:
         self._sign = sign
         self._plain: memoryview | None = None  # the fallback's buffer, made on first use
         self._hash = hashlib.sha256() if offset == 0 else None
-        self._whole = None if offset == 0 else _WholeFileHash(path)
+        self._whole = None if offset == 0 else _WholeFileHash(self._fd, str(path))
         self._read_done = False
         self.digest = b""
 
@@ -236,6 +254,10 @@ class OutgoingAttempt:
                 raise SourceChangedError("source file changed size while it was being sent")
         self.digest = digest
         return encode_commit(digest, self._sign(digest))
+
+    def opened(self) -> Path | None:
+        """The file this attempt reads, as opened (:func:`opened_path`)."""
+        return opened_path(self._fd)
 
     def close(self) -> None:
         """Release the file descriptor and stop a background hash."""

@@ -42,11 +42,11 @@ TOOLS = {
 }
 
 
-def mcp_params(home: Path) -> StdioServerParameters:
+def mcp_params(home: Path, cwd: Path = REPO) -> StdioServerParameters:
     return StdioServerParameters(
         command=sys.executable,
         args=["-m", "talos.cli", "mcp", "--home", str(home)],
-        cwd=str(REPO),
+        cwd=str(cwd),
         env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
     )
 
@@ -520,3 +520,27 @@ async def test_when_the_agent_running_the_node_leaves_an_attached_agent_takes_it
         if host.returncode is None:
             host.kill()
             await host.wait()
+
+
+async def test_a_relative_path_is_the_agents_not_the_nodes(tmp_path: Path) -> None:
+    # The node (talosd run) works in another folder than the agent's talosd mcp: a
+    # relative name read there would send another file, or none.
+    work = tmp_path / "agent-work"
+    work.mkdir()
+    (work / "notes.txt").write_text("what the agent meant\n")
+    with two_nodes(tmp_path) as (a, _b):
+        async with Client(mcp_params(a.home, cwd=work), mode="legacy") as alice:
+            got = data(await alice.call_tool("send_file", {"to": "bob", "path": "notes.txt"}))
+    assert got["path"] == str(work / "notes.txt")
+
+
+async def test_the_inbox_resource_keeps_text_as_utf8(tmp_path: Path) -> None:
+    # Escaped, a 4-byte character took 12 bytes: a page three times its byte bound.
+    with two_nodes(tmp_path) as (a, b):
+        text = "weather \N{SUN WITH FACE} " * 100
+        assert talosd("send", "--wait", "--home", str(b.home), "alice", text).returncode == 0
+        async with agent(a.home, "legacy") as alice:
+            inbox = await alice.read_resource("talos://inbox")
+    body = inbox.contents[0].text  # type: ignore[union-attr]
+    assert json.loads(body)["messages"][0]["text"] == text
+    assert "\\ud83c" not in body and len(body.encode()) < 2 * len(text.encode())

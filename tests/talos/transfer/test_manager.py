@@ -593,3 +593,31 @@ async def test_offers_accepted_together_do_not_both_take_the_disk_reserve(
     assert states == sorted([TransferState.COMPLETE.value, TransferState.FAILED.value])
     (failed,) = [o for o in outs if o.state is TransferState.FAILED]
     assert "not enough disk space" in failed.error
+
+
+async def test_a_file_swapped_for_a_link_into_the_home_after_its_offer_is_not_sent(
+    net: Net,
+) -> None:
+    # The offer checks the name; the bytes are read when the peer accepts, from the
+    # file as opened then: a symlink put in its place meanwhile must not send the key.
+    home = net.tmp / "home"
+    home.mkdir()
+    key = home / "identity.key"
+    key.write_bytes(b"secret" * 100)
+    net.sender.private_dir = home.resolve()
+    shared = net.tmp / "shared"
+    shared.mkdir()
+    report = shared / "report.txt"
+    report.write_bytes(b"x" * 600)  # the key file's size: the size check alone passes
+    net.receiver.config = TransferConfig()  # nothing auto-accepted
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, report)
+        await until(lambda: is_pending(net, tid), what="the offer")
+        report.unlink()
+        report.symlink_to(key)
+        await net.receiver.accept(tid)
+        out = await net.sender.wait(tid)
+        inc = await net.receiver.wait(tid)
+    assert out.state is TransferState.FAILED and "leads into the node's home" in out.error
+    assert inc.state is not TransferState.COMPLETE
+    assert visible(net.receiver.files_dir) == []
