@@ -424,6 +424,15 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
             raise UsageError("this node queues no messages for itself")
         self._check_recipient(did)
         peer = self._peer(did)
+        # Rows of this peer still committing are written first: written after the drop's
+        # transaction, before the drop takes effect in memory, they would come back.
+        for _ in range(_DROP_ROUNDS):
+            if not peer.fresh or self._stopping:
+                break
+            self.flush_outbox_now()
+            await self.writer.write(_nothing, kind="drop")
+        if peer.fresh:
+            raise UsageError(f"messages to {did} are being queued right now: drop again")
         prev, last = peer.drop_point()
         # The store first: a drop that fails to commit (a full disk) drops nothing, and
         # the caller is told so; one that commits holds after a crash.
@@ -455,6 +464,14 @@ class Node(NodeLinks, NodeDelivery, NodeApps):
         from talos.views import node_status
 
         return node_status(self)
+
+
+#: Outbox commits a drop waits for, at most, while messages to its peer keep coming.
+_DROP_ROUNDS = 20
+
+
+def _nothing(txn: Txn) -> None:
+    """A write that orders after every write queued before it."""
 
 
 def _stopped_unacked() -> UsageError:

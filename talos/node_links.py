@@ -33,6 +33,7 @@ from talos.node_apps import ConnectTimeoutError
 from talos.node_base import NodeBase, Peer
 from talos.peer_names import forget_peer
 from talos.sessions import UnknownSessionError
+from talos.store import Txn
 from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
@@ -119,10 +120,28 @@ class NodeLinks(NodeBase):
         await self.links.forget(did)
         self.sessions.drop(did)
 
-        queued = await self.writer.write(functools.partial(forget_peer, did=did), kind="peers")
         peer = self._peers.get(did)
-        if peer is not None and not peer.ready.is_set():
-            del self._peers[did]  # listed no more; restored from the store if met again
+        last = follows = 0
+        if peer is not None:
+            last, follows = peer.last_assigned, peer.prev_of(peer.last_assigned)
+
+        def forget(txn: Txn) -> int:
+            # Numbers handed out whose rows are not written yet (or never will be: a
+            # failed commit) live only in memory: a peer restored from the store after
+            # this would hand one out again, and the peer would drop that message as a
+            # duplicate of the first (ADR 0007).
+            pl.note_assigned(txn, did, last)
+            if follows != last:
+                pl.note_skipped(txn, did, last, follows)
+            return forget_peer(txn, did)
+
+        queued = await self.writer.write(forget, kind="peers")
+        peer = self._peers.get(did)
+        # Listed no more; restored from the store if met again. Not while a row of it
+        # is still committing: restored from a store without that row, the peer's
+        # state would take its number for acknowledged and drop the row unwritten.
+        if peer is not None and not peer.ready.is_set() and not peer.fresh:
+            del self._peers[did]
         return queued
 
     def _keep_link(self, addr: PeerAddr, *, changed: bool) -> None:

@@ -17,6 +17,7 @@ from talos import pipeline as pl
 from talos.config import Home
 from talos.home import offline_send
 from talos.node import Node
+from talos.peer_pipeline import PeerPipeline
 from talos.store import Store
 from talos.views import outbox_json
 from talos_sdk.errors import StorageFullError
@@ -242,3 +243,109 @@ async def test_a_row_failed_as_too_large_just_before_a_drop_keeps_the_drops_prev
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_the_drop_waits_for_its_peers_rows_still_committing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A row numbered before the drop but committed after its transaction, by a writer
+    # that ran before the drop took effect in memory, came back (and, after a restart,
+    # was sent). The drop now starts only once the peer has no row committing.
+    a = await started(*make_home(tmp_path, "a"))
+    nobody = Wallet.generate().did
+    gate = threading.Event()
+    seen: list[int] = []
+    point = PeerPipeline.drop_point
+
+    def noting(self: PeerPipeline) -> tuple[int, int]:
+        seen.append(len(self.fresh))
+        return point(self)
+
+    monkeypatch.setattr(PeerPipeline, "drop_point", noting)
+    try:
+        async with asyncio.timeout(60):
+            undo = a.writer.before("outbox", lambda kind, size: gate.wait(20))
+            held = asyncio.ensure_future(a.send_message(nobody, "held"))
+            await asyncio.sleep(0.1)  # its commit runs, held
+            later = asyncio.ensure_future(a.send_message(nobody, "numbered meanwhile"))
+            await asyncio.sleep(0.1)  # numbered, waiting for the next commit
+            dropping = asyncio.ensure_future(a.drop_queued(nobody))
+            await asyncio.sleep(0.1)
+            gate.set()
+            undo()
+            await asyncio.gather(held, later)
+            assert (await dropping)["dropped"] == 2
+            assert seen == [0] and _queued(a.store, nobody) == []
+    finally:
+        gate.set()
+        await a.stop()
+
+
+async def test_a_peer_removed_with_a_row_still_committing_never_reuses_its_number(
+    tmp_path: Path,
+) -> None:
+    # The peer's state is rebuilt from the store after `peers remove`: a number handed
+    # out whose row was not written yet must not be handed out again (the peer would
+    # take the second message for a duplicate of the first).
+    a = await started(*make_home(tmp_path, "a"))
+    nobody, other = Wallet.generate().did, Wallet.generate().did
+    first_gate, second_gate = threading.Event(), threading.Event()
+    commits: list[int] = []
+
+    def hold(kind: str, size: int) -> None:
+        commits.append(size)
+        assert (first_gate if len(commits) == 1 else second_gate).wait(20)
+
+    try:
+        async with asyncio.timeout(60):
+            undo = a.writer.before("outbox", hold)
+            busy = asyncio.ensure_future(a.send_message(other, "to another peer"))
+            await asyncio.sleep(0.1)  # that commit runs, held
+            m1 = asyncio.ensure_future(a.send_message(nobody, "m1"))
+            await asyncio.sleep(0.1)  # numbered; its commit comes after the removal's
+            removing = asyncio.ensure_future(a.remove_peer(nobody))
+            await asyncio.sleep(0.1)
+            first_gate.set()
+            await removing  # m1's row is not written yet (its commit is held)
+            m2 = asyncio.ensure_future(a.send_message(nobody, "m2"))
+            await asyncio.sleep(0.1)
+            second_gate.set()
+            undo()
+            await asyncio.gather(busy, m1, m2)
+            with a.store.read() as txn:
+                rows = list(pl.iter_outbox(txn, nobody))
+            assert [r.text for r in rows] == ["m1", "m2"]
+            assert rows[0].seq < rows[1].seq
+    finally:
+        first_gate.set()
+        second_gate.set()
+        await a.stop()
+
+
+async def test_a_peer_removed_after_a_failed_outbox_commit_never_reuses_that_number(
+    tmp_path: Path,
+) -> None:
+    # The failed row's number lives only in memory (its frame may have reached the
+    # peer): the state rebuilt after `peers remove` must not hand it out again.
+    a = await started(*make_home(tmp_path, "a"))
+    nobody = Wallet.generate().did
+    try:
+        async with asyncio.timeout(60):
+            await a.send_message(nobody, "kept")
+
+            def full(kind: str, size: int) -> None:
+                raise StorageFullError("map full")
+
+            undo = a.writer.before("outbox", full)
+            with pytest.raises(StorageFullError):
+                await a.send_message(nobody, "failed")
+            undo()
+            failed = a.peer_state(nobody).last_assigned
+            await a.remove_peer(nobody)
+            await a.send_message(nobody, "after")
+            with a.store.read() as txn:
+                rows = list(pl.iter_outbox(txn, nobody))
+            assert [r.text for r in rows] == ["kept", "after"]
+            assert rows[1].seq > failed and rows[1].prev == rows[0].seq
+    finally:
+        await a.stop()
