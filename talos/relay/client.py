@@ -400,7 +400,7 @@ class RelayClient:
             StorageType,
             StreamConfig,
         )
-        from nats.js.errors import BadRequestError
+        from nats.js.errors import BadRequestError, NotFoundError
 
         max_bytes = self.mailbox.max_bytes
         # The relay caps this node's account (talos/relay/serverconf.py): ask for no more,
@@ -427,6 +427,13 @@ class RelayClient:
         # link, or past its inbox share) stays unacknowledged for a while, and under
         # JetStream's default bound (1,000) a sender with that much of it held up
         # everyone else's mail (docs/PROTOCOL.md "Relay").
+        # A consumer made with that bound earlier is made again (nats-py only creates one
+        # that is missing): in a work-queue stream the mail it had not acknowledged stays
+        # and goes to the new one.
+        with contextlib.suppress(NotFoundError):
+            info = await self._js.consumer_info(self.names.stream, MAILBOX_CONSUMER)
+            if info.config.max_ack_pending != -1:
+                await self._js.delete_consumer(self.names.stream, MAILBOX_CONSUMER)
         return await self._js.pull_subscribe(
             self.names.mailbox,
             durable=MAILBOX_CONSUMER,

@@ -75,3 +75,42 @@ async def test_forged_mail_of_a_held_sender_cannot_stop_the_mailbox(relay_net: R
             await nc.close()
         for node in (a, b, c):
             await node.stop()
+
+
+async def test_a_mailbox_consumer_made_with_the_default_bound_is_made_again(
+    relay_net: RelayNet,
+) -> None:
+    # Made by an earlier version with JetStream's default bound (1,000): it is made
+    # again with none (mail it had not acknowledged stays in the work-queue stream).
+    from nats.js.api import ConsumerConfig
+
+    b = await started(*relay_net.home("b"))
+    home_b, config_b = relay_net.homes["b"]
+    names = RelayNames.for_did(b.did)
+    nc = await rogue_connection(relay_net, b.wallet)  # b's own account, beside the node
+    js = nc.jetstream()
+
+    async def bound() -> int | None:
+        try:
+            info = await js.consumer_info(names.stream, MAILBOX_CONSUMER)
+        except Exception:  # not made yet
+            return None
+        return int(info.config.max_ack_pending)
+
+    try:
+        async with asyncio.timeout(60):
+            while await bound() is None:
+                await asyncio.sleep(0.1)
+            await b.stop()
+            await js.delete_consumer(names.stream, MAILBOX_CONSUMER)
+            old = ConsumerConfig(
+                name=MAILBOX_CONSUMER, durable_name=MAILBOX_CONSUMER, filter_subject=names.mailbox
+            )
+            await js.add_consumer(names.stream, old)
+            assert await bound() == 1000
+            b = await started(home_b, config_b)
+            while await bound() != -1:
+                await asyncio.sleep(0.1)
+    finally:
+        await nc.close()
+        await b.stop()
