@@ -6,6 +6,7 @@ Part of :class:`~talos.transfer.manager.TransferManager`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
@@ -67,7 +68,11 @@ class OutgoingTransfers(TransferBase):
         if did == self.node.did:
             raise UsageError("a node cannot send a file to itself")
         path = Path(path).resolve()
-        if self._in_home(path):
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None  # said below, with the size
+        if self._in_home(path) or (st and (st.st_dev, st.st_ino) in self._home_inodes()):
             # An agent talked into sending the node's key (or a typo) must not do it.
             raise UsageError(
                 f"{path} is in the node's home, which keeps its keys and store:"
@@ -196,13 +201,32 @@ class OutgoingTransfers(TransferBase):
             and not path.is_relative_to(self.files_dir.resolve())
         )
 
+    def _home_inodes(self) -> set[tuple[int, int]]:
+        """(device, inode) of every file in the node's home outside ``files_dir``: a file
+        opened by any name (a hard link, a symlink, a moved folder) is one of them."""
+        private = self.private_dir
+        if private is None:
+            return set()
+        received = self.files_dir.resolve()
+        found: set[tuple[int, int]] = set()
+        for folder, dirs, names in os.walk(private):
+            if Path(folder).resolve() == received:
+                dirs.clear()
+                continue
+            for name in names:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(folder, name))
+                    found.add((st.st_dev, st.st_ino))
+        return found
+
     def _open_source(self, info: TransferInfo, msg: Accept, chunk: int) -> OutgoingAttempt:
         """The attempt's reader; a file that cannot be opened ends the transfer (it is not
         a broken attempt: offering again would not bring it back).
 
-        The home is checked again on the file as opened: the name offered may lead
-        elsewhere by now (a symlink or a rename put in its place), and the offer's
-        check alone would then send whatever it leads to.
+        The home is checked again on the file as opened, by its inode: the name offered
+        may lead elsewhere by now (a symlink or a rename put in its place), or be
+        another name of a home file (a hard link), and a check of the name alone
+        would then send it.
         """
         try:
             out = OutgoingAttempt(
@@ -211,12 +235,9 @@ class OutgoingTransfers(TransferBase):
             )  # fmt: skip
         except OSError as exc:
             raise SourceChangedError(f"cannot read {info.path}: {exc.strerror}") from None
-        opened = out.opened()
-        if opened is not None and self._in_home(opened):
+        if out.identity() in self._home_inodes():
             out.close()
-            raise SourceChangedError(
-                f"{info.path} now leads into the node's home ({opened}): not sent"
-            )
+            raise SourceChangedError(f"{info.path} is now a file of the node's home: not sent")
         return out
 
     async def _send_bulk(self, info: TransferInfo, msg: Accept) -> bool:

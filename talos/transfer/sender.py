@@ -81,15 +81,6 @@ def _hash_fd(fd: int, name: str, stop: threading.Event | None = None) -> tuple[i
     return size, digest.digest()
 
 
-def opened_path(fd: int) -> Path | None:
-    """The path of the file ``fd`` has open, as the kernel resolved it (None where
-    /proc does not say): what was opened, whatever the name it was opened by."""
-    try:
-        return Path(os.readlink(f"/proc/self/fd/{fd}"))
-    except OSError:
-        return None
-
-
 class _WholeFileHash:
     """SHA-256 of the whole file computed in a background thread (resumed attempts), from
     the attempt's own open file: reopened by name, it could be another file by then."""
@@ -145,10 +136,13 @@ class OutgoingAttempt:
             raise UsageError("bad offset or chunk size")
         label = stream_label(tid, epoch, offset)
         self._sealer = StreamSealer(derive_stream_key(key, label), label)
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        if os.fstat(self._fd).st_size != size:
+        # Non-blocking: a FIFO put in the file's place would block this open, on the loop,
+        # until a writer came; regular files ignore the flag.
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             os.close(self._fd)
-            raise SourceChangedError(f"{path} changed size since it was offered")
+            raise SourceChangedError(f"{path} changed since it was offered (size or type)")
         # Read-ahead for a front-to-back read; harmless where unsupported.
         with contextlib.suppress(OSError, AttributeError):
             os.posix_fadvise(self._fd, offset, size - offset, os.POSIX_FADV_SEQUENTIAL)
@@ -255,9 +249,10 @@ class OutgoingAttempt:
         self.digest = digest
         return encode_commit(digest, self._sign(digest))
 
-    def opened(self) -> Path | None:
-        """The file this attempt reads, as opened (:func:`opened_path`)."""
-        return opened_path(self._fd)
+    def identity(self) -> tuple[int, int]:
+        """(device, inode) of the file this attempt reads, as opened."""
+        st = os.fstat(self._fd)
+        return st.st_dev, st.st_ino
 
     def close(self) -> None:
         """Release the file descriptor and stop a background hash."""

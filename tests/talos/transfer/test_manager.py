@@ -484,7 +484,7 @@ async def test_source_changing_size_cancels(net: Net) -> None:
         out = await net.sender.wait(tid)
         inc = await net.receiver.wait(tid)
     assert out.state is TransferState.FAILED
-    assert "changed size" in out.error
+    assert "changed since it was offered (size or type)" in out.error
     assert inc.state is TransferState.CANCELLED
     assert visible(net.receiver.files_dir) == []
 
@@ -618,6 +618,49 @@ async def test_a_file_swapped_for_a_link_into_the_home_after_its_offer_is_not_se
         await net.receiver.accept(tid)
         out = await net.sender.wait(tid)
         inc = await net.receiver.wait(tid)
-    assert out.state is TransferState.FAILED and "leads into the node's home" in out.error
+    assert out.state is TransferState.FAILED and "a file of the node's home" in out.error
     assert inc.state is not TransferState.COMPLETE
     assert visible(net.receiver.files_dir) == []
+
+
+async def test_a_hard_link_to_a_file_of_the_home_is_not_sent(net: Net) -> None:
+    # Another name for the key file, outside the home: refused at the offer, and at
+    # the accept if the link is made after the offer.
+    home = net.tmp / "home"
+    home.mkdir()
+    key = home / "identity.key"
+    key.write_bytes(b"secret" * 100)
+    net.sender.private_dir = home.resolve()
+    shared = net.tmp / "shared"
+    shared.mkdir()
+    os.link(key, shared / "innocent.txt")
+    with pytest.raises(UsageError, match="in the node's home"):
+        await net.sender.send_file(net.b.did, shared / "innocent.txt")
+    report = shared / "report.txt"
+    report.write_bytes(b"x" * 600)
+    net.receiver.config = TransferConfig()  # nothing auto-accepted
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, report)
+        await until(lambda: is_pending(net, tid), what="the offer")
+        report.unlink()
+        os.link(key, report)
+        await net.receiver.accept(tid)
+        out = await net.sender.wait(tid)
+    assert out.state is TransferState.FAILED and "a file of the node's home" in out.error
+    assert visible(net.receiver.files_dir) == []
+
+
+async def test_a_fifo_put_in_place_of_an_offered_file_fails_it_without_blocking(
+    net: Net,
+) -> None:
+    report = net.tmp / "report.txt"
+    report.write_bytes(b"x" * 600)
+    net.receiver.config = TransferConfig()  # nothing auto-accepted
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, report)
+        await until(lambda: is_pending(net, tid), what="the offer")
+        report.unlink()
+        os.mkfifo(report)  # no writer will ever come: a blocking open would hang the loop
+        await net.receiver.accept(tid)
+        out = await net.sender.wait(tid)
+    assert out.state is TransferState.FAILED and "changed since it was offered" in out.error
