@@ -9,11 +9,12 @@ sender signature of every record; the record index (``records``, or
 exactly the sealed records, each at its place.
 
 Memory does not grow with the log (nor with one height's records: a height
-holding more than a block can, ``MAX_BLOCK_RECORDS``, is a defect and only
-that many are checked): the parent walks ``blocks`` and
-``block_records`` with two cursors of one LMDB read snapshot, cuts the stream
-into chunks of about :data:`CHUNK_RECORDS` records (computing each block's
-expected ``prev_hash`` on the way, so links across chunks are its job) and
+holding more than a block can, ``MAX_BLOCK_RECORDS`` records or
+:data:`MAX_HEIGHT_BYTES`, is a defect and only that much is checked): the
+parent walks ``blocks`` and ``block_records`` with two cursors of one LMDB read
+snapshot, cuts the stream into chunks of about :data:`CHUNK_RECORDS` records
+(computing each block's expected ``prev_hash`` on the way, so links across
+chunks are its job) and
 hands them to worker *processes*, at most two per worker in flight. Processes,
 not threads: per-record Python work (decode, leaf hashing, Ed25519) holds the
 GIL. Workers never open the store (no pages a live writer may be recycling, no
@@ -81,6 +82,9 @@ PARALLEL_THRESHOLD = 4096
 #: Records per chunk handed to a worker: ~0.1 s of Ed25519 on one core, so a
 #: slow (shared) core holds up little and the pickling (~0.5 MB) is amortised.
 CHUNK_RECORDS = 2048
+#: Bytes of one height's records held at most: a legitimate block of MAX_BLOCK_RECORDS
+#: records, each with a commitment and an extra at their bounds, stays below it.
+MAX_HEIGHT_BYTES = 64 << 20
 #: Defects listed in a report; more are counted (``VerifyReport.omitted``): a store
 #: damaged throughout must not make the report as large as the log.
 MAX_DEFECTS = 10_000
@@ -248,21 +252,23 @@ class _LogWalk:
                 raw = block[2]
                 block = next(self._blocks, None)
             records: list[tuple[int, bytes]] = []
-            stored = 0
+            stored = held = 0
             while record is not None and record[0] == height:
                 # No block holds more: past that, a height's records are counted, not held.
-                if stored < MAX_BLOCK_RECORDS:
+                if stored < MAX_BLOCK_RECORDS and held + len(record[2]) <= MAX_HEIGHT_BYTES:
                     records.append((record[1], record[2]))
+                    held += len(record[2])
                 stored += 1
                 record = next(self._records, None)
-            if stored > MAX_BLOCK_RECORDS:
+            if stored > len(records):
                 self._defects.append(
                     Defect(
                         "record_count",
                         height,
                         None,
                         f"{stored} records stored at this height; a block holds at most"
-                        f" {MAX_BLOCK_RECORDS} (only those were checked)",
+                        f" {MAX_BLOCK_RECORDS} of {MAX_HEIGHT_BYTES >> 20} MiB"
+                        f" (only {len(records)} were checked)",
                     )
                 )
             yield height, raw, records, prev

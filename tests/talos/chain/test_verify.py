@@ -370,7 +370,7 @@ def test_a_height_holding_more_records_than_a_block_can_is_not_read_whole(
     assert [(d.code, d.height) for d in defects] == [("record_count", 1)]
     assert defects[0].message == (
         f"{PER_BLOCK + 50} records stored at this height; a block holds at most {cap}"
-        " (only those were checked)"
+        f" of 64 MiB (only {cap} were checked)"
     )
     report = verify_chain(store, NODE.did, workers=1)
     assert not report.ok and ("record_count", 1, None) in where(store)
@@ -386,3 +386,19 @@ def test_seal_count_is_bounded_by_what_a_block_holds() -> None:
         NodeConfig(seal_count=MAX_BLOCK_RECORDS + 1)
     with pytest.raises(UsageError, match=r"max_records must be 1\.\.4096"):
         BlockLog(Store.__new__(Store), NODE, max_records=MAX_BLOCK_RECORDS + 1)
+
+
+def test_a_height_holding_more_bytes_than_a_block_can_is_not_read_whole(
+    chain: tuple[Store, BlockLog], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Few records, each far larger than a record can be: held up to MAX_HEIGHT_BYTES."""
+    store, _ = chain
+    monkeypatch.setattr(verify, "MAX_HEIGHT_BYTES", 3 << 20)
+    with store.write() as txn:
+        for i in range(PER_BLOCK, PER_BLOCK + 8):
+            txn.put("block_records", record_key(1, i), bytes(1 << 20))
+    with store.read() as txn:
+        walk = _LogWalk(txn, defects := [])
+        held = {job[0]: sum(len(r) for _, r in job[2]) for job in walk.jobs()}
+    assert held[1] <= 3 << 20 and walk.records == PER_BLOCK * BLOCKS + 8
+    assert [(d.code, d.height) for d in defects] == [("record_count", 1)]
