@@ -185,6 +185,13 @@ class IncomingTransfers(TransferBase):
             await self._send(info.peer, Done(tid))
         elif info.state is TransferState.PENDING:
             await self._send(info.peer, Pending(tid))
+        elif info.state is TransferState.OFFERED:
+            # Stopped between the offer's row and its first attempt: decided now.
+            if info.peer in self.config.auto_accept:
+                await self._start_attempt(info)
+            else:
+                await self._move(info, Event.HOLD)
+                await self._send(info.peer, Pending(tid))
         elif info.state is TransferState.ACTIVE:
             inc = self._incoming.get(tid)
             if inc is not None and inc.attempt.commit is not None:
@@ -214,6 +221,7 @@ class IncomingTransfers(TransferBase):
         key = self.get(tid)
         async with self._one_at_a_time(bytes.fromhex(key.tid)):
             info = await self._move(self._pending_in(tid), Event.REJECT, error=reason)
+            self._drop_partial(info.tid)  # one a cancelled accept preallocated
         await self._send(info.peer, Reject(bytes.fromhex(info.tid), reason))
         return info
 
@@ -322,6 +330,8 @@ class IncomingTransfers(TransferBase):
             except asyncio.CancelledError:
                 if not opening.cancelled() and opening.exception() is None:
                     opening.result().close()  # opened for an attempt that is not starting
+                if info.offset == 0:
+                    self._drop_partial(info.tid)  # preallocated, holding nothing received
                 raise
 
     def _bulk_unclaimed(self, tid: bytes, inc: IncomingState) -> None:

@@ -664,3 +664,31 @@ async def test_a_fifo_put_in_place_of_an_offered_file_fails_it_without_blocking(
         await net.receiver.accept(tid)
         out = await net.sender.wait(tid)
     assert out.state is TransferState.FAILED and "changed since it was offered" in out.error
+
+
+async def test_an_accept_cancelled_while_it_preallocates_leaves_no_file(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A local client gone mid-accept cancels it; the preallocation runs to its end and
+    # its file, holding nothing received, is deleted (no quota counts it).
+    import time as time_module
+
+    from talos.transfer.receiver import IncomingFile
+
+    await offer_pending(net, 1 << 20)
+    (tid,) = [i.tid for i in net.receiver.list()]
+    part = net.receiver.files_dir / PARTIAL_DIR / f"{tid}.part"
+    allocate = IncomingFile._preallocate
+
+    def slow(self: IncomingFile, start: int) -> None:
+        time_module.sleep(0.5)
+        allocate(self, start)
+
+    monkeypatch.setattr(IncomingFile, "_preallocate", slow)
+    async with asyncio.timeout(LIMIT):
+        accepting = asyncio.ensure_future(net.receiver.accept(tid))
+        await asyncio.sleep(0.2)
+        accepting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await accepting
+    assert not part.exists() and net.receiver.get(tid).state is TransferState.PENDING

@@ -490,3 +490,33 @@ async def test_a_sender_read_error_counts_its_attempts(
         inc = await net.receiver.wait(tid)
     assert inc.state is TransferState.FAILED
     assert f"gave up after {MAX_ATTEMPTS} attempts" in inc.error
+
+
+async def test_an_offer_left_before_its_first_attempt_is_decided_when_offered_again(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The row was saved, then the node stopped before the first attempt: the sender's
+    # offer again was rejected as "offered". It is taken now, as a first offer is.
+    from talos.transfer.incoming import IncomingTransfers
+
+    net.receiver.config = TransferConfig(auto_accept=(net.a.did,))
+    start = IncomingTransfers._start_attempt
+    skipped: list[str] = []
+
+    async def stopped_first(self: IncomingTransfers, info: Any) -> None:
+        if not skipped:
+            skipped.append(info.tid)
+            return  # as if the node stopped here
+        await start(self, info)
+
+    monkeypatch.setattr(IncomingTransfers, "_start_attempt", stopped_first)
+    src, _ = source_file(net.tmp, 100_000)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        await until(lambda: bool(skipped), what="the offer saved")
+        assert net.receiver.get(tid).state is TransferState.OFFERED
+        link(net.a, net.b, False)
+        link(net.a, net.b, True)  # the sender offers it again at link-up
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.COMPLETE, inc.error
+    assert Path(inc.path).read_bytes() == src.read_bytes()
