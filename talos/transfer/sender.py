@@ -34,7 +34,7 @@ from talos.transfer.protocol import COMMIT_LEN, TransferProtocolError, encode_co
 from talos_sdk.aead import CHUNK_HEADER_SIZE, TAG_SIZE, StreamSealer, derive_stream_key
 from talos_sdk.errors import UsageError
 
-__all__ = ["OutgoingAttempt", "SourceChangedError", "file_size", "hash_file"]
+__all__ = ["OutgoingAttempt", "SourceChangedError", "file_size", "hash_fd"]
 
 _HASH_BLOCK: Final = 4 << 20
 
@@ -54,18 +54,10 @@ def file_size(path: Path) -> int:
     return st.st_size
 
 
-def hash_file(path: Path, stop: threading.Event | None = None) -> tuple[int, bytes]:
-    """Size and SHA-256 of a regular file, read in bounded blocks (``stop`` aborts early)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return _hash_fd(fd, str(path), stop)
-    finally:
-        os.close(fd)
-
-
-def _hash_fd(fd: int, name: str, stop: threading.Event | None = None) -> tuple[int, bytes]:
-    """:func:`hash_file` of an open file, read by position (the file offset is not moved,
-    so ``fd`` may share it with a reader)."""
+def hash_fd(fd: int, name: str, stop: threading.Event | None = None) -> tuple[int, bytes]:
+    """Size and SHA-256 of the regular file open as ``fd`` (``name``: for errors), read in
+    bounded blocks by position (its file offset is not moved, so ``fd`` may share it
+    with a reader); ``stop`` aborts early."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise UsageError(f"{name} is not a regular file")
     digest = hashlib.sha256()
@@ -95,7 +87,7 @@ class _WholeFileHash:
 
     def _run(self, fd: int, name: str) -> None:
         try:
-            self._result = _hash_fd(fd, name, self._stop)
+            self._result = hash_fd(fd, name, self._stop)
         except BaseException as exc:  # handed to the thread that needs the digest
             self._error = exc
         finally:

@@ -21,7 +21,7 @@ from talos.transfer.receiver import (
     IntegrityError,
     NoSpaceError,
 )
-from talos.transfer.sender import OutgoingAttempt, SourceChangedError, hash_file
+from talos.transfer.sender import OutgoingAttempt, SourceChangedError, hash_fd
 from talos_sdk.errors import DecryptionError, StorageError, UsageError
 
 TID = bytes(range(16))
@@ -63,7 +63,8 @@ def test_round_trip_sizes(tmp_path: Path, size: int) -> None:
     assert final == files / "doc.bin"
     assert final.read_bytes() == src.read_bytes()
     assert list((files / PARTIAL_DIR).iterdir()) == []
-    assert hash_file(src) == (size, digest)
+    with src.open("rb") as f:
+        assert hash_fd(f.fileno(), str(src)) == (size, digest)
 
 
 def test_resume_from_committed_offset_with_new_epoch(tmp_path: Path) -> None:
@@ -189,8 +190,8 @@ def test_bad_arguments(tmp_path: Path) -> None:
         OutgoingAttempt(src, 100, KEY, TID, 0, 101, 4096, _sign)
     with pytest.raises(UsageError):
         IncomingFile(tmp_path / "f", TID, 10, committed=11)
-    with pytest.raises(UsageError):
-        hash_file(Path("/dev/null"))
+    with open("/dev/null", "rb") as null, pytest.raises(UsageError):
+        hash_fd(null.fileno(), "/dev/null")
     inc = IncomingFile(tmp_path / "f", TID, 10)
     with pytest.raises(UsageError, match="out-of-order"):
         inc.write(5, b"x")
