@@ -120,27 +120,29 @@ class NodeLinks(NodeBase):
         await self.links.forget(did)
         self.sessions.drop(did)
 
-        peer = self._peers.get(did)
-        last = follows = 0
-        if peer is not None:
-            last, follows = peer.last_assigned, peer.prev_of(peer.last_assigned)
-
-        def forget(txn: Txn) -> int:
-            # Numbers handed out whose rows are not written yet (or never will be: a
-            # failed commit) live only in memory: a peer restored from the store after
-            # this would hand one out again, and the peer would drop that message as a
-            # duplicate of the first (ADR 0007).
-            pl.note_assigned(txn, did, last)
-            if follows != last:
-                pl.note_skipped(txn, did, last, follows)
-            return forget_peer(txn, did)
-
-        queued = await self.writer.write(forget, kind="peers")
+        queued = await self.writer.write(functools.partial(forget_peer, did=did), kind="peers")
         peer = self._peers.get(did)
         # Listed no more; restored from the store if met again. Not while a row of it
         # is still committing: restored from a store without that row, the peer's
         # state would take its number for acknowledged and drop the row unwritten.
-        if peer is not None and not peer.ready.is_set() and not peer.fresh:
+        if peer is None or peer.ready.is_set() or peer.fresh:
+            return queued
+        # Every row numbered so far is written, failed or acknowledged (their commits
+        # came before the forget's, and so did what the loop heard of them). Numbers
+        # that live only in memory (a failed commit's) are written first: restored
+        # without them, the peer's state would hand one out again, and the peer would
+        # take that message for a duplicate of the first (ADR 0007).
+        last = peer.last_assigned
+        await self.writer.write(
+            functools.partial(_keep_numbers, did=did, last=last, follows=peer.prev_of(last)),
+            kind="peers",
+        )
+        if (
+            not peer.fresh
+            and not peer.ready.is_set()
+            and peer.last_assigned == last
+            and self._peers.get(did) is peer
+        ):
             del self._peers[did]
         return queued
 
@@ -503,3 +505,10 @@ class NodeLinks(NodeBase):
             return
         if not peer.ready.is_set():
             self._set_ready(peer)  # the initiator's session is confirmed now
+
+
+def _keep_numbers(txn: Txn, did: str, last: int, follows: int) -> None:
+    """Writer thread: ``did``'s last assigned number, and what its next message follows."""
+    pl.note_assigned(txn, did, last)
+    if follows != last:
+        pl.note_skipped(txn, did, last, follows)

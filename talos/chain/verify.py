@@ -82,6 +82,8 @@ PARALLEL_THRESHOLD = 4096
 #: Records per chunk handed to a worker: ~0.1 s of Ed25519 on one core, so a
 #: slow (shared) core holds up little and the pickling (~0.5 MB) is amortised.
 CHUNK_RECORDS = 2048
+#: Record bytes per chunk at most (a legitimate chunk of CHUNK_RECORDS is ~1 MB).
+CHUNK_BYTES = 16 << 20
 #: Bytes of one height's records held at most: a legitimate block of MAX_BLOCK_RECORDS
 #: records, each with a commitment and an extra at their bounds, stays below it.
 MAX_HEIGHT_BYTES = 64 << 20
@@ -279,15 +281,17 @@ class _LogWalk:
         self.heights = height
 
     def chunks(self) -> Iterator[list[_Job]]:
-        """Consecutive jobs of about :data:`CHUNK_RECORDS` records each."""
+        """Consecutive jobs of about :data:`CHUNK_RECORDS` records, or :data:`CHUNK_BYTES`
+        of them (records far larger than a record can be made few records a lot)."""
         chunk: list[_Job] = []
-        size = 0
+        size = held = 0
         for job in self.jobs():
             chunk.append(job)
             size += len(job[2]) or 1
-            if size >= CHUNK_RECORDS:
+            held += len(job[1] or b"") + sum(len(data) for _, data in job[2])
+            if size >= CHUNK_RECORDS or held >= CHUNK_BYTES:
                 yield chunk
-                chunk, size = [], 0
+                chunk, size, held = [], 0, 0
         if chunk:
             yield chunk
 

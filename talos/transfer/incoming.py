@@ -188,6 +188,11 @@ class IncomingTransfers(TransferBase):
         elif info.state is TransferState.OFFERED:
             # Stopped between the offer's row and its first attempt: decided now.
             if info.peer in self.config.auto_accept:
+                others = [i for i in self.rows().values() if i.tid != info.tid]
+                if over := self._over_quota(info.size, others):
+                    info = await self._move(info, Event.REJECT, error=over)
+                    await self._send(info.peer, Reject(tid, over))
+                    return
                 await self._start_attempt(info)
             else:
                 await self._move(info, Event.HOLD)

@@ -192,13 +192,21 @@ class OutgoingTransfers(TransferBase):
 
         return sign
 
+    def _received(self) -> Path | None:
+        """``files_dir`` when it is a folder inside the home, whose files may be sent; None
+        when it is the home itself or holds it (the home's own files are not exempt)."""
+        private, received = self.private_dir, self.files_dir.resolve()
+        if private is None or received == private or not received.is_relative_to(private):
+            return None
+        return received
+
     def _in_home(self, path: Path) -> bool:
         """True if ``path`` (resolved) is in the node's home, outside ``files_dir``."""
-        private = self.private_dir
+        private, received = self.private_dir, self._received()
         return (
             private is not None
             and path.is_relative_to(private)
-            and not path.is_relative_to(self.files_dir.resolve())
+            and not (received is not None and path.is_relative_to(received))
         )
 
     def _home_inodes(self) -> set[tuple[int, int]]:
@@ -207,10 +215,10 @@ class OutgoingTransfers(TransferBase):
         private = self.private_dir
         if private is None:
             return set()
-        received = self.files_dir.resolve()
+        received = self._received()
         found: set[tuple[int, int]] = set()
         for folder, dirs, names in os.walk(private):
-            if Path(folder).resolve() == received:
+            if received is not None and Path(folder).resolve() == received:
                 dirs.clear()
                 continue
             for name in names:

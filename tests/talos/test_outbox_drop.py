@@ -349,3 +349,41 @@ async def test_a_peer_removed_after_a_failed_outbox_commit_never_reuses_that_num
             assert rows[1].seq > failed and rows[1].prev == rows[0].seq
     finally:
         await a.stop()
+
+
+async def test_a_commit_failing_while_a_peer_is_removed_leaves_no_gap(tmp_path: Path) -> None:
+    # "lost"'s commit fails after the removal began: what the next message follows is
+    # decided once the loop has heard of that failure, not before.
+    a = await started(*make_home(tmp_path, "a"))
+    b = await started(*make_home(tmp_path, "b"))
+    gate = threading.Event()
+    try:
+        async with asyncio.timeout(60):
+            await link(a, b)
+            await a.send_message(b.did, "kept", wait=True)
+            await b.stop()
+
+            def hold_then_fail(kind: str, size: int) -> None:
+                gate.wait(20)
+                raise StorageFullError("map full")
+
+            undo = a.writer.before("outbox", hold_then_fail)
+            lost = asyncio.ensure_future(a.send_message(b.did, "lost"))
+            await asyncio.sleep(0.1)
+            removing = asyncio.ensure_future(a.remove_peer(b.did))
+            await asyncio.sleep(0.2)
+            gate.set()
+            with pytest.raises(StorageFullError):
+                await lost
+            undo()
+            await removing
+            await a.stop()
+            a = await started(a.home.path, a.config)
+            b = await started(b.home.path, b.config)
+            await link(a, b)
+            await a.send_message(b.did, "after", wait=True)
+            assert [m.text for m in b.inbox()] == ["kept", "after"]
+    finally:
+        gate.set()
+        await a.stop()
+        await b.stop()

@@ -402,3 +402,18 @@ def test_a_height_holding_more_bytes_than_a_block_can_is_not_read_whole(
         held = {job[0]: sum(len(r) for _, r in job[2]) for job in walk.jobs()}
     assert held[1] <= 3 << 20 and walk.records == PER_BLOCK * BLOCKS + 8
     assert [(d.code, d.height) for d in defects] == [("record_count", 1)]
+
+
+def test_chunks_are_cut_by_bytes_too(
+    chain: tuple[Store, BlockLog], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Few but huge records: a chunk of CHUNK_RECORDS of them would be gigabytes."""
+    store, _ = chain
+    monkeypatch.setattr(verify, "CHUNK_BYTES", 2 << 20)
+    with store.write() as txn:
+        for height in range(BLOCKS):
+            txn.put("block_records", record_key(height, PER_BLOCK), bytes(1 << 20))
+    with store.read() as txn:
+        chunks = list(_LogWalk(txn, []).chunks())
+    assert len(chunks) >= BLOCKS // 2
+    assert all(sum(len(r) for job in c for _, r in job[2]) <= 3 << 20 for c in chunks)

@@ -692,3 +692,16 @@ async def test_an_accept_cancelled_while_it_preallocates_leaves_no_file(
         with pytest.raises(asyncio.CancelledError):
             await accepting
     assert not part.exists() and net.receiver.get(tid).state is TransferState.PENDING
+
+
+async def test_a_files_dir_that_is_the_home_exempts_none_of_its_files(net: Net) -> None:
+    # Received files may be sent on; with files_dir set to the home itself that rule
+    # must not cover the home's own files.
+    home = net.tmp / "home"
+    home.mkdir()
+    key = home / "identity.key"
+    key.write_bytes(b"secret" * 100)
+    net.sender.private_dir = home.resolve()
+    net.sender.files_dir = home
+    with pytest.raises(UsageError, match="in the node's home"):
+        await net.sender.send_file(net.b.did, key)

@@ -520,3 +520,30 @@ async def test_an_offer_left_before_its_first_attempt_is_decided_when_offered_ag
         inc = await net.receiver.wait(tid)
     assert inc.state is TransferState.COMPLETE, inc.error
     assert Path(inc.path).read_bytes() == src.read_bytes()
+
+
+async def test_an_offer_left_before_its_first_attempt_is_held_to_the_quota(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from talos.transfer.incoming import IncomingTransfers
+
+    net.receiver.config = TransferConfig(auto_accept=(net.a.did,))
+    start = IncomingTransfers._start_attempt
+    skipped: list[str] = []
+
+    async def stopped_first(self: IncomingTransfers, info: Any) -> None:
+        if not skipped:
+            skipped.append(info.tid)
+            return  # as if the node stopped here
+        await start(self, info)
+
+    monkeypatch.setattr(IncomingTransfers, "_start_attempt", stopped_first)
+    src, _ = source_file(net.tmp, 100_000)
+    async with asyncio.timeout(LIMIT):
+        tid = await net.sender.send_file(net.b.did, src)
+        await until(lambda: bool(skipped), what="the offer saved")
+        net.receiver.config = TransferConfig(auto_accept=(net.a.did,), quota_bytes=1000)
+        link(net.a, net.b, False)
+        link(net.a, net.b, True)
+        out = await net.sender.wait(tid)
+    assert out.state is TransferState.REJECTED and "quota exceeded" in out.error
