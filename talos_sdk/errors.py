@@ -59,7 +59,7 @@ opaque :class:`DecryptionError` so that nothing leaks which check failed::
     ├── NotConnectedError          no ready link to that peer (node_apps.py; also ConnectionError)
     │   └── ConnectTimeoutError    wait_connected gave up (also TimeoutError)
     ├── LinkRefusedError           a link was refused, by the peer or us (talos/node_links.py)
-    ├── MessageDroppedError        the user dropped a queued message before its ack (talos/pipeline.py)
+    ├── MessageDroppedError        a queued message the user dropped (talos/pipeline.py)
     ├── PeerUnreachableError       the peer cannot be reached now (also ConnectionError)
     ├── LinkDownError              the tunnel's peer is not linked (mcp_proxy/transport.py)
     ├── NoNodeError                nothing listens on the home's local socket (talos/local/call.py)

@@ -497,19 +497,8 @@ async def test_an_offer_left_before_its_first_attempt_is_decided_when_offered_ag
 ) -> None:
     # The row was saved, then the node stopped before the first attempt: the sender's
     # offer again was rejected as "offered". It is taken now, as a first offer is.
-    from talos.transfer.incoming import IncomingTransfers
-
     net.receiver.config = TransferConfig(auto_accept=(net.a.did,))
-    start = IncomingTransfers._start_attempt
-    skipped: list[str] = []
-
-    async def stopped_first(self: IncomingTransfers, info: Any) -> None:
-        if not skipped:
-            skipped.append(info.tid)
-            return  # as if the node stopped here
-        await start(self, info)
-
-    monkeypatch.setattr(IncomingTransfers, "_start_attempt", stopped_first)
+    skipped = _stopped_before_the_first_attempt(monkeypatch)
     src, _ = source_file(net.tmp, 100_000)
     async with asyncio.timeout(LIMIT):
         tid = await net.sender.send_file(net.b.did, src)
@@ -525,19 +514,8 @@ async def test_an_offer_left_before_its_first_attempt_is_decided_when_offered_ag
 async def test_an_offer_left_before_its_first_attempt_is_held_to_the_quota(
     net: Net, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from talos.transfer.incoming import IncomingTransfers
-
     net.receiver.config = TransferConfig(auto_accept=(net.a.did,))
-    start = IncomingTransfers._start_attempt
-    skipped: list[str] = []
-
-    async def stopped_first(self: IncomingTransfers, info: Any) -> None:
-        if not skipped:
-            skipped.append(info.tid)
-            return  # as if the node stopped here
-        await start(self, info)
-
-    monkeypatch.setattr(IncomingTransfers, "_start_attempt", stopped_first)
+    skipped = _stopped_before_the_first_attempt(monkeypatch)
     src, _ = source_file(net.tmp, 100_000)
     async with asyncio.timeout(LIMIT):
         tid = await net.sender.send_file(net.b.did, src)
@@ -547,3 +525,21 @@ async def test_an_offer_left_before_its_first_attempt_is_held_to_the_quota(
         link(net.a, net.b, True)
         out = await net.sender.wait(tid)
     assert out.state is TransferState.REJECTED and "quota exceeded" in out.error
+
+
+def _stopped_before_the_first_attempt(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The receiver's first offer gets its row and no attempt, as if the node stopped
+    there; the returned list holds that offer's id once it happened."""
+    from talos.transfer.incoming import IncomingTransfers
+
+    start = IncomingTransfers._start_attempt
+    skipped: list[str] = []
+
+    async def stopped_first(self: IncomingTransfers, info: Any) -> None:
+        if not skipped:
+            skipped.append(info.tid)
+            return
+        await start(self, info)
+
+    monkeypatch.setattr(IncomingTransfers, "_start_attempt", stopped_first)
+    return skipped
