@@ -426,10 +426,9 @@ class RelayClient:
         # No bound on unacknowledged mail: mail left with the relay (its sender not let
         # link, or past its inbox share) stays unacknowledged for a while, and under
         # JetStream's default bound (1,000) a sender with that much of it held up
-        # everyone else's mail (docs/PROTOCOL.md "Relay").
-        # A consumer made with that bound earlier is made again (nats-py only creates one
-        # that is missing): in a work-queue stream the mail it had not acknowledged stays
-        # and goes to the new one.
+        # everyone else's mail (docs/PROTOCOL.md "Relay"). A consumer made earlier with
+        # that bound is made again (nats-py only creates one that is missing); in a
+        # work-queue stream the mail it had not acknowledged stays for the new one.
         with contextlib.suppress(NotFoundError):
             info = await self._js.consumer_info(self.names.stream, MAILBOX_CONSUMER)
             if info.config.max_ack_pending != -1:
