@@ -130,6 +130,7 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
         self._rows: dict[bytes, TransferInfo] | None = None  # see TransferBase.rows
         self._turns: dict[bytes, TransferLock] = {}  # see TransferBase._one_at_a_time
         self._disk_turn = asyncio.Lock()  # see IncomingTransfers._open_file
+        self._streaming: set[bytes] = set()  # sends on a bulk stream now (_on_link)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -210,9 +211,11 @@ class TransferManager(OutgoingTransfers, IncomingTransfers):
             # Sends on the app channel went with the link (a chunk may be lost, no credit
             # will come): end them now, and the next link offers them again from the
             # receiver's checkpoint. A bulk stream has its own connection and goes on.
-            for tid in list(self._credit):
-                task = self._sending.get(tid)
-                if task is not None and self.get(tid).peer == did:
+            # So do attempts not streaming yet (their ACCEPT came on this link): left
+            # running, the next link-up would not offer them again, and they would wait
+            # out CREDIT_WAIT for credit the receiver never grants.
+            for tid, task in list(self._sending.items()):
+                if tid not in self._streaming and self.get(tid).peer == did:
                     del self._sending[tid]
                     task.cancel()
             return

@@ -268,12 +268,14 @@ class OutgoingTransfers(TransferBase):
             except (OSError, TimeoutError, HandshakeError) as exc:
                 log.info("bulk path to %s unavailable (%s); using the app channel", info.peer, exc)
                 return False
+            self._streaming.add(msg.tid)
             try:
                 slots = out.slots(bulk_data.PIPELINE_SLOTS)
                 verified = await bulk_data.send_chunks(
                     stream, out.stages, slots, msg.window, self._count(msg.tid, info.size)
                 )
             finally:
+                self._streaming.discard(msg.tid)
                 await stream.close()
         finally:
             out.close()

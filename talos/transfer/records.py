@@ -176,6 +176,7 @@ class TransferBase:
     _rows: dict[bytes, TransferInfo] | None
     _turns: dict[bytes, TransferLock]
     _disk_turn: asyncio.Lock
+    _streaming: set[bytes]
 
     if TYPE_CHECKING:
         # Defined by another part of the manager.

@@ -446,9 +446,11 @@ async def test_link_drops_with_no_progress_between_them_do_not_fail_the_transfer
         for drop in range(MAX_ATTEMPTS + 1):
             # At least: a re-offer at link-up and the broken attempt's own retry may both
             # start one before a poll sees the first (a loaded full run once waited for
-            # exactly 2 in vain). And, under load, a link-up's offer can race the drop
-            # before it and start nothing (two loaded runs waited 10 s for attempt 2);
-            # the next link-up offers again, as it would for a user.
+            # exactly 2 in vain). Two loaded runs waited 10 s for attempt 2: an attempt
+            # whose ACCEPT came before the drop but that was not sending yet was left
+            # running, and the link-up offered nothing (fixed, and tested by
+            # test_an_attempt_not_sending_yet_when_its_link_drops_is_offered_again). A
+            # link cycled again, as a user's next link-up would, stays as a guard.
             for _ in range(3):
                 with contextlib.suppress(AssertionError):
                     await until(lambda d=drop: epoch(tid) >= d + 1, 10, f"attempt {drop + 1}")
@@ -552,3 +554,34 @@ def _stopped_before_the_first_attempt(monkeypatch: pytest.MonkeyPatch) -> list[s
 
     monkeypatch.setattr(IncomingTransfers, "_start_attempt", stopped_first)
     return skipped
+
+
+async def test_an_attempt_not_sending_yet_when_its_link_drops_is_offered_again(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its ACCEPT came on the link that dropped, before it waited for credit: left
+    # running, the next link-up did not offer the transfer again, and the attempt
+    # waited CREDIT_WAIT (60 s) for credit that never came.
+    from talos.transfer.outgoing import OutgoingTransfers
+
+    await no_bulk(net)  # auto-accepted, on the app channel
+    started_sends: list[int] = []
+    never = asyncio.Event()
+    send = OutgoingTransfers._send_fallback
+
+    async def first_held(self: OutgoingTransfers, info: Any, msg: Any) -> None:
+        started_sends.append(msg.epoch)
+        if len(started_sends) == 1:
+            await never.wait()  # not sending yet when the link drops
+        await send(self, info, msg)
+
+    monkeypatch.setattr(OutgoingTransfers, "_send_fallback", first_held)
+    src, _ = source_file(net.tmp, 100_000)
+    async with asyncio.timeout(30):  # well within CREDIT_WAIT
+        tid = await net.sender.send_file(net.b.did, src)
+        await until(lambda: started_sends == [1], what="the first attempt accepted")
+        link(net.a, net.b, False)
+        link(net.a, net.b, True)
+        inc = await net.receiver.wait(tid)
+    assert inc.state is TransferState.COMPLETE, inc.error
+    assert len(started_sends) >= 2
