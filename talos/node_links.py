@@ -33,7 +33,6 @@ from talos.node_apps import ConnectTimeoutError
 from talos.node_base import NodeBase, Peer
 from talos.peer_names import forget_peer
 from talos.sessions import UnknownSessionError
-from talos.store import Txn
 from talos_sdk.bundle import PrekeyBundle
 from talos_sdk.did import public_key_from_did
 from talos_sdk.errors import (
@@ -134,7 +133,7 @@ class NodeLinks(NodeBase):
         # take that message for a duplicate of the first (ADR 0007).
         last = peer.last_assigned
         await self.writer.write(
-            functools.partial(_keep_numbers, did=did, last=last, follows=peer.prev_of(last)),
+            functools.partial(pl.note_last, peer=did, last=last, follows=peer.prev_of(last)),
             kind="peers",
         )
         if (
@@ -505,10 +504,3 @@ class NodeLinks(NodeBase):
             return
         if not peer.ready.is_set():
             self._set_ready(peer)  # the initiator's session is confirmed now
-
-
-def _keep_numbers(txn: Txn, did: str, last: int, follows: int) -> None:
-    """Writer thread: ``did``'s last assigned number, and what its next message follows."""
-    pl.note_assigned(txn, did, last)
-    if follows != last:
-        pl.note_skipped(txn, did, last, follows)

@@ -74,6 +74,7 @@ __all__ = [
     "meta_inbox_bytes",
     "next_prev",
     "next_seq",
+    "note_last",
     "note_skipped",
     "outbox_key",
     "prune_inbox",
@@ -423,19 +424,17 @@ def drop_outbox(txn: Txn, peer: str, last: int, prev: int) -> list[int]:
     reached the peer, and its number again would read there as a duplicate
     (docs/adr/0007-epoch-sequence-numbers.md, "Dropping queued messages").
     """
-    prefix = outbox_prefix(peer)
-    end = outbox_key(peer, last)
-    keys = []
-    for key, _ in txn.items("outbox", prefix):
-        if key > end or not key.startswith(prefix):
-            break
-        if len(key) == len(prefix) + 8:
-            keys.append(key)
-    for key in keys:
-        txn.delete("outbox", key)
+    dropped = _delete_through(txn, peer, last)
+    note_last(txn, peer, last, prev)
+    return dropped
+
+
+def note_last(txn: Txn, peer: str, last: int, follows: int) -> None:
+    """``peer``'s last assigned seq is at least ``last``, and the next message names
+    ``follows`` (a drop, or numbers kept only in memory until now: ``peers remove``)."""
     note_assigned(txn, peer, last)
-    note_skipped(txn, peer, last, prev)
-    return [_U64.unpack_from(key, len(prefix))[0] for key in keys]
+    if follows != last:
+        note_skipped(txn, peer, last, follows)
 
 
 def note_skipped(txn: Txn, peer: str, seq: int, prev: int) -> None:
@@ -475,6 +474,11 @@ def note_assigned(txn: Txn, peer: str, seq: int) -> None:
 
 def drop_acked(txn: Txn, peer: str, upto: int) -> int:
     """Delete outbox rows of ``peer`` up to ``upto``; returns how many."""
+    return len(_delete_through(txn, peer, upto))
+
+
+def _delete_through(txn: Txn, peer: str, upto: int) -> list[int]:
+    """Delete outbox rows of ``peer`` up to ``upto``; returns their seqs."""
     # Keys only, stopping at the first row above ``upto``: decoding every row of the
     # outbox per ack made an ack cost O(messages in flight).
     prefix = outbox_prefix(peer)
@@ -486,4 +490,4 @@ def drop_acked(txn: Txn, peer: str, upto: int) -> int:
         keys.append(key)
     for k in keys:
         txn.delete("outbox", k)
-    return len(keys)
+    return [_U64.unpack_from(key, len(prefix))[0] for key in keys]

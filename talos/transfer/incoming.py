@@ -99,6 +99,10 @@ class IncomingTransfers(TransferBase):
             f" {used} held, quota {self.config.quota_bytes}"
         )
 
+    def _over_quota_of(self, info: TransferInfo) -> str:
+        """:meth:`_over_quota` for an offer that has its row already (charged at accept)."""
+        return self._over_quota(info.size, [i for i in self.rows().values() if i.tid != info.tid])
+
     async def _make_room(self, peer: str, rows: Iterable[TransferInfo]) -> bool:
         """Keep ``peer``'s incoming rows under ``max_rows_per_peer`` by forgetting its
         oldest ended transfers that hold no file; False if no room can be made."""
@@ -188,8 +192,7 @@ class IncomingTransfers(TransferBase):
         elif info.state is TransferState.OFFERED:
             # Stopped between the offer's row and its first attempt: decided now.
             if info.peer in self.config.auto_accept:
-                others = [i for i in self.rows().values() if i.tid != info.tid]
-                if over := self._over_quota(info.size, others):
+                if over := self._over_quota_of(info):
                     info = await self._move(info, Event.REJECT, error=over)
                     await self._send(info.peer, Reject(tid, over))
                     return
@@ -212,8 +215,7 @@ class IncomingTransfers(TransferBase):
         key = self.get(tid)
         async with self._one_at_a_time(bytes.fromhex(key.tid)):
             info = self._pending_in(tid)
-            others = [i for i in self.rows().values() if i.tid != info.tid]
-            if over := self._over_quota(info.size, others):
+            if over := self._over_quota_of(info):
                 raise UsageError(
                     f"cannot accept {info.tid}: {over}; it stays pending (move received"
                     " files out, reject it, or raise transfer quota_bytes in config.json)"

@@ -508,12 +508,9 @@ async def test_an_offer_left_before_its_first_attempt_is_decided_when_offered_ag
 ) -> None:
     # The row was saved, then the node stopped before the first attempt: the sender's
     # offer again was rejected as "offered". It is taken now, as a first offer is.
-    net.receiver.config = TransferConfig(auto_accept=(net.a.did,))
-    skipped = _stopped_before_the_first_attempt(monkeypatch)
     src, _ = source_file(net.tmp, 100_000)
     async with asyncio.timeout(LIMIT):
-        tid = await net.sender.send_file(net.b.did, src)
-        await until(lambda: bool(skipped), what="the offer saved")
+        tid = await _offer_left_before_its_first_attempt(net, monkeypatch, src)
         assert net.receiver.get(tid).state is TransferState.OFFERED
         link(net.a, net.b, False)
         link(net.a, net.b, True)  # the sender offers it again at link-up
@@ -525,12 +522,9 @@ async def test_an_offer_left_before_its_first_attempt_is_decided_when_offered_ag
 async def test_an_offer_left_before_its_first_attempt_is_held_to_the_quota(
     net: Net, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    net.receiver.config = TransferConfig(auto_accept=(net.a.did,))
-    skipped = _stopped_before_the_first_attempt(monkeypatch)
     src, _ = source_file(net.tmp, 100_000)
     async with asyncio.timeout(LIMIT):
-        tid = await net.sender.send_file(net.b.did, src)
-        await until(lambda: bool(skipped), what="the offer saved")
+        tid = await _offer_left_before_its_first_attempt(net, monkeypatch, src)
         net.receiver.config = TransferConfig(auto_accept=(net.a.did,), quota_bytes=1000)
         link(net.a, net.b, False)
         link(net.a, net.b, True)
@@ -538,11 +532,14 @@ async def test_an_offer_left_before_its_first_attempt_is_held_to_the_quota(
     assert out.state is TransferState.REJECTED and "quota exceeded" in out.error
 
 
-def _stopped_before_the_first_attempt(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The receiver's first offer gets its row and no attempt, as if the node stopped
-    there; the returned list holds that offer's id once it happened."""
+async def _offer_left_before_its_first_attempt(
+    net: Net, monkeypatch: pytest.MonkeyPatch, src: Path
+) -> str:
+    """``src`` offered to an auto-accepting receiver that saves the offer's row and starts
+    no attempt, as if it stopped there (later offers are taken as usual); the id."""
     from talos.transfer.incoming import IncomingTransfers
 
+    net.receiver.config = TransferConfig(auto_accept=(net.a.did,))
     start = IncomingTransfers._start_attempt
     skipped: list[str] = []
 
@@ -553,7 +550,9 @@ def _stopped_before_the_first_attempt(monkeypatch: pytest.MonkeyPatch) -> list[s
         await start(self, info)
 
     monkeypatch.setattr(IncomingTransfers, "_start_attempt", stopped_first)
-    return skipped
+    tid = await net.sender.send_file(net.b.did, src)
+    await until(lambda: bool(skipped), what="the offer saved")
+    return tid
 
 
 async def test_an_attempt_not_sending_yet_when_its_link_drops_is_offered_again(

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from talos.transfer.manager import TransferConfig
+from talos.transfer.manager import TransferConfig, TransferInfo
 from talos.transfer.protocol import TransferState
 from talos_sdk.errors import UsageError
 from tests.talos.nodes import until
@@ -25,18 +26,10 @@ async def test_a_file_swapped_for_a_link_into_the_home_after_its_offer_is_not_se
     # The offer checks the name; the bytes are read when the peer accepts, from the
     # file as opened then: a symlink put in its place meanwhile must not send the key.
     key = _sender_home_with_key(net)
-    shared = net.tmp / "shared"
-    shared.mkdir()
-    report = shared / "report.txt"
-    report.write_bytes(b"x" * 600)  # the key file's size: the size check alone passes
-    net.receiver.config = TransferConfig()  # nothing auto-accepted
+    report = net.tmp / "shared" / "report.txt"
+    report.parent.mkdir()
     async with asyncio.timeout(LIMIT):
-        tid = await net.sender.send_file(net.b.did, report)
-        await until(lambda: is_pending(net, tid), what="the offer")
-        report.unlink()
-        report.symlink_to(key)
-        await net.receiver.accept(tid)
-        out = await net.sender.wait(tid)
+        out, tid = await _offered_then_replaced(net, report, lambda: report.symlink_to(key))
         inc = await net.receiver.wait(tid)
     assert out.state is TransferState.FAILED and "a file of the node's home" in out.error
     assert inc.state is not TransferState.COMPLETE
@@ -53,15 +46,8 @@ async def test_a_hard_link_to_a_file_of_the_home_is_not_sent(net: Net) -> None:
     with pytest.raises(UsageError, match="in the node's home"):
         await net.sender.send_file(net.b.did, shared / "innocent.txt")
     report = shared / "report.txt"
-    report.write_bytes(b"x" * 600)
-    net.receiver.config = TransferConfig()  # nothing auto-accepted
     async with asyncio.timeout(LIMIT):
-        tid = await net.sender.send_file(net.b.did, report)
-        await until(lambda: is_pending(net, tid), what="the offer")
-        report.unlink()
-        os.link(key, report)
-        await net.receiver.accept(tid)
-        out = await net.sender.wait(tid)
+        out, _ = await _offered_then_replaced(net, report, lambda: os.link(key, report))
     assert out.state is TransferState.FAILED and "a file of the node's home" in out.error
     assert visible(net.receiver.files_dir) == []
 
@@ -70,15 +56,9 @@ async def test_a_fifo_put_in_place_of_an_offered_file_fails_it_without_blocking(
     net: Net,
 ) -> None:
     report = net.tmp / "report.txt"
-    report.write_bytes(b"x" * 600)
-    net.receiver.config = TransferConfig()  # nothing auto-accepted
     async with asyncio.timeout(LIMIT):
-        tid = await net.sender.send_file(net.b.did, report)
-        await until(lambda: is_pending(net, tid), what="the offer")
-        report.unlink()
-        os.mkfifo(report)  # no writer will ever come: a blocking open would hang the loop
-        await net.receiver.accept(tid)
-        out = await net.sender.wait(tid)
+        # No writer will ever come to the FIFO: a blocking open would hang the loop.
+        out, _ = await _offered_then_replaced(net, report, lambda: os.mkfifo(report))
     assert out.state is TransferState.FAILED and "changed since it was offered" in out.error
 
 
@@ -100,3 +80,18 @@ def _sender_home_with_key(net: Net) -> Path:
     key.write_bytes(b"secret" * 100)
     net.sender.private_dir = home.resolve()
     return key
+
+
+async def _offered_then_replaced(
+    net: Net, report: Path, replace: Callable[[], object]
+) -> tuple[TransferInfo, str]:
+    """Offer ``report`` (600 bytes, the key file's size: a size check alone passes),
+    replace it by ``replace()`` once the offer waits, accept: the sender's end, the id."""
+    report.write_bytes(b"x" * 600)
+    net.receiver.config = TransferConfig()  # nothing auto-accepted
+    tid = await net.sender.send_file(net.b.did, report)
+    await until(lambda: is_pending(net, tid), what="the offer")
+    report.unlink()
+    replace()
+    await net.receiver.accept(tid)
+    return await net.sender.wait(tid), tid
